@@ -1,0 +1,66 @@
+"""The exception hierarchy of hicache: every error the library raises on purpose derives from `HiCacheError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheClosed",
+    "ChecksumMismatch",
+    "HiCacheError",
+    "InvariantViolation",
+    "PageNotFound",
+    "PoolError",
+    "PrefetchError",
+    "PrefetchFailed",
+    "StorageError",
+    "StorageUnavailable",
+    "UnknownRequest",
+]
+
+
+class HiCacheError(Exception):
+    """Base class of every error hicache raises on purpose."""
+
+
+class InvariantViolation(HiCacheError, AssertionError):
+    """Raised by `sanity_check()` with every violated invariant of the tree listed, one per line."""
+
+    def __init__(self, violations: list[str]) -> None:
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"{len(self.violations)} invariant violation(s):\n{lines}")
+
+
+class PoolError(HiCacheError, ValueError):
+    """Raised when indices handed back to a pool are foreign, misaligned or already free (a double free)."""
+
+
+class CacheClosed(HiCacheError, RuntimeError):
+    """Raised when an operation is started on a cache, controller or backend that was already closed."""
+
+
+class UnknownRequest(HiCacheError, KeyError):
+    """Raised when a prefetch request id is unknown: never started, already committed or already cancelled."""
+
+
+class PrefetchError(HiCacheError):
+    """Base class of prefetch lifecycle errors."""
+
+
+class PrefetchFailed(PrefetchError):
+    """Raised when a prefetch could not be carried out for a reason other than a storage miss."""
+
+
+class StorageError(HiCacheError, OSError):
+    """Base class of storage backend errors; backends translate their native errors into these."""
+
+
+class PageNotFound(StorageError, FileNotFoundError):
+    """Raised when a page is absent from storage."""
+
+
+class ChecksumMismatch(StorageError):
+    """Raised when a stored page's header or checksum does not verify: the page is treated as a miss."""
+
+
+class StorageUnavailable(StorageError, ConnectionError):
+    """Raised when the storage service cannot be reached after retries within the deadline."""

@@ -1,0 +1,139 @@
+"""Token keys, the namespace of a cache, and the chained per-page hash that names pages in storage.
+
+Keys are converted once per request into `bytes` of little-endian int64 token ids: slicing and comparing
+bytes runs in C, which is what makes matching cost follow the key rather than the tree.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+__all__ = [
+    "ROOT_HASH",
+    "TOKEN_BYTES",
+    "KeyLike",
+    "Namespace",
+    "as_key_bytes",
+    "chained_page_hashes",
+    "key_to_tensor",
+    "num_tokens",
+]
+
+TOKEN_BYTES = 8
+"""Bytes per token id in a key (int64)."""
+
+ROOT_HASH = b"\x00" * 16
+"""The hash that precedes the first page of every key."""
+
+KeyLike = bytes | bytearray | memoryview | array | torch.Tensor | Sequence[int]
+"""What callers may pass as a key: int64 bytes, `array('q')`, a 1-D integer tensor or a sequence of ints."""
+
+_LITTLE = sys.byteorder == "little"
+
+
+def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
+    """Convert a key to little-endian int64 bytes, once per request.
+
+    Args:
+        tokens: token ids as int64 bytes, `array('q')`, a 1-D integer tensor, or a sequence of ints.
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: for an unsupported type or a non-integer tensor.
+        ValueError: for bytes whose length is not a multiple of 8, or a tensor that is not 1-D.
+    """
+    if isinstance(tokens, bytes):
+        if len(tokens) % TOKEN_BYTES:
+            raise ValueError(f"{name}: bytes length must be a multiple of 8 (int64 tokens), got {len(tokens)}")
+        return tokens
+    if isinstance(tokens, bytearray | memoryview):
+        return as_key_bytes(bytes(tokens), name=name)
+    if isinstance(tokens, array):
+        if tokens.typecode != "q":
+            tokens = array("q", tokens)
+        if not _LITTLE:  # pragma: no cover - big-endian hosts
+            tokens = array("q", tokens)
+            tokens.byteswap()
+        return tokens.tobytes()
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1:
+            raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(tokens.shape)}")
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got dtype {tokens.dtype}")
+        t = tokens.detach().to(device="cpu", dtype=torch.int64).contiguous()
+        return t.numpy().tobytes() if _LITTLE else array("q", t.tolist()).tobytes()
+    if isinstance(tokens, str):
+        raise TypeError(f"{name}: expected token ids, got str")
+    if isinstance(tokens, Sequence):
+        try:
+            return array("q", tokens).tobytes()
+        except TypeError as exc:
+            raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}") from exc
+    raise TypeError(f"{name}: expected bytes, array('q'), a 1-D tensor or a sequence of ints, got {type(tokens)!r}")
+
+
+def num_tokens(key: bytes) -> int:
+    """Number of tokens in a key in bytes form."""
+    return len(key) // TOKEN_BYTES
+
+
+def key_to_tensor(key: bytes) -> torch.Tensor:
+    """The token ids of a key in bytes form as a 1-D int64 tensor (a copy)."""
+    if not key:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(key), dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that makes two pages with the same tokens hold different bytes.
+
+    Two caches share pages in storage only when every field matches, so two models never share a page.
+    """
+
+    model: str = "default"
+    dtype: str = "float32"
+    layout: str = "page_first"
+    rank: int = 0
+    world_size: int = 1
+    extra: str = ""
+
+    @property
+    def digest(self) -> bytes:
+        """A stable 16-byte digest of the namespace (the same on every process and machine)."""
+        text = f"{self.model}\x1f{self.dtype}\x1f{self.layout}\x1f{self.rank}\x1f{self.world_size}\x1f{self.extra}"
+        return xxhash.xxh3_128_digest(text.encode())
+
+
+def chained_page_hashes(
+    key: bytes, page_size: int, namespace: Namespace, prev: bytes = ROOT_HASH
+) -> list[bytes]:
+    """One 16-byte hash per full page of `key`: digest(previous page's hash, this page's tokens, namespace).
+
+    Stable across processes and machines (xxh3-128, never Python's `hash()`); a trailing partial page
+    gets no hash.
+
+    Args:
+        key: the key in bytes form, starting right after the page whose hash is `prev`.
+        page_size: tokens per page (>= 1).
+        namespace: the cache's namespace.
+        prev: the hash of the page before `key` (`ROOT_HASH` at the start of a sequence).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if len(prev) != 16:
+        raise ValueError(f"prev must be a 16-byte hash, got {len(prev)} bytes")
+    step = page_size * TOKEN_BYTES
+    ns = namespace.digest
+    out: list[bytes] = []
+    h = prev
+    for start in range(0, len(key) - step + 1, step):
+        h = xxhash.xxh3_128_digest(h + ns + key[start : start + step])
+        out.append(h)
+    return out

@@ -1,0 +1,201 @@
+"""A page allocator handing out token-granular indices in whole, aligned pages.
+
+Indices are int64 CPU tensors of token slots: page ``p`` covers tokens ``[p * P, p * P + P)`` where ``P`` is
+the page size. Allocation and freeing cost O(1) per page: free pages live on a stack, and a ``bytearray`` of
+page states (viewed as a tensor, so checks are vectorised) detects double frees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.errors import PoolError
+
+__all__ = ["PageAllocator", "check_token_indices"]
+
+_FREE = 1
+_USED = 0
+
+
+def check_token_indices(indices: object, *, name: str = "indices") -> torch.Tensor:
+    """Check that `indices` is a 1-D int64 CPU tensor and return it.
+
+    Args:
+        indices: the value to check.
+        name: the argument name used in error messages.
+
+    Raises:
+        TypeError: when `indices` is not a tensor, not int64, not 1-D or not on the CPU.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"{name}: expected a 1-D int64 CPU tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int64:
+        raise TypeError(f"{name}: expected dtype torch.int64, got {indices.dtype}")
+    if indices.dim() != 1:
+        raise TypeError(f"{name}: expected a 1-D tensor, got shape {tuple(indices.shape)}")
+    if indices.device.type != "cpu":
+        raise TypeError(f"{name}: expected a CPU tensor, got device {indices.device}")
+    return indices
+
+
+class PageAllocator:
+    """Hands out and takes back whole pages as token-granular index tensors.
+
+    Args:
+        num_pages: how many pages the allocator manages (at least 0).
+        page_size: tokens per page (at least 1).
+
+    Raises:
+        ValueError: when `num_pages` or `page_size` is out of range.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"num_pages: expected an int >= 0, got {num_pages!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
+        self._num_pages = num_pages
+        self._page_size = page_size
+        # Popped from the end, so page 0 is handed out first and fresh allocations are ascending runs.
+        self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
+        self._state = bytearray([_FREE]) * num_pages
+        self._state_view = (
+            torch.frombuffer(self._state, dtype=torch.uint8)
+            if num_pages
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self._offsets = torch.arange(page_size, dtype=torch.int64)
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages managed in total."""
+        return self._num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots managed in total."""
+        return self._num_pages * self._page_size
+
+    @property
+    def free_pages(self) -> int:
+        """Pages currently free."""
+        return len(self._free_stack)
+
+    @property
+    def used_pages(self) -> int:
+        """Pages currently handed out."""
+        return self._num_pages - len(self._free_stack)
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate `num_tokens` token slots in whole pages.
+
+        Args:
+            num_tokens: a multiple of the page size, at least 0.
+
+        Returns:
+            A 1-D int64 tensor of `num_tokens` token indices made of aligned page runs, or `None` when not
+            enough pages are free (nothing is allocated then).
+
+        Raises:
+            ValueError: when `num_tokens` is negative or not a multiple of the page size.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")
+        if num_tokens < 0 or num_tokens % self._page_size:
+            raise ValueError(
+                f"num_tokens: expected a non-negative multiple of page_size={self._page_size}, "
+                f"got {num_tokens}"
+            )
+        n_pages = num_tokens // self._page_size
+        if n_pages > len(self._free_stack):
+            return None
+        if n_pages == 0:
+            return torch.empty(0, dtype=torch.int64)
+        pages = self._free_stack[-n_pages:]
+        del self._free_stack[-n_pages:]
+        pages.reverse()
+        page_t = torch.tensor(pages, dtype=torch.int64)
+        self._state_view[page_t] = _USED
+        return self.pages_to_tokens(page_t)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Give back token indices previously returned by `alloc` (any whole pages of them).
+
+        Everything is validated before anything is freed: on error the allocator is unchanged.
+
+        Args:
+            indices: a 1-D int64 CPU tensor of whole, aligned page runs.
+
+        Raises:
+            TypeError: when `indices` is not a 1-D int64 CPU tensor.
+            PoolError: when `indices` is misaligned, foreign (out of range), repeats a page, or names a page
+                that is already free (a double free).
+        """
+        pages = self.page_ids(indices)
+        if pages.numel() == 0:
+            return
+        if torch.unique(pages).numel() != pages.numel():
+            raise PoolError("indices: the same page appears more than once (a double free)")
+        already_free = self._state_view[pages] == _FREE
+        if bool(already_free.any()):
+            bad = pages[already_free][:8].tolist()
+            raise PoolError(f"indices: double free of page(s) {bad} (already free)")
+        self._state_view[pages] = _FREE
+        self._free_stack.extend(reversed(pages.tolist()))
+
+    def page_ids(self, indices: torch.Tensor, *, name: str = "indices") -> torch.Tensor:
+        """Turn token indices of whole, aligned pages into page ids, validating them.
+
+        Args:
+            indices: a 1-D int64 CPU tensor whose length is a multiple of the page size, made of runs
+                ``[p * P, p * P + P)``.
+            name: the argument name used in error messages.
+
+        Returns:
+            A 1-D int64 tensor of page ids, one per page, in order.
+
+        Raises:
+            TypeError: when `indices` is not a 1-D int64 CPU tensor.
+            PoolError: when `indices` is misaligned or out of range (foreign).
+        """
+        check_token_indices(indices, name=name)
+        size = self._page_size
+        n = indices.numel()
+        if n % size:
+            raise PoolError(f"{name}: length {n} is not a multiple of page_size={size}")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        runs = indices.view(-1, size)
+        starts = runs[:, 0]
+        if bool((starts % size != 0).any()) or not torch.equal(runs, starts[:, None] + self._offsets):
+            raise PoolError(f"{name}: not made of page-aligned runs of {size} consecutive token indices")
+        if int(starts.min()) < 0 or int(starts.max()) >= self.capacity_tokens:
+            raise PoolError(
+                f"{name}: indices outside this pool's {self.capacity_tokens} token slots (foreign indices)"
+            )
+        return starts // size
+
+    def pages_to_tokens(self, pages: torch.Tensor) -> torch.Tensor:
+        """Expand page ids into the token indices they cover (no validation).
+
+        Args:
+            pages: a 1-D int64 tensor of page ids.
+
+        Returns:
+            A 1-D int64 tensor of ``len(pages) * page_size`` token indices.
+        """
+        return (pages[:, None] * self._page_size + self._offsets).reshape(-1)
+
+    def is_free(self, page_id: int) -> bool:
+        """Whether page `page_id` is currently free."""
+        if not 0 <= page_id < self._num_pages:
+            raise ValueError(f"page_id: expected 0 <= page_id < {self._num_pages}, got {page_id}")
+        return self._state[page_id] == _FREE
+
+    def __repr__(self) -> str:
+        return f"<PageAllocator pages={self.used_pages}/{self._num_pages} used, page_size={self._page_size}>"

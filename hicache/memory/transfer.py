@@ -1,0 +1,166 @@
+"""Page copies between pools: synchronous, and awaitable without blocking the event loop.
+
+Indices are validated token indices of whole, aligned pages; the copy works on the page dimension of the
+page-first buffers. Two cases:
+
+* both pools on the same device: one indexed gather (``index_select``) and one scatter (``index_copy_``);
+* across devices: the pages are grouped into runs that are consecutive on both sides, and each run is one
+  direct ``copy_`` between contiguous slices (``non_blocking`` when the host side is pinned). No staging
+  buffer is needed, so an asynchronous D2H copy can never be scattered on the host before it has landed.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.to_thread
+import torch
+
+from hicache.memory.pool import KVPool
+
+__all__ = ["copy_pages", "copy_pages_async"]
+
+_POLL_INTERVAL_S = 0.0002
+"""How long `copy_pages_async` sleeps between `event.query()` polls of a CUDA copy."""
+
+
+def _check_compatible(src: KVPool, dst: KVPool) -> None:
+    if not isinstance(src, KVPool):
+        raise TypeError(f"src: expected a KVPool, got {type(src).__name__}")
+    if not isinstance(dst, KVPool):
+        raise TypeError(f"dst: expected a KVPool, got {type(dst).__name__}")
+    if src.layout.page_shape != dst.layout.page_shape:
+        raise ValueError(
+            f"dst: page_shape {dst.layout.page_shape} differs from src page_shape {src.layout.page_shape}"
+        )
+    if src.layout.dtype != dst.layout.dtype:
+        raise ValueError(f"dst: dtype {dst.layout.dtype} differs from src dtype {src.layout.dtype}")
+
+
+def _validated_pages(
+    src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_compatible(src, dst)
+    src_pages = src.page_ids(src_indices, name="src_indices")
+    dst_pages = dst.page_ids(dst_indices, name="dst_indices")
+    if src_pages.numel() != dst_pages.numel():
+        raise ValueError(
+            f"dst_indices: {dst_indices.numel()} tokens, but src_indices has {src_indices.numel()}"
+        )
+    return src_pages, dst_pages
+
+
+def _runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Split page pairs into ``(src_start, dst_start, length)`` runs consecutive on both sides."""
+    n = src_pages.numel()
+    if n == 0:
+        return []
+    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
+    starts = [0, *(torch.nonzero(breaks).view(-1) + 1).tolist()]
+    ends = [*starts[1:], n]
+    s_list, d_list = src_pages.tolist(), dst_pages.tolist()
+    return [(s_list[a], d_list[a], b - a) for a, b in zip(starts, ends, strict=True)]
+
+
+def _copy_page_ids(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages: torch.Tensor) -> None:
+    """Copy validated pages; enqueues on the current CUDA stream when a side is on a CUDA device."""
+    if src_pages.numel() == 0:
+        return
+    src_buf, dst_buf = src.buffer, dst.buffer
+    if src.device == dst.device:
+        sp = src_pages.to(src.device)
+        dp = dst_pages.to(dst.device)
+        dst_buf.index_copy_(0, dp, src_buf.index_select(0, sp))
+        return
+    host_pinned = (src.device.type == "cpu" and src.pinned) or (dst.device.type == "cpu" and dst.pinned)
+    non_blocking = host_pinned and "cuda" in (src.device.type, dst.device.type)
+    for s, d, k in _runs(src_pages, dst_pages):
+        dst_buf[d : d + k].copy_(src_buf[s : s + k], non_blocking=non_blocking)
+
+
+def _copy_and_wait(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages: torch.Tensor) -> None:
+    _copy_page_ids(src, src_pages, dst, dst_pages)
+    cuda = next((p.device for p in (src, dst) if p.device.type == "cuda"), None)
+    if cuda is not None:
+        torch.cuda.current_stream(cuda).synchronize()
+
+
+def copy_pages(src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor) -> None:
+    """Copy whole pages from `src` to `dst` and return when the copy is complete.
+
+    Args:
+        src: the pool read from.
+        src_indices: token indices of whole, aligned pages of `src`.
+        dst: the pool written to; must have the same `page_shape` and `dtype` as `src`.
+        dst_indices: token indices of whole, aligned pages of `dst`, as many as `src_indices`.
+
+    Raises:
+        TypeError: when an index tensor is not a 1-D int64 CPU tensor, or a pool is not a `KVPool`.
+        PoolError: when indices are misaligned or foreign.
+        ValueError: when the layouts differ or the index counts differ.
+    """
+    src_pages, dst_pages = _validated_pages(src, src_indices, dst, dst_indices)
+    _copy_and_wait(src, src_pages, dst, dst_pages)
+
+
+async def copy_pages_async(
+    src: KVPool,
+    src_indices: torch.Tensor,
+    dst: KVPool,
+    dst_indices: torch.Tensor,
+    *,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> None:
+    """Copy whole pages from `src` to `dst` without blocking the event loop.
+
+    With a CUDA side and pinned (or no) host memory, the copy is enqueued on a side stream that first
+    waits for the current stream, an event is recorded, and completion is awaited by polling
+    `event.query()`. Otherwise (CPU pools, or pageable host memory whose copies would block) the copy runs
+    in a worker thread through `anyio.to_thread.run_sync`.
+
+    Cancellation never abandons a copy in flight: when the awaiting task is cancelled, this coroutine
+    still waits for the worker thread or the CUDA event before re-raising the cancellation, so the caller
+    may free either buffer as soon as it regains control.
+
+    Args:
+        src: the pool read from.
+        src_indices: token indices of whole, aligned pages of `src`.
+        dst: the pool written to; must have the same `page_shape` and `dtype` as `src`.
+        dst_indices: token indices of whole, aligned pages of `dst`, as many as `src_indices`.
+        limiter: bounds the worker threads used for thread copies (anyio's default limiter otherwise).
+
+    Raises:
+        TypeError: when an index tensor is not a 1-D int64 CPU tensor, or a pool is not a `KVPool`.
+        PoolError: when indices are misaligned or foreign.
+        ValueError: when the layouts differ or the index counts differ.
+    """
+    src_pages, dst_pages = _validated_pages(src, src_indices, dst, dst_indices)
+    if src_pages.numel() == 0:
+        return
+    cuda = next((p.device for p in (src, dst) if p.device.type == "cuda"), None)
+    pageable_host = any(p.device.type == "cpu" and not p.pinned for p in (src, dst))
+    if cuda is None or pageable_host:
+        # run_sync waits for the thread even when this task is cancelled (abandon_on_cancel=False).
+        await anyio.to_thread.run_sync(_copy_and_wait, src, src_pages, dst, dst_pages, limiter=limiter)
+        return
+    stream = torch.cuda.Stream(device=cuda)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(cuda))
+    with torch.cuda.stream(stream):
+        _copy_page_ids(src, src_pages, dst, dst_pages)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+    try:
+        await _wait_event(event)
+    except BaseException:
+        # Cancelled (or failed) while the copy is in flight: wait for it before re-raising, so no DMA is
+        # still writing when the caller frees a buffer.
+        with anyio.CancelScope(shield=True):
+            await _wait_event(event)
+        raise
+
+
+async def _wait_event(event: torch.cuda.Event) -> None:
+    """Poll a CUDA event: `event.synchronize()` would block the event loop, and CUDA offers no callback."""
+    while True:
+        if event.query():  # type: ignore[no-untyped-call]
+            return
+        await anyio.sleep(_POLL_INTERVAL_S)

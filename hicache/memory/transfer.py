@@ -12,6 +12,7 @@ page-first buffers. Two cases:
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 
@@ -141,6 +142,8 @@ async def copy_pages_async(
     if cuda is None or pageable_host:
         # run_sync waits for the thread even when this task is cancelled (abandon_on_cancel=False).
         await anyio.to_thread.run_sync(_copy_and_wait, src, src_pages, dst, dst_pages, limiter=limiter)
+        # The copy is complete; a cancellation that arrived meanwhile is raised here rather than later.
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return
     stream = torch.cuda.Stream(device=cuda)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(cuda))
@@ -156,6 +159,7 @@ async def copy_pages_async(
         with anyio.CancelScope(shield=True):
             await _wait_event(event)
         raise
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 async def _wait_event(event: torch.cuda.Event) -> None:

@@ -1,0 +1,163 @@
+"""The page allocator: whole aligned pages out, validated pages back, nothing changed on error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.errors import PoolError
+from hicache.memory import PageAllocator
+
+P = 4
+
+
+def state(alloc: PageAllocator) -> tuple[int, int, int]:
+    return (alloc.free_pages, alloc.used_pages, alloc.capacity_pages)
+
+
+def test_alloc_returns_aligned_page_runs() -> None:
+    alloc = PageAllocator(num_pages=8, page_size=P)
+    idx = alloc.alloc(3 * P)
+    assert idx is not None
+    assert idx.dtype == torch.int64
+    assert idx.tolist() == list(range(3 * P))
+    assert state(alloc) == (5, 3, 8)
+    assert alloc.page_ids(idx).tolist() == [0, 1, 2]
+
+
+def test_alloc_then_free_round_trip_restores_every_page() -> None:
+    alloc = PageAllocator(num_pages=6, page_size=P)
+    a = alloc.alloc(2 * P)
+    b = alloc.alloc(4 * P)
+    assert a is not None
+    assert b is not None
+    assert alloc.free_pages == 0
+    alloc.free(a)
+    alloc.free(b)
+    assert state(alloc) == (6, 0, 6)
+    again = alloc.alloc(6 * P)
+    assert again is not None
+    assert sorted(alloc.page_ids(again).tolist()) == list(range(6))
+
+
+def test_exhaustion_returns_none_and_allocates_nothing() -> None:
+    """Running out is a value: a too-large request takes no pages at all."""
+    alloc = PageAllocator(num_pages=3, page_size=P)
+    assert alloc.alloc(2 * P) is not None
+    assert alloc.alloc(2 * P) is None
+    assert state(alloc) == (1, 2, 3)
+    assert alloc.alloc(P) is not None
+    assert alloc.alloc(P) is None
+
+
+def test_alloc_zero_tokens_is_empty() -> None:
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    idx = alloc.alloc(0)
+    assert idx is not None
+    assert idx.numel() == 0
+    alloc.free(idx)
+    assert state(alloc) == (2, 0, 2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, P + 1, -P])
+def test_alloc_rejects_partial_pages_and_negative_counts(num_tokens: int) -> None:
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    with pytest.raises(ValueError, match="num_tokens"):
+        alloc.alloc(num_tokens)
+    assert state(alloc) == (2, 0, 2)
+
+
+@pytest.mark.parametrize(("num_pages", "page_size", "field"), [(-1, 4, "num_pages"), (4, 0, "page_size")])
+def test_constructor_validates(num_pages: int, page_size: int, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        PageAllocator(num_pages, page_size)
+
+
+def test_double_free_raises_and_frees_nothing() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=P)
+    a = alloc.alloc(2 * P)
+    b = alloc.alloc(P)
+    assert a is not None
+    assert b is not None
+    alloc.free(a[:P])
+    before = state(alloc)
+    # b is still allocated but page 0 (a[:P]) is already free: the whole call is rejected.
+    with pytest.raises(PoolError, match="double free"):
+        alloc.free(torch.cat([b, a[:P]]))
+    assert state(alloc) == before
+    assert not alloc.is_free(int(alloc.page_ids(b)[0]))
+
+
+def test_repeated_page_in_one_call_is_a_double_free() -> None:
+    alloc = PageAllocator(num_pages=4, page_size=P)
+    a = alloc.alloc(P)
+    assert a is not None
+    with pytest.raises(PoolError, match="double free"):
+        alloc.free(torch.cat([a, a]))
+    assert state(alloc) == (3, 1, 4)
+
+
+def test_foreign_indices_raise() -> None:
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    assert alloc.alloc(P) is not None
+    with pytest.raises(PoolError, match="foreign"):
+        alloc.free(torch.arange(8 * P, 9 * P, dtype=torch.int64))
+    with pytest.raises(PoolError, match="foreign"):
+        alloc.free(torch.arange(-P, 0, dtype=torch.int64))
+    assert state(alloc) == (1, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.arange(1, P + 1, dtype=torch.int64),  # shifted by one token
+        torch.arange(0, P - 1, dtype=torch.int64),  # partial page
+        torch.tensor([0, 2, 1, 3], dtype=torch.int64),  # right tokens, wrong order
+    ],
+)
+def test_misaligned_indices_raise(bad: torch.Tensor) -> None:
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    assert alloc.alloc(2 * P) is not None
+    with pytest.raises(PoolError, match="indices"):
+        alloc.free(bad)
+    assert state(alloc) == (0, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.arange(P, dtype=torch.int32),
+        torch.arange(P, dtype=torch.float32),
+        torch.arange(P, dtype=torch.int64).view(1, P),
+        list(range(P)),
+    ],
+)
+def test_wrong_type_or_dtype_raises_type_error_naming_indices(bad: object) -> None:
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    assert alloc.alloc(P) is not None
+    with pytest.raises(TypeError, match="indices"):
+        alloc.free(bad)  # type: ignore[arg-type]
+    assert state(alloc) == (1, 1, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), max_size=30))
+def test_random_alloc_free_never_hands_out_a_page_twice(ops: list[tuple[bool, int]]) -> None:
+    alloc = PageAllocator(num_pages=10, page_size=2)
+    held: list[torch.Tensor] = []
+    for do_alloc, n in ops:
+        if do_alloc or not held:
+            got = alloc.alloc(2 * n)
+            if got is None:
+                assert n > alloc.free_pages
+                continue
+            held.append(got)
+        else:
+            alloc.free(held.pop(n % len(held)))
+        owned = torch.cat(held) if held else torch.empty(0, dtype=torch.int64)
+        pages = alloc.page_ids(owned)
+        assert torch.unique(pages).numel() == pages.numel()
+        assert alloc.used_pages == pages.numel()
+        assert alloc.free_pages + alloc.used_pages == 10

@@ -1,0 +1,174 @@
+"""Page copies between pools, synchronous and awaitable, including cancellation of an in-flight copy."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+
+from hicache.errors import PoolError
+from hicache.memory import KVLayout, KVPool, copy_pages, copy_pages_async, make_device_pool
+from hicache.memory import transfer as transfer_module
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=4)
+P = LAYOUT.page_size
+
+
+def pool(num_pages: int, name: str, layout: KVLayout = LAYOUT) -> KVPool:
+    return KVPool(layout, num_pages, pin_memory=False, name=name)
+
+
+def fill_random(p: KVPool, indices: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(p.layout.tokens_shape(indices.numel()), generator=g).to(p.layout.dtype)
+    p.write_tokens(indices, kv)
+    return kv
+
+
+def alloc(p: KVPool, num_tokens: int) -> torch.Tensor:
+    idx = p.alloc(num_tokens)
+    assert idx is not None
+    return idx
+
+
+def scattered_pages(p: KVPool, pages: list[int]) -> torch.Tensor:
+    """Token indices of the given pages, in the given order (not one consecutive run)."""
+    return p.allocator.pages_to_tokens(torch.tensor(pages, dtype=torch.int64))
+
+
+def test_copy_pages_round_trip_is_bitwise() -> None:
+    src, dst = pool(6, "src"), pool(6, "dst")
+    s_idx, d_idx = alloc(src, 3 * P), alloc(dst, 3 * P)
+    kv = fill_random(src, s_idx)
+    copy_pages(src, s_idx, dst, d_idx)
+    assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+    back = pool(6, "back")
+    b_idx = alloc(back, 3 * P)
+    copy_pages(dst, d_idx, back, b_idx)
+    assert torch.equal(back.buffer[:3], src.buffer[:3])
+
+
+def test_copy_pages_maps_scattered_pages_in_order() -> None:
+    src, dst = pool(6, "src"), pool(6, "dst")
+    s_idx = scattered_pages(src, [4, 0, 2])
+    d_idx = scattered_pages(dst, [1, 5, 3])
+    fill_random(src, s_idx)
+    copy_pages(src, s_idx, dst, d_idx)
+    for s, d in [(4, 1), (0, 5), (2, 3)]:
+        assert torch.equal(dst.buffer[d], src.buffer[s])
+    assert bool((dst.buffer[[0, 2, 4]] == 0).all())
+
+
+def test_copy_pages_runs_split_where_either_side_breaks() -> None:
+    runs = transfer_module._runs(torch.tensor([0, 1, 2, 7, 8]), torch.tensor([3, 4, 9, 10, 11]))
+    assert runs == [(0, 3, 2), (2, 9, 1), (7, 10, 2)]
+
+
+def test_copy_pages_rejects_mismatched_layouts_and_counts() -> None:
+    src = pool(4, "src")
+    other = pool(4, "other", KVLayout(2, 2, 8, torch.bfloat16, page_size=8))
+    other_dtype = pool(4, "f16", KVLayout(2, 2, 8, torch.float16, page_size=4))
+    idx = torch.arange(P, dtype=torch.int64)
+    with pytest.raises(ValueError, match="page_shape"):
+        copy_pages(src, idx, other, torch.arange(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dtype"):
+        copy_pages(src, idx, other_dtype, idx)
+    with pytest.raises(ValueError, match="dst_indices"):
+        copy_pages(src, idx, pool(4, "dst"), torch.arange(2 * P, dtype=torch.int64))
+    with pytest.raises(PoolError, match="src_indices"):
+        copy_pages(src, idx + 1, pool(4, "dst"), idx)
+    with pytest.raises(TypeError, match="dst_indices"):
+        copy_pages(src, idx, pool(4, "dst"), idx.to(torch.int32))
+
+
+async def test_copy_pages_async_round_trip_is_bitwise() -> None:
+    src, dst = pool(6, "src"), pool(6, "dst")
+    s_idx = scattered_pages(src, [5, 1])
+    d_idx = alloc(dst, 2 * P)
+    kv = fill_random(src, s_idx, seed=3)
+    await copy_pages_async(src, s_idx, dst, d_idx)
+    assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+
+
+async def test_copy_pages_async_validates_before_starting() -> None:
+    src, dst = pool(2, "src"), pool(2, "dst")
+    with pytest.raises(PoolError, match="dst_indices"):
+        await copy_pages_async(src, torch.arange(P), dst, torch.arange(1, P + 1))
+
+
+async def test_cancelled_copy_waits_for_its_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancelled copy must not return while its thread still writes into a buffer the caller may free."""
+    started, release = threading.Event(), threading.Event()
+    real_copy = transfer_module._copy_page_ids
+
+    def gated_copy(src: KVPool, sp: torch.Tensor, dst: KVPool, dp: torch.Tensor) -> None:
+        started.set()
+        release.wait(timeout=30)
+        real_copy(src, sp, dst, dp)
+
+    monkeypatch.setattr(transfer_module, "_copy_page_ids", gated_copy)
+    src, dst = pool(4, "src"), pool(4, "dst")
+    s_idx, d_idx = alloc(src, 4 * P), alloc(dst, 4 * P)
+    kv = fill_random(src, s_idx, seed=7)
+
+    scope = anyio.CancelScope()
+    returned = anyio.Event()
+
+    async def run_copy() -> None:
+        try:
+            with scope:
+                await copy_pages_async(src, s_idx, dst, d_idx)
+        finally:
+            returned.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_copy)
+        await anyio.to_thread.run_sync(started.wait)
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert not returned.is_set(), "the cancelled copy returned while its worker was still running"
+        release.set()
+        await returned.wait()
+
+    assert scope.cancelled_caught
+    assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_copy_pages_async_between_device_and_pinned_host() -> None:
+    device = make_device_pool(LAYOUT, 8)
+    host = KVPool(LAYOUT, 8, pin_memory=True, name="host")
+    assert host.pinned
+    h_idx = scattered_pages(host, [6, 2, 3, 0])
+    kv = fill_random(host, h_idx, seed=11)
+    d_idx = scattered_pages(device, [1, 2, 7, 4])
+    await copy_pages_async(host, h_idx, device, d_idx)  # H2D
+    assert torch.equal(device.read_tokens(d_idx).cpu().view(torch.int16), kv.view(torch.int16))
+    back = KVPool(LAYOUT, 8, pin_memory=True, name="back")
+    b_idx = scattered_pages(back, [3, 4, 0, 5])
+    await copy_pages_async(device, d_idx, back, b_idx)  # D2H
+    assert torch.equal(back.read_tokens(b_idx).view(torch.int16), kv.view(torch.int16))
+    other = make_device_pool(LAYOUT, 8)
+    o_idx = alloc(other, 4 * P)
+    await copy_pages_async(device, d_idx, other, o_idx)  # D2D
+    copy_pages(other, o_idx, back, b_idx)
+    assert torch.equal(back.read_tokens(b_idx).view(torch.int16), kv.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cancelled_cuda_copy_completes_before_returning() -> None:
+    layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=64)
+    device = make_device_pool(layout, 16)
+    host = KVPool(layout, 16, pin_memory=True, name="host")
+    d_idx, h_idx = alloc(device, 16 * 64), alloc(host, 16 * 64)
+    device.buffer.fill_(3.0)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await copy_pages_async(device, d_idx, host, h_idx)
+    assert scope.cancelled_caught
+    assert bool((host.buffer == 3.0).all())

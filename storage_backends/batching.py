@@ -1,0 +1,224 @@
+"""Batching and bounded concurrency for storage backends, in one place.
+
+Backends write per-object (or per-group) primitives; `gather_bounded` runs them under a limit and, on the
+first failure, cancels and awaits the siblings before re-raising (the shape of fsspec's
+`_run_coros_in_chunks`, built on an anyio task group). The rest are small helpers every backend needs for
+per-page results: argument checks, grouping pages into worker-thread calls, and the statistics record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar, cast
+
+import anyio
+
+__all__ = [
+    "CORRUPT",
+    "ERROR",
+    "HIT",
+    "MISS",
+    "BackendStatistics",
+    "StatisticsRecorder",
+    "check_batch",
+    "gather_bounded",
+    "group_slices",
+]
+
+T = TypeVar("T")
+
+HIT = 0
+"""Per-page outcome: the page was read (or written) and verified."""
+MISS = 1
+"""Per-page outcome: the page is absent."""
+CORRUPT = 2
+"""Per-page outcome: the page is truncated, has a bad header or fails its checksum."""
+ERROR = 3
+"""Per-page outcome: the I/O failed for another reason."""
+
+_PENDING = object()
+
+
+async def gather_bounded(funcs: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Await every `funcs[i]()` with at most `limit` running at once; results in the order of `funcs`.
+
+    On the first exception the remaining calls are cancelled (and those not started never start), every
+    sibling is awaited, then that first exception is re-raised as itself (not wrapped in a group), so a
+    caller's buffers are quiet when this returns. Cancellation from outside propagates untouched.
+
+    `min(limit, len(funcs))` worker tasks pull the next call from a shared cursor, instead of one task per
+    call queueing on a `CapacityLimiter`: same bound, but a batch of 16k pages costs 16 tasks, not 16k.
+
+    Args:
+        funcs: zero-argument callables returning awaitables (e.g. `functools.partial(read_one, key)`).
+        limit: the most calls in flight at once (>= 1).
+
+    Raises:
+        ValueError: if `limit` < 1.
+    """
+    if limit < 1:
+        raise ValueError(f"limit: expected >= 1, got {limit}")
+    n = len(funcs)
+    if n == 0:
+        return []
+    if n == 1:
+        return [await funcs[0]()]
+    results: list[object] = [_PENDING] * n
+    failures: list[Exception] = []
+    cursor = iter(range(n))
+
+    async def worker(scope: anyio.CancelScope) -> None:
+        for i in cursor:
+            try:
+                results[i] = await funcs[i]()
+            except Exception as exc:
+                failures.append(exc)
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(min(limit, n)):
+            tg.start_soon(worker, tg.cancel_scope)
+    if failures:
+        raise failures[0]
+    assert all(r is not _PENDING for r in results), "gather_bounded finished with unfinished calls"
+    return cast("list[T]", results)
+
+
+def check_batch(keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
+    """Check a get/put batch before any I/O starts.
+
+    Raises:
+        ValueError: naming `buffers`, if the lengths of `keys` and `buffers` differ or a buffer is not a
+            C-contiguous memoryview.
+        TypeError: naming `keys`, if `keys` is a single `str` instead of a sequence of keys.
+    """
+    if isinstance(keys, str):
+        raise TypeError("keys: expected a sequence of page keys, got a single str")
+    if len(keys) != len(buffers):
+        raise ValueError(f"buffers: expected one buffer per key ({len(keys)}), got {len(buffers)}")
+    if all(type(buf) is memoryview and buf.c_contiguous for buf in buffers):
+        return
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, memoryview):
+            raise ValueError(f"buffers[{i}]: expected a memoryview, got {type(buf).__name__}")
+        if not buf.c_contiguous:
+            raise ValueError(f"buffers[{i}]: expected a C-contiguous memoryview")
+
+
+def group_slices(sizes: Sequence[int], *, limit: int, group_bytes: int) -> list[slice]:
+    """Split a batch into contiguous groups, one worker-thread call each.
+
+    Small pages are grouped so one thread hop (tens of microseconds) is spread over several pages; a
+    group never exceeds `group_bytes` unless a single page does, and the batch is split into at least
+    `limit` groups when it has that many pages, so every permitted thread has work.
+
+    Args:
+        sizes: bytes per page, in batch order.
+        limit: the concurrency the groups will run under.
+        group_bytes: the target bytes per group.
+    """
+    n = len(sizes)
+    if n == 0:
+        return []
+    per_thread = math.ceil(n / max(1, limit))
+    out: list[slice] = []
+    start = 0
+    acc = 0
+    for i, size in enumerate(sizes):
+        if i > start and (acc + size > group_bytes or i - start >= per_thread):
+            out.append(slice(start, i))
+            start, acc = i, 0
+        acc += size
+    out.append(slice(start, n))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatistics:
+    """A snapshot of a backend's counters since it was opened.
+
+    Attributes:
+        pages_read: pages `get` loaded and verified.
+        pages_written: pages `put` stored.
+        bytes_read: payload bytes of `pages_read`.
+        bytes_written: payload bytes of `pages_written`.
+        misses: pages `get` found absent.
+        checksum_failures: pages `get` found truncated, with a bad header, or failing their checksum.
+        errors: pages whose I/O failed for another reason (permission, disk full, I/O error).
+    """
+
+    pages_read: int = 0
+    pages_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    misses: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+
+
+class StatisticsRecorder:
+    """The mutable counters behind `BackendStatistics`; updated on the event loop thread only.
+
+    Worker threads return per-page outcome codes (`HIT`, `MISS`, `CORRUPT`, `ERROR`); the backend tallies
+    them here after the thread call returns, so no lock is needed.
+    """
+
+    __slots__ = (
+        "bytes_read",
+        "bytes_written",
+        "checksum_failures",
+        "errors",
+        "misses",
+        "pages_read",
+        "pages_written",
+    )
+
+    def __init__(self) -> None:
+        self.pages_read = 0
+        self.pages_written = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.misses = 0
+        self.checksum_failures = 0
+        self.errors = 0
+
+    def record_reads(self, outcomes: Sequence[int], buffers: Sequence[memoryview]) -> list[bool]:
+        """Tally the outcomes of reads into `buffers`; return one success flag per page."""
+        flags = [o == HIT for o in outcomes]
+        for ok, outcome, buf in zip(flags, outcomes, buffers, strict=True):
+            if ok:
+                self.pages_read += 1
+                self.bytes_read += buf.nbytes
+            elif outcome == MISS:
+                self.misses += 1
+            elif outcome == CORRUPT:
+                self.checksum_failures += 1
+            else:
+                self.errors += 1
+        return flags
+
+    def record_writes(self, outcomes: Sequence[int], buffers: Sequence[memoryview]) -> list[bool]:
+        """Tally the outcomes of writes from `buffers`; return one success flag per page."""
+        flags = [o == HIT for o in outcomes]
+        for ok, buf in zip(flags, buffers, strict=True):
+            if ok:
+                self.pages_written += 1
+                self.bytes_written += buf.nbytes
+            else:
+                self.errors += 1
+        return flags
+
+    def snapshot(self) -> BackendStatistics:
+        """The counters as a frozen `BackendStatistics`."""
+        return BackendStatistics(
+            pages_read=self.pages_read,
+            pages_written=self.pages_written,
+            bytes_read=self.bytes_read,
+            bytes_written=self.bytes_written,
+            misses=self.misses,
+            checksum_failures=self.checksum_failures,
+            errors=self.errors,
+        )

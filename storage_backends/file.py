@@ -1,0 +1,426 @@
+"""A storage backend on a local or mounted filesystem: one file per page, written atomically.
+
+Layout: `root/ab/cd/<key>.kvp`, where `ab` and `cd` are the key's first two hex pairs, so no directory
+grows past 65536 entries per level. Every file is a `page_format` header followed by the payload.
+
+Reads go straight into the caller's buffer with `os.preadv` (header and payload in one system call) and
+are verified in the same worker thread; writes go to a temporary file in the page's directory and are
+renamed over the final name with `os.replace`, so a reader sees a whole page or no page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar, TypeVarTuple, Unpack
+from urllib.parse import unquote, urlsplit
+
+import anyio
+import anyio.to_thread
+
+from hicache.errors import CacheClosed, ChecksumMismatch, StorageError
+from storage_backends.batching import (
+    CORRUPT,
+    ERROR,
+    HIT,
+    MISS,
+    BackendStatistics,
+    StatisticsRecorder,
+    check_batch,
+    gather_bounded,
+    group_slices,
+)
+from storage_backends.page_format import (
+    HEADER_SIZE,
+    check_namespace_digest,
+    decode_header,
+    encode_header,
+    validate_keys,
+    verify_page,
+)
+
+__all__ = ["FileBackend"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
+
+SUFFIX = ".kvp"
+"""File name suffix of a stored page."""
+
+_TMP_SUFFIX = ".tmp"
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+_GROUP_BYTES = 1 << 20
+"""Target payload bytes per worker-thread call: 16 pages of 64 KiB share one thread hop, 1 MiB pages go
+one per call (see `bench/bench_io.py` for the measurement behind the figure)."""
+
+_EXISTS_CHUNK = 32
+"""Keys stat-ed per worker-thread call in `exists`."""
+
+
+class FileBackend:
+    """Pages as files under a root directory (a local disk, NFS, or a FUSE mount such as JuiceFS).
+
+    Safe to share a root between processes: writes are atomic renames and every read is verified.
+
+    Args:
+        root: the directory holding the pages; created if missing.
+        namespace_digest: the 16-byte namespace digest written into, and required from, every page.
+        max_concurrency: the most worker threads this backend keeps busy at once, across all calls.
+        durable: fsync each page and its directory before reporting it written.
+
+    Raises:
+        ValueError: for a bad `namespace_digest` or `max_concurrency` < 1.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        namespace_digest: bytes,
+        max_concurrency: int = 16,
+        durable: bool = False,
+    ) -> None:
+        self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
+        self._namespace = check_namespace_digest(namespace_digest)
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
+        self._root = os.path.abspath(os.fspath(root))
+        os.makedirs(self._root, exist_ok=True)
+        self._max_concurrency = max_concurrency
+        self._durable = durable
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._stats = StatisticsRecorder()
+        self._known_dirs: set[str] = set()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace_digest: bytes, **options: Any) -> FileBackend:
+        """Open a backend from a `file:///absolute/path` URL; `options` go to the constructor.
+
+        Raises:
+            ValueError: naming `url`, for another scheme, a host part or a relative path.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "file":
+            raise ValueError(f"url: expected a file:// URL, got {url!r}")
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"url: file URLs must not name a host, got {url!r}")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise ValueError(f"url: expected an absolute path (file:///abs/path), got {url!r}")
+        return cls(path, namespace_digest=namespace_digest, **options)
+
+    @property
+    def root(self) -> Path:
+        """The directory holding the pages."""
+        return Path(self._root)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose()` was called."""
+        return self._closed
+
+    def path_of(self, key: str) -> Path:
+        """The file that holds page `key` (validated: it never leaves the root).
+
+        Raises:
+            ValueError: naming `keys`, if `key` is not 4-128 lowercase hex characters.
+        """
+        validate_keys([key])
+        return Path(self._path(key))
+
+    def statistics(self) -> BackendStatistics:
+        """Counters since the backend was opened."""
+        return self._stats.snapshot()
+
+    # -- the protocol ---------------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of `keys` whose page files all exist (stops at the first miss).
+
+        Keys are stat-ed in chunks, up to `max_concurrency` chunks at once; a wave of chunks runs only if
+        every page before it exists.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys`, for a malformed key.
+        """
+        self._check_open()
+        validate_keys(keys)
+        n = len(keys)
+        pos = 0
+        wave = _EXISTS_CHUNK * self._max_concurrency
+        while pos < n:
+            chunks = [
+                slice(s, min(s + _EXISTS_CHUNK, n)) for s in range(pos, min(pos + wave, n), _EXISTS_CHUNK)
+            ]
+            counts = await gather_bounded(
+                [partial(self._in_thread, self._count_present, keys[c]) for c in chunks],
+                self._max_concurrency,
+            )
+            for chunk, count in zip(chunks, counts, strict=True):
+                if count < chunk.stop - chunk.start:
+                    return chunk.start + count
+            pos = chunks[-1].stop
+        return n
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read pages straight into `buffers`; one flag per page, `False` for a missing or bad page.
+
+        A page that is truncated, has a bad header, belongs to another namespace or fails its checksum
+        is logged at warning level, counted in `statistics().checksum_failures` and reported `False`.
+        When this returns, normally or not, no thread is still writing into any buffer.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
+                `keys`, a non-contiguous buffer, or a buffer whose size differs from a stored page.
+        """
+        self._check_open()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        groups = group_slices(
+            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
+        )
+        outcomes = await gather_bounded(
+            [partial(self._in_thread, self._read_group, keys[g], buffers[g]) for g in groups],
+            self._max_concurrency,
+        )
+        return self._stats.record_reads([o for group in outcomes for o in group], buffers)
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Write pages from `buffers`, each atomically (temporary file + rename); one flag per page.
+
+        A page that cannot be written (disk full, permissions) is logged, counted in
+        `statistics().errors` and reported `False`; no temporary file is left behind.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys` or `buffers`, as for `get`.
+        """
+        self._check_open()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        groups = group_slices(
+            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
+        )
+        outcomes = await gather_bounded(
+            [partial(self._in_thread, self._write_group, keys[g], buffers[g]) for g in groups],
+            self._max_concurrency,
+        )
+        return self._stats.record_writes([o for group in outcomes for o in group], buffers)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove pages; absent keys are ignored.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys`, for a malformed key.
+            StorageError: if a file exists but cannot be removed.
+        """
+        self._check_open()
+        validate_keys(keys)
+        chunks = [slice(s, s + _EXISTS_CHUNK) for s in range(0, len(keys), _EXISTS_CHUNK)]
+        await gather_bounded(
+            [partial(self._in_thread, self._delete_group, keys[c]) for c in chunks], self._max_concurrency
+        )
+
+    async def aclose(self) -> None:
+        """Mark the backend closed (it holds no open files between calls); idempotent."""
+        self._closed = True
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        s = self._stats
+        state = "closed" if self._closed else "open"
+        return (
+            f"<FileBackend {state} root={self._root!r} namespace={self._namespace.hex()[:8]}… "
+            f"max_concurrency={self._max_concurrency} durable={self._durable} "
+            f"read={s.pages_read} written={s.pages_written} misses={s.misses} "
+            f"checksum_failures={s.checksum_failures} errors={s.errors}>"
+        )
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosed(f"{self!r} is closed")
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{key[0:2]}/{key[2:4]}/{key}{SUFFIX}"
+
+    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
+        # anyio's to_thread.run_sync waits for the thread to finish even when the caller is cancelled
+        # (the cancellation is delivered after it returns). That is what keeps the buffers safe: once
+        # `get` returns, normally or cancelled, no thread still writes into them. aiofiles (and a bare
+        # `loop.run_in_executor`) would not do: a cancelled `await` there abandons the executor future
+        # while its thread keeps reading into the caller's buffer, possibly after the caller has handed
+        # that host-pool page to another request.
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        return [self._read_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _read_one(self, key: str, buf: memoryview) -> int:
+        """Read and verify one page in a worker thread; return its outcome code."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, _O_READ)
+        except FileNotFoundError:
+            return MISS
+        except OSError as exc:
+            log.warning("cannot open page %s: %s", path, exc)
+            return ERROR
+        try:
+            header = bytearray(HEADER_SIZE)
+            want = HEADER_SIZE + buf.nbytes
+            try:
+                got = os.preadv(fd, [header, buf], 0)
+                if 0 < got < want:
+                    got = _finish_read(fd, header, buf, got)
+            except OSError as exc:
+                log.warning("cannot read page %s: %s", path, exc)
+                return ERROR
+            try:
+                fields = decode_header(memoryview(header)[:got])
+                # A well-formed page of another size: the caller's buffer is wrong, not the page.
+                if (
+                    fields.payload_length != buf.nbytes
+                    and fields.namespace_digest == self._namespace
+                    and os.fstat(fd).st_size == HEADER_SIZE + fields.payload_length
+                ):
+                    raise ValueError(
+                        f"buffers: page {key} holds {fields.payload_length} bytes, "
+                        f"its buffer has {buf.nbytes}"
+                    )
+                if got < want:
+                    raise ChecksumMismatch(f"page file is truncated: {got} of {want} bytes")
+                verify_page(header, buf, self._namespace)
+            except ChecksumMismatch as exc:
+                log.warning("discarding page %s: %s", path, exc)
+                return CORRUPT
+            return HIT
+        finally:
+            os.close(fd)
+
+    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        return [self._write_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _write_one(self, key: str, buf: memoryview) -> int:
+        """Write one page atomically in a worker thread; return its outcome code."""
+        directory = f"{self._root}/{key[0:2]}/{key[2:4]}"
+        path = f"{directory}/{key}{SUFFIX}"
+        tmp = f"{directory}/.{key}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        try:
+            header = encode_header(buf, self._namespace)
+            if directory not in self._known_dirs:
+                os.makedirs(directory, exist_ok=True)
+                self._known_dirs.add(directory)
+            try:
+                fd = os.open(tmp, _O_CREATE, 0o644)
+            except FileNotFoundError:  # the directory was removed behind our back: recreate it once
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, _O_CREATE, 0o644)
+            try:
+                try:
+                    _write_all(fd, header, buf)
+                    if self._durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except BaseException:
+                _unlink_quietly(tmp)
+                raise
+            if self._durable:
+                _fsync_dir(directory)
+        except OSError as exc:
+            log.warning("cannot write page %s: %s", path, exc)
+            return ERROR
+        return HIT
+
+    def _count_present(self, keys: Sequence[str]) -> int:
+        for i, key in enumerate(keys):
+            try:
+                os.stat(self._path(key))
+            except FileNotFoundError:
+                return i
+            except OSError as exc:
+                log.warning("cannot stat page %s: %s", key, exc)
+                return i
+        return len(keys)
+
+    def _delete_group(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise StorageError(f"cannot delete page {key}: {exc}") from exc
+
+
+def _finish_read(fd: int, header: bytearray, buf: memoryview, got: int) -> int:
+    """Continue a short `preadv` until the page is complete or the file ends (FUSE may split reads)."""
+    want = HEADER_SIZE + buf.nbytes
+    hview = memoryview(header)
+    bview = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    while got < want:
+        if got < HEADER_SIZE:
+            n = os.preadv(fd, [hview[got:], bview], got)
+        else:
+            n = os.preadv(fd, [bview[got - HEADER_SIZE :]], got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _write_all(fd: int, header: bytes, buf: memoryview) -> None:
+    """Write header and payload fully, continuing after short writes."""
+    total = HEADER_SIZE + buf.nbytes
+    done = os.writev(fd, [header, buf])
+    if done == total:
+        return
+    data = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+    while done < total:
+        if done < HEADER_SIZE:
+            done += os.writev(fd, [header[done:], data])
+        else:
+            done += os.write(fd, data[done - HEADER_SIZE :])
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,255 @@
+"""An in-process storage backend: stored pages (header + payload) kept as `bytes` in a dict.
+
+It runs the same page format and verification as the file backend, so the contract suite's corruption
+tests apply to it, and it is the backend of choice for tests and demos. `memory://name` URLs share one
+process-wide store per name, so two backends (or a writer and a later reader) see the same pages;
+`memory://` alone gives a private store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from types import TracebackType
+from typing import Any, Self, TypeVar, TypeVarTuple, Unpack
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.to_thread
+
+from hicache.errors import CacheClosed, ChecksumMismatch
+from storage_backends.batching import (
+    CORRUPT,
+    HIT,
+    MISS,
+    BackendStatistics,
+    StatisticsRecorder,
+    check_batch,
+    gather_bounded,
+    group_slices,
+)
+from storage_backends.page_format import (
+    HEADER_SIZE,
+    check_namespace_digest,
+    decode_header,
+    encode_header,
+    validate_keys,
+    verify_page,
+)
+
+__all__ = ["MemoryBackend", "drop_named_store"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
+
+_GROUP_BYTES = 1 << 20
+_named_stores: dict[str, dict[str, bytes]] = {}
+_named_lock = threading.Lock()
+
+
+def drop_named_store(name: str) -> bool:
+    """Forget the process-wide store `memory://name`; return whether it existed.
+
+    Backends still open on it keep their pages; the next backend opened on `name` starts empty.
+    """
+    with _named_lock:
+        return _named_stores.pop(name, None) is not None
+
+
+class MemoryBackend:
+    """Pages in a Python dict, verified on every read exactly like stored files.
+
+    Args:
+        namespace_digest: the 16-byte namespace digest written into, and required from, every page.
+        name: share the process-wide store of this name (what `memory://name` opens); `None` for a
+            private store.
+        max_concurrency: the most worker threads copying and hashing pages at once.
+
+    Raises:
+        ValueError: for a bad `namespace_digest` or `max_concurrency` < 1.
+    """
+
+    def __init__(self, *, namespace_digest: bytes, name: str | None = None, max_concurrency: int = 4) -> None:
+        self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
+        self._namespace = check_namespace_digest(namespace_digest)
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected >= 1, got {max_concurrency}")
+        self._name = name
+        if name is None:
+            self._pages: dict[str, bytes] = {}
+        else:
+            with _named_lock:
+                self._pages = _named_stores.setdefault(name, {})
+        self._max_concurrency = max_concurrency
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._stats = StatisticsRecorder()
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace_digest: bytes, **options: Any) -> MemoryBackend:
+        """Open a backend from `memory://name` (shared store) or `memory://` (private store).
+
+        Raises:
+            ValueError: naming `url`, for another scheme or a path after the name.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "memory":
+            raise ValueError(f"url: expected a memory:// URL, got {url!r}")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"url: expected memory://name with nothing after the name, got {url!r}")
+        return cls(namespace_digest=namespace_digest, name=parts.netloc or None, **options)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose()` was called."""
+        return self._closed
+
+    def statistics(self) -> BackendStatistics:
+        """Counters since the backend was opened."""
+        return self._stats.snapshot()
+
+    def corrupt(self, key: str, *, offset: int = -1, truncate: int | None = None) -> None:
+        """Damage a stored page for tests: flip the byte at `offset` or cut it to `truncate` bytes.
+
+        Raises:
+            KeyError: if the page is not stored.
+        """
+        data = bytearray(self._pages[key])
+        if truncate is not None:
+            del data[truncate:]
+        else:
+            data[offset] ^= 0xFF
+        self._pages[key] = bytes(data)
+
+    # -- the protocol ---------------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of `keys` whose pages are all stored."""
+        self._check_open()
+        validate_keys(keys)
+        pages = self._pages
+        for i, key in enumerate(keys):
+            if key not in pages:
+                return i
+        return len(keys)
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Copy pages into `buffers` and verify them (in worker threads); one flag per page.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys` or `buffers`, as `FileBackend.get`.
+        """
+        self._check_open()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        groups = group_slices(
+            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
+        )
+        outcomes = await gather_bounded(
+            [partial(self._in_thread, self._read_group, keys[g], buffers[g]) for g in groups],
+            self._max_concurrency,
+        )
+        return self._stats.record_reads([o for group in outcomes for o in group], buffers)
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Store pages (header + a copy of the payload), each replacing any older version whole.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: naming `keys` or `buffers`, as `FileBackend.put`.
+        """
+        self._check_open()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        groups = group_slices(
+            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
+        )
+        outcomes = await gather_bounded(
+            [partial(self._in_thread, self._write_group, keys[g], buffers[g]) for g in groups],
+            self._max_concurrency,
+        )
+        return self._stats.record_writes([o for group in outcomes for o in group], buffers)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove pages; absent keys are ignored."""
+        self._check_open()
+        validate_keys(keys)
+        for key in keys:
+            self._pages.pop(key, None)
+
+    async def aclose(self) -> None:
+        """Mark the backend closed; a named store keeps its pages for later backends. Idempotent."""
+        self._closed = True
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        s = self._stats
+        state = "closed" if self._closed else "open"
+        store = f"memory://{self._name}" if self._name is not None else "private"
+        return (
+            f"<MemoryBackend {state} store={store} pages={len(self._pages)} "
+            f"namespace={self._namespace.hex()[:8]}… read={s.pages_read} written={s.pages_written} "
+            f"misses={s.misses} checksum_failures={s.checksum_failures} errors={s.errors}>"
+        )
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheClosed(f"{self!r} is closed")
+
+    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
+        # Waits for the thread even when cancelled, so no copy lands in a buffer after `get` returns.
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        return [self._read_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+
+    def _read_one(self, key: str, buf: memoryview) -> int:
+        data = self._pages.get(key)
+        if data is None:
+            return MISS
+        stored = memoryview(data)
+        try:
+            fields = decode_header(stored[:HEADER_SIZE])
+            if (
+                fields.payload_length != buf.nbytes
+                and fields.namespace_digest == self._namespace
+                and len(data) == HEADER_SIZE + fields.payload_length
+            ):
+                raise ValueError(
+                    f"buffers: page {key} holds {fields.payload_length} bytes, its buffer has {buf.nbytes}"
+                )
+            payload = stored[HEADER_SIZE:]
+            verify_page(stored[:HEADER_SIZE], payload, self._namespace)
+        except ChecksumMismatch as exc:
+            log.warning("discarding page %s: %s", key, exc)
+            return CORRUPT
+        # Copy only verified bytes: a bad page leaves the buffer untouched.
+        target = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+        target[:] = payload
+        return HIT
+
+    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        pages = self._pages
+        for key, buf in zip(keys, buffers, strict=True):
+            pages[key] = encode_header(buf, self._namespace) + buf
+        return [HIT] * len(keys)

@@ -1,0 +1,590 @@
+"""An S3 storage backend on obstore (Rust `object_store`): one object per page, `s3://bucket/prefix`.
+
+Layout: page `key` lives at `<prefix>/<key[:2]>/<key>`; the object body is the page header followed by the
+payload, the same format as the file backend (`storage_backends.page_format`). A single PUT per page makes
+every page atomic (S3 never shows a partial object); multipart upload is never used.
+
+Reads are whole-object GETs, never ranged: the body's length is checked against the caller's buffer before
+anything else, so a server that ignores `Range` (rclone's `serve s3` answers 200 with the whole object) or an
+object that is truncated or overlong cannot be mistaken for a page. A page is copied once, from the client's
+buffer into the caller's, after its header and xxh3 checksum verify; large pages verify and copy in a worker
+thread that is always waited for, so no thread writes into a buffer after `get` returns.
+
+Every request runs under capped exponential backoff with jitter inside a per-request deadline; obstore's own
+retries are disabled so the counts in `statistics()` are exact. A request that still fails fails only its own
+page (`get` → False for it), and once one request of a batch has given up on an unreachable server the
+pages of that batch not yet started fail at once instead of each waiting out its own deadline.
+
+Credentials come from keyword options, the URL query, or the standard AWS environment variables, in that
+order; they never appear in `repr`, log records or error messages.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+import random
+import re
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from types import TracebackType
+from typing import Any, Final, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import anyio
+import anyio.to_thread
+import obstore
+from obstore.exceptions import (
+    InvalidPathError,
+    NotSupportedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnknownConfigurationKeyError,
+)
+from obstore.store import S3Store
+
+from hicache.errors import CacheClosed, ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
+from storage_backends.batching import BackendStatistics, check_batch, gather_bounded
+from storage_backends.page_format import (
+    HEADER_SIZE,
+    check_namespace_digest,
+    encode_header,
+    validate_keys,
+    verify_page,
+)
+
+__all__ = ["S3Backend", "S3Statistics"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_THREAD_THRESHOLD: Final = 64 * 1024
+"""Pages at least this large are hashed and copied in a worker thread; smaller ones inline."""
+
+_NON_RETRYABLE: Final = (
+    InvalidPathError,
+    NotSupportedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnknownConfigurationKeyError,
+    ValueError,
+)
+
+_STATUS_RE: Final = re.compile(r"status code: (\d{3})")
+
+_INT_OPTIONS: Final = frozenset({"concurrency"})
+_FLOAT_OPTIONS: Final = frozenset({"deadline_s", "attempt_timeout_s", "backoff_initial_s", "backoff_max_s"})
+_BOOL_OPTIONS: Final = frozenset({"allow_http"})
+_STR_OPTIONS: Final = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
+
+
+@dataclass(frozen=True, slots=True)
+class S3Statistics(BackendStatistics):
+    """A snapshot of an `S3Backend`'s counters since it was opened.
+
+    Adds to `BackendStatistics` (pages and bytes read and written, misses, checksum failures, errors):
+
+    Attributes:
+        requests: HTTP requests attempted (GET, HEAD, PUT, DELETE), retries included.
+        retries: attempts that were retried after a transient failure.
+    """
+
+    requests: int = 0
+    retries: int = 0
+
+
+class _Batch:
+    """Per-call state shared by the requests of one batch: the fuse that trips when the server is gone."""
+
+    __slots__ = ("unavailable",)
+
+    def __init__(self) -> None:
+        self.unavailable = False
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{name}: expected a boolean, got {value!r}")
+
+
+class S3Backend:
+    """Pages as objects in an S3 bucket; implements `storage_backends.protocol.StorageBackend`.
+
+    Open it with `S3Backend.from_url("s3://bucket/prefix?endpoint=...&region=...", namespace_digest=...)` or
+    the constructor, use it as an async context manager or call `aclose()`.
+
+    Args:
+        bucket: the bucket name.
+        prefix: the key prefix inside the bucket ("" for the bucket root).
+        namespace_digest: the 16-byte namespace digest written into and checked in every page header.
+        endpoint: the S3 endpoint URL; default `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, else AWS.
+        region: the signing region; default `AWS_REGION` / `AWS_DEFAULT_REGION`, else "us-east-1".
+        access_key_id: default `AWS_ACCESS_KEY_ID`.
+        secret_access_key: default `AWS_SECRET_ACCESS_KEY`.
+        session_token: default `AWS_SESSION_TOKEN`.
+        allow_http: allow a plain-http endpoint; default True only for loopback endpoints.
+        concurrency: the most requests in flight per call.
+        deadline_s: the total time one page's request may take, retries and backoff included.
+        attempt_timeout_s: the most one attempt may take.
+        backoff_initial_s: the first backoff delay; doubles per retry.
+        backoff_max_s: the cap of the backoff delay.
+
+    Raises:
+        ValueError: naming the argument, for a bad bucket, prefix, endpoint or a non-positive setting.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        namespace_digest: bytes,
+        endpoint: str | None = None,
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        allow_http: bool | None = None,
+        concurrency: int = 32,
+        deadline_s: float = 30.0,
+        attempt_timeout_s: float = 10.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+    ) -> None:
+        self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
+        if not isinstance(bucket, str) or not bucket or "/" in bucket:
+            raise ValueError(f"bucket: expected a non-empty name without '/', got {bucket!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected str, got {type(prefix).__name__}")
+        prefix = prefix.strip("/")
+        if any(part in {"", ".", ".."} for part in prefix.split("/")) and prefix:
+            raise ValueError(f"prefix: empty, '.' or '..' path segments are not allowed, got {prefix!r}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency: expected an int >= 1, got {concurrency!r}")
+        for name, value in (
+            ("deadline_s", deadline_s),
+            ("attempt_timeout_s", attempt_timeout_s),
+            ("backoff_initial_s", backoff_initial_s),
+            ("backoff_max_s", backoff_max_s),
+        ):
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        self._namespace_digest = check_namespace_digest(namespace_digest)
+
+        env = os.environ
+        endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+        access_key_id = access_key_id or env.get("AWS_ACCESS_KEY_ID") or None
+        secret_access_key = secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None
+        session_token = session_token or env.get("AWS_SESSION_TOKEN") or None
+        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+
+        # Single-object DELETEs: the JuiceFS (MinIO) gateway answers DeleteObjects in a shape
+        # object_store rejects.
+        config: dict[str, Any] = {"region": region, "disable_bulk_delete": True}
+        if endpoint is not None:
+            parts = urlsplit(endpoint)
+            if parts.scheme not in {"http", "https"} or not parts.hostname:
+                raise ValueError("endpoint: expected an http(s)://host[:port] URL")
+            if parts.username is not None or parts.password is not None:
+                raise ValueError(
+                    "endpoint: credentials in the endpoint URL are not supported; pass access_key_id"
+                )
+            if allow_http is None:
+                allow_http = _is_loopback(parts.hostname)
+            if parts.scheme == "http" and not allow_http:
+                raise ValueError(
+                    f"endpoint: plain http is allowed only for loopback hosts unless allow_http=True, "
+                    f"got host {parts.hostname!r}"
+                )
+            config["endpoint"] = endpoint.rstrip("/")
+        if access_key_id is not None:
+            config["access_key_id"] = access_key_id
+        if secret_access_key is not None:
+            config["secret_access_key"] = secret_access_key
+        if session_token is not None:
+            config["session_token"] = session_token
+
+        self._bucket = bucket
+        self._prefix = prefix
+        self._endpoint = config.get("endpoint")
+        self._region = region
+        self._credentials = "explicit-or-env" if access_key_id else "provider-chain"
+        self._concurrency = concurrency
+        self._deadline_s = float(deadline_s)
+        self._attempt_timeout_s = float(attempt_timeout_s)
+        self._backoff_initial_s = float(backoff_initial_s)
+        self._backoff_max_s = float(backoff_max_s)
+        try:
+            self._store: S3Store | None = S3Store(
+                bucket,
+                config=config,  # type: ignore[arg-type]
+                client_options={
+                    "allow_http": bool(allow_http),
+                    "connect_timeout": timedelta(seconds=min(self._attempt_timeout_s, 5.0)),
+                    "timeout": timedelta(seconds=self._attempt_timeout_s),
+                },
+                # Retries happen here, in Python, so they are counted and share one deadline with backoff.
+                retry_config={"max_retries": 0},
+            )
+        except Exception as exc:
+            raise ValueError(f"invalid S3 configuration: {self._redact(exc)}") from None
+
+        self._requests = 0
+        self._retries = 0
+        self._pages_read = 0
+        self._pages_written = 0
+        self._bytes_read = 0
+        self._bytes_written = 0
+        self._misses = 0
+        self._checksum_failures = 0
+        self._errors = 0
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace_digest: bytes, **options: Any) -> S3Backend:
+        """Open a backend for `s3://bucket/prefix?endpoint=...&region=...`.
+
+        Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
+        `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `concurrency`, `deadline_s`,
+        `attempt_timeout_s`, `backoff_initial_s`, `backoff_max_s`); keyword options win over the query.
+
+        Raises:
+            ValueError: for another scheme, a missing bucket, an unknown or repeated query parameter, or a
+                value that does not parse (the message never echoes credential values).
+        """
+        if not isinstance(url, str):
+            raise TypeError(f"url: expected str, got {type(url).__name__}")
+        parts = urlsplit(url)
+        if parts.scheme != "s3":
+            raise ValueError(f"url: expected the s3:// scheme, got {parts.scheme!r}")
+        if not parts.netloc or "@" in parts.netloc:
+            raise ValueError("url: expected s3://bucket/prefix with a bucket name and no user info")
+        merged: dict[str, Any] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
+            if name in merged:
+                raise ValueError(f"url: query parameter {name!r} given twice")
+            if name in _INT_OPTIONS:
+                try:
+                    merged[name] = int(value)
+                except ValueError:
+                    raise ValueError(f"{name}: expected an integer, got {value!r}") from None
+            elif name in _FLOAT_OPTIONS:
+                try:
+                    merged[name] = float(value)
+                except ValueError:
+                    raise ValueError(f"{name}: expected a number, got {value!r}") from None
+            elif name in _BOOL_OPTIONS:
+                merged[name] = _parse_bool(name, value)
+            elif name in _STR_OPTIONS:
+                merged[name] = value
+            else:
+                raise ValueError(f"url: unknown query parameter {name!r}")
+        merged.update(options)
+        return cls(parts.netloc, parts.path, namespace_digest=namespace_digest, **merged)
+
+    # ------------------------------------------------------------------ lifecycle and observability
+
+    async def __aenter__(self) -> S3Backend:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Release the client and its connection pool; idempotent. Later calls raise `CacheClosed`."""
+        self._closed = True
+        self._store = None
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        if not getattr(self, "_closed", True):
+            _warn(f"unclosed {self!r}", ResourceWarning, source=self, stacklevel=1)
+
+    def __repr__(self) -> str:
+        return (
+            f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={self._endpoint!r}, "
+            f"region={self._region!r}, credentials={self._credentials!r}, concurrency={self._concurrency}, "
+            f"closed={self._closed})"
+        )
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose()` was called."""
+        return self._closed
+
+    def statistics(self) -> S3Statistics:
+        """A frozen snapshot of the counters since the backend was opened."""
+        return S3Statistics(
+            pages_read=self._pages_read,
+            pages_written=self._pages_written,
+            bytes_read=self._bytes_read,
+            bytes_written=self._bytes_written,
+            misses=self._misses,
+            checksum_failures=self._checksum_failures,
+            errors=self._errors,
+            requests=self._requests,
+            retries=self._retries,
+        )
+
+    def object_path(self, key: str) -> str:
+        """The object name of page `key` inside the bucket (`<prefix>/<key[:2]>/<key>`)."""
+        name = f"{key[:2]}/{key}"
+        return f"{self._prefix}/{name}" if self._prefix else name
+
+    # ------------------------------------------------------------------ the protocol
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of `keys` whose pages are all stored.
+
+        HEADs run concurrently in windows of `concurrency` keys; the scan stops at the first window with a
+        missing page. A page whose HEAD fails after retries counts as not stored.
+        """
+        store = self._open_store()
+        if isinstance(keys, str):
+            raise TypeError("keys: expected a sequence of page keys, got a single str")
+        validate_keys(keys)
+        batch = _Batch()
+        found = 0
+        for start in range(0, len(keys), self._concurrency):
+            window = keys[start : start + self._concurrency]
+            flags = await gather_bounded(
+                [partial(self._head_one, store, key, batch) for key in window], self._concurrency
+            )
+            for flag in flags:
+                if not flag:
+                    return found
+                found += 1
+        return found
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read pages into caller buffers; one flag per page, False for a missing, corrupt or failed page.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: for mismatched lengths, a bad key, or a read-only or non-contiguous buffer.
+        """
+        store = self._open_store()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        for i, buf in enumerate(buffers):
+            if buf.readonly:
+                raise ValueError(f"buffers[{i}]: expected a writable memoryview")
+        batch = _Batch()
+        return await gather_bounded(
+            [partial(self._get_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
+            self._concurrency,
+        )
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        """Store pages from caller buffers, one atomic PUT each; one flag per page.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            ValueError: for mismatched lengths, a bad key or a non-contiguous buffer.
+        """
+        store = self._open_store()
+        check_batch(keys, buffers)
+        validate_keys(keys)
+        batch = _Batch()
+        return await gather_bounded(
+            [partial(self._put_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
+            self._concurrency,
+        )
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        """Remove pages; absent keys are ignored.
+
+        Raises:
+            CacheClosed: after `aclose()`.
+            StorageUnavailable: if some deletes still failed after retries (the count is in the message).
+        """
+        store = self._open_store()
+        if isinstance(keys, str):
+            raise TypeError("keys: expected a sequence of page keys, got a single str")
+        validate_keys(keys)
+        batch = _Batch()
+        failures = await gather_bounded(
+            [partial(self._delete_one, store, key, batch) for key in keys], self._concurrency
+        )
+        failed = [f for f in failures if f is not None]
+        if failed:
+            raise StorageUnavailable(f"{len(failed)} of {len(keys)} deletes failed; first: {failed[0]}")
+
+    # ------------------------------------------------------------------ per-page primitives
+
+    async def _head_one(self, store: S3Store, key: str, batch: _Batch) -> bool:
+        path = self.object_path(key)
+        try:
+            await self._call(partial(obstore.head_async, store, path), batch, "HEAD", path)
+        except PageNotFound:
+            return False
+        except StorageError:
+            self._errors += 1
+            return False
+        return True
+
+    async def _get_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
+        path = self.object_path(key)
+        try:
+            body = await self._call(partial(_fetch, store, path), batch, "GET", path)
+        except PageNotFound:
+            self._misses += 1
+            return False
+        except StorageError:
+            self._errors += 1
+            return False
+        expected = HEADER_SIZE + buf.nbytes
+        if len(body) != expected:
+            self._checksum_failures += 1
+            logger.warning(
+                "s3 page %s has %d bytes, expected %d: treated as a miss", path, len(body), expected
+            )
+            return False
+        verify = partial(_verify_and_copy, body, buf, self._namespace_digest)
+        try:
+            if buf.nbytes >= _THREAD_THRESHOLD:
+                # to_thread waits for the thread even when cancelled: it never writes into `buf` afterwards.
+                await anyio.to_thread.run_sync(verify)
+            else:
+                verify()
+        except ChecksumMismatch as exc:
+            self._checksum_failures += 1
+            logger.warning("s3 page %s failed verification (%s): treated as a miss", path, exc)
+            return False
+        self._pages_read += 1
+        self._bytes_read += buf.nbytes
+        return True
+
+    async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
+        path = self.object_path(key)
+        encode = partial(_encode_body, buf, self._namespace_digest)
+        body = await anyio.to_thread.run_sync(encode) if buf.nbytes >= _THREAD_THRESHOLD else encode()
+        try:
+            await self._call(
+                partial(obstore.put_async, store, path, body, use_multipart=False), batch, "PUT", path
+            )
+        except StorageError:
+            self._errors += 1
+            return False
+        self._pages_written += 1
+        self._bytes_written += buf.nbytes
+        return True
+
+    async def _delete_one(self, store: S3Store, key: str, batch: _Batch) -> StorageError | None:
+        path = self.object_path(key)
+        try:
+            await self._call(partial(obstore.delete_async, store, path), batch, "DELETE", path)
+        except PageNotFound:
+            return None
+        except StorageError as exc:
+            self._errors += 1
+            return exc
+        return None
+
+    # ------------------------------------------------------------------ retries and error translation
+
+    async def _call(self, op: Callable[[], Awaitable[T]], batch: _Batch, method: str, path: str) -> T:
+        """Run one request with retries; translate every failure into a `hicache.errors` class.
+
+        Raises:
+            PageNotFound: the object does not exist (never retried).
+            StorageError: a non-retryable failure (permissions, bad configuration).
+            StorageUnavailable: transient failures lasted past the deadline, or the batch already gave up.
+        """
+        if batch.unavailable:
+            raise StorageUnavailable(
+                f"{method} {path}: skipped, the server was unreachable earlier in this batch"
+            )
+        deadline = anyio.current_time() + self._deadline_s
+        attempt = 0
+        while True:
+            attempt += 1
+            self._requests += 1
+            remaining = deadline - anyio.current_time()
+            try:
+                with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
+                    return await op()
+            except FileNotFoundError:
+                raise PageNotFound(f"{method} {path}: no such object") from None
+            except _NON_RETRYABLE as exc:
+                raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
+            except Exception as exc:
+                status = _http_status(exc)
+                if status is not None and 400 <= status < 500 and status not in {408, 429}:
+                    raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
+                # Three cases left: 5xx and throttling, connection errors, and our attempt timeout.
+                reason = "attempt timed out" if isinstance(exc, TimeoutError) else self._redact(exc)
+                delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** (attempt - 1))
+                delay *= 0.5 + random.random() / 2  # jitter: spread retries of a batch apart
+                if batch.unavailable or anyio.current_time() + delay >= deadline:
+                    batch.unavailable = True
+                    raise StorageUnavailable(
+                        f"{method} {path} failed after {attempt} attempt(s) "
+                        f"within {self._deadline_s}s: {reason}"
+                    ) from None
+                self._retries += 1
+                logger.debug(
+                    "s3 %s %s attempt %d failed (%s); retrying in %.3fs", method, path, attempt, reason, delay
+                )
+                await anyio.sleep(delay)
+
+    def _redact(self, exc: BaseException) -> str:
+        """The first line of a native error, with every credential replaced by `***`."""
+        text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _open_store(self) -> S3Store:
+        store = self._store
+        if self._closed or store is None:
+            raise CacheClosed(f"{self!r} is closed")
+        return store
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status a native error reports, if any (object_store has no typed field for it)."""
+    match = _STATUS_RE.search(str(exc))
+    return int(match.group(1)) if match else None
+
+
+async def _fetch(store: S3Store, path: str) -> obstore.Bytes:
+    result = await obstore.get_async(store, path)
+    return await result.bytes_async()
+
+
+def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: bytes) -> None:
+    view = memoryview(body)
+    payload = view[HEADER_SIZE:]
+    verify_page(view[:HEADER_SIZE], payload, namespace_digest)
+    dst = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    dst[:] = payload
+
+
+def _encode_body(buf: memoryview, namespace_digest: bytes) -> bytes:
+    payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    return b"".join((encode_header(payload, namespace_digest), payload))

@@ -1,0 +1,135 @@
+"""The node of the radix tree: a run of whole pages with its values on each tier."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
+
+__all__ = ["TreeNode"]
+
+
+class TreeNode:
+    """One edge of the radix tree: `key` (whole pages of int64 token bytes) and its values on each tier.
+
+    Attributes:
+        id: a number unique within the tree (the root is 0).
+        parent: the parent node; `None` for the root and for nodes removed from the tree.
+        children: children keyed by the bytes of their first page.
+        key: the node's tokens as little-endian int64 bytes, a whole number of pages.
+        device_value: device pool indices, one per token, or `None` once evicted from the device.
+        host_value: host pool indices, one per token, or `None` while not backed up.
+        backup_pending: host indices of a device-to-host backup in flight, else `None`.
+        device_lock: how many holders protect this node (or a descendant) from device eviction.
+        host_lock: how many holders protect this node (or a descendant) from host eviction.
+        hit_count: how many inserts touched this node (drives selective write-through and LFU).
+        last_access: the tree's logical clock at the last match or insert that touched this node.
+        priority: the eviction priority (lower goes first under the priority policy).
+        components: reserved for hybrid components (sliding-window KV, Mamba state); `None` for now.
+    """
+
+    __slots__ = (
+        "_backup_owner",
+        "_ctx",
+        "_dev_children",
+        "_hashes",
+        "backup_pending",
+        "children",
+        "components",
+        "device_lock",
+        "device_value",
+        "hit_count",
+        "host_lock",
+        "host_value",
+        "id",
+        "key",
+        "last_access",
+        "parent",
+        "priority",
+    )
+
+    def __init__(self, node_id: int, parent: TreeNode | None, key: bytes, ctx: tuple[int, Namespace]) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.key = key
+        self.device_value: torch.Tensor | None = None
+        self.host_value: torch.Tensor | None = None
+        self.backup_pending: torch.Tensor | None = None
+        self.device_lock = 0
+        self.host_lock = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.priority = 0
+        self.components: dict[str, object] | None = None
+        # Private bookkeeping kept by the tree: the number of children holding device data, the page
+        # hashes (computed lazily: they depend only on the tokens from the root, so they never go stale),
+        # and, for the upper part of a node split while its backup was in flight, the node the
+        # controller began the backup on.
+        self._dev_children = 0
+        self._hashes: list[bytes] | None = None
+        self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
+        self._backup_owner: TreeNode | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens in the node's key."""
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """One chained 16-byte hash per page, continuing from the parent's last hash.
+
+        Raises:
+            ValueError: if the hashes were never computed and the node was removed from its tree.
+        """
+        h = self._hashes
+        if h is None:
+            h = self._compute_hashes()
+        return h
+
+    @hashes.setter
+    def hashes(self, value: list[bytes]) -> None:
+        self._hashes = value
+
+    def _compute_hashes(self) -> list[bytes]:
+        parent = self.parent
+        if parent is None:
+            if self.key:
+                raise ValueError(f"node {self.id} was removed from its tree before its hashes were computed")
+            return []
+        page_size, ns = self._ctx
+        h = chained_page_hashes(self.key, page_size, ns, parent.last_hash)
+        self._hashes = h
+        return h
+
+    @property
+    def last_hash(self) -> bytes:
+        """The hash of the node's last page (`ROOT_HASH` for the root)."""
+        if not self.key:
+            return ROOT_HASH
+        return self.hashes[-1]
+
+    @property
+    def backed_up(self) -> bool:
+        """Whether the node's pages have a host copy."""
+        return self.host_value is not None
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the node's device copy is gone."""
+        return self.device_value is None
+
+    def __repr__(self) -> str:
+        tiers = []
+        if self.device_value is not None:
+            tiers.append("device")
+        if self.host_value is not None:
+            tiers.append("host")
+        if self.backup_pending is not None:
+            tiers.append("backup-pending")
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, tiers={'+'.join(tiers) or 'none'}, "
+            f"children={len(self.children)}, device_lock={self.device_lock}, host_lock={self.host_lock}, "
+            f"hits={self.hit_count}, last_access={self.last_access}, priority={self.priority})"
+        )

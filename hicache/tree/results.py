@@ -1,0 +1,135 @@
+"""What the tree's operations return: small frozen records of what the controller must carry out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hicache.tree.node import TreeNode
+
+__all__ = ["EMPTY_INDICES", "EvictResult", "HostEvictResult", "InsertResult", "MatchResult", "TreeStatistics"]
+
+EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
+"""A shared empty int64 tensor returned wherever no indices apply (never write into it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached prefix of a key.
+
+    Attributes:
+        key: the page-aligned key in bytes form.
+        device_values: the device values of the nodes on the matched device prefix, root-first.
+        device_len: tokens matched on the device.
+        host_len: tokens matched beyond the device prefix in host-only nodes.
+        last_device_node: the deepest node of the device prefix (the root if none).
+        last_host_node: the deepest matched node that is backed up (the root if none).
+        host_nodes: the host-only nodes after the device prefix, root-first (to be loaded back).
+    """
+
+    key: bytes
+    device_values: tuple[torch.Tensor, ...]
+    device_len: int
+    host_len: int
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_nodes: tuple[TreeNode, ...]
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """Device pool indices of the matched device prefix, one per token (empty if none).
+
+        Concatenated on access (no copy when a single node matched: then it is the node's own tensor,
+        which callers must not modify).
+        """
+        vals = self.device_values
+        if not vals:
+            return EMPTY_INDICES
+        if len(vals) == 1:
+            return vals[0]
+        return torch.cat(vals)
+
+    def __repr__(self) -> str:
+        return (
+            f"MatchResult(tokens={len(self.key) // 8}, device_len={self.device_len}, "
+            f"host_len={self.host_len}, last_device_node={self.last_device_node.id}, "
+            f"last_host_node={self.last_host_node.id}, host_nodes={[n.id for n in self.host_nodes]})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What an `insert` or `insert_host` did.
+
+    Attributes:
+        prefix_len: tokens of the key that were already cached; the caller frees `indices[:prefix_len]`.
+        total_len: page-aligned tokens of the key now covered by the tree (0 when a refill was dropped).
+        node: the last node covering the key (the anchor when a refill was dropped).
+        backups: nodes to back up to the host; the controller asks `backup_chain` for each when it
+            executes them (later entries' chains shrink once earlier ones are pending).
+        host_insert_dropped: `insert_host` attached nothing because the attach point was not backed up;
+            the caller frees every host index it passed.
+    """
+
+    prefix_len: int
+    total_len: int
+    node: TreeNode
+    backups: tuple[TreeNode, ...] = ()
+    host_insert_dropped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    """What `evict_device` freed.
+
+    Attributes:
+        freed_device: device indices the caller returns to the device pool.
+        freed_host: host indices of dropped subtrees the caller returns to the host pool.
+        evicted_tokens: device tokens freed plus tokens returned in `backup_first`.
+        backup_first: un-backed device leaves (write-back) to back up before they can be demoted.
+    """
+
+    freed_device: torch.Tensor
+    freed_host: torch.Tensor
+    evicted_tokens: int
+    backup_first: tuple[TreeNode, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HostEvictResult:
+    """What `evict_host` freed: host indices the caller returns to the host pool."""
+
+    freed_host: torch.Tensor
+    evicted_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStatistics:
+    """A snapshot of the tree's sizes, in tokens.
+
+    Attributes:
+        num_nodes: nodes in the tree, the root excluded.
+        device_tokens: tokens held on the device.
+        host_tokens: tokens held on the host (committed backups and refills).
+        pending_backup_tokens: tokens whose device-to-host backup is in flight.
+        evictable_device_tokens: device tokens in nodes without a device lock.
+        protected_device_tokens: device tokens in device-locked nodes.
+        evictable_host_tokens: host tokens in nodes without a host lock.
+    """
+
+    num_nodes: int
+    device_tokens: int
+    host_tokens: int
+    pending_backup_tokens: int
+    evictable_device_tokens: int
+    protected_device_tokens: int
+    evictable_host_tokens: int
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeStatistics(nodes={self.num_nodes}, device={self.device_tokens} "
+            f"[evictable {self.evictable_device_tokens}, protected {self.protected_device_tokens}], "
+            f"host={self.host_tokens} [evictable {self.evictable_host_tokens}], "
+            f"pending_backup={self.pending_backup_tokens})"
+        )

@@ -78,7 +78,7 @@ _NON_RETRYABLE: Final = (
 
 _STATUS_RE: Final = re.compile(r"status code: (\d{3})")
 
-_INT_OPTIONS: Final = frozenset({"concurrency"})
+_INT_OPTIONS: Final = frozenset({"max_concurrency"})
 _FLOAT_OPTIONS: Final = frozenset({"deadline_s", "attempt_timeout_s", "backoff_initial_s", "backoff_max_s"})
 _BOOL_OPTIONS: Final = frozenset({"allow_http"})
 _STR_OPTIONS: Final = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
@@ -142,7 +142,7 @@ class S3Backend:
         secret_access_key: default `AWS_SECRET_ACCESS_KEY`.
         session_token: default `AWS_SESSION_TOKEN`.
         allow_http: allow a plain-http endpoint; default True only for loopback endpoints.
-        concurrency: the most requests in flight per call.
+        max_concurrency: the most requests in flight at once, across all calls (the connection bound).
         deadline_s: the total time one page's request may take, retries and backoff included.
         attempt_timeout_s: the most one attempt may take.
         backoff_initial_s: the first backoff delay; doubles per retry.
@@ -164,7 +164,7 @@ class S3Backend:
         secret_access_key: str | None = None,
         session_token: str | None = None,
         allow_http: bool | None = None,
-        concurrency: int = 32,
+        max_concurrency: int = 32,
         deadline_s: float = 30.0,
         attempt_timeout_s: float = 10.0,
         backoff_initial_s: float = 0.05,
@@ -178,8 +178,8 @@ class S3Backend:
         prefix = prefix.strip("/")
         if any(part in {"", ".", ".."} for part in prefix.split("/")) and prefix:
             raise ValueError(f"prefix: empty, '.' or '..' path segments are not allowed, got {prefix!r}")
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency: expected an int >= 1, got {concurrency!r}")
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+            raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
         for name, value in (
             ("deadline_s", deadline_s),
             ("attempt_timeout_s", attempt_timeout_s),
@@ -229,7 +229,8 @@ class S3Backend:
         self._endpoint = config.get("endpoint")
         self._region = region
         self._credentials = "explicit-or-env" if access_key_id else "provider-chain"
-        self._concurrency = concurrency
+        self._max_concurrency = max_concurrency
+        self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._deadline_s = float(deadline_s)
         self._attempt_timeout_s = float(attempt_timeout_s)
         self._backoff_initial_s = float(backoff_initial_s)
@@ -265,7 +266,7 @@ class S3Backend:
         """Open a backend for `s3://bucket/prefix?endpoint=...&region=...`.
 
         Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
-        `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `concurrency`, `deadline_s`,
+        `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `max_concurrency`, `deadline_s`,
         `attempt_timeout_s`, `backoff_initial_s`, `backoff_max_s`); keyword options win over the query.
 
         Raises:
@@ -327,8 +328,8 @@ class S3Backend:
     def __repr__(self) -> str:
         return (
             f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={self._endpoint!r}, "
-            f"region={self._region!r}, credentials={self._credentials!r}, concurrency={self._concurrency}, "
-            f"closed={self._closed})"
+            f"region={self._region!r}, credentials={self._credentials!r}, "
+            f"max_concurrency={self._max_concurrency}, closed={self._closed})"
         )
 
     @property
@@ -360,7 +361,7 @@ class S3Backend:
     async def exists(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` whose pages are all stored.
 
-        HEADs run concurrently in windows of `concurrency` keys; the scan stops at the first window with a
+        HEADs run concurrently in windows of `max_concurrency` keys; the scan stops at the first window with a
         missing page. A page whose HEAD fails after retries counts as not stored.
         """
         store = self._open_store()
@@ -369,10 +370,10 @@ class S3Backend:
         validate_keys(keys)
         batch = _Batch()
         found = 0
-        for start in range(0, len(keys), self._concurrency):
-            window = keys[start : start + self._concurrency]
+        for start in range(0, len(keys), self._max_concurrency):
+            window = keys[start : start + self._max_concurrency]
             flags = await gather_bounded(
-                [partial(self._head_one, store, key, batch) for key in window], self._concurrency
+                [partial(self._head_one, store, key, batch) for key in window], self._max_concurrency
             )
             for flag in flags:
                 if not flag:
@@ -396,7 +397,7 @@ class S3Backend:
         batch = _Batch()
         return await gather_bounded(
             [partial(self._get_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
-            self._concurrency,
+            self._max_concurrency,
         )
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
@@ -412,7 +413,7 @@ class S3Backend:
         batch = _Batch()
         return await gather_bounded(
             [partial(self._put_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
-            self._concurrency,
+            self._max_concurrency,
         )
 
     async def delete(self, keys: Sequence[str]) -> None:
@@ -428,7 +429,7 @@ class S3Backend:
         validate_keys(keys)
         batch = _Batch()
         failures = await gather_bounded(
-            [partial(self._delete_one, store, key, batch) for key in keys], self._concurrency
+            [partial(self._delete_one, store, key, batch) for key in keys], self._max_concurrency
         )
         failed = [f for f in failures if f is not None]
         if failed:
@@ -527,7 +528,8 @@ class S3Backend:
             remaining = deadline - anyio.current_time()
             try:
                 with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
-                    return await op()
+                    async with self._limiter:
+                        return await op()
             except FileNotFoundError:
                 raise PageNotFound(f"{method} {path}: no such object") from None
             except _NON_RETRYABLE as exc:

@@ -750,11 +750,11 @@ class RadixTree:
                     got += n
                 else:
                     skipped.append(node)
-            elif not node.children:
+            elif not node.children and not node.host_lock:
                 self._detach(node)
                 freed_device.append(dv)
                 got += n
-            else:  # pragma: no cover - excluded by the write-through invariant
+            else:  # host-locked (children are excluded by the write-through invariant)
                 skipped.append(node)
         for node in skipped:
             leaves.push(node)

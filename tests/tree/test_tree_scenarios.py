@@ -13,11 +13,6 @@ from hicache.tree import InsertResult, RadixTree, TreeNode
 P = 4
 
 
-def toks(*values: int) -> list[int]:
-    """A key of the given token ids."""
-    return list(values)
-
-
 def page_key(start: int, pages: int, page_size: int = P) -> list[int]:
     """`pages` pages of distinct tokens starting at `start`."""
     return list(range(start, start + pages * page_size))
@@ -45,7 +40,9 @@ def back_up(tree: RadixTree, node: TreeNode, first_host: int = 1000) -> None:
     tree.sanity_check()
 
 
-def attach_host_child(tree: RadixTree, anchor: TreeNode, key: list[int], first_host: int = 5000) -> InsertResult:
+def attach_host_child(
+    tree: RadixTree, anchor: TreeNode, key: list[int], first_host: int = 5000
+) -> InsertResult:
     """Attach a storage refill below `anchor`."""
     result = tree.insert_host(anchor, key, indices(first_host, len(key)))
     tree.sanity_check()
@@ -67,7 +64,7 @@ def test_match_on_an_empty_tree_finds_nothing_and_reports_the_root() -> None:
 def test_insert_then_match_returns_the_same_indices_and_ignores_a_partial_page() -> None:
     """A trailing partial page is neither cached nor matched; the rest round-trips exactly."""
     tree = RadixTree(P)
-    key = page_key(0, 3) + [99, 98]
+    key = [*page_key(0, 3), 99, 98]
     r = insert_device_chain(tree, key, 10)
     assert (r.prefix_len, r.total_len) == (0, 12)
     m = tree.match_prefix(key)
@@ -333,7 +330,9 @@ def test_demote_refuses_locked_unbacked_or_parent_of_device_child() -> None:
     tree.sanity_check()
 
 
-def test_seed_refill_under_unbacked_parent_is_dropped_under_write_through(caplog: pytest.LogCaptureFixture) -> None:
+def test_seed_refill_under_unbacked_parent_is_dropped_under_write_through(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """SGLang PR #31902: a storage refill hung below an un-backed device-only parent broke the
     write-through invariant and later eviction. It must be dropped, leaving the parent childless."""
     tree = RadixTree(P, write_policy="write_through")
@@ -343,7 +342,9 @@ def test_seed_refill_under_unbacked_parent_is_dropped_under_write_through(caplog
     assert r.host_insert_dropped
     assert (r.prefix_len, r.node) == (0, parent)
     assert parent.children == {}
-    assert any("dropped 8" in rec.getMessage() and f"node {parent.id}" in rec.getMessage() for rec in caplog.records)
+    assert any(
+        "dropped 8" in rec.getMessage() and f"node {parent.id}" in rec.getMessage() for rec in caplog.records
+    )
     tree.sanity_check()
     assert tree.evict_device(10 * P).evicted_tokens == 40
     tree.sanity_check()

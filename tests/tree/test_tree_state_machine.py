@@ -1,0 +1,316 @@
+"""Stateful property test: random operation sequences against the tree with exact pool accounting.
+
+After every step the tree must pass `sanity_check()` and every device and host token index must be in
+exactly one place: the test's free pool, the tree, or the test's hands.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from hicache.policy import EvictionPolicy, WritePolicy
+from hicache.tree import RadixTree, TreeNode
+
+DEVICE_PAGES = 40
+HOST_PAGES = 40
+
+page_choices = st.lists(st.integers(0, 2), min_size=0, max_size=6)
+tails = st.integers(0, 15)
+
+
+class Pool:
+    """A page allocator over token indices: pages are aligned runs of `page_size` tokens."""
+
+    def __init__(self, pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.capacity = pages * page_size
+        self.free: set[int] = set(range(self.capacity))
+
+    def alloc(self, tokens: int) -> torch.Tensor | None:
+        """Whole pages covering `tokens` tokens (the rest of the last page included), or None."""
+        pages = -(-tokens // self.page_size)
+        starts = sorted(t for t in self.free if t % self.page_size == 0)[:pages]
+        if len(starts) < pages:
+            return None
+        out = [s + i for s in starts for i in range(self.page_size)]
+        self.free.difference_update(out)
+        return torch.tensor(out, dtype=torch.int64)
+
+    def release(self, indices: torch.Tensor) -> None:
+        values = indices.tolist()
+        assert len(set(values)) == len(values), "duplicate indices freed"
+        assert not self.free.intersection(values), "double free"
+        self.free.update(values)
+
+
+def make_key(choices: list[int], tail: int, page_size: int) -> list[int]:
+    """Pages drawn from three patterns (so prefixes are shared) plus a partial tail page."""
+    key: list[int] = []
+    for c in choices:
+        key.extend(c * 10 + (t % 3) for t in range(page_size))
+    key.extend(7 for _ in range(tail % page_size))
+    return key
+
+
+class TreeMachine(RuleBasedStateMachine):
+    """Random operations over every write policy, eviction policy and page sizes 1, 4 and 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tree: RadixTree
+        self.device: Pool
+        self.host: Pool
+        self.device_locks: list[TreeNode] = []
+        self.host_locks: list[TreeNode] = []
+
+    @initialize(
+        page_size=st.sampled_from([1, 4, 16]),
+        write=st.sampled_from(list(WritePolicy)),
+        evict=st.sampled_from(list(EvictionPolicy)),
+    )
+    def setup(self, page_size: int, write: WritePolicy, evict: EvictionPolicy) -> None:
+        self.tree = RadixTree(page_size, write_policy=write, eviction_policy=evict, write_through_threshold=2)
+        self.device = Pool(DEVICE_PAGES, page_size)
+        self.host = Pool(HOST_PAGES, page_size)
+
+    # ------------------------------------------------------------------ helpers
+
+    def key(self, choices: list[int], tail: int) -> list[int]:
+        return make_key(choices, tail, self.tree.page_size)
+
+    def pick(self, nodes: list[TreeNode], index: int) -> TreeNode | None:
+        return nodes[index % len(nodes)] if nodes else None
+
+    def start_backup(self, node: TreeNode) -> None:
+        for n in self.tree.backup_chain(node):
+            idx = self.host.alloc(n.num_tokens)
+            if idx is None:
+                return
+            self.host.release(idx[n.num_tokens :])
+            self.tree.begin_backup(n, idx[: n.num_tokens])
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(choices=page_choices, tail=tails, back_up=st.booleans())
+    def insert(self, choices: list[int], tail: int, back_up: bool) -> None:
+        key = self.key(choices, tail)
+        idx = self.device.alloc(len(key))
+        if idx is None:
+            r = self.tree.evict_device(len(key) + self.tree.page_size)
+            self.device.release(r.freed_device)
+            self.host.release(r.freed_host)
+            idx = self.device.alloc(len(key))
+            if idx is None:
+                return
+        result = self.tree.insert(key, idx[: len(key)])
+        event(f"insert duplicate={result.prefix_len > 0}")
+        assert result.total_len == len(key) - len(key) % self.tree.page_size
+        assert 0 <= result.prefix_len <= result.total_len
+        self.device.release(idx[: result.prefix_len])
+        self.device.release(idx[result.total_len :])
+        if back_up:
+            for node in result.backups:
+                self.start_backup(node)
+
+    @rule(choices=page_choices, tail=tails)
+    def match(self, choices: list[int], tail: int) -> None:
+        key = self.key(choices, tail)
+        m = self.tree.match_prefix(key)
+        assert m.device_indices.shape == (m.device_len,)
+        assert m.device_len + m.host_len <= len(key)
+        assert sum(n.num_tokens for n in m.host_nodes) == m.host_len
+        for n in m.host_nodes:
+            assert n.device_value is None
+            assert n.host_value is not None
+
+    @rule(choices=page_choices, extra=page_choices, tail=tails)
+    def refill(self, choices: list[int], extra: list[int], tail: int) -> None:
+        key = self.key(choices + extra, tail)
+        m = self.tree.match_prefix(key)
+        anchor = m.last_host_node
+        start = m.device_len + m.host_len
+        # The anchor is the deepest backed-up node: the refill continues from its end.
+        depth = 0
+        n: TreeNode | None = anchor
+        while n is not None and n is not self.tree.root:
+            depth += n.num_tokens
+            n = n.parent
+        rest = key[depth:]
+        assert depth <= start
+        if not rest:
+            return
+        idx = self.host.alloc(len(rest))
+        if idx is None:
+            return
+        if anchor is not self.tree.root:
+            self.tree.lock_host(anchor)
+        r = self.tree.insert_host(anchor, rest, idx[: len(rest)])
+        event(f"refill dropped={r.host_insert_dropped}")
+        if r.host_insert_dropped:
+            assert self.tree.write_policy is not WritePolicy.WRITE_BACK
+            assert (r.prefix_len, r.node) == (0, anchor)
+            self.host.release(idx)
+        else:
+            self.host.release(idx[: r.prefix_len])
+            self.host.release(idx[r.total_len :])
+        if anchor is not self.tree.root:
+            self.tree.unlock_host(anchor)
+
+    @rule(index=st.integers(0, 1000))
+    def begin_backup(self, index: int) -> None:
+        nodes = [n for n in self.tree.iter_nodes() if n.device_value is not None and n.host_value is None]
+        node = self.pick(nodes, index)
+        if node is not None:
+            self.start_backup(node)
+
+    def pending(self) -> list[TreeNode]:
+        return [n for n in self.tree.iter_nodes() if n.backup_pending is not None and n._backup_owner is None]
+
+    @rule(index=st.integers(0, 1000))
+    def commit_backup(self, index: int) -> None:
+        node = self.pick(self.pending(), index)
+        if node is None:
+            return
+        try:
+            self.tree.commit_backup(node)
+        except ValueError:
+            event("commit refused")
+            assert self.tree.write_policy is not WritePolicy.WRITE_BACK
+            assert node.backup_pending is not None
+            return
+        event("commit")
+        assert node.backed_up
+
+    @rule(index=st.integers(0, 1000))
+    def abort_backup(self, index: int) -> None:
+        node = self.pick(self.pending(), index)
+        if node is not None:
+            self.host.release(self.tree.abort_backup(node))
+
+    @rule(index=st.integers(0, 1000))
+    def demote(self, index: int) -> None:
+        node = self.pick(self.tree.iter_nodes(), index)
+        if node is None:
+            return
+        legal = (
+            node.device_value is not None
+            and node.host_value is not None
+            and node.device_lock == 0
+            and not any(c.device_value is not None for c in node.children.values())
+        )
+        try:
+            freed = self.tree.demote(node)
+        except ValueError:
+            assert not legal
+            return
+        assert legal
+        event("demote")
+        self.device.release(freed)
+
+    @rule(index=st.integers(0, 1000), host=st.booleans())
+    def lock(self, index: int, host: bool) -> None:
+        node = self.pick(self.tree.iter_nodes(), index)
+        if node is None:
+            return
+        if host:
+            self.tree.lock_host(node)
+            self.host_locks.append(node)
+        else:
+            self.tree.lock_device(node)
+            self.device_locks.append(node)
+
+    @rule(index=st.integers(0, 1000))
+    def unlock(self, index: int) -> None:
+        if not self.device_locks and not self.host_locks:
+            return
+        pool = (
+            self.device_locks if self.device_locks and (index % 2 or not self.host_locks) else self.host_locks
+        )
+        node = pool.pop(index % len(pool))
+        if pool is self.device_locks:
+            self.tree.unlock_device(node)
+        else:
+            self.tree.unlock_host(node)
+
+    @rule(tokens=st.integers(0, 80), host_free=st.integers(0, 40), back_up=st.booleans())
+    def evict_device(self, tokens: int, host_free: int, back_up: bool) -> None:
+        before = self.tree.statistics().evictable_device_tokens
+        r = self.tree.evict_device(tokens, host_free)
+        assert r.evicted_tokens >= min(tokens, 1) or r.evicted_tokens == 0
+        assert r.freed_device.numel() <= before
+        event(
+            f"evict_device freed={bool(r.freed_device.numel())} host={bool(r.freed_host.numel())} "
+            f"backup_first={bool(r.backup_first)}"
+        )
+        self.device.release(r.freed_device)
+        self.host.release(r.freed_host)
+        if back_up:
+            for node in r.backup_first:
+                self.start_backup(node)
+
+    @rule(tokens=st.integers(0, 80))
+    def evict_host(self, tokens: int) -> None:
+        r = self.tree.evict_host(tokens)
+        assert r.freed_host.numel() == r.evicted_tokens
+        event(f"evict_host freed={r.evicted_tokens > 0}")
+        self.host.release(r.freed_host)
+
+    @rule(index=st.integers(0, 1000))
+    def attach_device(self, index: int) -> None:
+        root = self.tree.root
+        nodes = [
+            n
+            for n in self.tree.iter_nodes()
+            if n.device_value is None
+            and (n.parent is root or (n.parent and n.parent.device_value is not None))
+        ]
+        node = self.pick(nodes, index)
+        if node is None:
+            return
+        idx = self.device.alloc(node.num_tokens)
+        if idx is None:
+            return
+        self.tree.attach_device(node, idx)  # nodes are whole pages: no tail
+        event("attach_device")
+
+    @rule(index=st.integers(0, 1000), priority=st.integers(-3, 3))
+    def set_priority(self, index: int, priority: int) -> None:
+        node = self.pick(self.tree.iter_nodes(), index)
+        if node is not None:
+            self.tree.set_priority(node, priority)
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def tree_is_sound_and_every_page_is_accounted_for(self) -> None:
+        if not hasattr(self, "tree"):
+            return
+        self.tree.sanity_check()
+        for pool, owned in (
+            (self.device, self.tree.device_tokens_owned().tolist()),
+            (self.host, self.tree.host_tokens_owned().tolist()),
+        ):
+            assert len(set(owned)) == len(owned), "the tree holds an index twice"
+            assert not pool.free.intersection(owned), "the tree holds a free index"
+            assert len(pool.free) + len(owned) == pool.capacity
+
+    def teardown(self) -> None:
+        if not hasattr(self, "tree"):
+            return
+        for node in self.device_locks:
+            self.tree.unlock_device(node)
+        for node in self.host_locks:
+            self.tree.unlock_host(node)
+        self.tree.sanity_check()
+
+
+TreeMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_tree_state_machine = TreeMachine.TestCase

@@ -140,15 +140,19 @@ def decode_header(header: bytes | bytearray | memoryview) -> PageHeader:
     """Decode a header without looking at any payload.
 
     Raises:
-        ChecksumMismatch: if the header is short, has the wrong magic or an unknown version.
+        ChecksumMismatch: if the header is short, has the wrong magic, an unknown version, or flags or
+            reserved bits this version does not define.
     """
     if len(header) < HEADER_SIZE:
         raise ChecksumMismatch(f"page header is truncated: {len(header)} of {HEADER_SIZE} bytes")
-    magic, version, flags, _reserved, digest, length, checksum = _HEADER.unpack_from(header)
+    magic, version, flags, reserved, digest, length, checksum = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise ChecksumMismatch(f"bad page magic {magic!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise ChecksumMismatch(f"unsupported page format version {version}, expected {FORMAT_VERSION}")
+    if flags or reserved:
+        # Version 1 defines no flags: a page with any set (say, compressed) must not be read as raw bytes.
+        raise ChecksumMismatch(f"unsupported page flags {flags:#04x} (reserved {reserved:#06x})")
     return PageHeader(version, flags, digest, length, checksum)
 
 

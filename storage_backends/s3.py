@@ -53,6 +53,7 @@ from storage_backends.batching import BackendStatistics, check_batch, gather_bou
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
+    decode_header,
     encode_header,
     validate_keys,
     verify_page,
@@ -386,7 +387,8 @@ class S3Backend:
 
         Raises:
             CacheClosed: after `aclose()`.
-            ValueError: for mismatched lengths, a bad key, or a read-only or non-contiguous buffer.
+            ValueError: for mismatched lengths, a bad key, a read-only or non-contiguous buffer, or a
+                buffer whose size differs from the stored page's (named `buffers[i]`).
         """
         store = self._open_store()
         check_batch(keys, buffers)
@@ -396,7 +398,10 @@ class S3Backend:
                 raise ValueError(f"buffers[{i}]: expected a writable memoryview")
         batch = _Batch()
         return await gather_bounded(
-            [partial(self._get_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
+            [
+                partial(self._get_one, store, i, key, buf, batch)
+                for i, (key, buf) in enumerate(zip(keys, buffers, strict=True))
+            ],
             self._max_concurrency,
         )
 
@@ -448,7 +453,7 @@ class S3Backend:
             return False
         return True
 
-    async def _get_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
+    async def _get_one(self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch) -> bool:
         path = self.object_path(key)
         try:
             body = await self._call(partial(_fetch, store, path), batch, "GET", path)
@@ -460,6 +465,13 @@ class S3Backend:
             return False
         expected = HEADER_SIZE + buf.nbytes
         if len(body) != expected:
+            stored = _well_formed_payload_length(body)
+            if stored is not None:
+                # Three cases: a whole page of another size (the caller's error), a truncated or overlong
+                # object, or garbage; only the first is an exception, the others are misses.
+                raise ValueError(
+                    f"buffers[{index}]: page {key} holds {stored} payload bytes, the buffer has {buf.nbytes}"
+                )
             self._checksum_failures += 1
             logger.warning(
                 "s3 page %s has %d bytes, expected %d: treated as a miss", path, len(body), expected
@@ -572,6 +584,15 @@ def _http_status(exc: BaseException) -> int | None:
     """The HTTP status a native error reports, if any (object_store has no typed field for it)."""
     match = _STATUS_RE.search(str(exc))
     return int(match.group(1)) if match else None
+
+
+def _well_formed_payload_length(body: obstore.Bytes) -> int | None:
+    """The payload length of a body whose header decodes and matches its length, else None."""
+    try:
+        header = decode_header(memoryview(body)[:HEADER_SIZE])
+    except ChecksumMismatch:
+        return None
+    return header.payload_length if header.payload_length == len(body) - HEADER_SIZE else None
 
 
 async def _fetch(store: S3Store, path: str) -> obstore.Bytes:

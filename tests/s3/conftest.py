@@ -8,40 +8,18 @@ its log in the error): these tests must run in CI, never skip.
 from __future__ import annotations
 
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The server helpers (shared with bench/bench_s3.py) and the shared contract live in sibling directories.
+_TESTS = Path(__file__).resolve().parents[1]
+for _path in (_TESTS, _TESTS / "storage"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from s3_servers import S3Server, start_juicefs, start_moto  # noqa: E402
-
-from storage_backends.s3 import S3Backend  # noqa: E402
-
-NAMESPACE = bytes(range(16))
-"""The namespace digest every test backend writes and checks."""
-
-FAST_RETRIES: dict[str, Any] = {
-    "deadline_s": 0.5,
-    "attempt_timeout_s": 0.25,
-    "backoff_initial_s": 0.01,
-    "backoff_max_s": 0.05,
-}
-"""Retry settings small enough that a dead server fails a page in well under a second."""
-
-
-def unique_prefix() -> str:
-    """A fresh key prefix, so tests sharing a session server never see each other's pages."""
-    return f"t-{uuid.uuid4().hex[:12]}"
-
-
-def open_backend(server: S3Server, prefix: str | None = None, **options: Any) -> S3Backend:
-    """An `S3Backend` on `server` opened through its URL, with the server's credentials as options."""
-    merged = {"deadline_s": 10.0, **server.options(), **options}
-    return S3Backend.from_url(server.url(prefix or unique_prefix()), namespace_digest=NAMESPACE, **merged)
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,15 @@
-"""S3Backend behaviour on loopback moto and JuiceFS: round trips, layout, verification, lifecycle, redaction."""
+"""S3Backend on loopback moto and JuiceFS: round trips, layout, verification, lifecycle, redaction."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import AsyncIterator
 
 import obstore
 import pytest
 import torch
-from conftest import NAMESPACE, open_backend, unique_prefix
 from obstore.store import S3Store
+from s3_helpers import NAMESPACE, open_backend, unique_prefix
 from s3_servers import S3Server
 
 from hicache.errors import CacheClosed, StorageError, StorageUnavailable
@@ -74,7 +73,8 @@ async def test_round_trip_of_float_pages_into_a_host_tensor(backend: S3Backend) 
     assert isinstance(stats, S3Statistics)
     assert (stats.pages_written, stats.pages_read) == (8, 8)
     assert stats.bytes_read == stats.bytes_written == 8 * 4096
-    assert stats.retries == 0 and stats.errors == 0
+    assert stats.retries == 0
+    assert stats.errors == 0
 
 
 async def test_objects_are_laid_out_one_per_page_with_header(backend: S3Backend, server: S3Server) -> None:
@@ -111,20 +111,37 @@ async def test_get_reports_each_page_missing_or_loaded(backend: S3Backend) -> No
     assert backend.statistics().misses == 1
 
 
-async def test_page_of_another_size_or_namespace_is_a_miss(backend: S3Backend, server: S3Server) -> None:
-    """A stored page never loads into a buffer of another size, nor into a cache of another namespace."""
+async def test_page_of_another_namespace_is_a_miss(backend: S3Backend, server: S3Server) -> None:
+    """A stored page never loads into a cache of another namespace: a checksum failure, not an error."""
     key = keys_for(1)[0]
     _, bufs = host_pages(1)
     await backend.put([key], bufs)
-    _, bigger = host_pages(1, PAGE * 2, fill=False)
-    assert await backend.get([key], bigger) == [False]
-    other = S3Backend.from_url(
-        server.url(backend.object_path(key).split("/")[0]), namespace_digest=b"x" * 16, **server.options()
-    )
-    async with other:
+    prefix = backend.object_path(key).split("/")[0]
+    async with S3Backend.from_url(
+        server.url(prefix), namespace_digest=b"x" * 16, **server.options()
+    ) as other:
         _, out = host_pages(1, fill=False)
         assert await other.get([key], out) == [False]
         assert other.statistics().checksum_failures == 1
+        assert other.statistics().errors == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "extend", "garbage"])
+async def test_truncated_overlong_or_garbage_object_is_a_counted_miss(
+    backend: S3Backend, server: S3Server, damage: str
+) -> None:
+    """An object that is not a whole page of the buffer's size never loads; the buffer is untouched."""
+    keys = keys_for(2)
+    _, bufs = host_pages(2)
+    await backend.put(keys, bufs)
+    store = raw_store(server)
+    path = backend.object_path(keys[0])
+    body = bytes(await (await obstore.get_async(store, path)).bytes_async())
+    damaged = {"truncate": body[:-100], "extend": body + b"\0" * 100, "garbage": b"not a page" * 500}[damage]
+    await obstore.put_async(store, path, damaged)
+    out_tensor, out = host_pages(2, fill=False)
+    assert await backend.get(keys, out) == [False, True]
+    assert not out_tensor[0].any()
     assert backend.statistics().checksum_failures == 1
 
 
@@ -168,7 +185,8 @@ async def test_closed_backend_raises_and_close_is_idempotent(server: S3Server) -
     assert isinstance(backend, StorageBackend)
     await backend.aclose()
     await backend.aclose()
-    assert backend.closed and "closed=True" in repr(backend)
+    assert backend.closed
+    assert "closed=True" in repr(backend)
     _, bufs = host_pages(1)
     with pytest.raises(CacheClosed):
         await backend.exists(keys_for(1))
@@ -182,10 +200,8 @@ async def test_closed_backend_raises_and_close_is_idempotent(server: S3Server) -
 
 def test_unclosed_backend_warns(moto_server: S3Server) -> None:
     """A backend dropped without aclose warns with ResourceWarning."""
-    backend = open_backend(moto_server)
     with pytest.warns(ResourceWarning, match="unclosed S3Backend"):
-        del backend
-        gc.collect()
+        open_backend(moto_server)  # dropped at once: nothing else holds a reference
 
 
 async def test_registry_opens_s3_urls(moto_server: S3Server) -> None:
@@ -206,7 +222,9 @@ async def test_wrong_credentials_fail_pages_without_retrying(juicefs_server: S3S
         assert await backend.put(keys_for(2), bufs) == [False, False]
         assert await backend.get(keys_for(2), bufs) == [False, False]
         stats = backend.statistics()
-        assert stats.errors == 4 and stats.retries == 0 and stats.requests == 4
+        assert stats.errors == 4
+        assert stats.retries == 0
+        assert stats.requests == 4
 
 
 # --------------------------------------------------------------------------- configuration and redaction
@@ -220,8 +238,10 @@ async def test_from_url_reads_endpoint_region_and_options_from_the_query() -> No
     url = "s3://bucket/some/prefix/?endpoint=http://127.0.0.1:9&region=eu-west-1&max_concurrency=3"
     async with S3Backend.from_url(url, namespace_digest=NAMESPACE, max_concurrency=5) as backend:
         text = repr(backend)
-    assert "bucket='bucket'" in text and "prefix='some/prefix'" in text
-    assert "endpoint='http://127.0.0.1:9'" in text and "region='eu-west-1'" in text
+    assert "bucket='bucket'" in text
+    assert "prefix='some/prefix'" in text
+    assert "endpoint='http://127.0.0.1:9'" in text
+    assert "region='eu-west-1'" in text
     assert "max_concurrency=5" in text
 
 
@@ -233,8 +253,11 @@ async def test_configuration_falls_back_to_aws_environment(monkeypatch: pytest.M
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     async with S3Backend("bucket", namespace_digest=NAMESPACE) as backend:
         text = repr(backend)
-    assert "http://127.0.0.1:9" in text and "ap-south-1" in text and "explicit-or-env" in text
-    assert SECRET not in text and KEY_ID not in text
+    assert "http://127.0.0.1:9" in text
+    assert "ap-south-1" in text
+    assert "explicit-or-env" in text
+    assert SECRET not in text
+    assert KEY_ID not in text
 
 
 def test_plain_http_is_refused_for_remote_endpoints_unless_allowed() -> None:
@@ -269,15 +292,17 @@ async def test_credentials_never_appear_in_repr_logs_or_errors(caplog: pytest.Lo
     with pytest.raises(CacheClosed) as closed:
         await backend.exists(keys_for(1))
     messages.append(str(closed.value))
-    with pytest.raises(ValueError) as bad:
+    with pytest.raises(ValueError, match="max_concurrency") as bad:
         S3Backend.from_url(url + "&max_concurrency=many", namespace_digest=NAMESPACE)
     messages.append(str(bad.value))
     messages.extend(record.getMessage() for record in caplog.records)
     assert any("retrying" in m for m in messages), "the retries were logged"
     for message in messages:
-        assert SECRET not in message and KEY_ID not in message, message
+        assert SECRET not in message, message
+        assert KEY_ID not in message, message
 
 
 def test_storage_errors_are_oserrors() -> None:
     """Callers may catch the translated errors as builtins."""
-    assert issubclass(StorageUnavailable, ConnectionError) and issubclass(StorageError, OSError)
+    assert issubclass(StorageUnavailable, ConnectionError)
+    assert issubclass(StorageError, OSError)

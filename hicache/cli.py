@@ -1,0 +1,281 @@
+"""The `hicache` command: `demo` (serve a seeded model through the cache and verify it), `inspect`, `bench`.
+
+Exit status: 0 on success, 1 when a demo request's output differs from recompute (or a bench script
+fails), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `hicache` command."""
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0] if __doc__ else None)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="serve a seeded small Llama to simulated users through a HiCache, verify every output",
+        description="Serve a seeded multi-user chat workload through a HiCache (device, host and storage "
+        "tiers), serve it again with full recompute, and check every request: restored K/V bitwise, "
+        "logits bitwise against the same split in memory, and within 1e-4 of recompute.",
+    )
+    demo.add_argument(
+        "--backend",
+        metavar="URL",
+        help="storage URL: file:///dir, memory://name, s3://bucket/prefix "
+        "(default: the file backend in a temporary directory)",
+    )
+    demo.add_argument("--users", type=int, default=8, help="concurrent simulated users (default 8)")
+    demo.add_argument("--turns", type=int, default=4, help="turns per user (default 4)")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    demo.add_argument("--device-pages", type=int, default=None, help="pages in the device pool (default 160)")
+    demo.add_argument("--host-pages", type=int, default=None, help="pages in the host pool (default 224)")
+    demo.add_argument(
+        "--write-policy",
+        choices=["write_through", "write_through_selective", "write_back"],
+        default="write_through",
+        help="when device pages are backed up to host (default write_through)",
+    )
+    demo.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
+    demo.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and TTFT over time")
+    demo.add_argument("--snapshot", metavar="PATH", help="write a JSON snapshot for `hicache inspect`")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus text on 127.0.0.1:PORT while running",
+    )
+
+    inspect = sub.add_parser(
+        "inspect", help="show pool occupancy, tree size and top prefixes of a demo snapshot"
+    )
+    inspect.add_argument("snapshot", metavar="PATH", help="a file written by `hicache demo --snapshot PATH`")
+    inspect.add_argument("--json", action="store_true", help="print the snapshot's state as JSON")
+
+    bench = sub.add_parser("bench", help="run the benchmark scripts in bench/")
+    bench.add_argument("names", nargs="*", help="scripts to run, e.g. bench_tree (default: all)")
+    bench.add_argument("--dir", default=None, help="the bench directory (default: ./bench or the repo's)")
+    bench.add_argument("--list", action="store_true", help="list the scripts and exit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `hicache` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "inspect":
+        return _inspect(args)
+    return _bench(args)
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import anyio
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hicache.demo.report import render_summary, save_plot, save_snapshot, summarize
+    from hicache.demo.serve import DemoConfig, DemoResult, run_demo
+    from hicache.policy import WritePolicy
+
+    for name in ("users", "turns"):
+        if getattr(args, name) < 1:
+            print(f"hicache demo: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    overrides: dict[str, Any] = {}
+    if args.device_pages is not None:
+        overrides["device_pages"] = args.device_pages
+    if args.host_pages is not None:
+        overrides["host_pages"] = args.host_pages
+    config = DemoConfig(
+        users=args.users,
+        turns=args.turns,
+        seed=args.seed,
+        backend_url=args.backend,
+        write_policy=WritePolicy(args.write_policy),
+        metrics_port=args.metrics_port,
+        **overrides,
+    )
+    # With --json, stdout carries only the JSON; progress and messages go to stderr.
+    err = Console(stderr=True)
+    out = err if args.json else Console()
+    if not out.is_terminal:
+        out.width = max(out.width, 120)
+    labels = {"cache": "with hicache", "recompute": "no cache (recompute)", "verify": "verifying"}
+    with Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=args.json,
+    ) as progress:
+        loading = progress.add_task("loading model", total=None)
+        tasks: dict[str, Any] = {}
+
+        def on_progress(phase: str, done: int, total: int) -> None:
+            if loading in progress.task_ids:
+                progress.remove_task(loading)
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(labels.get(phase, phase), total=total)
+            progress.update(tasks[phase], completed=done, total=total)
+
+        def announce(url: str) -> None:
+            progress.console.print(f"serving metrics at {url}")
+
+        result: DemoResult = anyio.run(run_demo, config, on_progress, announce)
+    summary = summarize(result)
+    if args.plot:
+        save_plot(result, args.plot)
+    if args.snapshot:
+        save_snapshot(result, summary, args.snapshot)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        out.print(render_summary(summary))
+        wall = sum(result.wall_s.values())
+        out.print(
+            f"wall time {wall:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in result.wall_s.items()) + ")"
+        )
+        if args.plot:
+            out.print(f"plot written to {args.plot}")
+        if args.snapshot:
+            out.print(f"snapshot written to {args.snapshot}; see `hicache inspect {args.snapshot}`")
+    if summary["identical"] != summary["requests"]:
+        bad = [r.request_id for r in result.records if not r.identical]
+        err.print(
+            f"[bold red]MISMATCH[/]: {len(bad)} request(s) differ from recompute: {', '.join(bad[:20])}"
+        )
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    path = Path(args.snapshot)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"hicache inspect: cannot read snapshot {str(path)!r}: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(data, dict) or "pools" not in data or "tree" not in data:
+        print(f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({k: data.get(k) for k in ("pools", "tree", "top_prefixes", "summary")}, indent=2))
+        return 0
+    console = Console()
+    pools = Table(title="pool occupancy per tier")
+    for column in ("tier", "placement", "used pages", "capacity", "occupancy", "page size", "page bytes"):
+        pools.add_column(column)
+    for tier in ("device", "host"):
+        p = data["pools"].get(tier)
+        if p:
+            pct = 100 * p["used_pages"] / max(1, p["capacity_pages"])
+            pools.add_row(
+                tier,
+                str(p["device"]),
+                str(p["used_pages"]),
+                str(p["capacity_pages"]),
+                f"{pct:.0f}%",
+                str(p["page_size"]),
+                str(p["page_nbytes"]),
+            )
+    storage = data["pools"].get("storage") or {}
+    if storage:
+        written = int(storage.get("bytes_written", 0))
+        pools.add_row("storage", str(storage.get("url", "")), "-", "-", "-", "-", f"{written} written")
+    console.print(pools)
+    tree = data["tree"]
+    console.print(
+        f"tree: {tree['nodes']} nodes, {tree['device_tokens']} device tokens "
+        f"({tree['evictable_device_tokens']} evictable), {tree['host_tokens']} host tokens "
+        f"({tree['evictable_host_tokens']} evictable)"
+    )
+    prefixes = Table(title="top prefixes (top-level branches, most hit first)")
+    for column in ("#", "first tokens", "hits", "nodes", "device tokens", "host tokens"):
+        prefixes.add_column(column)
+    for i, row in enumerate(data.get("top_prefixes", []), 1):
+        first = " ".join(str(t) for t in row["first_tokens"][:6]) + " ..."
+        prefixes.add_row(
+            str(i),
+            first,
+            str(row["hits"]),
+            str(row["nodes"]),
+            str(row["device_tokens"]),
+            str(row["host_tokens"]),
+        )
+    console.print(prefixes)
+    summary = data.get("summary")
+    if summary:
+        console.print(
+            f"run: {summary['requests']} requests, {summary['identical']}/{summary['requests']} identical to "
+            f"recompute, backend {summary['backend']}"
+        )
+    return 0
+
+
+# ---------------------------------------------------------------------- bench
+
+
+def _bench_dir(given: str | None) -> Path | None:
+    candidates = (
+        [Path(given)] if given else [Path.cwd() / "bench", Path(__file__).resolve().parents[1] / "bench"]
+    )
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    directory = _bench_dir(args.dir)
+    if directory is None:
+        print(
+            "hicache bench: no bench/ directory found (run from the repository root or pass --dir)",
+            file=sys.stderr,
+        )
+        return 2
+    scripts = sorted(p for p in directory.glob("*.py") if not p.name.startswith("_"))
+    if args.list:
+        for script in scripts:
+            print(script.stem)
+        return 0
+    if args.names:
+        by_name = {p.stem: p for p in scripts} | {p.name: p for p in scripts}
+        unknown = [n for n in args.names if n not in by_name]
+        if unknown:
+            known = ", ".join(p.stem for p in scripts) or "none"
+            print(f"hicache bench: unknown script(s) {', '.join(unknown)}; known: {known}", file=sys.stderr)
+            return 2
+        scripts = [by_name[n] for n in args.names]
+    if not scripts:
+        print(f"hicache bench: no scripts in {directory}", file=sys.stderr)
+        return 2
+    status = 0
+    for script in scripts:
+        print(f"== {script.name}", flush=True)
+        done = subprocess.run([sys.executable, str(script)], check=False)
+        if done.returncode != 0:
+            print(f"hicache bench: {script.name} exited with status {done.returncode}", file=sys.stderr)
+            status = 1
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Turn a `DemoResult` into a summary: a dict for `--json`, a rich table, a PNG chart and a snapshot file."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hicache.demo.png import Canvas, Series, line_chart
+from hicache.demo.serve import RECOMPUTE_TOLERANCE, DemoResult, sum_metric
+
+__all__ = ["percentile", "render_summary", "save_plot", "save_snapshot", "summarize"]
+
+TIERS = ("device", "host", "storage")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`-th percentile (0 < q <= 100) of `values`; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(result: DemoResult) -> dict[str, Any]:
+    """The run's summary as plain JSON-serialisable data (the `--json` output)."""
+    records = result.records
+    m = result.metrics
+    nbytes = result.token_nbytes
+    prompt_tokens = sum(int(r.prompt.numel()) for r in records)
+    hits = {tier: sum(r.hits.get(tier, 0) for r in records) for tier in TIERS}
+    prefetch_status = [r.prefetch for r in records if r.prefetch is not None]
+    ttft = [r.ttft_s for r in records]
+    ttft_nocache = [r.ttft_nocache_s for r in records if r.ttft_nocache_s is not None]
+    skipped: dict[str, int] = {}
+    for name, metric in m.items():
+        if name.endswith("prefetch_skipped_total"):
+            for sample in metric.get("samples", []):
+                reason = sample.get("labels", {}).get("reason", "")
+                skipped[reason] = skipped.get(reason, 0) + int(sample["value"])
+    config = result.config
+    return {
+        "requests": len(records),
+        "users": config.users,
+        "turns": config.turns,
+        "seed": config.seed,
+        "backend": result.backend_url,
+        "identical": sum(r.identical for r in records),
+        "checks": {
+            "kv_bitwise": sum(r.kv_bitwise for r in records),
+            "same_split_logits_bitwise": sum(r.same_split_bitwise for r in records),
+            "replies_equal": sum(r.reply_equal for r in records),
+            "max_recompute_logit_diff": max((r.recompute_max_diff for r in records), default=0.0),
+            "tolerance": RECOMPUTE_TOLERANCE,
+        },
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hits,
+        "requests_with_hits": {tier: sum(1 for r in records if r.hits.get(tier, 0)) for tier in TIERS},
+        "prefill_tokens_saved": sum(r.reused_len for r in records),
+        "prefetch": {
+            "committed": prefetch_status.count("committed"),
+            "dropped": prefetch_status.count("dropped"),
+            "cancelled": prefetch_status.count("cancelled"),
+            "skipped": skipped,
+            "loaded_tokens": int(sum_metric(m, "prefetch_loaded_tokens_total")),
+        },
+        "bytes_moved": {
+            "device_to_host": int(sum_metric(m, "backup_tokens_total")) * nbytes,
+            "host_to_device": int(sum_metric(m, "load_back_tokens_total")) * nbytes,
+            "storage_read": int(sum_metric(m, "storage_bytes_read_total")),
+            "storage_written": int(sum_metric(m, "storage_bytes_written_total")),
+        },
+        "ttft_ms": {
+            "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
+            "no_cache": {
+                "p50": 1e3 * percentile(ttft_nocache, 50),
+                "p99": 1e3 * percentile(ttft_nocache, 99),
+            },
+        },
+        "not_inserted": sum(1 for r in records if not r.inserted),
+        "pools": result.pools,
+        "tree": result.tree,
+        "wall_s": {k: round(v, 3) for k, v in result.wall_s.items()},
+        "metrics_url": result.metrics_url,
+    }
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover - the loop always returns
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary as (label, value) rows, in the order they are shown."""
+    s = summary
+    hits = s["hit_tokens"]
+    total = max(1, s["prompt_tokens"])
+    pf = s["prefetch"]
+    moved = s["bytes_moved"]
+    ttft = s["ttft_ms"]
+    checks = s["checks"]
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(pf["skipped"].items()) if v) or "none"
+    return [
+        ("requests", f"{s['requests']} ({s['users']} users x {s['turns']} turns), backend {s['backend']}"),
+        ("prompt tokens", f"{s['prompt_tokens']:,}"),
+        (
+            "hit tokens by tier",
+            " / ".join(f"{t} {hits[t]:,} ({100 * hits[t] / total:.0f}%)" for t in TIERS),
+        ),
+        (
+            "requests hitting each tier",
+            " / ".join(f"{t} {s['requests_with_hits'][t]}" for t in TIERS),
+        ),
+        (
+            "prefill tokens saved",
+            f"{s['prefill_tokens_saved']:,} ({100 * s['prefill_tokens_saved'] / total:.0f}%)",
+        ),
+        (
+            "prefetches",
+            f"committed {pf['committed']} / dropped {pf['dropped']} "
+            f"({pf['loaded_tokens']:,} tokens loaded; skipped: {skipped})",
+        ),
+        (
+            "bytes moved",
+            f"device->host {_bytes(moved['device_to_host'])}, "
+            f"host->device {_bytes(moved['host_to_device'])}, "
+            f"storage read {_bytes(moved['storage_read'])}, written {_bytes(moved['storage_written'])}",
+        ),
+        (
+            "TTFT p50 / p99",
+            f"cache {ttft['cache']['p50']:.1f} / {ttft['cache']['p99']:.1f} ms, "
+            f"no cache {ttft['no_cache']['p50']:.1f} / {ttft['no_cache']['p99']:.1f} ms",
+        ),
+        (
+            "checks",
+            f"K/V bitwise {checks['kv_bitwise']}/{s['requests']}, same-split logits bitwise "
+            f"{checks['same_split_logits_bitwise']}/{s['requests']}, max |logit diff| vs recompute "
+            f"{checks['max_recompute_logit_diff']:.1e} (tolerance {checks['tolerance']:.0e})",
+        ),
+        ("outputs identical to recompute", f"{s['identical']}/{s['requests']}"),
+    ]
+
+
+def render_summary(summary: dict[str, Any]) -> Any:
+    """A rich `Table` of the summary."""
+    from rich.table import Table
+
+    ok = summary["identical"] == summary["requests"]
+    table = Table(title="hicache demo", show_header=False, title_style="bold")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for label, value in summary_rows(summary):
+        style = ("green" if ok else "bold red") if label == "outputs identical to recompute" else None
+        table.add_row(label, value, style=style)
+    return table
+
+
+def save_plot(result: DemoResult, path: str | Path) -> None:
+    """Write a PNG with the cumulative hit rate and the TTFT of both runs over time."""
+    records = sorted(result.records, key=lambda r: r.arrival_s + r.ttft_s)
+    hit_points: list[tuple[float, float]] = []
+    hit = total = 0
+    for r in records:
+        hit += sum(r.hits.values())
+        total += int(r.prompt.numel())
+        hit_points.append((r.arrival_s + r.ttft_s, 100.0 * hit / max(1, total)))
+    cached = [(r.arrival_s + r.ttft_s, 1e3 * r.ttft_s) for r in records]
+    nocache = sorted(
+        (r.arrival_nocache_s + r.ttft_nocache_s, 1e3 * r.ttft_nocache_s)
+        for r in result.records
+        if r.arrival_nocache_s is not None and r.ttft_nocache_s is not None
+    )
+    x_max = max([x for x, _ in cached + nocache], default=1.0)
+    canvas = Canvas(900, 620)
+    line_chart(
+        canvas,
+        (90, 50, 870, 270),
+        [Series("with hicache", hit_points, (31, 119, 180))],
+        title="cumulative prompt tokens served from cache (%)",
+        x_max=x_max,
+        y_max=100.0,
+    )
+    line_chart(
+        canvas,
+        (90, 340, 870, 570),
+        [Series("with hicache", cached, (31, 119, 180)), Series("no cache", nocache, (214, 39, 40))],
+        title="time to first token (ms)",
+        x_max=x_max,
+    )
+    canvas.text(400, 595, "seconds since start", (60, 60, 60))
+    canvas.save(path)
+
+
+def save_snapshot(result: DemoResult, summary: dict[str, Any], path: str | Path) -> None:
+    """Write a JSON snapshot for `hicache inspect`: summary, pools, tree, top prefixes, requests, metrics."""
+    data = {
+        "summary": summary,
+        "pools": result.pools,
+        "tree": result.tree,
+        "top_prefixes": result.top_prefixes,
+        "requests": [r.to_json() for r in result.records],
+        "metrics": result.metrics,
+    }
+    Path(path).write_text(json.dumps(data, indent=2, default=str))

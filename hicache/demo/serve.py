@@ -1,0 +1,513 @@
+"""The demo's asyncio serving loop: simulated users over one model, with a `HiCache` and without one.
+
+One run serves the seeded workload through a `HiCache` (match, storage prefetch and commit, load back,
+prefill the suffix, decode a few tokens, insert); a second run serves the very same prompts with full
+recompute and no cache, for the time-to-first-token comparison and the recompute check. Every request is
+then verified:
+
+1. the K/V restored from the cache (whatever tier it came from) equal bit for bit the K/V the model
+   produced for those tokens earlier (`KVOracle`);
+2. the logits equal bit for bit those of the model continuing from its own in-memory cache with the same
+   split (prefix length);
+3. the logits and the greedy reply agree with the no-cache full recompute within `RECOMPUTE_TOLERANCE`.
+
+Forward passes run in a worker thread under one lock (one model), so the event loop keeps serving cache
+I/O while the model computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.controller import HiCache, Lease
+from hicache.demo.model import DecodeResult, DemoModel, ModelSpec, PrefillResult, cache_from_kv
+from hicache.demo.oracle import KVOracle
+from hicache.demo.workload import Session, Workload, WorkloadSpec, make_workload
+from hicache.keys import Namespace
+from hicache.memory import KVLayout
+from hicache.policy import WritePolicy
+from hicache.tree import TreeNode
+
+__all__ = [
+    "RECOMPUTE_TOLERANCE",
+    "DemoConfig",
+    "DemoResult",
+    "RequestRecord",
+    "run_demo",
+    "sum_metric",
+    "top_prefixes",
+]
+
+RECOMPUTE_TOLERANCE = 1e-4
+"""Largest absolute logit difference accepted between a cached run and a full recompute."""
+
+ProgressFn = Callable[[str, int, int], None]
+"""Called as `progress(phase, done, total)`; phases are `cache`, `recompute` and `verify`."""
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """Everything a demo run needs.
+
+    Attributes:
+        users: concurrent simulated users.
+        turns: turns per user.
+        seed: seeds the workload (the model's weights have their own seed in `model`).
+        backend_url: the storage tier (`file:///path`, `memory://name`, `s3://bucket/prefix`); `None`
+            uses the file backend in a temporary directory that is removed afterwards.
+        storage_options: keyword options for the backend factory.
+        page_size: tokens per page.
+        device_pages: pages in the device pool; small, so that eviction happens.
+        host_pages: pages in the host pool; small, so that host eviction and storage prefetch happen.
+        prefetch_threshold: smallest storage remainder (tokens) worth a prefetch.
+        write_policy: the cache's write policy.
+        max_running: requests in flight at once (each holds device pages while it runs).
+        model: the model's shape and weight seed.
+        workload: workload knobs other than users, turns and seed (those come from above).
+        metrics_port: serve Prometheus text on this loopback port while running (0 picks one).
+    """
+
+    users: int = 8
+    turns: int = 4
+    seed: int = 0
+    backend_url: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    page_size: int = 16
+    device_pages: int = 160
+    host_pages: int = 224
+    prefetch_threshold: int = 64
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    max_running: int = 2
+    model: ModelSpec = field(default_factory=ModelSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    metrics_port: int | None = None
+
+    def workload_spec(self) -> WorkloadSpec:
+        """The workload with this config's users, turns, seed and the model's vocabulary."""
+        w = self.workload
+        return WorkloadSpec(
+            users=self.users,
+            turns=self.turns,
+            system_prompts=w.system_prompts,
+            system_prompt_tokens=w.system_prompt_tokens,
+            user_tokens=w.user_tokens,
+            decode_tokens=w.decode_tokens,
+            arrival_gap_s=w.arrival_gap_s,
+            think_time_s=w.think_time_s,
+            vocab_size=self.model.vocab_size,
+            seed=self.seed,
+        )
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request of the cached run, what the no-cache run saw for it, and the verdicts.
+
+    Attributes:
+        request_id: `u{user}t{turn}`.
+        user: the user.
+        turn: the turn.
+        prompt: the prompt tokens.
+        cached_len: tokens the cache had on device after `acquire`.
+        reused_len: cached tokens actually used (one token is always left to prefill).
+        hits: cached tokens by tier they came from: `device`, `host`, `storage`.
+        prefetch: the storage prefetch's status (`committed`, `dropped`, ...) or `None`.
+        inserted: whether the request's KV was inserted (device allocation may fail).
+        arrival_s: when the request arrived, from the start of the run.
+        ttft_s: time to first token with the cache.
+        reply: the greedy reply with the cache.
+        ttft_nocache_s: time to first token with full recompute and no cache.
+        arrival_nocache_s: when the request arrived in the no-cache run, from its start.
+        kv_bitwise: restored K/V equal the model's earlier K/V bit for bit (check 1).
+        same_split_bitwise: logits equal the in-memory same-split continuation bit for bit (check 2).
+        recompute_max_diff: largest logit difference from the no-cache recompute (check 3).
+        reply_equal: the no-cache run produced the same reply.
+    """
+
+    request_id: str
+    user: int
+    turn: int
+    prompt: torch.Tensor
+    cached_len: int
+    reused_len: int
+    hits: dict[str, int]
+    prefetch: str | None
+    inserted: bool
+    arrival_s: float
+    ttft_s: float
+    reply: list[int]
+    logits: torch.Tensor = field(repr=False)
+    restored_kv: torch.Tensor | None = field(repr=False, default=None)
+    ttft_nocache_s: float | None = None
+    arrival_nocache_s: float | None = None
+    kv_bitwise: bool = True
+    same_split_bitwise: bool = True
+    recompute_max_diff: float = float("nan")
+    reply_equal: bool = False
+
+    @property
+    def identical(self) -> bool:
+        """All three checks passed."""
+        return (
+            self.kv_bitwise
+            and self.same_split_bitwise
+            and self.reply_equal
+            and self.recompute_max_diff <= RECOMPUTE_TOLERANCE
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The record without tensors, for the `--json` output and snapshots."""
+        return {
+            "request_id": self.request_id,
+            "user": self.user,
+            "turn": self.turn,
+            "prompt_tokens": int(self.prompt.numel()),
+            "cached_tokens": self.cached_len,
+            "reused_tokens": self.reused_len,
+            "hits": dict(self.hits),
+            "prefetch": self.prefetch,
+            "inserted": self.inserted,
+            "arrival_s": round(self.arrival_s, 6),
+            "ttft_s": round(self.ttft_s, 6),
+            "ttft_nocache_s": None if self.ttft_nocache_s is None else round(self.ttft_nocache_s, 6),
+            "arrival_nocache_s": None if self.arrival_nocache_s is None else round(self.arrival_nocache_s, 6),
+            "kv_bitwise": self.kv_bitwise,
+            "same_split_bitwise": self.same_split_bitwise,
+            "recompute_max_diff": self.recompute_max_diff,
+            "reply_equal": self.reply_equal,
+            "identical": self.identical,
+        }
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """What a demo run produced: per-request records and snapshots of the cache and its metrics.
+
+    Attributes:
+        config: the run's configuration.
+        backend_url: the storage URL actually used.
+        records: one per request, in completion order of the cached run.
+        metrics: the cache's metrics registry snapshot at the end of the cached run.
+        prometheus: the same metrics in Prometheus text.
+        pools: per-tier occupancy at the end of the cached run.
+        tree: tree statistics at the end of the cached run.
+        top_prefixes: the tree's top-level prefixes, most hit first.
+        wall_s: seconds per phase (`model`, `cache`, `recompute`, `verify`).
+        token_nbytes: bytes of K/V per token in the pools.
+        metrics_url: where metrics were served, if they were.
+    """
+
+    config: DemoConfig
+    backend_url: str
+    records: list[RequestRecord]
+    metrics: dict[str, dict[str, Any]]
+    prometheus: str
+    pools: dict[str, dict[str, Any]]
+    tree: dict[str, Any]
+    top_prefixes: list[dict[str, Any]]
+    wall_s: dict[str, float]
+    token_nbytes: int
+    metrics_url: str | None = None
+
+    @property
+    def all_identical(self) -> bool:
+        """Whether every request passed every check."""
+        return all(r.identical for r in self.records)
+
+
+def _noop(phase: str, done: int, total: int) -> None:
+    del phase, done, total
+
+
+class _Runner:
+    """State shared by the users of one demo run."""
+
+    def __init__(
+        self, config: DemoConfig, model: DemoModel, workload: Workload, progress: ProgressFn
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.workload = workload
+        self.progress = progress
+        self.model_lock = anyio.Lock()
+        self.running = anyio.CapacityLimiter(config.max_running)
+        self.oracle = KVOracle(config.page_size)
+        self.records: list[RequestRecord] = []
+        self.t0 = 0.0
+
+    async def compute(self, fn: Callable[[], Any]) -> Any:
+        """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
+        async with self.model_lock:
+            return await anyio.to_thread.run_sync(fn)
+
+    # ------------------------------------------------------------------ with the cache
+
+    async def serve_cached(self, cache: HiCache) -> None:
+        async with anyio.create_task_group() as tg:
+            for conversation in self.workload.conversations:
+                tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+
+    async def _user_cached(self, cache: HiCache, session: Session) -> None:
+        conv = session.conversation
+        await anyio.sleep(conv.start_delay_s)
+        while not session.done:
+            prompt = session.next_prompt()
+            turn = session.turn
+            arrival = time.perf_counter()
+            async with self.running:
+                record = await self._serve_one(
+                    cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival
+                )
+            self.records.append(record)
+            self.progress("cache", len(self.records), self.workload.num_requests)
+            session.record_reply(prompt, record.reply)
+            await anyio.sleep(conv.think_times_s[turn])
+
+    async def _serve_one(
+        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
+    ) -> RequestRecord:
+        page = self.config.page_size
+        decode_steps = self.workload.spec.decode_tokens
+        lease: Lease = await cache.acquire(request_id, prompt)
+        new_indices: torch.Tensor | None = None
+        try:
+            cached = lease.cached_len
+            # A fully cached prompt still needs one token run through the model for its logits.
+            reused = min(cached, (prompt.numel() - 1) // page * page)
+            restored = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu() if reused else None
+            prefill: PrefillResult = await self.compute(partial(self.model.prefill, prompt, restored))
+            ttft = time.perf_counter() - arrival
+            decoded: DecodeResult = await self.compute(partial(self.model.decode, prefill, decode_steps))
+            reply = decoded.tokens
+            seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
+            self.oracle.record(seq, prefill.cache, reused, seq.numel())
+            kv_all = torch.cat([prefill.kv_new, decoded.kv], dim=2)  # K/V of seq[reused:]
+            padded = -(-seq.numel() // page) * page
+            new_indices = await cache.alloc_device(padded - cached)
+            inserted = new_indices is not None
+            if new_indices is not None:
+                n_new = seq.numel() - cached
+                cache.device_pool.write_tokens(new_indices[:n_new], kv_all[:, :, cached - reused :])
+                indices = torch.cat([lease.device_indices[:cached], new_indices])
+                new_indices = None  # owned by the tree from here on
+                await cache.insert(lease, seq, indices)
+        finally:
+            cache.release(lease)
+            if new_indices is not None:
+                cache.device_pool.free(new_indices)
+        return RequestRecord(
+            request_id=request_id,
+            user=user,
+            turn=turn,
+            prompt=prompt,
+            cached_len=cached,
+            reused_len=reused,
+            hits=dict(lease.hit_tokens_by_tier),
+            prefetch=lease.prefetch.status if lease.prefetch is not None else None,
+            inserted=inserted,
+            arrival_s=arrival - self.t0,
+            ttft_s=ttft,
+            reply=reply,
+            logits=decoded.logits,
+            restored_kv=restored,
+        )
+
+    # ------------------------------------------------------------------ without a cache
+
+    async def serve_recompute(self) -> None:
+        by_user: dict[int, list[RequestRecord]] = {}
+        for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
+            by_user.setdefault(record.user, []).append(record)
+        done = [0]
+        async with anyio.create_task_group() as tg:
+            for conv in self.workload.conversations:
+                tg.start_soon(
+                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
+                )
+
+    async def _user_recompute(
+        self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
+    ) -> None:
+        await anyio.sleep(delay)
+        steps = self.workload.spec.decode_tokens
+        for record in records:
+            arrival = time.perf_counter()
+            record.arrival_nocache_s = arrival - self.t0
+            async with self.running:
+                prefill: PrefillResult = await self.compute(partial(self.model.prefill, record.prompt, None))
+                record.ttft_nocache_s = time.perf_counter() - arrival
+                decoded: DecodeResult = await self.compute(partial(self.model.decode, prefill, steps))
+            record.reply_equal = decoded.tokens == record.reply
+            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
+            done[0] += 1
+            self.progress("recompute", done[0], len(self.records))
+            await anyio.sleep(think[record.turn])
+
+    # ------------------------------------------------------------------ checks 1 and 2
+
+    def verify(self) -> None:
+        config = self.model.model.config
+        for i, record in enumerate(self.records):
+            if record.restored_kv is not None:
+                restored = cache_from_kv(record.restored_kv, config=config)
+                check = self.oracle.check(record.prompt, restored, config=config)
+                record.kv_bitwise = check.ok
+                logits = self.model.continue_from(check.reference_cache, record.prompt)
+                record.same_split_bitwise = torch.equal(logits, record.logits[0])
+                record.restored_kv = None
+            self.progress("verify", i + 1, len(self.records))
+
+
+def sum_metric(snapshot: dict[str, dict[str, Any]], name: str) -> float:
+    """The sum over label sets of the counter `name` (with or without a prefix such as `hicache_`).
+
+    Returns 0 when no such metric was registered.
+    """
+    for full, metric in snapshot.items():
+        if full == name or full.endswith("_" + name):
+            return float(sum(s["value"] for s in metric.get("samples", []) if "value" in s))
+    return 0.0
+
+
+def _subtree(node: TreeNode) -> Iterator[TreeNode]:
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        yield current
+        stack.extend(current.children.values())
+
+
+def top_prefixes(cache: HiCache, limit: int = 8) -> list[dict[str, Any]]:
+    """The tree's top-level branches (one per distinct first page, e.g. per system prompt), most hit first."""
+    rows: list[dict[str, Any]] = []
+    for child in cache.tree.root.children.values():
+        nodes = list(_subtree(child))
+        rows.append(
+            {
+                "first_tokens": [
+                    int(t) for t in torch.frombuffer(bytearray(child.key[:64]), dtype=torch.int64)
+                ],
+                "edge_tokens": child.num_tokens,
+                "hits": child.hit_count,
+                "nodes": len(nodes),
+                "device_tokens": sum(n.num_tokens for n in nodes if n.device_value is not None),
+                "host_tokens": sum(n.num_tokens for n in nodes if n.host_value is not None),
+            }
+        )
+    rows.sort(key=lambda r: (-int(r["hits"]), -int(r["nodes"])))
+    return rows[:limit]
+
+
+@contextlib.asynccontextmanager
+async def _storage_url(url: str | None) -> AsyncIterator[str]:
+    if url is not None:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="hicache-demo-") as tmp:
+        yield Path(tmp).as_uri()
+
+
+async def run_demo(
+    config: DemoConfig, progress: ProgressFn = _noop, announce: Callable[[str], None] | None = None
+) -> DemoResult:
+    """Serve the workload with a `HiCache`, then without, verify every request, and return the records.
+
+    Args:
+        config: the run's configuration.
+        progress: called as requests complete, per phase.
+        announce: called with the metrics URL once it is being served.
+    """
+    wall: dict[str, float] = {}
+    t = time.perf_counter()
+    model = await anyio.to_thread.run_sync(DemoModel, config.model)
+    wall["model"] = time.perf_counter() - t
+    workload = make_workload(config.workload_spec())
+    runner = _Runner(config, model, workload, progress)
+    spec = config.model
+    layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, config.page_size)
+    metrics_url: str | None = None
+    async with _storage_url(config.backend_url) as url:
+        cache_config = HiCacheConfig(
+            layout=layout,
+            device_pages=config.device_pages,
+            host_pages=config.host_pages,
+            write_policy=config.write_policy,
+            storage_url=url,
+            storage_options=config.storage_options,
+            # A fresh namespace per run: pages a previous run left in a shared store are not this run's
+            # model output as far as the oracle knows, so they must never match.
+            namespace=Namespace(model=f"hicache-demo-{spec.seed}", extra=uuid.uuid4().hex),
+            prefetch_threshold=config.prefetch_threshold,
+        )
+        async with HiCache(cache_config) as cache, anyio.create_task_group() as tg:
+            if config.metrics_port is not None:
+                from hicache.metrics import serve_metrics
+
+                port = await tg.start(serve_metrics, cache.registry, "127.0.0.1", config.metrics_port)
+                metrics_url = f"http://127.0.0.1:{port}/metrics"
+                if announce is not None:
+                    announce(metrics_url)
+            t = runner.t0 = time.perf_counter()
+            await runner.serve_cached(cache)
+            await cache.wait_idle()
+            wall["cache"] = time.perf_counter() - t
+            cache.sanity_check()
+            snapshot = cache.registry.snapshot()
+            prometheus = cache.registry.render_prometheus()
+            stats = cache.statistics()
+            pools = {
+                "device": _pool_json(stats.device_pool),
+                "host": _pool_json(stats.host_pool),
+                "storage": {"url": url, "bytes_written": sum_metric(snapshot, "storage_bytes_written_total")},
+            }
+            tree = {
+                "nodes": stats.tree.num_nodes,
+                "device_tokens": stats.tree.device_tokens,
+                "host_tokens": stats.tree.host_tokens,
+                "evictable_device_tokens": stats.tree.evictable_device_tokens,
+                "evictable_host_tokens": stats.tree.evictable_host_tokens,
+            }
+            prefixes = top_prefixes(cache)
+            tg.cancel_scope.cancel()
+    t = runner.t0 = time.perf_counter()
+    await runner.serve_recompute()
+    wall["recompute"] = time.perf_counter() - t
+    t = time.perf_counter()
+    await anyio.to_thread.run_sync(runner.verify)
+    wall["verify"] = time.perf_counter() - t
+    return DemoResult(
+        config=config,
+        backend_url=url,
+        records=runner.records,
+        metrics=snapshot,
+        prometheus=prometheus,
+        pools=pools,
+        tree=tree,
+        top_prefixes=prefixes,
+        wall_s=wall,
+        token_nbytes=layout.token_nbytes,
+        metrics_url=metrics_url,
+    )
+
+
+def _pool_json(stats: Any) -> dict[str, Any]:
+    return {
+        "device": stats.device,
+        "capacity_pages": stats.capacity_pages,
+        "used_pages": stats.used_pages,
+        "free_pages": stats.free_pages,
+        "page_size": stats.page_size,
+        "page_nbytes": stats.page_nbytes,
+    }

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
+from array import array
 
 import torch
 
@@ -30,6 +32,7 @@ __all__ = ["RadixTree"]
 logger = logging.getLogger("hicache.tree")
 
 _WB = WritePolicy.WRITE_BACK
+_LITTLE = sys.byteorder == "little"
 
 
 def _check_indices(value: object, name: str, expected: int) -> torch.Tensor:
@@ -282,11 +285,20 @@ class RadixTree:
         Raises:
             TypeError, ValueError: for a key that cannot be converted (see `hicache.keys.as_key_bytes`).
         """
-        kb, _ = self._aligned_key(key)
-        self._clock += 1
-        tick = self._clock
+        # Fast path for the common key types (the conversion is otherwise `as_key_bytes`).
+        if type(key) is array and key.typecode == "q" and _LITTLE:
+            kb = key.tobytes()
+        elif type(key) is bytes and not len(key) & 7:
+            kb = key
+        else:
+            kb = as_key_bytes(key)
         step = self._step
         end = len(kb)
+        if end % step:
+            end -= end % step
+            kb = kb[:end]
+        self._clock += 1
+        tick = self._clock
         root = self.root
         node = root
         pos = 0

@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""Benchmark of hicache's radix tree core, side by side with SGLang's Python RadixCache.
+
+Usage:
+    .venv/bin/python bench/bench_tree.py [--reps 3] [--no-baseline]
+
+Workload (mirrors ../shared/baselines/sglang-radix/bench.py, same generator and seed): 2,000 sequences of
+1,024 tokens, each one of 50 shared 512-token prefixes plus a random 512-token suffix, `array('q')` keys,
+one int64 value tensor per sequence. Phases on a fresh tree (median of --reps): insert all, match all
+(the device indices are materialised, as SGLang's match does), evict half the tokens in 1,024-token calls.
+Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens. Prints a table, then one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hicache.tree import RadixTree
+
+BASELINE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-radix" / "run"
+
+
+def make_workload(
+    n_seqs: int, n_prefixes: int, prefix_len: int, suffix_len: int, vocab: int, seed: int
+) -> tuple[list[array[int]], list[torch.Tensor]]:
+    """Exactly bench.py's generator: same RNG calls in the same order."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(n_prefixes)]
+    seqs = []
+    for i in range(n_seqs):
+        toks = prefixes[i % n_prefixes] + [rng.randrange(vocab) for _ in range(suffix_len)]
+        seqs.append(array("q", toks))
+    seq_len = prefix_len + suffix_len
+    values = [torch.arange(i * seq_len, (i + 1) * seq_len, dtype=torch.int64) for i in range(n_seqs)]
+    return seqs, values
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def insert_all(tree: RadixTree, seqs: list[array[int]], values: list[torch.Tensor]) -> None:
+    for s, v in zip(seqs, values, strict=True):
+        tree.insert(s, v)
+
+
+def match_all(tree: RadixTree, queries: list[array[int]]) -> int:
+    total = 0
+    for q in queries:
+        m = tree.match_prefix(q)
+        m.device_indices  # noqa: B018 - materialised, as SGLang's match_prefix does
+        total += m.device_len
+    return total
+
+
+def match_all_lazy(tree: RadixTree, queries: list[array[int]]) -> int:
+    total = 0
+    for q in queries:
+        total += tree.match_prefix(q).device_len
+    return total
+
+
+def evict_chunked(tree: RadixTree, target: int, chunk: int) -> tuple[int, int]:
+    done = calls = 0
+    while done < target:
+        r = tree.evict_device(min(chunk, target - done))
+        calls += 1
+        if r.evicted_tokens == 0:
+            break
+        done += r.evicted_tokens
+    return done, calls
+
+
+def bench_main(
+    page_size: int, seqs: list[array[int]], values: list[torch.Tensor], reps: int
+) -> dict[str, float]:
+    t_ins, t_match, t_lazy, t_ev = [], [], [], []
+    calls = 0
+    for _ in range(reps):
+        tree = RadixTree(page_size)
+        t_ins.append(timed(lambda: insert_all(tree, seqs, values))[0])  # noqa: B023
+        t_match.append(timed(lambda: match_all(tree, seqs))[0])  # noqa: B023
+        t_lazy.append(timed(lambda: match_all_lazy(tree, seqs))[0])  # noqa: B023
+        half = tree.statistics().evictable_device_tokens // 2
+        dt, out = timed(lambda: evict_chunked(tree, half, 1024))  # noqa: B023
+        calls = out[1]  # type: ignore[index]
+        t_ev.append(dt)
+        tree.sanity_check()
+    n = len(seqs)
+    return {
+        "insert_us": statistics.median(t_ins) / n * 1e6,
+        "match_us": statistics.median(t_match) / n * 1e6,
+        "match_lazy_us": statistics.median(t_lazy) / n * 1e6,
+        "evict_us_per_call": statistics.median(t_ev) / calls * 1e6,
+        "evict_us_per_page": statistics.median(t_ev) / calls * 1e6 / (1024 // page_size),
+    }
+
+
+def bench_scale(page_size: int, reps: int, seed: int, vocab: int) -> dict[str, dict[str, float]]:
+    """Per-op costs on trees of about 10^4, 10^5 and 10^6 tokens (bench.py's scaling shapes)."""
+    out: dict[str, dict[str, float]] = {}
+    n_new = 200
+    for label, n_seqs, n_pref in (("1e4", 18, 2), ("1e5", 190, 10), ("1e6", 2000, 50)):
+        seqs, values = make_workload(n_seqs + n_new, n_pref, 512, 512, vocab, seed)
+        base, fresh = seqs[:n_seqs], seqs[n_seqs:]
+        rng = random.Random(seed + 1)
+        hits = [base[rng.randrange(n_seqs)] for _ in range(2000)]
+        # The same key working set at every size (16 distinct keys, as the 10^4 tree holds only 18): the
+        # distinct-key variant also measures the queries' own cache misses, which grow with the key count.
+        pool = [base[rng.randrange(n_seqs)] for _ in range(16)]
+        fixed = [pool[i % 16] for i in range(2000)]
+        t_m, t_md, t_i, t_e = [], [], [], []
+        tokens = 0
+        for _ in range(reps):
+            tree = RadixTree(page_size)
+            insert_all(tree, base, values[:n_seqs])
+            tokens = tree.statistics().device_tokens
+            match_all(tree, hits)  # warm-up
+            match_all(tree, fixed)
+            t_m.append(timed(lambda: match_all(tree, fixed))[0] / len(fixed))  # noqa: B023
+            t_md.append(timed(lambda: match_all(tree, hits))[0] / len(hits))  # noqa: B023
+            # inserts of new sequences (shared prefix hit + new 512-token suffix)
+            t_i.append(timed(lambda: insert_all(tree, fresh, values[n_seqs:]))[0] / n_new)  # noqa: B023
+            dt, out_ = timed(lambda: evict_chunked(tree, n_new * 512, 1024))  # noqa: B023
+            t_e.append(dt / (out_[0] // page_size))  # type: ignore[index]
+        out[label] = {
+            "tree_tokens": tokens,
+            "match_us": statistics.median(t_m) * 1e6,
+            "match_distinct_us": statistics.median(t_md) * 1e6,
+            "insert_us": statistics.median(t_i) * 1e6,
+            "evict_us_per_page": statistics.median(t_e) * 1e6,
+        }
+    return out
+
+
+def run_baseline(reps: int) -> dict[str, float] | None:
+    cmd = [str(BASELINE.resolve()), "--reps", str(reps), "--page-sizes", "16", "--no-scaling"]
+    print(f"running SGLang baseline: {' '.join(cmd)}", file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(f"baseline failed (rc={proc.returncode}): {proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    main = json.loads(lines[-1])["results"]["page_size_16"]["main"]
+    return {
+        "insert_us": main["insert"]["us_per_op"],
+        "match_us": main["match_prefix"]["us_per_op"],
+        "evict_us_per_call": main["evict_half_in_1024_token_calls"]["us_per_op"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-baseline", action="store_true", help="skip SGLang's RadixCache side by side")
+    a = ap.parse_args()
+    vocab = 128000
+    seqs, values = make_workload(2000, 50, 512, 512, vocab, a.seed)
+    result: dict[str, object] = {"bench": "tree"}
+    mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}
+    scales = {ps: bench_scale(ps, a.reps, a.seed, vocab) for ps in (1, 16)}
+    base = None if a.no_baseline else run_baseline(a.reps)
+
+    print("Reference workload (2,000 x 1,024 tokens, 50 shared prefixes), per op in microseconds")
+    print(
+        f"{'page':>5} {'insert':>9} {'match':>9} {'match(lazy)':>12} {'evict/1024-tok call':>20} {'evict/page':>11}"
+    )
+    for ps, m in mains.items():
+        print(
+            f"{ps:>5} {m['insert_us']:>9.2f} {m['match_us']:>9.2f} {m['match_lazy_us']:>12.2f} "
+            f"{m['evict_us_per_call']:>20.2f} {m['evict_us_per_page']:>11.3f}"
+        )
+    print("\nScaling (1,024-token match full hit; insert of a new 512-token suffix; eviction per page)")
+    print(
+        f"{'page':>5} {'tree':>5} {'tokens':>9} {'match':>9} {'match(2000 keys)':>17} {'insert':>9} {'evict/page':>11}"
+    )
+    for ps, sc in scales.items():
+        for label, r in sc.items():
+            print(
+                f"{ps:>5} {label:>5} {int(r['tree_tokens']):>9} {r['match_us']:>9.2f} "
+                f"{r['match_distinct_us']:>17.2f} {r['insert_us']:>9.2f} "
+                f"{r['evict_us_per_page']:>11.3f}"
+            )
+    s16 = scales[16]
+    for op in ("match", "insert", "evict"):
+        k = "evict_us_per_page" if op == "evict" else f"{op}_us"
+        result[f"scaling_{op}"] = round(s16["1e6"][k] / s16["1e4"][k], 2)
+    result["scaling_match_distinct_keys"] = round(
+        s16["1e6"]["match_distinct_us"] / s16["1e4"]["match_distinct_us"], 2
+    )
+    m16 = mains[16]
+    if base is not None:
+        print("\nSGLang RadixCache (page 16), per op in microseconds, and speed-up = SGLang / ours")
+        for op, ours_k, base_k in (
+            ("match", "match_us", "match_us"),
+            ("insert", "insert_us", "insert_us"),
+            ("evict", "evict_us_per_call", "evict_us_per_call"),
+        ):
+            ratio = base[base_k] / m16[ours_k]
+            result[f"vs_sglang_{op}"] = round(ratio, 2)
+            print(f"{op:>7}: sglang {base[base_k]:>9.2f}  ours {m16[ours_k]:>9.2f}  speed-up {ratio:>6.2f}x")
+        result["sglang_us"] = {k: round(v, 2) for k, v in base.items()}
+    else:
+        for op in ("match", "insert", "evict"):
+            result[f"vs_sglang_{op}"] = None
+    result["match_us"] = round(s16["1e6"]["match_us"], 2)
+    result["match_distinct_keys_us"] = round(s16["1e6"]["match_distinct_us"], 2)
+    result["insert_us"] = round(s16["1e6"]["insert_us"], 2)
+    result["evict_us_per_page"] = round(s16["1e6"]["evict_us_per_page"], 3)
+    result["page16_reference"] = {k: round(v, 3) for k, v in m16.items()}
+    result["page1_reference"] = {k: round(v, 3) for k, v in mains[1].items()}
+    result["reps"] = a.reps
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import TypeVar, cast
 
 import anyio
@@ -22,6 +24,7 @@ __all__ = [
     "MISS",
     "BackendStatistics",
     "StatisticsRecorder",
+    "buffer_sizes",
     "check_batch",
     "gather_bounded",
     "group_slices",
@@ -39,6 +42,7 @@ ERROR = 3
 """Per-page outcome: the I/O failed for another reason."""
 
 _PENDING = object()
+_NBYTES = attrgetter("nbytes")
 
 
 async def gather_bounded(funcs: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
@@ -106,6 +110,11 @@ def check_batch(keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
             raise ValueError(f"buffers[{i}]: expected a memoryview, got {type(buf).__name__}")
         if not buf.c_contiguous:
             raise ValueError(f"buffers[{i}]: expected a C-contiguous memoryview")
+
+
+def buffer_sizes(buffers: Sequence[memoryview]) -> list[int]:
+    """`nbytes` of every buffer (a C-level map: cheap on the event loop even for 16k pages)."""
+    return list(map(_NBYTES, buffers))
 
 
 def group_slices(sizes: Sequence[int], *, limit: int, group_bytes: int) -> list[slice]:
@@ -185,30 +194,26 @@ class StatisticsRecorder:
         self.checksum_failures = 0
         self.errors = 0
 
-    def record_reads(self, outcomes: Sequence[int], buffers: Sequence[memoryview]) -> list[bool]:
+    def record_reads(self, outcomes: list[int], buffers: Sequence[memoryview]) -> list[bool]:
         """Tally the outcomes of reads into `buffers`; return one success flag per page."""
+        # Counted with C-level builtins: a 16k-page batch costs well under a millisecond of loop time.
         flags = [o == HIT for o in outcomes]
-        for ok, outcome, buf in zip(flags, outcomes, buffers, strict=True):
-            if ok:
-                self.pages_read += 1
-                self.bytes_read += buf.nbytes
-            elif outcome == MISS:
-                self.misses += 1
-            elif outcome == CORRUPT:
-                self.checksum_failures += 1
-            else:
-                self.errors += 1
+        hits = flags.count(True)
+        self.pages_read += hits
+        self.bytes_read += sum(map(_NBYTES, compress(buffers, flags)))
+        if hits != len(flags):
+            self.misses += outcomes.count(MISS)
+            self.checksum_failures += outcomes.count(CORRUPT)
+            self.errors += outcomes.count(ERROR)
         return flags
 
-    def record_writes(self, outcomes: Sequence[int], buffers: Sequence[memoryview]) -> list[bool]:
+    def record_writes(self, outcomes: list[int], buffers: Sequence[memoryview]) -> list[bool]:
         """Tally the outcomes of writes from `buffers`; return one success flag per page."""
         flags = [o == HIT for o in outcomes]
-        for ok, buf in zip(flags, buffers, strict=True):
-            if ok:
-                self.pages_written += 1
-                self.bytes_written += buf.nbytes
-            else:
-                self.errors += 1
+        hits = flags.count(True)
+        self.pages_written += hits
+        self.bytes_written += sum(map(_NBYTES, compress(buffers, flags)))
+        self.errors += len(flags) - hits
         return flags
 
     def snapshot(self) -> BackendStatistics:

@@ -27,6 +27,7 @@ from storage_backends.batching import (
     MISS,
     BackendStatistics,
     StatisticsRecorder,
+    buffer_sizes,
     check_batch,
     gather_bounded,
     group_slices,
@@ -148,9 +149,7 @@ class MemoryBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(
-            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
-        )
+        groups = group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=_GROUP_BYTES)
         outcomes = await gather_bounded(
             [partial(self._in_thread, self._read_group, keys[g], buffers[g]) for g in groups],
             self._max_concurrency,
@@ -167,9 +166,7 @@ class MemoryBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(
-            [b.nbytes for b in buffers], limit=self._max_concurrency, group_bytes=_GROUP_BYTES
-        )
+        groups = group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=_GROUP_BYTES)
         outcomes = await gather_bounded(
             [partial(self._in_thread, self._write_group, keys[g], buffers[g]) for g in groups],
             self._max_concurrency,

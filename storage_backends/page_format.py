@@ -58,7 +58,7 @@ HEADER_SIZE: int = _HEADER.size
 """Bytes of header in front of every stored payload (40)."""
 
 _KEY_RE = re.compile(r"[0-9a-f]{4,128}")
-_KEYS_RE = re.compile(r"(?:[0-9a-f]{4,128}\n)*[0-9a-f]{4,128}")
+_HEX_DIGITS = b"0123456789abcdef"
 
 
 class PageHeader(NamedTuple):
@@ -112,11 +112,14 @@ def validate_keys(keys: Sequence[str]) -> None:
     """
     if not keys:
         return
-    # Fast path: one regex scan over the joined keys (a 16k-page batch in ~1 ms, not ~5 ms on the loop).
-    # The separator count rules out a key that itself contains a newline.
-    if all(type(k) is str for k in keys):
-        joined = "\n".join(keys)
-        if joined.count("\n") == len(keys) - 1 and _KEYS_RE.fullmatch(joined) is not None:
+    # Fast path in C: lengths via map(len), characters by deleting every hex digit from the joined keys
+    # (a 16k-page batch in ~1 ms of event-loop time, against ~7 ms for a per-key regex).
+    if all(type(k) is str for k in keys) and min(map(len, keys)) >= 4 and max(map(len, keys)) <= 128:
+        try:
+            joined = "".join(keys).encode("ascii")
+        except UnicodeEncodeError:
+            joined = b"x"
+        if not joined.translate(None, _HEX_DIGITS):
             return
     match = _KEY_RE.fullmatch
     for i, key in enumerate(keys):

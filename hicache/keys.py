@@ -10,6 +10,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import xxhash
@@ -31,7 +32,7 @@ TOKEN_BYTES = 8
 ROOT_HASH = b"\x00" * 16
 """The hash that precedes the first page of every key."""
 
-KeyLike = bytes | bytearray | memoryview | array | torch.Tensor | Sequence[int]
+KeyLike: TypeAlias = "bytes | bytearray | memoryview | array[int] | torch.Tensor | Sequence[int]"
 """What callers may pass as a key: int64 bytes, `array('q')`, a 1-D integer tensor or a sequence of ints."""
 
 _LITTLE = sys.byteorder == "little"
@@ -50,7 +51,9 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
     """
     if isinstance(tokens, bytes):
         if len(tokens) % TOKEN_BYTES:
-            raise ValueError(f"{name}: bytes length must be a multiple of 8 (int64 tokens), got {len(tokens)}")
+            raise ValueError(
+                f"{name}: bytes length must be a multiple of 8 (int64 tokens), got {len(tokens)}"
+            )
         return tokens
     if isinstance(tokens, bytearray | memoryview):
         return as_key_bytes(bytes(tokens), name=name)
@@ -75,7 +78,9 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
             return array("q", tokens).tobytes()
         except TypeError as exc:
             raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}") from exc
-    raise TypeError(f"{name}: expected bytes, array('q'), a 1-D tensor or a sequence of ints, got {type(tokens)!r}")
+    raise TypeError(
+        f"{name}: expected bytes, array('q'), a 1-D tensor or a sequence of ints, got {type(tokens)!r}"
+    )
 
 
 def num_tokens(key: bytes) -> int:

@@ -1,0 +1,123 @@
+"""One validated configuration dataclass for a `HiCache`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.keys import Namespace
+from hicache.memory.layout import KVLayout
+from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
+
+__all__ = ["HiCacheConfig"]
+
+
+def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+
+
+def _non_negative_float(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Everything a `HiCache` needs to know, validated on construction.
+
+    Attributes:
+        layout: the KV layout of one page (layers, heads, head dim, dtype, page size).
+        device_pages: pages in the device pool (GPU when available, CPU otherwise).
+        host_pages: pages in the host pool (pinned when an accelerator exists).
+        write_policy: when device pages are backed up to host.
+        eviction_policy: which evictable leaf goes first.
+        write_through_threshold: hits before a backup under `write_through_selective`.
+        storage_url: `file:///path`, `memory://name`, `s3://bucket/prefix`, or None for no storage tier.
+        storage_options: keyword options passed to the backend factory.
+        namespace: what makes pages of this cache distinct from other models' pages in shared storage.
+        backup_to_storage: write host backups through to storage in the background.
+        prefetch_threshold: minimum page-aligned storage remainder (tokens) worth a prefetch.
+        prefetch_stop_policy: when a prefetch stops streaming (see `StopPolicy`).
+        prefetch_timeout_base: seconds, for the `timeout` policy.
+        prefetch_timeout_per_1k_tokens: seconds per 1,024 tokens, for the `timeout` policy.
+        prefetch_timeout_max: upper bound in seconds, for the `timeout` policy.
+        prefetch_capacity_tokens: most tokens in flight across prefetches (default: half the host pool).
+        storage_batch_pages: pages per storage `get`/`put` call while streaming.
+        storage_concurrency: storage batches in flight at once per prefetch or backup.
+        release_batch_pages: pages the release queue returns to the host pool per step.
+    """
+
+    layout: KVLayout
+    device_pages: int
+    host_pages: int
+    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    write_through_threshold: int = 2
+    storage_url: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    namespace: Namespace = field(default_factory=Namespace)
+    backup_to_storage: bool = True
+    prefetch_threshold: int = 256
+    prefetch_stop_policy: StopPolicy = StopPolicy.TIMEOUT
+    prefetch_timeout_base: float = 2.0
+    prefetch_timeout_per_1k_tokens: float = 0.1
+    prefetch_timeout_max: float = 30.0
+    prefetch_capacity_tokens: int | None = None
+    storage_batch_pages: int = 8
+    storage_concurrency: int = 4
+    release_batch_pages: int = 256
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise TypeError(f"layout: expected a KVLayout, got {type(self.layout).__name__}")
+        _positive_int("device_pages", self.device_pages)
+        _positive_int("host_pages", self.host_pages)
+        _positive_int("write_through_threshold", self.write_through_threshold)
+        _positive_int("prefetch_threshold", self.prefetch_threshold, minimum=0)
+        _positive_int("storage_batch_pages", self.storage_batch_pages)
+        _positive_int("storage_concurrency", self.storage_concurrency)
+        _positive_int("release_batch_pages", self.release_batch_pages)
+        if self.prefetch_capacity_tokens is not None:
+            _positive_int("prefetch_capacity_tokens", self.prefetch_capacity_tokens, minimum=0)
+        for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max"):
+            _non_negative_float(name, getattr(self, name))
+        object.__setattr__(self, "write_policy", parse_policy(WritePolicy, self.write_policy, "write_policy"))
+        object.__setattr__(
+            self, "eviction_policy", parse_policy(EvictionPolicy, self.eviction_policy, "eviction_policy")
+        )
+        object.__setattr__(
+            self,
+            "prefetch_stop_policy",
+            parse_policy(StopPolicy, self.prefetch_stop_policy, "prefetch_stop_policy"),
+        )
+        if self.storage_url is not None and (
+            not isinstance(self.storage_url, str) or "://" not in self.storage_url
+        ):
+            raise ValueError(f"storage_url: expected a URL such as 'file:///path', got {self.storage_url!r}")
+        if not isinstance(self.namespace, Namespace):
+            raise TypeError(f"namespace: expected a Namespace, got {type(self.namespace).__name__}")
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page (from the layout)."""
+        return self.layout.page_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The prefetch in-flight limit in tokens."""
+        if self.prefetch_capacity_tokens is not None:
+            return self.prefetch_capacity_tokens
+        return self.host_pages * self.page_size // 2
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds a `timeout` prefetch of `num_tokens` may stream: min(max, base + per_1k * tokens / 1024)."""
+        return min(
+            self.prefetch_timeout_max,
+            self.prefetch_timeout_base + self.prefetch_timeout_per_1k_tokens * num_tokens / 1024,
+        )

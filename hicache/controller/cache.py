@@ -1,0 +1,842 @@
+"""`HiCache`: the object a serving loop embeds. The tree decides, this class executes.
+
+It owns the radix tree, the device and host pools, the storage backend, the release queue and the
+background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
+streams. Every method that changes the tree does so synchronously between awaits, so the tree is always
+consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe (the
+copy or read it waits for is finished before the buffer can be released).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+import anyio
+import torch
+
+from hicache.config import HiCacheConfig
+from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
+from hicache.controller.release import ComponentTransfer, ReleaseQueue, ReleaseStatistics
+from hicache.errors import CacheClosed, InvariantViolation, UnknownRequest
+from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
+from hicache.memory import KVPool, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
+from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
+from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
+from storage_backends.protocol import StorageBackend
+from storage_backends.registry import open_backend
+
+__all__ = ["CacheStatistics", "HiCache", "Lease"]
+
+logger = logging.getLogger("hicache.cache")
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class Lease:
+    """A request's hold on its cached prefix, from `acquire` until `insert` or `release`.
+
+    The prefix's nodes are device-locked for the lease's lifetime, so its device pages stay valid.
+
+    Attributes:
+        request_id: the request.
+        key: the request's tokens as int64 bytes.
+        node: the deepest cached node (device-locked); the root when nothing was cached.
+        device_indices: device pool indices of the cached prefix, one per token.
+        cached_len: tokens of the prefix available on device.
+        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
+        prefetch: the outcome of the request's storage prefetch, if one ran.
+    """
+
+    request_id: str
+    key: bytes
+    node: TreeNode
+    device_indices: torch.Tensor
+    cached_len: int
+    hit_tokens_by_tier: dict[str, int]
+    prefetch: PrefetchOutcome | None = None
+    active: bool = field(default=True, repr=False)
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """A snapshot of the whole cache."""
+
+    tree: TreeStatistics
+    device_pool: PoolStatistics
+    host_pool: PoolStatistics
+    release_queue: ReleaseStatistics
+    prefetches_in_flight: int
+    prefetch_tokens_in_flight: int
+    backups_queued: int
+    storage_writes_queued: int
+    closed: bool
+
+
+class HiCache:
+    """A hierarchical KV cache: radix tree over device and host pools, with an optional storage tier.
+
+    Use it as an async context manager::
+
+        async with HiCache(config) as cache:
+            lease = await cache.acquire("req-1", tokens)
+            ...  # compute KV for tokens[lease.cached_len:] into pages from `await cache.alloc_device(n)`
+            await cache.insert(lease, tokens, indices)
+
+    Args:
+        config: the validated configuration.
+        storage: a storage backend to use instead of opening `config.storage_url`; the caller keeps
+            ownership (the cache does not close it).
+        device_pool: a device pool to use instead of creating one (must match the layout).
+        host_pool: a host pool to use instead of creating one (must match the layout).
+        metrics: a registry to record into (default: a private one).
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        *,
+        storage: StorageBackend | None = None,
+        device_pool: KVPool | None = None,
+        host_pool: KVPool | None = None,
+        metrics: MetricsRegistry | None = None,
+    ) -> None:
+        if not isinstance(config, HiCacheConfig):
+            raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.page_size = config.page_size
+        self.tree = RadixTree(
+            config.page_size,
+            write_policy=config.write_policy,
+            eviction_policy=config.eviction_policy,
+            write_through_threshold=config.write_through_threshold,
+            namespace=config.namespace,
+        )
+        self.device_pool = (
+            device_pool if device_pool is not None else make_device_pool(config.layout, config.device_pages)
+        )
+        self.host_pool = (
+            host_pool if host_pool is not None else make_host_pool(config.layout, config.host_pages)
+        )
+        for name, pool in (("device_pool", self.device_pool), ("host_pool", self.host_pool)):
+            if pool.layout != config.layout:
+                raise ValueError(f"{name}: layout {pool.layout} does not match config.layout {config.layout}")
+        self.storage: StorageBackend | None = storage
+        self._owns_storage = storage is None
+        self.registry = metrics if metrics is not None else MetricsRegistry()
+        self.metrics: CacheMetrics = default_cache_metrics(self.registry)
+        self.release_queue = ReleaseQueue(
+            self.host_pool, batch_tokens=config.release_batch_pages * self.page_size
+        )
+        self._prefetches: dict[str, Prefetch] = {}
+        self._inflight_tokens = 0
+        self._backup_queue: deque[TreeNode] = deque()
+        self._backup_wakeup = anyio.Event()
+        self._storage_queue: deque[TreeNode] = deque()
+        self._storage_wakeup = anyio.Event()
+        self._backup_lock = anyio.Lock()
+        self._queued_work = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._stack: AsyncExitStack | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the storage backend (if configured) and start the background workers."""
+        if self._closed:
+            raise CacheClosed("start: this HiCache was closed")
+        if self._started:
+            return
+        if self.storage is None and self.config.storage_url is not None:
+            self.storage = open_backend(
+                self.config.storage_url,
+                namespace_digest=self.config.namespace.digest,
+                **dict(self.config.storage_options),
+            )
+        stack = AsyncExitStack()
+        self._task_group = await stack.enter_async_context(anyio.create_task_group())
+        self._stack = stack
+        self._task_group.start_soon(self.release_queue.run)
+        self._task_group.start_soon(self._backup_worker)
+        self._task_group.start_soon(self._storage_worker)
+        self._started = True
+
+    async def aclose(self) -> None:
+        """Cancel prefetches (waiting for their I/O), stop the workers, free everything, close storage.
+
+        Idempotent. Buffers are released only after every read or copy that may write into them stopped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                for request_id in list(self._prefetches):
+                    await self._cancel(request_id)
+        finally:
+            # The task group was entered by `start()`; it is exited here, outside any newer cancel scope.
+            if self._stack is not None:
+                assert self._task_group is not None
+                self._task_group.cancel_scope.cancel()
+                await self._stack.aclose()
+            with anyio.CancelScope(shield=True):
+                self.release_queue.flush()
+                if self.storage is not None and self._owns_storage:
+                    await self.storage.aclose()
+
+    def __del__(self) -> None:
+        if self._started and not self._closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CacheClosed(f"{what}: this HiCache was closed")
+        if not self._started:
+            raise CacheClosed(f"{what}: this HiCache was not started (use `async with HiCache(...)`)")
+
+    # ------------------------------------------------------------------ observing
+
+    def statistics(self) -> CacheStatistics:
+        """A frozen snapshot of the tree, the pools, the release queue and the work in flight."""
+        return CacheStatistics(
+            tree=self.tree.statistics(),
+            device_pool=self.device_pool.statistics(),
+            host_pool=self.host_pool.statistics(),
+            release_queue=self.release_queue.statistics(),
+            prefetches_in_flight=len(self._prefetches),
+            prefetch_tokens_in_flight=self._inflight_tokens,
+            backups_queued=len(self._backup_queue),
+            storage_writes_queued=len(self._storage_queue),
+            closed=self._closed,
+        )
+
+    def __repr__(self) -> str:
+        t = self.tree.statistics()
+        d, h = self.device_pool.statistics(), self.host_pool.statistics()
+        state = "closed" if self._closed else "open" if self._started else "new"
+        storage = type(self.storage).__name__ if self.storage is not None else None
+        return (
+            f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
+            f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
+            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetches)} storage={storage}>"
+        )
+
+    def sanity_check(self, *, held_device_tokens: int = 0) -> None:
+        """Check the tree's invariants and exact page accounting of both pools.
+
+        Args:
+            held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted).
+
+        Raises:
+            InvariantViolation: listing every violation found.
+        """
+        violations: list[str] = []
+        try:
+            self.tree.sanity_check()
+        except InvariantViolation as exc:
+            violations.extend(exc.violations)
+        t = self.tree.statistics()
+        device_used = self.device_pool.statistics().used_pages * self.page_size
+        if device_used != t.device_tokens + held_device_tokens:
+            violations.append(
+                f"device pool: {device_used} tokens used != tree {t.device_tokens} + held {held_device_tokens}"
+            )
+        host_used = self.host_pool.statistics().used_pages * self.page_size
+        host_owned = (
+            t.host_tokens
+            + t.pending_backup_tokens
+            + sum(p.num_tokens for p in self._prefetches.values())
+            + self.release_queue.statistics().pending_tokens
+        )
+        if host_used != host_owned:
+            violations.append(
+                f"host pool: {host_used} tokens used != tree {t.host_tokens} + pending backups "
+                f"{t.pending_backup_tokens} + prefetches + pending releases = {host_owned}"
+            )
+        if violations:
+            raise InvariantViolation(violations)
+
+    async def wait_idle(self) -> None:
+        """Wait until no backup, storage write or release is queued or running."""
+        while True:
+            await self._idle.wait()
+            await self.release_queue.drain()
+            if self._queued_work == 0:
+                return
+
+    # ------------------------------------------------------------------ matching and leases
+
+    def match(self, tokens: KeyLike) -> MatchResult:
+        """Match `tokens` against the tree: device hit, host hit beyond it, last device and host nodes."""
+        return self.tree.match_prefix(tokens)
+
+    async def acquire(self, request_id: str, tokens: KeyLike) -> Lease:
+        """Match, prefetch storage hits and commit them, load host hits back, and lock the prefix.
+
+        Args:
+            request_id: a unique id for the request while it holds the lease.
+            tokens: the request's token ids.
+
+        Returns:
+            A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
+        """
+        self._check_open("acquire")
+        key = as_key_bytes(tokens, name="tokens")
+        first = self.tree.match_prefix(key)
+        outcome: PrefetchOutcome | None = None
+        if self.storage is not None:
+            prefetch = await self.prefetch(request_id, key, first)
+            if prefetch is not None:
+                try:
+                    outcome = await self.commit_prefetch(request_id)
+                except BaseException:
+                    # Cancelled (or failed) while waiting: stop the reads, then release every page.
+                    with anyio.CancelScope(shield=True):
+                        if self._prefetches.get(request_id) is prefetch:
+                            await self._cancel(request_id)
+                    raise
+        match = self.tree.match_prefix(key) if outcome is not None else first
+        match = await self.load_back(match)
+        node = match.last_device_node
+        self.tree.lock_device(node)
+        cached = match.device_len
+        device_hit = min(first.device_len, cached)
+        host_hit = min(first.host_len, cached - device_hit)
+        return Lease(
+            request_id=request_id,
+            key=key,
+            node=node,
+            device_indices=match.device_indices,
+            cached_len=cached,
+            hit_tokens_by_tier={
+                "device": device_hit,
+                "host": host_hit,
+                "storage": cached - device_hit - host_hit,
+            },
+            prefetch=outcome,
+        )
+
+    def release(self, lease: Lease) -> None:
+        """Give up a lease without inserting anything (the request was aborted). Idempotent."""
+        if lease.active:
+            lease.active = False
+            self.tree.unlock_device(lease.node)
+
+    async def insert(self, lease: Lease, tokens: KeyLike, device_indices: torch.Tensor) -> InsertResult:
+        """Insert a finished request's KV and release its lease.
+
+        Args:
+            lease: the request's lease from `acquire`.
+            tokens: all tokens whose KV is in `device_indices` (the cached prefix included).
+            device_indices: device indices for every token, padded to whole pages: the first
+                `lease.cached_len` are the lease's own; pages the tree already holds and the trailing
+                partial page are freed here.
+        """
+        self._check_open("insert")
+        if not lease.active:
+            raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
+        key = as_key_bytes(tokens, name="tokens")
+        n = len(key) // TOKEN_BYTES
+        page = self.page_size
+        padded = -(-n // page) * page
+        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
+            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
+        if device_indices.dim() != 1 or device_indices.numel() != padded:
+            raise ValueError(
+                f"device_indices: expected {padded} indices ({n} tokens padded to pages of {page}), "
+                f"got shape {tuple(device_indices.shape)}"
+            )
+        if (
+            n < lease.cached_len
+            or key[: lease.cached_len * TOKEN_BYTES] != lease.key[: lease.cached_len * TOKEN_BYTES]
+        ):
+            raise ValueError("tokens: must start with the lease's cached prefix")
+        aligned = n // page * page
+        result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
+        if result.prefix_len > lease.cached_len:
+            self.device_pool.free(device_indices[lease.cached_len : result.prefix_len])
+        if padded > aligned:
+            self.device_pool.free(device_indices[aligned:])
+        self.release(lease)
+        self._schedule_backups(result.backups)
+        return result
+
+    # ------------------------------------------------------------------ device allocation and eviction
+
+    async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate device pages for `num_tokens` (a multiple of the page size), evicting as needed.
+
+        Under write-back, evicted nodes are backed up to host first. Returns None when not enough can be
+        evicted (running out is a value, not an error).
+        """
+        self._check_open("alloc_device")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise TypeError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")
+        if num_tokens < 0 or num_tokens % self.page_size:
+            raise ValueError(
+                f"num_tokens: expected a non-negative multiple of {self.page_size}, got {num_tokens}"
+            )
+        while True:
+            indices = self.device_pool.alloc(num_tokens)
+            if indices is not None:
+                return indices
+            need = num_tokens - self.device_pool.statistics().free_pages * self.page_size
+            result = self.tree.evict_device(need, host_free_tokens=self._host_room())
+            self.device_pool.free(result.freed_device)
+            if result.freed_host.numel():
+                self.host_pool.free(result.freed_host)
+            for node in result.backup_first:
+                await self._backup(node)
+            if result.evicted_tokens == 0 and not result.backup_first:
+                return None
+
+    def _host_room(self) -> int:
+        """Host tokens available for backups: free pages plus what host eviction can reclaim."""
+        self.release_queue.flush()
+        free = self.host_pool.statistics().free_pages * self.page_size
+        return free + self.tree.statistics().evictable_host_tokens
+
+    def _alloc_host(self, num_tokens: int, *, partial: bool = False) -> torch.Tensor | None:
+        """Allocate host pages, evicting host-only leaves if needed; `partial` takes what can be had."""
+        indices = self.host_pool.alloc(num_tokens)
+        if indices is not None:
+            return indices
+        self.release_queue.flush()
+        free = self.host_pool.statistics().free_pages * self.page_size
+        if free < num_tokens:
+            evicted = self.tree.evict_host(num_tokens - free)
+            if evicted.freed_host.numel():
+                self.host_pool.free(evicted.freed_host)
+        indices = self.host_pool.alloc(num_tokens)
+        if indices is None and partial:
+            free = self.host_pool.statistics().free_pages * self.page_size
+            indices = self.host_pool.alloc(free) if free > 0 else None
+        return indices
+
+    # ------------------------------------------------------------------ device <-> host
+
+    async def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the host-only part of a match back to device and return the fresh match.
+
+        If device memory cannot be found the match is returned unchanged (a value, not an error).
+        """
+        self._check_open("load_back")
+        if match.host_len == 0:
+            return match
+        key = match.key
+        start, length = match.device_len, match.host_len
+        last_host = match.host_nodes[-1]
+        self.tree.lock_device(match.last_device_node)
+        self.tree.lock_host(last_host)
+        try:
+            host_values = torch.cat(
+                [node.host_value for node in match.host_nodes if node.host_value is not None]
+            )
+            device_indices = await self.alloc_device(length)
+            if device_indices is None:
+                return match
+            try:
+                await copy_pages_async(self.host_pool, host_values, self.device_pool, device_indices)
+            except BaseException:
+                self.device_pool.free(device_indices)
+                raise
+            self._attach_loaded(key, start, device_indices)
+            self.metrics.load_back_tokens.inc(length)
+        finally:
+            self.tree.unlock_host(last_host)
+            self.tree.unlock_device(match.last_device_node)
+        return self.tree.match_prefix(key)
+
+    def _attach_loaded(self, key: bytes, start: int, device_indices: torch.Tensor) -> None:
+        """Attach freshly loaded device pages to the nodes covering tokens [start, start + n) now.
+
+        Re-walks the tree so that splits or a concurrent load of the same nodes while the copy ran are
+        handled: pages of nodes already on device again are freed as duplicates.
+        """
+        end = start + int(device_indices.numel())
+        current = self.tree.match_prefix(key[: end * TOKEN_BYTES])
+        offset = current.device_len
+        duplicate_end = min(end, offset)
+        if duplicate_end > start:
+            self.device_pool.free(device_indices[: duplicate_end - start])
+        for node in current.host_nodes:
+            node_end = offset + node.num_tokens
+            if node_end > end:
+                break
+            if offset >= start:
+                self.tree.attach_device(node, device_indices[offset - start : node_end - start])
+            offset = node_end
+        if offset < end:  # a tail the tree no longer covers (cannot happen while host-locked)
+            self.device_pool.free(device_indices[max(offset, duplicate_end) - start :])
+
+    def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
+        if not targets:
+            return
+        self._backup_queue.extend(targets)
+        self._add_work(len(targets))
+        self._backup_wakeup.set()
+
+    async def _backup_worker(self) -> None:
+        while True:
+            await self._backup_wakeup.wait()
+            self._backup_wakeup = anyio.Event()
+            while self._backup_queue:
+                target = self._backup_queue.popleft()
+                try:
+                    await self._backup(target)
+                except Exception:
+                    logger.exception("backup of node %d failed", target.id)
+                finally:
+                    self._work_done()
+
+    async def _backup(self, target: TreeNode) -> bool:
+        """Back `target` up to host with its un-backed ancestors, root first. True when committed."""
+        async with self._backup_lock:
+            chain = self.tree.backup_chain(target)
+            if not chain:
+                return False
+            sizes = [node.num_tokens for node in chain]
+            host_indices = self._alloc_host(sum(sizes))
+            if host_indices is None:
+                self.metrics.backup_skipped.inc()
+                return False
+            device_values = torch.cat([node.device_value for node in chain if node.device_value is not None])
+            offset = 0
+            for node, size in zip(chain, sizes, strict=True):
+                self.tree.begin_backup(node, host_indices[offset : offset + size])
+                offset += size
+            try:
+                await copy_pages_async(self.device_pool, device_values, self.host_pool, host_indices)
+            except BaseException:
+                for node in self._pending_chain(target):
+                    self.host_pool.free(self.tree.abort_backup(node))
+                raise
+            for node in self._pending_chain(target):
+                self.tree.commit_backup(node)
+            self.metrics.backup_tokens.inc(sum(sizes))
+        if self.storage is not None and self.config.backup_to_storage:
+            self._storage_queue.append(target)
+            self._add_work(1)
+            self._storage_wakeup.set()
+        return True
+
+    def _pending_chain(self, target: TreeNode) -> list[TreeNode]:
+        """The nodes of target's in-flight backup, root first (splits while copying are included)."""
+        chain: list[TreeNode] = []
+        node: TreeNode | None = target
+        while node is not None and node.backup_pending is not None:
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        return chain
+
+    # ------------------------------------------------------------------ host -> storage
+
+    async def _storage_worker(self) -> None:
+        while True:
+            await self._storage_wakeup.wait()
+            self._storage_wakeup = anyio.Event()
+            while self._storage_queue:
+                target = self._storage_queue.popleft()
+                try:
+                    await self._store(target)
+                except Exception:
+                    logger.exception("storage write-through of node %d failed", target.id)
+                finally:
+                    self._work_done()
+
+    async def _store(self, target: TreeNode) -> None:
+        """Write the backed-up pages on target's path to storage, skipping those already stored."""
+        storage = self.storage
+        if storage is None or target.parent is None or target.host_value is None:
+            return
+        path: list[TreeNode] = []
+        node: TreeNode | None = target
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        hashes: list[bytes] = []
+        values: list[torch.Tensor] = []
+        for node in path:
+            if node.host_value is None:
+                break
+            hashes.extend(node.hashes)
+            values.append(node.host_value)
+        if not hashes:
+            return
+        self.tree.lock_host(target)
+        try:
+            keys = [h.hex() for h in hashes]
+            stored = await storage.exists(keys)
+            if stored >= len(keys):
+                return
+            views = self.host_pool.page_views(torch.cat(values)[stored * self.page_size :])
+            ok = await storage.put(keys[stored:], views)
+            written = sum(ok)
+            self.metrics.storage_bytes_written.inc(
+                sum(len(v) for v, good in zip(views, ok, strict=True) if good)
+            )
+            if written < len(ok):
+                self.metrics.storage_page_failures.labels(reason="write").inc(len(ok) - written)
+        finally:
+            self.tree.unlock_host(target)
+
+    def _add_work(self, count: int) -> None:
+        if self._queued_work == 0:
+            self._idle = anyio.Event()
+        self._queued_work += count
+
+    def _work_done(self) -> None:
+        self._queued_work -= 1
+        if self._queued_work == 0:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ prefetch
+
+    async def prefetch(
+        self,
+        request_id: str,
+        tokens: KeyLike,
+        match: MatchResult | None = None,
+        *,
+        transfers: Sequence[ComponentTransfer] = (),
+    ) -> Prefetch | None:
+        """Start streaming the storage hit beyond `match` into host pages; None when skipped.
+
+        Skipped (and counted) when there is no storage, the page-aligned remainder beyond the match is
+        below `prefetch_threshold`, the tokens in flight would exceed the capacity, storage holds too few
+        of the pages, or the host pool cannot take enough of them. The anchor (the match's last host
+        node) stays host-locked until the prefetch is committed or cancelled.
+
+        Args:
+            request_id: unique among prefetches in flight.
+            tokens: the request's tokens.
+            match: the request's match (computed here when omitted).
+            transfers: component buffers staged with this prefetch; they are released with it.
+        """
+        self._check_open("prefetch")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+        if request_id in self._prefetches:
+            raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
+        key = as_key_bytes(tokens, name="tokens")
+        page = self.page_size
+        aligned = len(key) // TOKEN_BYTES // page * page
+        key = key[: aligned * TOKEN_BYTES]
+        if match is None:
+            match = self.tree.match_prefix(key)
+        self.metrics.prefetch_requested.inc()
+        matched = match.device_len + match.host_len
+        remainder = aligned - matched
+        storage = self.storage
+        if storage is None:
+            self._skip("no_storage")
+            return None
+        if remainder <= 0 or remainder < self.config.prefetch_threshold:
+            self._skip("below_threshold")
+            return None
+        if self._inflight_tokens + remainder > self.config.capacity_tokens:
+            self._skip("capacity")
+            return None
+        anchor = match.last_host_node
+        anchor_end = _depth(anchor)
+        self.tree.lock_host(anchor)
+        try:
+            hashes = chained_page_hashes(
+                key[anchor_end * TOKEN_BYTES :], page, self.config.namespace, anchor.last_hash
+            )
+            page_keys = [h.hex() for h in hashes]
+            hit_pages = await storage.exists(page_keys)
+            self._check_open("prefetch")
+            hit = hit_pages * page
+            if anchor_end + hit - matched < self.config.prefetch_threshold:
+                self.tree.unlock_host(anchor)
+                self._skip("storage_miss")
+            return None
+            host_indices = self._alloc_host(hit, partial=True)
+            if (
+                host_indices is None
+                or anchor_end + host_indices.numel() - matched < self.config.prefetch_threshold
+            ):
+                if host_indices is not None:
+                    self.host_pool.free(host_indices)
+                self.tree.unlock_host(anchor)
+                self._skip("host_full")
+            return None
+        except BaseException:
+            self.tree.unlock_host(anchor)
+            raise
+        n_pages = host_indices.numel() // page
+        prefetch = Prefetch(
+            request_id=request_id,
+            anchor=anchor,
+            key=key[anchor_end * TOKEN_BYTES : (anchor_end + n_pages * page) * TOKEN_BYTES],
+            hashes=hashes[:n_pages],
+            page_keys=page_keys[:n_pages],
+            host_indices=host_indices,
+            page_size=page,
+            stop_policy=self.config.prefetch_stop_policy,
+            timeout_s=self.config.prefetch_timeout(n_pages * page),
+            transfers=transfers,
+        )
+        self._prefetches[request_id] = prefetch
+        self._inflight_tokens += prefetch.num_tokens
+        self.metrics.prefetch_hit_tokens.inc(prefetch.num_tokens)
+        assert self._task_group is not None
+        self._task_group.start_soon(self._stream, prefetch, storage)
+        return prefetch
+
+    def _skip(self, reason: str) -> None:
+        self.metrics.prefetch_skipped.labels(reason=reason).inc()
+        return None
+
+    async def _stream(self, prefetch: Prefetch, storage: StorageBackend) -> None:
+        views = self.host_pool.page_views(prefetch.host_indices)
+        await prefetch.stream(storage, views, self.config.storage_batch_pages)
+        page_bytes = len(views[0]) if views else 0
+        self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
+        if prefetch.failed_pages:
+            self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
+
+    def get_prefetch(self, request_id: str) -> Prefetch:
+        """The prefetch in flight for `request_id`; raises `UnknownRequest` if there is none."""
+        try:
+            return self._prefetches[request_id]
+        except KeyError:
+            raise UnknownRequest(f"request_id: no prefetch in flight for {request_id!r}") from None
+
+    async def commit_prefetch(self, request_id: str) -> PrefetchOutcome:
+        """Stop the prefetch (after its stop policy), wait for its I/O, then attach or drop its pages.
+
+        Attached: pages the tree already held and the unfetched tail are released; loaded = completed
+        minus already present. Dropped (the attach point is not backed up under write-through): the host
+        pages and every component transfer go to the release queue in one call; loaded = 0.
+
+        If the caller is cancelled while waiting, the prefetch stays in flight (asked to stop) and can be
+        committed or cancelled again.
+        """
+        prefetch = self.get_prefetch(request_id)
+        await prefetch.wait_for_stop_policy()
+        prefetch.request_stop()
+        await prefetch.wait_stopped()
+        if self._prefetches.get(request_id) is not prefetch:
+            raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
+        # No await from here on: the outcome is decided and carried out atomically.
+        del self._prefetches[request_id]
+        self._inflight_tokens -= prefetch.num_tokens
+        completed = prefetch.completed_tokens
+        page = self.page_size
+        host = prefetch.host_indices
+        dropped = False
+        loaded = present = 0
+        node: TreeNode | None = prefetch.anchor
+        if completed:
+            result = self.tree.insert_host(
+                prefetch.anchor,
+                prefetch.key[: completed * TOKEN_BYTES],
+                host[:completed],
+                prefetch.hashes[: completed // page],
+            )
+            dropped = result.host_insert_dropped
+            present = result.prefix_len
+            node = result.node
+        if dropped:
+            batch = self.release_queue.release(host, prefetch.transfers)
+            prefetch.state = PrefetchState.DROPPED
+            self.metrics.prefetch_dropped_tokens.labels(reason="anchor_not_backed_up").inc(completed)
+        else:
+            loaded = completed - present
+            released = torch.cat([host[:present], host[completed:]]) if present else host[completed:]
+            batch = self.release_queue.release(released, prefetch.transfers)
+            prefetch.state = PrefetchState.COMMITTED
+            self.metrics.prefetch_committed.inc()
+            self.metrics.prefetch_loaded_tokens.inc(loaded)
+        self.tree.unlock_host(prefetch.anchor)
+        self.metrics.prefetch_latency.observe(time.monotonic() - prefetch.started_at)
+        outcome = PrefetchOutcome(
+            request_id=request_id,
+            status=prefetch.state.value,
+            completed_tokens=completed,
+            matched_tokens=prefetch.num_tokens,
+            loaded_tokens=loaded,
+            released_tokens=batch.num_tokens,
+            failed_pages=prefetch.failed_pages,
+            node=node,
+        )
+        logger.info(
+            "prefetch %s request=%s completed=%d matched=%d loaded=%d released=%d",
+            outcome.status,
+            request_id,
+            completed,
+            outcome.matched_tokens,
+            loaded,
+            outcome.released_tokens,
+        )
+        return outcome
+
+    async def cancel_prefetch(self, request_id: str) -> PrefetchOutcome:
+        """Stop the prefetch, wait until no read can write into its pages, then release everything."""
+        self.get_prefetch(request_id)
+        return await self._cancel(request_id)
+
+    async def _cancel(self, request_id: str) -> PrefetchOutcome:
+        prefetch = self.get_prefetch(request_id)
+        prefetch.request_stop()
+        await prefetch.wait_stopped()
+        if self._prefetches.get(request_id) is not prefetch:
+            raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
+        del self._prefetches[request_id]
+        self._inflight_tokens -= prefetch.num_tokens
+        batch = self.release_queue.release(prefetch.host_indices, prefetch.transfers)
+        prefetch.state = PrefetchState.CANCELLED
+        self.tree.unlock_host(prefetch.anchor)
+        self.metrics.prefetch_cancelled.inc()
+        logger.info(
+            "prefetch cancelled request=%s completed=%d matched=%d loaded=0 released=%d",
+            request_id,
+            prefetch.completed_tokens,
+            prefetch.num_tokens,
+            batch.num_tokens,
+        )
+        return PrefetchOutcome(
+            request_id=request_id,
+            status=PrefetchState.CANCELLED.value,
+            completed_tokens=prefetch.completed_tokens,
+            matched_tokens=prefetch.num_tokens,
+            loaded_tokens=0,
+            released_tokens=batch.num_tokens,
+            failed_pages=prefetch.failed_pages,
+            node=prefetch.anchor,
+        )
+
+
+def _depth(node: TreeNode) -> int:
+    """Tokens from the root to the end of `node`."""
+    depth = 0
+    current: TreeNode | None = node
+    while current is not None:
+        depth += current.num_tokens
+        current = current.parent
+    return depth

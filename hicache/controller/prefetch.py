@@ -1,0 +1,202 @@
+"""A storage prefetch as an object with a lifecycle: started, streaming, terminated, then committed or dropped.
+
+Pages in flight belong to the prefetch, not to the tree: they are invisible to matching and cannot be
+evicted. The anchor node is host-locked for the prefetch's whole life so it cannot be evicted either.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from hicache.controller.release import ComponentTransfer
+from hicache.policy import StopPolicy
+from hicache.tree import TreeNode
+from storage_backends.protocol import StorageBackend
+
+__all__ = ["Prefetch", "PrefetchOutcome", "PrefetchState"]
+
+logger = logging.getLogger("hicache.prefetch")
+
+
+class PrefetchState(enum.Enum):
+    """Where a prefetch is in its life."""
+
+    STREAMING = "streaming"
+    """Pages are being read from storage into its host pages."""
+    TERMINATED = "terminated"
+    """Streaming has stopped (complete, failed, timed out or asked to stop); no I/O is in flight."""
+    COMMITTED = "committed"
+    """Its pages were attached to the tree."""
+    DROPPED = "dropped"
+    """Commit found the anchor not backed up under write-through: every buffer went to the release queue."""
+    CANCELLED = "cancelled"
+    """It was cancelled: every buffer went to the release queue once its I/O had stopped."""
+
+
+@dataclass(frozen=True)
+class PrefetchOutcome:
+    """What `commit_prefetch` or `cancel_prefetch` did.
+
+    Attributes:
+        request_id: the request.
+        status: `"committed"`, `"dropped"` or `"cancelled"`.
+        completed_tokens: tokens fully read and verified when streaming stopped.
+        matched_tokens: tokens storage reported as present (the prefetch's size).
+        loaded_tokens: tokens newly attached to the tree (completed minus those the tree already held).
+        released_tokens: host tokens handed back (duplicates, unfetched tail, or everything on drop).
+        failed_pages: pages that failed to read (missing, corrupt or an I/O error).
+        node: the tree node covering the loaded pages (the anchor when nothing was attached).
+    """
+
+    request_id: str
+    status: str
+    completed_tokens: int
+    matched_tokens: int
+    loaded_tokens: int
+    released_tokens: int
+    failed_pages: int
+    node: TreeNode | None = field(repr=False, default=None)
+
+
+class Prefetch:
+    """One request's storage prefetch: host pages, page keys, and a streaming task's progress.
+
+    Created by `HiCache.prefetch`; the cache runs `stream()` in its task group and resolves it with
+    `commit_prefetch` or `cancel_prefetch`.
+    """
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        anchor: TreeNode,
+        key: bytes,
+        hashes: Sequence[bytes],
+        page_keys: Sequence[str],
+        host_indices: torch.Tensor,
+        page_size: int,
+        stop_policy: StopPolicy,
+        timeout_s: float,
+        transfers: Sequence[ComponentTransfer] = (),
+    ) -> None:
+        self.request_id = request_id
+        self.anchor = anchor
+        self.key = key
+        """Token key of the prefetched pages, continuing from the anchor's end."""
+        self.hashes = list(hashes)
+        self.page_keys = list(page_keys)
+        self.host_indices = host_indices
+        self.page_size = page_size
+        self.stop_policy = stop_policy
+        self.timeout_s = timeout_s
+        self.transfers = tuple(transfers)
+        self.state = PrefetchState.STREAMING
+        self.completed_pages = 0
+        self.failed_pages = 0
+        self.started_at = time.monotonic()
+        self._stop_requested = False
+        self._stream_scope: anyio.CancelScope | None = None
+        self._finished = anyio.Event()
+        self._progress = anyio.Event()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this prefetch reads (its host allocation)."""
+        return int(self.host_indices.numel())
+
+    @property
+    def completed_tokens(self) -> int:
+        """Tokens fully read and verified so far, a prefix of the prefetch."""
+        return self.completed_pages * self.page_size
+
+    @property
+    def done(self) -> bool:
+        """Streaming has stopped and no I/O can still write into the host pages."""
+        return self._finished.is_set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<Prefetch {self.request_id!r} {self.state.value} {self.completed_tokens}/{self.num_tokens} tokens "
+            f"anchor={self.anchor.id} policy={self.stop_policy.value}>"
+        )
+
+    async def stream(self, backend: StorageBackend, views: Sequence[memoryview], batch_pages: int) -> None:
+        """Read pages in order, batch by batch, until all are read, one fails, or a stop is requested.
+
+        A page counts only once fully written and verified; streaming stops at the first failed page.
+        Batches are read one after another, so `completed_pages` is always an exact prefix. When this
+        returns (normally, or cancelled through `request_stop`) no read is still writing into `views`:
+        the backends' `get` waits for its worker threads even when cancelled.
+        """
+        try:
+            with anyio.CancelScope() as scope:
+                self._stream_scope = scope
+                if self._stop_requested:
+                    scope.cancel()
+                total = len(self.page_keys)
+                while self.completed_pages < total:
+                    start = self.completed_pages
+                    stop = min(total, start + batch_pages)
+                    try:
+                        ok = await backend.get(self.page_keys[start:stop], views[start:stop])
+                    except anyio.get_cancelled_exc_class():
+                        raise
+                    except Exception as exc:  # a storage error ends the prefetch here, never the loop
+                        logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
+                        self.failed_pages += 1
+                        break
+                    good = 0
+                    for flag in ok:
+                        if not flag:
+                            break
+                        good += 1
+                    self.completed_pages = start + good
+                    self._notify_progress()
+                    if good < len(ok):
+                        self.failed_pages += 1
+                        break
+        finally:
+            self._stream_scope = None
+            if self.state is PrefetchState.STREAMING:
+                self.state = PrefetchState.TERMINATED
+            self._finished.set()
+            self._notify_progress()
+
+    def request_stop(self) -> None:
+        """Ask the stream to stop now; pages already verified stay counted."""
+        self._stop_requested = True
+        if self._stream_scope is not None:
+            self._stream_scope.cancel()
+
+    async def wait_stopped(self) -> None:
+        """Wait until streaming has stopped and no I/O is in flight."""
+        await self._finished.wait()
+
+    async def wait_for_stop_policy(self) -> None:
+        """Wait as long as the stop policy says before a commit terminates the stream."""
+        if self.stop_policy is StopPolicy.BEST_EFFORT:
+            return
+        if self.stop_policy is StopPolicy.WAIT_COMPLETE:
+            await self._finished.wait()
+            return
+        remaining = self.started_at + self.timeout_s - time.monotonic()
+        if remaining > 0:
+            with anyio.move_on_after(remaining):
+                await self._finished.wait()
+
+    async def wait_progress(self) -> None:
+        """Wait until more pages complete or the stream stops (for serving loops that poll progress)."""
+        if self._finished.is_set():
+            return
+        await self._progress.wait()
+
+    def _notify_progress(self) -> None:
+        self._progress.set()
+        self._progress = anyio.Event()

@@ -1,0 +1,396 @@
+"""Prefetch from storage: commit attaches, commit drops, stop policies, cancellation, faults."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+import torch
+from controller_helpers import (
+    PAGE,
+    GatedBackend,
+    insert_device_chain,
+    make_config,
+    page_payload,
+    store_sequence,
+    tokens,
+)
+
+from hicache import HiCache, PrefetchState, UnknownRequest
+from hicache.controller.release import ComponentTransfer
+from hicache.keys import as_key_bytes
+from storage_backends.memory import MemoryBackend
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[MemoryBackend]:
+    from hicache.keys import Namespace
+
+    async with MemoryBackend(namespace_digest=Namespace().digest) as b:
+        yield b
+
+
+async def open_cache(backend: object, **overrides: object) -> HiCache:
+    cache = HiCache(make_config(**overrides), storage=backend)  # type: ignore[arg-type]
+    await cache.start()
+    return cache
+
+
+def assert_accounting(cache: HiCache) -> None:
+    cache.sanity_check()
+
+
+async def test_commit_attaches_storage_pages_and_a_match_reports_them(backend: MemoryBackend) -> None:
+    """A fresh instance prefetches 32 stored tokens; commit attaches them as a host chain under the root."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(100, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        assert prefetch.num_tokens == 32
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.status == "committed"
+        assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.released_tokens) == (32, 32, 0)
+        match = cache.match(seq)
+        assert (match.device_len, match.host_len) == (0, 32)
+        host = match.host_nodes[-1].host_value
+        assert host is not None
+        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq)))
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_acquire_loads_storage_hits_back_to_device_bitwise(backend: MemoryBackend) -> None:
+    """acquire() = prefetch + commit + load back: the device pages hold exactly the stored KV."""
+    cache = await open_cache(backend, prefetch_stop_policy="wait_complete")
+    try:
+        seq = tokens(7, 40)
+        await store_sequence(backend, cache, seq)
+        lease = await cache.acquire("r1", seq)
+        assert lease.cached_len == 40
+        assert lease.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 40}
+        kv = cache.device_pool.read_tokens(lease.device_indices)
+        assert torch.equal(kv, page_payload(as_key_bytes(seq)))
+        cache.release(lease)
+        await cache.wait_idle()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call(
+    backend: MemoryBackend,
+) -> None:
+    """The seed (SGLang #31902): a refill whose attach point is device-only under write-through is dropped.
+
+    The device-only node keeps no child, one release call carries every host page and every component
+    transfer, and the tree stays sane.
+    """
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(500, 48)
+        await store_sequence(backend, cache, seq)
+        # A device-only chain for the first 16 tokens whose backup has not run yet.
+        device = cache.device_pool.alloc(16)
+        assert device is not None
+        cache.tree.insert(seq[:16], device)
+        parent = cache.match(seq[:16]).last_device_node
+        assert not parent.backed_up
+        swa = cache.host_pool.alloc(2 * PAGE)
+        assert swa is not None
+        transfer = ComponentTransfer("swa", cache.host_pool, swa)
+        cache.release_queue.history = []
+        prefetch = await cache.prefetch("r1", seq, transfers=[transfer])
+        assert prefetch is not None
+        host_indices = prefetch.host_indices
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.status == "dropped"
+        assert outcome.loaded_tokens == 0
+        assert prefetch.state is PrefetchState.DROPPED
+        assert len(cache.release_queue.history) == 1
+        release = cache.release_queue.history[0]
+        assert torch.equal(release.host_indices, host_indices)
+        assert release.transfers == (transfer,)
+        assert parent.children == {}
+        cache.tree.sanity_check()
+        evicted = cache.tree.evict_device(10 * PAGE)
+        cache.device_pool.free(evicted.freed_device)
+        cache.tree.sanity_check()
+        await cache.release_queue.drain()
+        assert cache.host_pool.statistics().used_pages == cache.tree.statistics().host_tokens // PAGE
+    finally:
+        await cache.aclose()
+
+
+async def test_write_back_keeps_the_refill_under_a_device_only_parent(backend: MemoryBackend) -> None:
+    """Under write_back the same refill is attached below the un-backed parent."""
+    cache = await open_cache(backend, write_policy="write_back")
+    try:
+        seq = tokens(500, 48)
+        await store_sequence(backend, cache, seq)
+        device = cache.device_pool.alloc(16)
+        assert device is not None
+        cache.tree.insert(seq[:16], device)
+        outcome_prefetch = await cache.prefetch("r1", seq)
+        assert outcome_prefetch is not None
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.status == "committed"
+        assert outcome.loaded_tokens == 32
+        assert outcome.released_tokens == 16  # the pages the tree already held
+        match = cache.match(seq)
+        assert (match.device_len, match.host_len) == (16, 32)
+        await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_best_effort_commit_keeps_only_the_pages_read_so_far(backend: MemoryBackend) -> None:
+    """Committing mid-stream stops the reads: exactly the verified prefix is attached, the tail released."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(gated, prefetch_stop_policy="best_effort")
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        gated.allow(5)  # two batches of two pages, and one page of the third batch
+        while prefetch.completed_pages < 4:
+            await prefetch.wait_progress()
+        outcome = await cache.commit_prefetch("r1")
+        assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.released_tokens) == (16, 16, 16)
+        assert gated.reads_started == gated.reads_done == 5
+        assert cache.match(seq).host_len == 16
+        await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_wait_complete_commit_waits_for_every_page(backend: MemoryBackend) -> None:
+    """wait_complete: commit returns only after the last page has been read."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(gated, prefetch_stop_policy="wait_complete")
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        await cache.prefetch("r1", seq)
+        results = []
+        async with anyio.create_task_group() as tg:
+
+            async def commit() -> None:
+                results.append(await cache.commit_prefetch("r1"))
+
+            tg.start_soon(commit)
+            await anyio.wait_all_tasks_blocked()
+            for _ in range(8):
+                assert not results
+                gated.allow(1)
+                await anyio.wait_all_tasks_blocked()
+        assert results[0].loaded_tokens == 32
+    finally:
+        await cache.aclose()
+
+
+async def test_timeout_commit_gives_up_after_the_deadline(backend: MemoryBackend) -> None:
+    """timeout: a stalled stream is stopped once min(max, base + per_1k * tokens) has passed."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(
+        gated, prefetch_stop_policy="timeout", prefetch_timeout_base=0.05, prefetch_timeout_per_1k_tokens=0.0
+    )
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        await cache.prefetch("r1", seq)
+        gated.allow(2)
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.completed_tokens == 8
+        assert outcome.loaded_tokens == 8
+        await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_second_commit_and_commit_after_cancel_raise_unknown_request(backend: MemoryBackend) -> None:
+    """Misuse is an error that leaves the state unchanged."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        await cache.prefetch("r1", seq)
+        await cache.commit_prefetch("r1")
+        with pytest.raises(UnknownRequest):
+            await cache.commit_prefetch("r1")
+        await cache.prefetch("r2", tokens(1, 64))  # 32 more tokens are not stored: a miss
+        assert cache.statistics().prefetches_in_flight == 0
+        with pytest.raises(UnknownRequest):
+            await cache.cancel_prefetch("nope")
+        with pytest.raises(ValueError, match="request_id"):
+            await cache.prefetch("", seq)
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_cancel_while_reads_are_in_flight_releases_only_after_io_stops(backend: MemoryBackend) -> None:
+    """cancel_prefetch waits for the page being read, then releases every host page at once."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(gated)
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        gated.allow(3)  # one batch of two pages, and one page of the next
+        while prefetch.completed_pages < 2:
+            await prefetch.wait_progress()
+        outcome = await cache.cancel_prefetch("r1")
+        assert outcome.status == "cancelled"
+        assert gated.reads_started == gated.reads_done
+        await cache.release_queue.drain()
+        assert cache.host_pool.statistics().used_pages == 0
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+@pytest.mark.parametrize("point", ["exists", "stream", "commit_wait", "acquire_commit"])
+async def test_cancellation_at_every_await_point_leaves_nothing_behind(
+    backend: MemoryBackend, point: str
+) -> None:
+    """Cancel the caller at each suspension point of prefetch and commit; then everything is accounted for."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(gated, prefetch_stop_policy="wait_complete")
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        if point == "exists":
+            gated.exists_gate = anyio.Event()
+            with anyio.move_on_after(0) as scope:
+                await cache.prefetch("r1", seq)
+            assert scope.cancelled_caught
+            gated.exists_gate.set()
+        elif point == "stream":
+            prefetch = await cache.prefetch("r1", seq)
+            assert prefetch is not None
+            gated.allow(1)
+            await anyio.wait_all_tasks_blocked()
+            await cache.cancel_prefetch("r1")
+        elif point == "commit_wait":
+            await cache.prefetch("r1", seq)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.commit_prefetch, "r1")
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+            assert cache.statistics().prefetches_in_flight == 1  # still there, asked to stop
+            gated.allow(100)
+            outcome = await cache.commit_prefetch("r1")
+            assert outcome.status == "committed"
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cache.acquire, "r1", seq)
+                await anyio.wait_all_tasks_blocked()
+                gated.allow(2)
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+            gated.allow(100)
+        await cache.wait_idle()
+        assert cache.statistics().prefetches_in_flight == 0
+        assert gated.reads_started == gated.reads_done
+        assert_accounting(cache)
+        assert (
+            cache.tree.statistics().host_tokens + cache.host_pool.statistics().free_pages * PAGE == 64 * PAGE
+        )
+    finally:
+        await cache.aclose()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+async def test_damaged_page_ends_the_prefetch_there(backend: MemoryBackend, damage: str) -> None:
+    """A corrupt, truncated or missing page at position 5 makes the prefetch 5 pages long, never wrong."""
+    cache = await open_cache(backend, prefetch_stop_policy="wait_complete")
+    try:
+        seq = tokens(1, 40)
+        keys = await store_sequence(backend, cache, seq)
+        if damage == "flip":
+            backend.corrupt(keys[5], offset=-3)
+        elif damage == "truncate":
+            backend.corrupt(keys[5], truncate=40)
+        prefetch = await cache.prefetch("r1", seq)
+        if damage == "missing":
+            await backend.delete([keys[5]])
+        assert prefetch is not None
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.completed_tokens == 20
+        assert outcome.failed_pages == 1
+        match = cache.match(seq)
+        assert match.host_len == 20
+        host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
+        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq[:20])))
+        await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_prefetch_is_skipped_below_threshold_and_over_capacity(backend: MemoryBackend) -> None:
+    """Small remainders and prefetches beyond the in-flight capacity are skipped and counted."""
+    cache = await open_cache(backend, prefetch_threshold=16, prefetch_capacity_tokens=40)
+    try:
+        await store_sequence(backend, cache, tokens(1, 64))
+        assert await cache.prefetch("small", tokens(1, 12)) is None
+        first = await cache.prefetch("big", tokens(1, 32))
+        assert first is not None
+        assert await cache.prefetch("over", tokens(1, 64)) is None
+        text = cache.registry.render_prometheus()
+        assert 'reason="below_threshold"' in text
+        assert 'reason="capacity"' in text
+        await cache.cancel_prefetch("big")
+    finally:
+        await cache.aclose()
+
+
+async def test_write_through_backs_up_and_writes_to_storage(backend: MemoryBackend) -> None:
+    """A served request is backed up to host and written to storage; a second instance loads it bitwise."""
+    cache = await open_cache(backend)
+    seq = tokens(300, 36)
+    try:
+        await insert_device_chain(cache, seq)
+        await cache.wait_idle()
+        match = cache.match(seq)
+        assert match.last_host_node is match.last_device_node
+        assert await backend.exists([]) == 0
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+    other = await open_cache(backend, prefetch_stop_policy="wait_complete")
+    try:
+        lease = await other.acquire("again", seq)
+        assert lease.hit_tokens_by_tier["storage"] == 36
+        kv = other.device_pool.read_tokens(lease.device_indices)
+        assert torch.equal(kv, page_payload(as_key_bytes(seq)))
+        other.release(lease)
+    finally:
+        await other.aclose()
+
+
+async def test_info_log_names_dropped_or_committed(
+    backend: MemoryBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Commit logs one info line with its figures."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(1, 32)
+        await store_sequence(backend, cache, seq)
+        await cache.prefetch("r1", seq)
+        with caplog.at_level(logging.INFO, logger="hicache.cache"):
+            await cache.commit_prefetch("r1")
+        lines = [r.getMessage() for r in caplog.records if r.name == "hicache.cache"]
+        assert lines == ["prefetch committed request=r1 completed=32 matched=32 loaded=32 released=0"]
+    finally:
+        await cache.aclose()

@@ -7,6 +7,7 @@ fails), 2 on a usage error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -36,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the file backend in a temporary directory)",
     )
     demo.add_argument("--users", type=int, default=8, help="concurrent simulated users (default 8)")
-    demo.add_argument("--turns", type=int, default=4, help="turns per user (default 4)")
+    demo.add_argument("--turns", type=int, default=6, help="turns per user (default 6)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    demo.add_argument(
+        "--system-prompts",
+        type=int,
+        default=3,
+        help="distinct system prompts shared by the users (default 3)",
+    )
     demo.add_argument("--device-pages", type=int, default=None, help="pages in the device pool (default 160)")
     demo.add_argument("--host-pages", type=int, default=None, help="pages in the host pool (default 224)")
     demo.add_argument(
@@ -89,11 +96,13 @@ def _demo(args: argparse.Namespace) -> int:
 
     from hicache.demo.report import render_summary, save_plot, save_snapshot, summarize
     from hicache.demo.serve import DemoConfig, DemoResult, run_demo
+    from hicache.demo.workload import WorkloadSpec
     from hicache.policy import WritePolicy
 
-    for name in ("users", "turns"):
+    for name in ("users", "turns", "system_prompts"):
         if getattr(args, name) < 1:
-            print(f"hicache demo: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            flag = name.replace("_", "-")
+            print(f"hicache demo: --{flag} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
     overrides: dict[str, Any] = {}
     if args.device_pages is not None:
@@ -107,6 +116,7 @@ def _demo(args: argparse.Namespace) -> int:
         backend_url=args.backend,
         write_policy=WritePolicy(args.write_policy),
         metrics_port=args.metrics_port,
+        workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
         **overrides,
     )
     # With --json, stdout carries only the JSON; progress and messages go to stderr.

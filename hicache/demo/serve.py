@@ -77,10 +77,13 @@ class DemoConfig:
         model: the model's shape and weight seed.
         workload: workload knobs other than users, turns and seed (those come from above).
         metrics_port: serve Prometheus text on this loopback port while running (0 picks one).
+        torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
+            One by default: the event loop and storage I/O threads share the CPU, and an oversubscribed
+            thread pool makes small forward passes up to ten times slower on a loaded two-core machine.
     """
 
     users: int = 8
-    turns: int = 4
+    turns: int = 6
     seed: int = 0
     backend_url: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -93,6 +96,7 @@ class DemoConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     metrics_port: int | None = None
+    torch_threads: int | None = 1
 
     def workload_spec(self) -> WorkloadSpec:
         """The workload with this config's users, turns, seed and the model's vocabulary."""
@@ -128,6 +132,8 @@ class RequestRecord:
         arrival_s: when the request arrived, from the start of the run.
         ttft_s: time to first token with the cache.
         reply: the greedy reply with the cache.
+        queue_s: time waiting for a running slot (`max_running`) with the cache.
+        acquire_s: time in `HiCache.acquire` (match, storage prefetch and commit, load back).
         ttft_nocache_s: time to first token with full recompute and no cache.
         arrival_nocache_s: when the request arrived in the no-cache run, from its start.
         kv_bitwise: restored K/V equal the model's earlier K/V bit for bit (check 1).
@@ -150,6 +156,8 @@ class RequestRecord:
     reply: list[int]
     logits: torch.Tensor = field(repr=False)
     restored_kv: torch.Tensor | None = field(repr=False, default=None)
+    queue_s: float = 0.0
+    acquire_s: float = 0.0
     ttft_nocache_s: float | None = None
     arrival_nocache_s: float | None = None
     kv_bitwise: bool = True
@@ -181,6 +189,8 @@ class RequestRecord:
             "inserted": self.inserted,
             "arrival_s": round(self.arrival_s, 6),
             "ttft_s": round(self.ttft_s, 6),
+            "queue_s": round(self.queue_s, 6),
+            "acquire_s": round(self.acquire_s, 6),
             "ttft_nocache_s": None if self.ttft_nocache_s is None else round(self.ttft_nocache_s, 6),
             "arrival_nocache_s": None if self.arrival_nocache_s is None else round(self.arrival_nocache_s, 6),
             "kv_bitwise": self.kv_bitwise,
@@ -249,10 +259,25 @@ class _Runner:
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
         """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
+        threads = self.config.torch_threads
+
+        def call() -> Any:
+            # The thread count is per OS thread under OpenMP, so it is set in the worker itself.
+            if threads is not None and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            return fn()
+
         async with self.model_lock:
-            return await anyio.to_thread.run_sync(fn)
+            return await anyio.to_thread.run_sync(call)
 
     # ------------------------------------------------------------------ with the cache
+
+    def _decode_and_record(self, prefill: PrefillResult, prompt: torch.Tensor, reused: int) -> DecodeResult:
+        """Decode, then record the K/V the model computed itself in the oracle (in the worker thread)."""
+        decoded = self.model.decode(prefill, self.workload.spec.decode_tokens)
+        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
+        self.oracle.record(seq, prefill.cache, reused, seq.numel())
+        return decoded
 
     async def serve_cached(self, cache: HiCache) -> None:
         async with anyio.create_task_group() as tg:
@@ -279,8 +304,9 @@ class _Runner:
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
     ) -> RequestRecord:
         page = self.config.page_size
-        decode_steps = self.workload.spec.decode_tokens
+        t_acquire = time.perf_counter()
         lease: Lease = await cache.acquire(request_id, prompt)
+        acquire_s = time.perf_counter() - t_acquire
         new_indices: torch.Tensor | None = None
         try:
             cached = lease.cached_len
@@ -289,10 +315,10 @@ class _Runner:
             restored = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu() if reused else None
             prefill: PrefillResult = await self.compute(partial(self.model.prefill, prompt, restored))
             ttft = time.perf_counter() - arrival
-            decoded: DecodeResult = await self.compute(partial(self.model.decode, prefill, decode_steps))
+            decode = partial(self._decode_and_record, prefill, prompt, reused)
+            decoded: DecodeResult = await self.compute(decode)
             reply = decoded.tokens
             seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
-            self.oracle.record(seq, prefill.cache, reused, seq.numel())
             kv_all = torch.cat([prefill.kv_new, decoded.kv], dim=2)  # K/V of seq[reused:]
             padded = -(-seq.numel() // page) * page
             new_indices = await cache.alloc_device(padded - cached)
@@ -322,6 +348,7 @@ class _Runner:
             reply=reply,
             logits=decoded.logits,
             restored_kv=restored,
+            acquire_s=acquire_s,
         )
 
     # ------------------------------------------------------------------ without a cache
@@ -485,7 +512,7 @@ async def run_demo(
     await runner.serve_recompute()
     wall["recompute"] = time.perf_counter() - t
     t = time.perf_counter()
-    await anyio.to_thread.run_sync(runner.verify)
+    await runner.compute(runner.verify)
     wall["verify"] = time.perf_counter() - t
     return DemoResult(
         config=config,

@@ -1,0 +1,90 @@
+"""Smoke tests of the runnable surface: the examples and a small `hicache demo --json`, as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run a Python entry point from the repository root with the checkout first on the path."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_minimal_loop_example_reuses_the_shared_prefix() -> None:
+    """The second request of the minimal loop reuses the 16-token shared prefix from the device tier."""
+    done = run("examples/minimal_loop.py")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("alice: 21 tokens, reused 0 ")
+    assert lines[1] == "bob: 19 tokens, reused 16 {'device': 16, 'host': 0, 'storage': 0}"
+    assert lines[2].startswith("<HiCache open")
+
+
+def test_custom_backend_example_serves_a_restarted_cache_from_storage() -> None:
+    """A fresh cache over the custom backend finds the first cache's pages there (32 tokens from storage)."""
+    done = run("examples/custom_backend.py")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "first server:  {'device': 0, 'host': 0, 'storage': 0}",
+        "backend holds 8 pages",
+        "second server: {'device': 0, 'host': 0, 'storage': 32}",
+    ]
+
+
+@pytest.mark.slow
+def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: Path) -> None:
+    """Two users sharing a system prompt, pools small enough to evict: every output matches recompute."""
+    snapshot = tmp_path / "snap.json"
+    plot = tmp_path / "plot.png"
+    done = run(
+        "-m", "hicache.cli", "demo", "--users", "2", "--turns", "2", "--json", "--system-prompts", "1",
+        "--device-pages", "56", "--host-pages", "72", "--snapshot", str(snapshot), "--plot", str(plot),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["requests"] == 4
+    assert summary["identical"] == summary["requests"]
+    assert summary["checks"]["kv_bitwise"] == 4
+    assert summary["checks"]["max_recompute_logit_diff"] <= 1e-4
+    assert sum(1 for tokens in summary["hit_tokens"].values() if tokens > 0) > 1
+    assert summary["prefill_tokens_saved"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    shown = run("-m", "hicache.cli", "inspect", str(snapshot), "--json")
+    assert shown.returncode == 0, shown.stderr
+    state = json.loads(shown.stdout)
+    assert state["pools"]["device"]["capacity_pages"] == 56
+    assert state["tree"]["nodes"] >= 1
+    assert state["top_prefixes"]
+
+
+def test_cli_rejects_bad_arguments_and_missing_snapshots(tmp_path: Path) -> None:
+    assert run("-m", "hicache.cli", "demo", "--users", "0").returncode == 2
+    missing = run("-m", "hicache.cli", "inspect", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2
+    assert "cannot read snapshot" in missing.stderr
+
+
+def test_bench_lists_the_scripts_in_bench() -> None:
+    done = run("-m", "hicache.cli", "bench", "--list")
+    assert done.returncode == 0, done.stderr
+    assert set(done.stdout.split()) == {
+        p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")
+    }

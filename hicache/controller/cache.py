@@ -674,7 +674,7 @@ class HiCache:
             if anchor_end + hit - matched < self.config.prefetch_threshold:
                 self.tree.unlock_host(anchor)
                 self._skip("storage_miss")
-            return None
+                return None
             host_indices = self._alloc_host(hit, partial=True)
             if (
                 host_indices is None
@@ -684,7 +684,7 @@ class HiCache:
                     self.host_pool.free(host_indices)
                 self.tree.unlock_host(anchor)
                 self._skip("host_full")
-            return None
+                return None
         except BaseException:
             self.tree.unlock_host(anchor)
             raise

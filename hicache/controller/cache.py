@@ -529,10 +529,11 @@ class HiCache:
             try:
                 await copy_pages_async(self.device_pool, device_values, self.host_pool, host_indices)
             except BaseException:
-                for node in self._pending_chain(target):
+                for node in reversed(chain):
                     self.host_pool.free(self.tree.abort_backup(node))
                 raise
-            for node in self._pending_chain(target):
+            # Root first. A node split while copying is committed together with its split-off upper part.
+            for node in chain:
                 self.tree.commit_backup(node)
             self.metrics.backup_tokens.inc(sum(sizes))
         if self.storage is not None and self.config.backup_to_storage:
@@ -540,16 +541,6 @@ class HiCache:
             self._add_work(1)
             self._storage_wakeup.set()
         return True
-
-    def _pending_chain(self, target: TreeNode) -> list[TreeNode]:
-        """The nodes of target's in-flight backup, root first (splits while copying are included)."""
-        chain: list[TreeNode] = []
-        node: TreeNode | None = target
-        while node is not None and node.backup_pending is not None:
-            chain.append(node)
-            node = node.parent
-        chain.reverse()
-        return chain
 
     # ------------------------------------------------------------------ host -> storage
 

@@ -54,14 +54,14 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     snapshot = tmp_path / "snap.json"
     plot = tmp_path / "plot.png"
     done = run(
-        "-m", "hicache.cli", "demo", "--users", "2", "--turns", "2", "--json", "--system-prompts", "1",
-        "--device-pages", "56", "--host-pages", "72", "--snapshot", str(snapshot), "--plot", str(plot),
+        "-m", "hicache.cli", "demo", "--users", "2", "--turns", "3", "--json", "--system-prompts", "1",
+        "--device-pages", "40", "--host-pages", "72", "--snapshot", str(snapshot), "--plot", str(plot),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)
-    assert summary["requests"] == 4
+    assert summary["requests"] == 6
     assert summary["identical"] == summary["requests"]
-    assert summary["checks"]["kv_bitwise"] == 4
+    assert summary["checks"]["kv_bitwise"] == 6
     assert summary["checks"]["max_recompute_logit_diff"] <= 1e-4
     assert sum(1 for tokens in summary["hit_tokens"].values() if tokens > 0) > 1
     assert summary["prefill_tokens_saved"] > 0
@@ -70,7 +70,7 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     shown = run("-m", "hicache.cli", "inspect", str(snapshot), "--json")
     assert shown.returncode == 0, shown.stderr
     state = json.loads(shown.stdout)
-    assert state["pools"]["device"]["capacity_pages"] == 56
+    assert state["pools"]["device"]["capacity_pages"] == 40
     assert state["tree"]["nodes"] >= 1
     assert state["top_prefixes"]
 

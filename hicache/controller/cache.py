@@ -316,7 +316,8 @@ class HiCache:
                         if self._prefetches.get(request_id) is prefetch:
                             await self._cancel(request_id)
                     raise
-        match = self.tree.match_prefix(key) if outcome is not None else first
+        # Match again after any await: eviction may have changed the tree meanwhile.
+        match = self.tree.match_prefix(key) if self.storage is not None else first
         match = await self.load_back(match)
         node = match.last_device_node
         self.tree.lock_device(node)

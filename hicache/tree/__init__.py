@@ -7,6 +7,7 @@ from hicache.tree.node import TreeNode
 from hicache.tree.radix import RadixTree
 from hicache.tree.results import (
     EMPTY_INDICES,
+    ComponentStatistics,
     EvictResult,
     HostEvictResult,
     InsertResult,
@@ -16,6 +17,7 @@ from hicache.tree.results import (
 
 __all__ = [
     "EMPTY_INDICES",
+    "ComponentStatistics",
     "EvictResult",
     "HostEvictResult",
     "InsertResult",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
+
+if TYPE_CHECKING:
+    from hicache.components.base import ComponentData
 
 __all__ = ["TreeNode"]
 
@@ -25,7 +30,8 @@ class TreeNode:
         hit_count: how many inserts touched this node (drives selective write-through and LFU).
         last_access: the tree's logical clock at the last match or insert that touched this node.
         priority: the eviction priority (lower goes first under the priority policy).
-        components: reserved for hybrid components (sliding-window KV, Mamba state); `None` for now.
+        components: per-component data (sliding-window KV, Mamba state) by component name; `None` in a
+            tree without components and until the node first holds or locks one.
     """
 
     __slots__ = (
@@ -61,7 +67,7 @@ class TreeNode:
         self.hit_count = 0
         self.last_access = 0
         self.priority = 0
-        self.components: dict[str, object] | None = None
+        self.components: dict[str, ComponentData] | None = None
         # Private bookkeeping kept by the tree: the number of children holding device data, the page
         # hashes (computed lazily: they depend only on the tokens from the root, so they never go stale),
         # and, for the upper part of a node split while its backup was in flight, the node the
@@ -128,6 +134,12 @@ class TreeNode:
             tiers.append("host")
         if self.backup_pending is not None:
             tiers.append("backup-pending")
+        if self.components:
+            for name, data in self.components.items():
+                if data.device_value is not None:
+                    tiers.append(f"{name}@device")
+                if data.host_value is not None:
+                    tiers.append(f"{name}@host")
         return (
             f"TreeNode(id={self.id}, tokens={self.num_tokens}, tiers={'+'.join(tiers) or 'none'}, "
             f"children={len(self.children)}, device_lock={self.device_lock}, host_lock={self.host_lock}, "

@@ -11,15 +11,18 @@ import itertools
 import logging
 import sys
 from array import array
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from hicache.components.base import TIERS, Component, ComponentData, ComponentFree
 from hicache.keys import TOKEN_BYTES, KeyLike, Namespace, as_key_bytes
 from hicache.policy import EvictionPolicy, WritePolicy, parse_policy
 from hicache.tree.eviction import LeafSet
 from hicache.tree.node import TreeNode
 from hicache.tree.results import (
     EMPTY_INDICES,
+    ComponentStatistics,
     EvictResult,
     HostEvictResult,
     InsertResult,
@@ -56,6 +59,28 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts)
 
 
+class _Reader:
+    """Reads one component's values for `valid_end`, remembering them; tier `None`: the device value on
+    device nodes and the host value on the others (the state after loading the host-only nodes back)."""
+
+    __slots__ = ("name", "parts", "tier", "tree")
+
+    def __init__(self, tree: RadixTree, name: str, tier: str | None) -> None:
+        self.tree = tree
+        self.name = name
+        self.tier = tier
+        self.parts: list[torch.Tensor] = []
+
+    def __call__(self, node: TreeNode) -> torch.Tensor | None:
+        tier = self.tier
+        if tier is None:
+            tier = "device" if node.device_value is not None else "host"
+        value = self.tree.component_value(node, self.name, tier)
+        if value is not None:
+            self.parts.append(value)
+        return value
+
+
 class RadixTree:
     """A paged radix tree of token keys whose nodes hold device and host pool indices.
 
@@ -65,10 +90,14 @@ class RadixTree:
         eviction_policy: which evictable leaf goes first (`EvictionPolicy` or its name).
         write_through_threshold: hits before a node is backed up under `write_through_selective` (>= 1).
         namespace: the cache's namespace, mixed into every page hash.
+        components: hybrid-model components (sliding-window KV, Mamba state) kept per node beside the
+            full-attention KV; `None` or empty for a full-attention-only tree (every operation then runs
+            exactly as without components).
 
     Raises:
         TypeError: an argument of the wrong type.
-        ValueError: a page size below 1, a threshold below 1, or an unknown policy name.
+        ValueError: a page size below 1, a threshold below 1, an unknown policy name, or two components
+            with one name.
     """
 
     def __init__(
@@ -78,6 +107,7 @@ class RadixTree:
         eviction_policy: EvictionPolicy | str = "lru",
         write_through_threshold: int = 2,
         namespace: Namespace | None = None,
+        components: Sequence[Component] | None = None,
     ) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int):
             raise TypeError(f"page_size: expected an int, got {type(page_size).__name__}")
@@ -119,6 +149,14 @@ class RadixTree:
         self._evictable_size = 0
         self._protected_size = 0
         self._evictable_host = 0
+        self._components: tuple[Component, ...] | None = None
+        self._component_index: dict[str, Component] = {}
+        # Per component: slots held on the device, on the host, in backups in flight.
+        self._comp_slots: dict[str, list[int]] = {}
+        self._comp_sets: dict[tuple[str, str], LeafSet] = {}
+        self._garbage: list[ComponentFree] = []
+        if components:
+            self._init_components(components)
 
     # ------------------------------------------------------------------ value bookkeeping
     # Every change of a node's values goes through these helpers, which keep the counters, the
@@ -127,6 +165,8 @@ class RadixTree:
 
     def _set_device(self, node: TreeNode, value: torch.Tensor | None) -> None:
         old = node.device_value
+        if value is None and old is not None and node.components is not None:
+            self._drop_components(node, "device")
         n = len(node.key) >> 3
         delta = (value is not None) - (old is not None)
         node.device_value = value
@@ -144,6 +184,8 @@ class RadixTree:
 
     def _set_host(self, node: TreeNode, value: torch.Tensor | None) -> None:
         old = node.host_value
+        if value is None and old is not None and node.components is not None:
+            self._drop_components(node, "host")
         n = len(node.key) >> 3
         delta = (value is not None) - (old is not None)
         node.host_value = value
@@ -175,6 +217,8 @@ class RadixTree:
             pages = tokens // self.page_size
             upper._hashes = hashes[:pages]
             node._hashes = hashes[pages:]
+        if node.components is not None:
+            self._split_components(node, upper, tokens)
 
     def _refresh(self, node: TreeNode) -> None:
         """Recompute whether `node` is an evictable device leaf or host leaf."""
@@ -272,12 +316,358 @@ class RadixTree:
             raise ValueError(f"{name}: the root holds no pages")
         return live
 
+    # ------------------------------------------------------------------ components
+    # Hybrid components keep their per-node data in `node.components`; the rules that differ between
+    # kinds (splitting, where a prefix may end, spreading inserted values) are the components' hooks.
+    # Every index the tree lets go of is queued in `_garbage` for the controller (`take_component_frees`).
+
+    def _init_components(self, components: Sequence[Component]) -> None:
+        seen: dict[str, Component] = {}
+        for comp in components:
+            if not isinstance(comp, Component):
+                raise TypeError(f"components: expected Component objects, got {type(comp).__name__}")
+            if comp.name in seen or comp.name == "full":
+                raise ValueError(f"components: the name {comp.name!r} is taken")
+            seen[comp.name] = comp
+        self._components = tuple(sorted(components, key=lambda c: c.rank))
+        self._component_index = seen
+        for comp in self._components:
+            self._comp_slots[comp.name] = [0, 0, 0]
+            for tier in TIERS:
+                self._comp_sets[(comp.name, tier)] = LeafSet(self.eviction_policy)
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        """The tree's components in eviction order (lowest rank first); empty without components."""
+        return self._components or ()
+
+    def _cdata(self, node: TreeNode, name: str) -> ComponentData:
+        comps = node.components
+        if comps is None:
+            comps = node.components = {}
+        data = comps.get(name)
+        if data is None:
+            data = comps[name] = ComponentData()
+        return data
+
+    def _refresh_comp(self, node: TreeNode, name: str, data: ComponentData) -> None:
+        """Recompute whether `node`'s value of `name` can be evicted, on each tier."""
+        dev = self._comp_sets[(name, "device")]
+        if data.device_value is not None and not data.device_lock and data.backup_pending is None:
+            dev.add(node)
+        else:
+            dev.discard(node)
+        host = self._comp_sets[(name, "host")]
+        if data.host_value is not None and not data.host_lock:
+            host.add(node)
+        else:
+            host.discard(node)
+
+    def _set_comp(self, node: TreeNode, name: str, tier: str, value: torch.Tensor | None) -> None:
+        data = self._cdata(node, name)
+        old = data.device_value if tier == "device" else data.host_value
+        counts = self._comp_slots[name]
+        i = 0 if tier == "device" else 1
+        if old is not None:
+            counts[i] -= int(old.shape[0])
+        if value is not None:
+            counts[i] += int(value.shape[0])
+        if tier == "device":
+            data.device_value = value
+        else:
+            data.host_value = value
+        self._refresh_comp(node, name, data)
+
+    def _discard(self, name: str, tier: str, value: torch.Tensor | None) -> None:
+        if value is not None and value.numel():
+            self._garbage.append(ComponentFree(name, tier, value))
+
+    def _drop_comp(self, node: TreeNode, comp: Component, tier: str) -> int:
+        """Drop `comp`'s value on `tier` and, cascading, every higher-ranked component's; slots of `comp`."""
+        comps = node.components
+        assert comps is not None
+        assert self._components is not None
+        freed = 0
+        for other in self._components:
+            if other.rank < comp.rank:
+                continue
+            data = comps.get(other.name)
+            if data is None:
+                continue
+            value = data.value(tier)
+            if value is None:
+                continue
+            if other is comp:
+                freed = int(value.shape[0])
+            self._set_comp(node, other.name, tier, None)
+            self._discard(other.name, tier, value)
+        return freed
+
+    def _drop_components(self, node: TreeNode, tier: str) -> None:
+        """The base value on `tier` is going: every component value there goes with it."""
+        comps = node.components
+        assert comps is not None
+        for name, data in comps.items():
+            value = data.value(tier)
+            if value is not None:
+                self._set_comp(node, name, tier, None)
+                self._discard(name, tier, value)
+
+    def _split_components(self, node: TreeNode, upper: TreeNode, tokens: int) -> None:
+        comps = node.components
+        assert comps is not None
+        n = node.num_tokens
+        for name, data in comps.items():
+            comp = self._component_index[name]
+            up = ComponentData()
+            if comp.lock_path:
+                up.device_lock = data.device_lock
+                up.host_lock = data.host_lock
+            for attr in ("device_value", "host_value", "backup_pending"):
+                value = getattr(data, attr)
+                if value is not None:
+                    upper_part, lower_part = comp.split(value, tokens, n)
+                    setattr(up, attr, upper_part)
+                    setattr(data, attr, lower_part)
+            if not up.empty:
+                if upper.components is None:
+                    upper.components = {}
+                upper.components[name] = up
+            self._refresh_comp(node, name, data)
+            self._refresh_comp(upper, name, up)
+
+    def _component_inputs(
+        self, components: Mapping[str, torch.Tensor] | None, name: str, aligned: int
+    ) -> dict[str, torch.Tensor]:
+        """Validate a mapping of component values for a key of `aligned` tokens; cloned (the tree owns them)."""
+        if not components:
+            return {}
+        if self._components is None:
+            raise ValueError(f"{name}: this tree has no components")
+        if not isinstance(components, Mapping):
+            raise TypeError(f"{name}: expected a mapping of component name to indices")
+        out: dict[str, torch.Tensor] = {}
+        for cname, value in components.items():
+            comp = self._component_index.get(cname)
+            if comp is None:
+                raise ValueError(f"{name}: unknown component {cname!r}")
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.int64 or value.dim() != 1:
+                raise TypeError(f"{name}[{cname!r}]: expected a 1-D int64 tensor")
+            if aligned and (problem := comp.check_value(value, aligned, self.page_size)) is not None:
+                raise ValueError(f"{name}[{cname!r}]: {problem}")
+            out[cname] = value.clone()
+        return out
+
+    def _attach_components(
+        self,
+        path: list[TreeNode],
+        start: int,
+        end: int,
+        key_tokens: int,
+        values: dict[str, torch.Tensor],
+        tier: str,
+    ) -> None:
+        """Spread `values` over `path` (nodes covering tokens [start, end)); the rest becomes garbage."""
+        spans: list[tuple[int, int]] = []
+        pos = start
+        for node in path:
+            spans.append((pos, pos + node.num_tokens))
+            pos += node.num_tokens
+        assert pos == end
+        for cname, value in values.items():
+            comp = self._component_index[cname]
+            parts = comp.distribute(spans, value, end, key_tokens) if spans else [None] * len(spans)
+            if all(part is None for part in parts):
+                self._discard(cname, tier, value)
+                continue
+            for node, part in zip(path, parts, strict=True):
+                if part is None:
+                    continue
+                base = node.device_value if tier == "device" else node.host_value
+                data = node.components.get(cname) if node.components is not None else None
+                held = None if data is None else data.value(tier)
+                pending = data is not None and tier == "host" and data.backup_pending is not None
+                if base is None or held is not None or pending:
+                    self._discard(cname, tier, part)
+                else:
+                    self._set_comp(node, cname, tier, part)
+
+    def take_component_frees(self) -> list[ComponentFree]:
+        """Component indices the tree let go of since the last call; the caller returns them to the pools.
+
+        Every operation that drops a node's value (eviction, demotion, a cascade, a duplicate insert)
+        queues the component indices here instead of returning them, so the base API stays unchanged.
+        """
+        out = self._garbage
+        self._garbage = []
+        return out
+
+    def evict_component(self, name: str, num_slots: int, tier: str = "device") -> int:
+        """Free at least `num_slots` slots of component `name` on `tier` while the nodes stay.
+
+        Unlocked values go in policy order; each also drops the higher-ranked components of its node
+        (a sliding-window tombstone drops the node's Mamba state). The freed indices are queued for
+        `take_component_frees`. Returns the slots of `name` freed (fewer when nothing more is evictable).
+
+        Raises:
+            ValueError: an unknown component or tier; TypeError: a count that is not an int.
+        """
+        comp = self._component_index.get(name)
+        if comp is None:
+            raise ValueError(f"name: unknown component {name!r}")
+        if tier not in TIERS:
+            raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
+        self._check_count(num_slots, "num_slots")
+        leaves = self._comp_sets[(name, tier)]
+        got = 0
+        while got < num_slots:
+            node = leaves.pop()
+            if node is None:
+                break
+            got += self._drop_comp(node, comp, tier)
+        return got
+
+    def component_value(self, node: TreeNode, name: str, tier: str = "device") -> torch.Tensor | None:
+        """`node`'s value of component `name` on `tier` (`None` when it holds none there)."""
+        comps = node.components
+        if comps is None:
+            return None
+        data = comps.get(name)
+        return None if data is None else data.value(tier)
+
+    def component_window(self, node: TreeNode, tier: str = "device") -> dict[str, torch.Tensor]:
+        """The component indices a prefix ending at `node` uses on `tier`, root-first per component.
+
+        For each component whose `valid_end` holds there: the values it reads (sliding window: the
+        window's suffix values; Mamba: the node's state). Empty entries are omitted.
+        """
+        out: dict[str, torch.Tensor] = {}
+        if self._components is None or node is self.root:
+            return out
+        for comp in self._components:
+            reader = _Reader(self, comp.name, tier)
+            if comp.valid_end(node, self.root, reader) and reader.parts:
+                reader.parts.reverse()
+                out[comp.name] = _cat(reader.parts)
+        return out
+
+    def valid_end(self, node: TreeNode, tier: str = "device") -> bool:
+        """Whether every component allows a prefix ending at `node` on `tier` (always without components)."""
+        comps = self._components
+        if comps is None or node is self.root:
+            return True
+        return all(comp.valid_end(node, self.root, _Reader(self, comp.name, tier)) for comp in comps)
+
+    def _valid_mixed(self, node: TreeNode) -> bool:
+        """Valid once host-only nodes are loaded: device values on device nodes, host values on the rest."""
+        comps = self._components
+        assert comps is not None
+        return all(comp.valid_end(node, self.root, _Reader(self, comp.name, None)) for comp in comps)
+
+    def component_statistics(self) -> dict[str, ComponentStatistics]:
+        """Per component: slots on each tier, in backups in flight, and queued for freeing (O(1))."""
+        out: dict[str, ComponentStatistics] = {}
+        for comp in self.components:
+            device, host, pending = self._comp_slots[comp.name]
+            garbage = [0, 0]
+            for g in self._garbage:
+                if g.component == comp.name:
+                    garbage[TIERS.index(g.tier)] += int(g.indices.numel())
+            out[comp.name] = ComponentStatistics(
+                name=comp.name,
+                device_slots=device,
+                host_slots=host,
+                pending_backup_slots=pending,
+                evictable_device_nodes=len(self._comp_sets[(comp.name, "device")]),
+                evictable_host_nodes=len(self._comp_sets[(comp.name, "host")]),
+                queued_free_device_slots=garbage[0],
+                queued_free_host_slots=garbage[1],
+            )
+        return out
+
+    def component_indices_owned(self, name: str, tier: str) -> torch.Tensor:
+        """Every index of component `name` on `tier` the tree holds or queued for freeing (O(tree), tests).
+
+        Host indices of backups in flight are included on the host tier.
+        """
+        parts: list[torch.Tensor] = []
+        for node in self.iter_nodes():
+            comps = node.components
+            data = None if comps is None else comps.get(name)
+            if data is None:
+                continue
+            value = data.value(tier)
+            if value is not None:
+                parts.append(value)
+            if tier == "host" and data.backup_pending is not None:
+                parts.append(data.backup_pending)
+        parts.extend(g.indices for g in self._garbage if g.component == name and g.tier == tier)
+        return _cat(parts)
+
+    def _match_hybrid(self, kb: bytes) -> MatchResult:
+        """`match_prefix` with components: the walk of the base, then truncated to where every component
+        allows a prefix to end (device prefix first; the host-only part only beyond a valid device end)."""
+        self._clock += 1
+        tick = self._clock
+        step = self._step
+        end = len(kb)
+        root = self.root
+        node = root
+        pos = 0
+        path: list[TreeNode] = []
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            if kb.startswith(ck, pos):
+                matched = len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+            child.last_access = tick
+            path.append(child)
+            pos += matched
+            node = child
+        k = 0
+        while k < len(path) and path[k].device_value is not None:
+            k += 1
+        i = k
+        while i > 0 and not self.valid_end(path[i - 1], "device"):
+            i -= 1
+        j = 0
+        if i == k:
+            j = len(path) - k
+            while j > 0 and not self._valid_mixed(path[k + j - 1]):
+                j -= 1
+        device_nodes = path[:i]
+        host_nodes = path[k : k + j]
+        last_device = device_nodes[-1] if device_nodes else root
+        last_host = root
+        for n in reversed(path[: i + j]):
+            if n.host_value is not None:
+                last_host = n
+                break
+        device_values = tuple(n.device_value for n in device_nodes if n.device_value is not None)
+        return MatchResult(
+            kb,
+            device_values,
+            sum(n.num_tokens for n in device_nodes),
+            sum(n.num_tokens for n in host_nodes),
+            last_device,
+            last_host,
+            tuple(host_nodes),
+        )
+
     # ------------------------------------------------------------------ matching and inserting
 
     def match_prefix(self, key: KeyLike) -> MatchResult:
         """Find the longest cached page-aligned prefix of `key` on the device and, beyond it, on the host.
 
-        A match ending inside a node splits it; every matched node's `last_access` is advanced.
+        A match ending inside a node splits it; every matched node's `last_access` is advanced. With
+        components the match is truncated to the deepest node where every component allows a prefix to
+        end (a complete sliding window, a Mamba state): on the device first, then, only if the whole
+        device prefix is valid, over host-only nodes whose components are on the host.
 
         Args:
             key: the token key (bytes, `array('q')`, a 1-D integer tensor or a sequence of ints).
@@ -297,6 +687,8 @@ class RadixTree:
         if end % step:
             end -= end % step
             kb = kb[:end]
+        if self._components is not None:
+            return self._match_hybrid(kb)
         self._clock += 1
         tick = self._clock
         root = self.root
@@ -339,7 +731,12 @@ class RadixTree:
             tuple(host_nodes),
         )
 
-    def insert(self, key: KeyLike, device_indices: torch.Tensor) -> InsertResult:
+    def insert(
+        self,
+        key: KeyLike,
+        device_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> InsertResult:
         """Insert a key whose KV pages sit at `device_indices` on the device.
 
         Only the page-aligned part is inserted. Nodes that already hold device data are duplicates (the
@@ -351,13 +748,19 @@ class RadixTree:
         Args:
             key: the token key.
             device_indices: a 1-D int64 tensor with one device index per token of the (unaligned) key.
+            components: device indices of hybrid components by name: a sliding window's for a
+                page-aligned suffix of the aligned key, a Mamba state's one slot (taken at the end of the
+                key: kept only when the key is page-aligned). The tree takes ownership of all of them:
+                nodes lacking a value on the device get their part, the rest is queued for
+                `take_component_frees`.
 
         Raises:
-            TypeError: a key or `device_indices` of the wrong type or dtype.
-            ValueError: `device_indices` of the wrong shape or length.
+            TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
+            ValueError: `device_indices` of the wrong shape or length, or malformed component values.
         """
         kb, ntok = self._aligned_key(key)
         _check_indices(device_indices, "device_indices", ntok)
+        comp_values = self._component_inputs(components, "components", len(kb) >> 3) if components else None
         self._clock += 1
         tick = self._clock
         step = self._step
@@ -411,7 +814,22 @@ class RadixTree:
                     backups.append(leaf)
             self._set_device(leaf, values[(pos >> 3) - base :])
             node = leaf
+        if comp_values:
+            self._attach_components(self._key_path(kb, self.root), 0, end >> 3, ntok, comp_values, "device")
         return InsertResult(prefix_bytes >> 3, end >> 3, node, tuple(backups))
+
+    def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
+        """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
+        path: list[TreeNode] = []
+        step = self._step
+        node = start
+        pos = 0
+        while pos < len(kb):
+            child = node.children[kb[pos : pos + step]]
+            path.append(child)
+            pos += len(child.key)
+            node = child
+        return path
 
     def insert_host(
         self,
@@ -419,6 +837,7 @@ class RadixTree:
         key: KeyLike,
         host_indices: torch.Tensor,
         hashes: list[bytes] | None = None,
+        components: Mapping[str, torch.Tensor] | None = None,
     ) -> InsertResult:
         """Attach a storage refill (host pages) below `anchor`.
 
@@ -432,6 +851,9 @@ class RadixTree:
             key: the refill's tokens, continuing from the anchor's end.
             host_indices: a 1-D int64 tensor with one host index per token of `key`.
             hashes: the precomputed page hashes of the page-aligned `key`, if known.
+            components: host indices of hybrid components by name, as for `insert` (relative to `key`).
+                Unless the refill is dropped, the tree takes ownership of them (what no node takes is
+                queued for `take_component_frees`); a dropped refill leaves them to the caller.
 
         Raises:
             TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
@@ -439,6 +861,7 @@ class RadixTree:
         anchor = self._require_live(anchor, "anchor")
         kb, ntok = self._aligned_key(key)
         _check_indices(host_indices, "host_indices", ntok)
+        comp_values = self._component_inputs(components, "components", len(kb) >> 3) if components else None
         step = self._step
         end = len(kb)
         if hashes is not None:
@@ -494,6 +917,8 @@ class RadixTree:
             self._set_host(leaf, host_indices[prefix : end >> 3].clone())
             self._refresh(node)
             node = leaf
+        if comp_values:
+            self._attach_components(self._key_path(kb, anchor), 0, end >> 3, ntok, comp_values, "host")
         return InsertResult(prefix, end >> 3, node)
 
     # ------------------------------------------------------------------ device -> host backups
@@ -516,8 +941,19 @@ class RadixTree:
         chain.reverse()
         return chain
 
-    def begin_backup(self, node: TreeNode, host_indices: torch.Tensor) -> None:
+    def begin_backup(
+        self,
+        node: TreeNode,
+        host_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Record a device-to-host backup of `node` in flight to `host_indices`; device-locks its path.
+
+        Args:
+            node: a device node that is neither backed up nor pending.
+            host_indices: one host index per token of the node.
+            components: host indices for the node's component device values, by name (each as long as
+                the device value it copies); committed and aborted with the base backup.
 
         Raises:
             ValueError: the node holds no device data, is backed up or pending, or the indices mismatch.
@@ -528,10 +964,47 @@ class RadixTree:
             raise ValueError(f"node: node {node.id} holds no device data to back up")
         if node.host_value is not None or node.backup_pending is not None:
             raise ValueError(f"node: node {node.id} is already backed up or has a backup in flight")
+        if components:
+            self._check_component_backup(node, components)
         node.backup_pending = host_indices
         node._backup_owner = None
         self._pending_tokens += node.num_tokens
+        if components:
+            for name, value in components.items():
+                data = self._cdata(node, name)
+                data.backup_pending = value
+                self._comp_slots[name][2] += int(value.shape[0])
+                self._refresh_comp(node, name, data)
         self.lock_device(node)
+
+    def _check_component_backup(self, node: TreeNode, components: Mapping[str, torch.Tensor]) -> None:
+        if self._components is None:
+            raise ValueError("components: this tree has no components")
+        for name, value in components.items():
+            if name not in self._component_index:
+                raise ValueError(f"components: unknown component {name!r}")
+            device = self.component_value(node, name, "device")
+            if device is None:
+                raise ValueError(f"components[{name!r}]: node {node.id} holds no {name} value on the device")
+            if self.component_value(node, name, "host") is not None:
+                raise ValueError(f"components[{name!r}]: node {node.id} already holds a {name} host value")
+            _check_indices(value, f"components[{name!r}]", int(device.shape[0]))
+
+    def _settle_component_backup(self, member: TreeNode, commit: bool) -> None:
+        comps = member.components
+        if comps is None:
+            return
+        for name, data in comps.items():
+            pending = data.backup_pending
+            if pending is None:
+                continue
+            data.backup_pending = None
+            self._comp_slots[name][2] -= int(pending.shape[0])
+            if commit and data.device_value is not None and data.host_value is None:
+                self._set_comp(member, name, "host", pending)
+            else:
+                self._discard(name, "host", pending)
+                self._refresh_comp(member, name, data)
 
     def _pending_group(self, node: TreeNode) -> list[TreeNode]:
         """`node` and the upper parts split off it while its backup was in flight, root-first."""
@@ -570,10 +1043,14 @@ class RadixTree:
             member._backup_owner = None
             self._pending_tokens -= member.num_tokens
             self._set_host(member, pending)
+            if member.components is not None:
+                self._settle_component_backup(member, True)
         self.unlock_device(node)
 
     def abort_backup(self, node: TreeNode) -> torch.Tensor:
         """The backup of `node` failed or was cancelled: unlock and return its host indices to free.
+
+        Component host indices of the backup are queued for `take_component_frees`.
 
         Raises:
             ValueError: no backup in flight.
@@ -589,13 +1066,26 @@ class RadixTree:
             member.backup_pending = None
             member._backup_owner = None
             self._pending_tokens -= member.num_tokens
+            if member.components is not None:
+                self._settle_component_backup(member, False)
         self.unlock_device(node)
         return _cat(parts)
 
     # ------------------------------------------------------------------ host -> device and demotion
 
-    def attach_device(self, node: TreeNode, device_indices: torch.Tensor) -> None:
+    def attach_device(
+        self,
+        node: TreeNode,
+        device_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         """Record that a host-only node was loaded back to the device at `device_indices`.
+
+        Args:
+            node: a host-only node whose parent is on the device (or the root).
+            device_indices: one device index per token of the node.
+            components: device indices of component values loaded with it, by name (each as long as the
+                node's host value of that component).
 
         Raises:
             ValueError: the node is not host-only, its parent is not on the device, or a length mismatch.
@@ -608,7 +1098,22 @@ class RadixTree:
         assert parent is not None
         if parent is not self.root and parent.device_value is None:
             raise ValueError(f"node: the parent {parent.id} of node {node.id} is not on the device")
+        if components:
+            if self._components is None:
+                raise ValueError("components: this tree has no components")
+            for name, value in components.items():
+                if name not in self._component_index:
+                    raise ValueError(f"components: unknown component {name!r}")
+                host = self.component_value(node, name, "host")
+                if host is None:
+                    raise ValueError(
+                        f"components[{name!r}]: node {node.id} holds no {name} value on the host"
+                    )
+                _check_indices(value, f"components[{name!r}]", int(host.shape[0]))
         self._set_device(node, device_indices)
+        if components:
+            for name, value in components.items():
+                self._set_comp(node, name, "device", value)
 
     def demote(self, node: TreeNode) -> torch.Tensor:
         """Drop the device copy of a backed-up node and return its device indices for the caller to free.
@@ -642,9 +1147,26 @@ class RadixTree:
             cur = cur.parent
         return path
 
+    def _lock_components(self, path: list[TreeNode], tier: str, delta: int) -> None:
+        """Per-component locks: along the whole path, or on the locked node only (`lock_path`)."""
+        assert self._components is not None
+        for comp in self._components:
+            name = comp.name
+            for cur in path if comp.lock_path else path[:1]:
+                data = self._cdata(cur, name)
+                if tier == "device":
+                    data.device_lock += delta
+                else:
+                    data.host_lock += delta
+                self._refresh_comp(cur, name, data)
+
     def lock_device(self, node: TreeNode) -> None:
-        """Protect `node` and its ancestors from device eviction (counted; the root is excluded)."""
-        for cur in self._path(node):
+        """Protect `node` and its ancestors from device eviction (counted; the root is excluded).
+
+        Components are locked too: along the path, or only at `node` for those without `lock_path`.
+        """
+        path = self._path(node)
+        for cur in path:
             cur.device_lock += 1
             if cur.device_lock == 1:
                 if cur.device_value is not None:
@@ -652,6 +1174,8 @@ class RadixTree:
                     self._evictable_size -= n
                     self._protected_size += n
                 self._refresh(cur)
+        if self._components is not None and path:
+            self._lock_components(path, "device", 1)
 
     def unlock_device(self, node: TreeNode) -> None:
         """Release one device lock on `node` and its ancestors.
@@ -670,15 +1194,20 @@ class RadixTree:
                     self._evictable_size += n
                     self._protected_size -= n
                 self._refresh(cur)
+        if self._components is not None and path:
+            self._lock_components(path, "device", -1)
 
     def lock_host(self, node: TreeNode) -> None:
         """Protect `node` and its ancestors from host eviction (counted; the root is excluded)."""
-        for cur in self._path(node):
+        path = self._path(node)
+        for cur in path:
             cur.host_lock += 1
             if cur.host_lock == 1:
                 if cur.host_value is not None:
                     self._evictable_host -= cur.num_tokens
                 self._refresh(cur)
+        if self._components is not None and path:
+            self._lock_components(path, "host", 1)
 
     def unlock_host(self, node: TreeNode) -> None:
         """Release one host lock on `node` and its ancestors.
@@ -695,6 +1224,8 @@ class RadixTree:
                 if cur.host_value is not None:
                     self._evictable_host += cur.num_tokens
                 self._refresh(cur)
+        if self._components is not None and path:
+            self._lock_components(path, "host", -1)
 
     def set_priority(self, node: TreeNode, priority: int) -> None:
         """Set the eviction priority of `node` (lower goes first under the priority policy)."""
@@ -706,6 +1237,9 @@ class RadixTree:
             self._device_leaves.push(node)
         if node in self._host_leaves:
             self._host_leaves.push(node)
+        for leaves in self._comp_sets.values():
+            if node in leaves:
+                leaves.push(node)
 
     # ------------------------------------------------------------------ eviction
 

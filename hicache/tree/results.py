@@ -8,7 +8,15 @@ import torch
 
 from hicache.tree.node import TreeNode
 
-__all__ = ["EMPTY_INDICES", "EvictResult", "HostEvictResult", "InsertResult", "MatchResult", "TreeStatistics"]
+__all__ = [
+    "EMPTY_INDICES",
+    "ComponentStatistics",
+    "EvictResult",
+    "HostEvictResult",
+    "InsertResult",
+    "MatchResult",
+    "TreeStatistics",
+]
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 """A shared empty int64 tensor returned wherever no indices apply (never write into it)."""
@@ -133,3 +141,28 @@ class TreeStatistics:
             f"host={self.host_tokens} [evictable {self.evictable_host_tokens}], "
             f"pending_backup={self.pending_backup_tokens})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentStatistics:
+    """A snapshot of one hybrid component's sizes in the tree, in pool slots (tokens for a sliding window).
+
+    Attributes:
+        name: the component.
+        device_slots: slots held on the device.
+        host_slots: slots held on the host (committed).
+        pending_backup_slots: host slots of backups in flight.
+        evictable_device_nodes: nodes whose device value can be evicted now.
+        evictable_host_nodes: nodes whose host value can be evicted now.
+        queued_free_device_slots: device slots let go of, waiting for `take_component_frees`.
+        queued_free_host_slots: host slots let go of, waiting for `take_component_frees`.
+    """
+
+    name: str
+    device_slots: int
+    host_slots: int
+    pending_backup_slots: int
+    evictable_device_nodes: int
+    evictable_host_nodes: int
+    queued_free_device_slots: int
+    queued_free_host_slots: int

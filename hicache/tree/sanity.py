@@ -38,6 +38,9 @@ def collect_violations(tree: RadixTree) -> list[str]:
         out.append("root: must hold no values")
     if root.device_lock or root.host_lock:
         out.append("root: must hold no locks")
+    if root.components:
+        out.append("root: must hold no component data")
+    comp_check = _ComponentCheck(tree)
 
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
@@ -117,7 +120,10 @@ def collect_violations(tree: RadixTree) -> list[str]:
                 evictable_host += n
         if pv is not None:
             pending += n
+        if node.components is not None:
+            comp_check.visit(node, out)
 
+    comp_check.finish(out)
     for name, actual, expected_set in (
         ("device", tree._device_leaves, device_leaves),
         ("host", tree._host_leaves, host_leaves),
@@ -147,3 +153,81 @@ def check_tree(tree: RadixTree) -> None:
     violations = collect_violations(tree)
     if violations:
         raise InvariantViolation(violations)
+
+
+class _ComponentCheck:
+    """The component invariants, gathered node by node and compared with the tree's counters at the end."""
+
+    def __init__(self, tree: RadixTree) -> None:
+        self.tree = tree
+        self.slots = {c.name: [0, 0, 0] for c in tree.components}
+        self.members: dict[tuple[str, str], set[TreeNode]] = {key: set() for key in tree._comp_sets}
+
+    def visit(self, node: TreeNode, out: list[str]) -> None:
+        tree = self.tree
+        comps = node.components
+        assert comps is not None
+        n = node.num_tokens
+        for name, data in comps.items():
+            comp = tree._component_index.get(name)
+            if comp is None:
+                out.append(f"node {node.id}: data of unknown component {name!r}")
+                continue
+            counts = self.slots[name]
+            for attr, base, i in (
+                ("device_value", node.device_value, 0),
+                ("host_value", node.host_value, 1),
+                ("backup_pending", node.backup_pending, 2),
+            ):
+                value = getattr(data, attr)
+                if value is None:
+                    continue
+                if value.dtype != torch.int64 or value.dim() != 1:
+                    out.append(f"node {node.id}: {name}.{attr} is not a 1-D int64 tensor")
+                    continue
+                problem = comp.check_value(value, n, tree.page_size)
+                if problem is not None:
+                    out.append(f"node {node.id}: {name}.{attr}: {problem}")
+                if base is None:
+                    out.append(f"node {node.id}: {name}.{attr} without the base value on that tier")
+                counts[i] += int(value.shape[0])
+            if data.backup_pending is not None:
+                if data.device_value is None:
+                    out.append(f"node {node.id}: {name} backup pending without a {name} device value")
+                elif data.backup_pending.shape != data.device_value.shape:
+                    out.append(f"node {node.id}: {name} backup pending does not match its device value")
+                if data.host_value is not None:
+                    out.append(f"node {node.id}: {name} backup pending although already on the host")
+            if data.device_lock < 0 or data.host_lock < 0:
+                out.append(f"node {node.id}: negative {name} lock ({data.device_lock}, {data.host_lock})")
+            if data.device_lock > node.device_lock:
+                out.append(
+                    f"node {node.id}: {name} device lock {data.device_lock} exceeds the base lock "
+                    f"{node.device_lock}"
+                )
+            if data.host_lock > node.host_lock:
+                out.append(
+                    f"node {node.id}: {name} host lock {data.host_lock} exceeds the base lock {node.host_lock}"
+                )
+            if data.device_value is not None and not data.device_lock and data.backup_pending is None:
+                self.members[(name, "device")].add(node)
+            if data.host_value is not None and not data.host_lock:
+                self.members[(name, "host")].add(node)
+
+    def finish(self, out: list[str]) -> None:
+        tree = self.tree
+        for key, expected in self.members.items():
+            actual = tree._comp_sets[key]
+            extra = sorted(x.id for x in actual.members - expected)
+            missing = sorted(x.id for x in expected - actual.members)
+            if extra or missing:
+                out.append(f"{key[0]} {key[1]} evictable set: extra {extra}, missing {missing}")
+            out.extend(f"{key[0]} {key[1]} evictable set: {v}" for v in actual.check())
+        for name, recomputed in self.slots.items():
+            kept = tree._comp_slots[name]
+            for label, a, b in zip(("device", "host", "pending"), kept, recomputed, strict=True):
+                if a != b:
+                    out.append(f"counter {name} {label} slots: kept {a}, recomputed {b}")
+        for g in tree._garbage:
+            if g.component not in tree._component_index:
+                out.append(f"queued free of unknown component {g.component!r}")

@@ -486,11 +486,17 @@ class RadixTree:
                 base = node.device_value if tier == "device" else node.host_value
                 data = node.components.get(cname) if node.components is not None else None
                 held = None if data is None else data.value(tier)
-                pending = data is not None and tier == "host" and data.backup_pending is not None
-                if base is None or held is not None or pending:
+                # Three cases: nothing held (take the part), a shorter unlocked value not being backed up
+                # (a window suffix that grows: replace it), anything else (keep what is held).
+                busy = data is not None and (
+                    data.backup_pending is not None
+                    or (data.device_lock if tier == "device" else data.host_lock)
+                )
+                if base is None or busy or (held is not None and held.shape[0] >= part.shape[0]):
                     self._discard(cname, tier, part)
                 else:
                     self._set_comp(node, cname, tier, part)
+                    self._discard(cname, tier, held)
 
     def take_component_frees(self) -> list[ComponentFree]:
         """Component indices the tree let go of since the last call; the caller returns them to the pools.

@@ -1,7 +1,9 @@
 """Stateful property test: random operation sequences against the tree with exact pool accounting.
 
 After every step the tree must pass `sanity_check()` and every device and host token index must be in
-exactly one place: the test's free pool, the tree, or the test's hands.
+exactly one place: the test's free pool, the tree, or the test's hands. The machine runs four times: with
+full attention only, and with a sliding window, a Mamba state, or both as components (each component
+has its own device and host pools, accounted for exactly like the base's).
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from hicache.components import Component, MambaState, SlidingWindow
+from hicache.memory import KVLayout
 from hicache.policy import EvictionPolicy, WritePolicy
 from hicache.tree import RadixTree, TreeNode
 
 DEVICE_PAGES = 40
 HOST_PAGES = 40
+COMPONENT_PAGES = 24
+WINDOW = 6  # tokens: a window of 2 pages at page size 4, of 6 pages at page size 1, inside a page at 16
 
 page_choices = st.lists(st.integers(0, 2), min_size=0, max_size=6)
 tails = st.integers(0, 15)
@@ -58,6 +64,9 @@ def make_key(choices: list[int], tail: int, page_size: int) -> list[int]:
 class TreeMachine(RuleBasedStateMachine):
     """Random operations over every write policy, eviction policy and page sizes 1, 4 and 16."""
 
+    components: tuple[str, ...] = ()
+    """Which components the tree keeps: a subset of ("swa", "mamba")."""
+
     def __init__(self) -> None:
         super().__init__()
         self.tree: RadixTree
@@ -65,6 +74,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.host: Pool
         self.device_locks: list[TreeNode] = []
         self.host_locks: list[TreeNode] = []
+        self.comp_pools: dict[tuple[str, str], Pool] = {}
 
     @initialize(
         page_size=st.sampled_from([1, 4, 16]),
@@ -72,7 +82,22 @@ class TreeMachine(RuleBasedStateMachine):
         evict=st.sampled_from(list(EvictionPolicy)),
     )
     def setup(self, page_size: int, write: WritePolicy, evict: EvictionPolicy) -> None:
-        self.tree = RadixTree(page_size, write_policy=write, eviction_policy=evict, write_through_threshold=2)
+        comps: list[Component] = []
+        for name in self.components:
+            if name == "swa":
+                layout = KVLayout.flat(8, page_size)
+                comps.append(SlidingWindow(WINDOW, layout, COMPONENT_PAGES, COMPONENT_PAGES))
+            else:
+                comps.append(MambaState(16, COMPONENT_PAGES, COMPONENT_PAGES))
+            for tier in ("device", "host"):
+                self.comp_pools[(name, tier)] = Pool(COMPONENT_PAGES, page_size if name == "swa" else 1)
+        self.tree = RadixTree(
+            page_size,
+            write_policy=write,
+            eviction_policy=evict,
+            write_through_threshold=2,
+            components=comps or None,
+        )
         self.device = Pool(DEVICE_PAGES, page_size)
         self.host = Pool(HOST_PAGES, page_size)
 
@@ -90,7 +115,37 @@ class TreeMachine(RuleBasedStateMachine):
             if idx is None:
                 return
             self.host.release(idx[n.num_tokens :])
-            self.tree.begin_backup(n, idx[: n.num_tokens])
+            comps: dict[str, torch.Tensor] = {}
+            for name in self.components:
+                value = self.tree.component_value(n, name, "device")
+                if value is not None:
+                    host = self.comp_pools[(name, "host")].alloc(value.numel())
+                    if host is not None:
+                        comps[name] = host
+            self.tree.begin_backup(n, idx[: n.num_tokens], comps or None)
+
+    def component_values(self, tier: str, aligned: int, key_len: int) -> dict[str, torch.Tensor]:
+        """Fresh component indices for a key of `aligned` page-aligned tokens (`key_len` before aligning)."""
+        out: dict[str, torch.Tensor] = {}
+        page = self.tree.page_size
+        for name in self.components:
+            pool = self.comp_pools[(name, tier)]
+            if name == "swa":
+                n = min(aligned, -(-WINDOW // page) * page)
+                if n == 0:
+                    continue
+                idx = pool.alloc(n)
+            else:
+                if aligned == 0:
+                    continue
+                idx = pool.alloc(1)
+            if idx is not None:
+                out[name] = idx
+        return out
+
+    def drain_component_frees(self) -> None:
+        for free in self.tree.take_component_frees():
+            self.comp_pools[(free.component, free.tier)].release(free.indices)
 
     # ------------------------------------------------------------------ rules
 
@@ -105,7 +160,20 @@ class TreeMachine(RuleBasedStateMachine):
             idx = self.device.alloc(len(key))
             if idx is None:
                 return
-        result = self.tree.insert(key, idx[: len(key)])
+        aligned = len(key) - len(key) % self.tree.page_size
+        comps = self.component_values("device", aligned, len(key))
+        result = self.tree.insert(key, idx[: len(key)], comps or None)
+        if aligned != len(key) and "mamba" in comps:
+            event("insert mamba state on an unaligned key")
+        if (
+            self.components
+            and aligned == len(key) > 0
+            and len(comps) == len(self.components)
+            and self.tree.protected_size() == 0
+        ):
+            # Nothing is locked: the insert completed every component at the key's end.
+            assert self.tree.match_prefix(key).device_len == aligned
+            event("insert with every component, then a full match")
         event(f"insert duplicate={result.prefix_len > 0}")
         assert result.total_len == len(key) - len(key) % self.tree.page_size
         assert 0 <= result.prefix_len <= result.total_len
@@ -147,12 +215,16 @@ class TreeMachine(RuleBasedStateMachine):
             return
         if anchor is not self.tree.root:
             self.tree.lock_host(anchor)
-        r = self.tree.insert_host(anchor, rest, idx[: len(rest)])
+        aligned = len(rest) - len(rest) % self.tree.page_size
+        comps = self.component_values("host", aligned, len(rest))
+        r = self.tree.insert_host(anchor, rest, idx[: len(rest)], components=comps or None)
         event(f"refill dropped={r.host_insert_dropped}")
         if r.host_insert_dropped:
             assert self.tree.write_policy is not WritePolicy.WRITE_BACK
             assert (r.prefix_len, r.node) == (0, anchor)
             self.host.release(idx)
+            for name, value in comps.items():
+                self.comp_pools[(name, "host")].release(value)
         else:
             self.host.release(idx[: r.prefix_len])
             self.host.release(idx[r.total_len :])
@@ -273,8 +345,39 @@ class TreeMachine(RuleBasedStateMachine):
         idx = self.device.alloc(node.num_tokens)
         if idx is None:
             return
-        self.tree.attach_device(node, idx)  # nodes are whole pages: no tail
-        event("attach_device")
+        comps: dict[str, torch.Tensor] = {}
+        for name in self.components:
+            host = self.tree.component_value(node, name, "host")
+            if host is not None:
+                got = self.comp_pools[(name, "device")].alloc(host.numel())
+                if got is not None:
+                    comps[name] = got
+        self.tree.attach_device(node, idx, comps or None)  # nodes are whole pages: no tail
+        event(f"attach_device components={sorted(comps)}")
+
+    @rule(which=st.integers(0, 1), tier=st.sampled_from(["device", "host"]), slots=st.integers(0, 24))
+    def evict_component(self, which: int, tier: str, slots: int) -> None:
+        if not self.components:
+            return
+        name = self.components[which % len(self.components)]
+        got = self.tree.evict_component(name, slots, tier)
+        event(f"evict_component {name} {tier} freed={got > 0}")
+        frees = self.tree.take_component_frees()
+        assert sum(f.indices.numel() for f in frees if f.component == name and f.tier == tier) == got
+        for free in frees:
+            self.comp_pools[(free.component, free.tier)].release(free.indices)
+
+    @rule(choices=page_choices, tail=tails)
+    def match_is_valid_for_every_component(self, choices: list[int], tail: int) -> None:
+        if not self.components:
+            return
+        m = self.tree.match_prefix(self.key(choices, tail))
+        assert self.tree.valid_end(m.last_device_node, "device")
+        if m.host_nodes:
+            assert m.last_device_node.device_value is not None or m.last_device_node is self.tree.root
+            window = self.tree.component_window(m.last_device_node)
+            assert set(window) <= set(self.components)
+        event(f"component match device={m.device_len > 0} host={m.host_len > 0}")
 
     @rule(index=st.integers(0, 1000), priority=st.integers(-3, 3))
     def set_priority(self, index: int, priority: int) -> None:
@@ -289,10 +392,14 @@ class TreeMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         self.tree.sanity_check()
-        for pool, owned in (
+        self.drain_component_frees()
+        pools = [
             (self.device, self.tree.device_tokens_owned().tolist()),
             (self.host, self.tree.host_tokens_owned().tolist()),
-        ):
+        ]
+        for (name, tier), pool in self.comp_pools.items():
+            pools.append((pool, self.tree.component_indices_owned(name, tier).tolist()))
+        for pool, owned in pools:
             assert len(set(owned)) == len(owned), "the tree holds an index twice"
             assert not pool.free.intersection(owned), "the tree holds a free index"
             assert len(pool.free) + len(owned) == pool.capacity
@@ -307,10 +414,34 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree.sanity_check()
 
 
+class SwaTreeMachine(TreeMachine):
+    components = ("swa",)
+
+
+class MambaTreeMachine(TreeMachine):
+    components = ("mamba",)
+
+
+class HybridTreeMachine(TreeMachine):
+    components = ("swa", "mamba")
+
+
 TreeMachine.TestCase.settings = settings(
     max_examples=200,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+_component_settings = settings(
+    max_examples=100,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+SwaTreeMachine.TestCase.settings = _component_settings
+MambaTreeMachine.TestCase.settings = _component_settings
+HybridTreeMachine.TestCase.settings = _component_settings
 test_tree_state_machine = TreeMachine.TestCase
+test_tree_state_machine_full_and_swa = SwaTreeMachine.TestCase
+test_tree_state_machine_full_and_mamba = MambaTreeMachine.TestCase
+test_tree_state_machine_full_swa_and_mamba = HybridTreeMachine.TestCase

@@ -1,0 +1,565 @@
+"""Stateful property test of the controller: random request traffic over an async, gated, faulty backend.
+
+Rules mix acquires (with storage prefetch, load-back and cancellation at a random suspension point),
+KV computation and inserts, releases, explicit prefetches that commit or cancel while their reads are
+held at a gate, injected storage faults, eviction pressure from tiny pools, and waits for idle, over every
+write policy and page sizes 1 and 4. After every step the cache must pass `sanity_check()`, every used
+device and host page must have exactly one owner, and every page in the tree (device and host) and under
+every lease must hold the oracle KV of its own prefix (`kv_oracle.chain_payload`), so a page attached
+under the wrong parent, a stale buffer or a torn read is caught. At the end everything is released,
+evicted and closed, and both pools must be completely free.
+
+Every example runs in its own event loop (`asyncio.Runner`): one task owns the `HiCache` (enters and
+exits its task group), each rule runs as a short task in the same loop, and between rules the loop is
+stopped, so background work only advances while a rule runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kv_oracle import (
+    FaultyBackend,
+    chain_payload,
+    check_leased_kv,
+    check_pools_exact,
+    check_tree_kv,
+    layout_for,
+    page_bytes,
+    page_keys,
+    store_chain,
+)
+
+from hicache import HiCache, HiCacheConfig, Lease, Prefetch, UnknownRequest
+from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
+from hicache.policy import StopPolicy, WritePolicy
+from storage_backends.memory import MemoryBackend
+
+T = TypeVar("T")
+
+DEVICE_PAGES = 12
+HOST_PAGES = 16
+
+sequences = st.tuples(st.lists(st.integers(0, 2), min_size=0, max_size=8), st.integers(0, 3))
+"""Pages drawn from three patterns (so prefixes are shared), and a partial tail."""
+cancel_points = st.none() | st.integers(0, 12)
+"""None: let the operation finish; k: cancel it after k scheduler turns."""
+picks = st.integers(0, 1 << 16)
+
+
+def make_tokens(pages: list[int], tail: int, page_size: int) -> list[int]:
+    out = [c * 100 + j for c in pages for j in range(page_size)]
+    out.extend(90 + j for j in range(tail % page_size))
+    return out
+
+
+@dataclass
+class Held:
+    """A lease of the test's and the device pages it computed beyond the cached prefix."""
+
+    lease: Lease
+    tokens: list[int]
+    computed: torch.Tensor | None = None
+
+
+class ControllerMachine(RuleBasedStateMachine):
+    """Random serving traffic against one `HiCache` with storage, checked after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runner = asyncio.Runner()
+        self.cache: HiCache | None = None
+        self.backend: FaultyBackend
+        self.inner: MemoryBackend
+        self.page_size = 1
+        self.stop_policy = StopPolicy.WAIT_COMPLETE
+        self.namespace = Namespace(model="state-machine")
+        self.leases: dict[str, Held] = {}
+        self.prefetches: dict[str, Prefetch] = {}
+        self.expected_pages: dict[str, bytes] = {}
+        self.corrupted: set[str] = set()
+        self.known_keys: list[bytes] = []
+        self.serial = 0
+        self._owner: asyncio.Task[None] | None = None
+        self._closing: anyio.Event | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def run(self, func: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run one rule's coroutine in this example's loop, then check everything."""
+
+        async def step() -> T:
+            result = await func(*args)
+            await self.check()
+            return result
+
+        return self.runner.run(step())
+
+    @property
+    def c(self) -> HiCache:
+        assert self.cache is not None
+        return self.cache
+
+    def next_id(self, prefix: str) -> str:
+        self.serial += 1
+        return f"{prefix}{self.serial}"
+
+    def key_of(self, tokens: list[int]) -> bytes:
+        return as_key_bytes(tokens)
+
+    def remember(self, tokens: list[int]) -> None:
+        """Record the expected stored bytes of every page of `tokens`."""
+        key = self.key_of(tokens)
+        aligned = len(tokens) // self.page_size * self.page_size
+        if aligned == 0:
+            return
+        key = key[: aligned * TOKEN_BYTES]
+        layout = layout_for(self.page_size)
+        for k, data in zip(
+            page_keys(key, layout, self.namespace), page_bytes(key, layout, self.namespace), strict=True
+        ):
+            self.expected_pages[k] = data
+        self.known_keys.append(key)
+
+    async def cancellable(self, point: int | None, func: Callable[..., Awaitable[T]], *args: Any) -> list[T]:
+        """Run `func(*args)`; with `point`, cancel it after that many scheduler turns. [] if cancelled."""
+        out: list[T] = []
+
+        async def target() -> None:
+            out.append(await func(*args))
+
+        if point is None:
+            await target()
+            return out
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(target)
+            for _ in range(point):
+                await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        if not out:
+            event("operation cancelled")
+        return out
+
+    def gate_for_blocking_wait(self) -> bool:
+        """Open the gate while a wait_complete commit waits (else it would wait forever); True if opened."""
+        if self.stop_policy is StopPolicy.WAIT_COMPLETE and self.backend.gated:
+            self.backend.open_gate()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ setup and teardown
+
+    @initialize(
+        page_size=st.sampled_from([1, 4]),
+        write=st.sampled_from(list(WritePolicy)),
+        stop=st.sampled_from([StopPolicy.BEST_EFFORT, StopPolicy.WAIT_COMPLETE]),
+        gated=st.booleans(),
+        prefill=st.lists(sequences, max_size=3),
+    )
+    def setup(
+        self,
+        page_size: int,
+        write: WritePolicy,
+        stop: StopPolicy,
+        gated: bool,
+        prefill: list[tuple[list[int], int]],
+    ) -> None:
+        self.page_size = page_size
+        self.stop_policy = stop
+        event(f"page_size={page_size} {write.value} {stop.value} gated={gated}")
+        self.runner.run(self.open(write, stop, gated, prefill))
+
+    async def open(
+        self, write: WritePolicy, stop: StopPolicy, gated: bool, prefill: list[tuple[list[int], int]]
+    ) -> None:
+        layout = layout_for(self.page_size)
+        self.inner = MemoryBackend(namespace_digest=self.namespace.digest)
+        self.backend = FaultyBackend(self.inner, gated=gated)
+        # Another instance served these before: their pages are in storage.
+        for pages, tail in prefill:
+            tokens = make_tokens(pages, tail, self.page_size)
+            self.remember(tokens)
+            aligned = len(tokens) // self.page_size * self.page_size
+            if aligned:
+                await store_chain(self.inner, self.key_of(tokens[:aligned]), layout, self.namespace)
+        config = HiCacheConfig(
+            layout=layout,
+            device_pages=DEVICE_PAGES,
+            host_pages=HOST_PAGES,
+            write_policy=write,
+            write_through_threshold=2,
+            namespace=self.namespace,
+            prefetch_threshold=self.page_size,
+            prefetch_stop_policy=stop,
+            storage_batch_pages=2,
+            release_batch_pages=2,
+        )
+        started = anyio.Event()
+        self._closing = anyio.Event()
+        closing = self._closing
+
+        async def own() -> None:
+            try:
+                async with HiCache(config, storage=self.backend) as cache:  # type: ignore[arg-type]
+                    self.cache = cache
+                    started.set()
+                    await closing.wait()
+                    await self.release_everything(cache)
+            finally:
+                await self.backend.aclose()  # the cache does not own a backend it was given
+            # After aclose: nothing in flight, nothing pending.
+            s = cache.statistics()
+            assert s.closed
+            assert s.prefetches_in_flight == 0
+            assert s.release_queue.pending_calls == 0
+            assert cache.device_pool.statistics().used_pages == 0
+            assert cache.host_pool.statistics().used_pages == 0
+
+        self._owner = asyncio.get_running_loop().create_task(own())
+        await started.wait()
+
+    async def release_everything(self, cache: HiCache) -> None:
+        """Release every lease and prefetch, wait idle, evict everything: both pools must end up free."""
+        for held in self.leases.values():
+            if held.computed is not None:
+                cache.device_pool.free(held.computed)
+            cache.release(held.lease)
+        self.leases.clear()
+        for request_id in list(self.prefetches):
+            outcome = await cache.cancel_prefetch(request_id)
+            assert outcome.status == "cancelled"
+        self.prefetches.clear()
+        await cache.wait_idle()
+        await self.check()
+        assert self.backend.reads_started == self.backend.reads_done
+        await self.check_storage()
+        # No host room offered: under write-back, un-backed leaves are dropped rather than backed up.
+        while True:
+            evicted = cache.tree.evict_device(DEVICE_PAGES * self.page_size, host_free_tokens=0)
+            assert not evicted.backup_first
+            cache.device_pool.free(evicted.freed_device)
+            cache.host_pool.free(evicted.freed_host)
+            if evicted.evicted_tokens == 0:
+                break
+        while True:
+            host = cache.tree.evict_host(HOST_PAGES * self.page_size)
+            cache.host_pool.free(host.freed_host)
+            if host.evicted_tokens == 0:
+                break
+        cache.sanity_check()
+        assert cache.tree.statistics().num_nodes == 0
+
+    def teardown(self) -> None:
+        try:
+            if self._owner is not None and self._closing is not None:
+                closing, owner = self._closing, self._owner
+
+                async def close() -> None:
+                    closing.set()
+                    await owner
+
+                self.runner.run(close())
+        finally:
+            self.runner.close()
+
+    # ------------------------------------------------------------------ checks
+
+    async def check(self) -> None:
+        cache = self.c
+        await cache.release_queue.drain()
+        held = [h.computed for h in self.leases.values() if h.computed is not None]
+        cache.sanity_check(held_device_tokens=sum(int(t.numel()) for t in held))
+        assert cache.statistics().prefetches_in_flight == len(self.prefetches)
+        check_pools_exact(
+            cache, held_device=held, prefetch_host=[p.host_indices for p in self.prefetches.values()]
+        )
+        check_tree_kv(cache)
+        for h in self.leases.values():
+            assert h.lease.node.parent is None or h.lease.node.device_lock > 0
+            check_leased_kv(cache, h.lease.key, h.lease.device_indices)
+
+    async def check_storage(self) -> None:
+        """Every page in storage (that the test did not corrupt) holds the oracle bytes of its key."""
+        for key, data in self.expected_pages.items():
+            if key in self.corrupted or await self.inner.exists([key]) == 0:
+                continue
+            buf = bytearray(len(data))
+            ok = await self.inner.get([key], [memoryview(buf)])
+            assert ok == [True], key
+            assert bytes(buf) == data, f"stored page {key} holds the wrong bytes"
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(seq=sequences, point=cancel_points)
+    def acquire(self, seq: tuple[list[int], int], point: int | None) -> None:
+        tokens = make_tokens(*seq, self.page_size)
+        self.remember(tokens)
+        request_id = self.next_id("r")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            got = await self.cancellable(point, self.c.acquire, request_id, tokens)
+            if opened:
+                self.backend.gated = True
+            if got:
+                lease = got[0]
+                self.leases[request_id] = Held(lease, tokens)
+                assert lease.cached_len == int(lease.device_indices.numel())
+                assert lease.cached_len <= len(tokens) // self.page_size * self.page_size
+                if lease.hit_tokens_by_tier["storage"]:
+                    event("acquire hit storage")
+                if lease.prefetch is not None:
+                    event(f"acquire prefetch {lease.prefetch.status}")
+
+        self.run(go)
+
+    @rule(pick=picks)
+    def compute(self, pick: int) -> None:
+        """Allocate device pages beyond the cached prefix and write the request's KV into them."""
+        if not self.leases:
+            return
+        held = list(self.leases.values())[pick % len(self.leases)]
+        if held.computed is not None:
+            return
+
+        async def go() -> None:
+            cache = self.c
+            n = len(held.tokens)
+            padded = -(-n // self.page_size) * self.page_size
+            cached = held.lease.cached_len
+            new = await cache.alloc_device(padded - cached)
+            if new is None:
+                event("alloc_device returned None")
+                return
+            aligned = n // self.page_size * self.page_size
+            if aligned > cached:
+                kv = chain_payload(
+                    held.lease.key[: aligned * TOKEN_BYTES], cache.config.layout, self.namespace
+                )
+                cache.device_pool.write_tokens(new[: aligned - cached], kv[:, :, cached:])
+            held.computed = new
+
+        self.run(go)
+
+    @rule(pick=picks)
+    def insert(self, pick: int) -> None:
+        ready = [rid for rid, h in self.leases.items() if h.computed is not None]
+        if not ready:
+            return
+        request_id = ready[pick % len(ready)]
+        held = self.leases.pop(request_id)
+        assert held.computed is not None
+
+        async def go() -> None:
+            indices = torch.cat([held.lease.device_indices, held.computed])
+            await self.c.insert(held.lease, held.tokens, indices)
+
+        self.run(go)
+
+    @rule(pick=picks)
+    def release(self, pick: int) -> None:
+        if not self.leases:
+            return
+        request_id = list(self.leases)[pick % len(self.leases)]
+        held = self.leases.pop(request_id)
+
+        async def go() -> None:
+            if held.computed is not None:
+                self.c.device_pool.free(held.computed)
+            self.c.release(held.lease)
+            self.c.release(held.lease)  # idempotent
+
+        self.run(go)
+
+    @rule(
+        ops=st.lists(
+            st.tuples(st.sampled_from(["acquire", "pressure", "prefetch_commit"]), sequences, cancel_points),
+            min_size=2,
+            max_size=4,
+        )
+    )
+    def burst(self, ops: list[tuple[str, tuple[list[int], int], int | None]]) -> None:
+        """Several requests at once: acquires, device pressure and prefetch-then-commit, interleaved."""
+        opened = self.gate_for_blocking_wait()
+
+        async def one(kind: str, seq: tuple[list[int], int], point: int | None) -> None:
+            cache = self.c
+            tokens = make_tokens(*seq, self.page_size)
+            self.remember(tokens)
+            if kind == "acquire":
+                request_id = self.next_id("b")
+                got = await self.cancellable(point, cache.acquire, request_id, tokens)
+                if got:
+                    self.leases[request_id] = Held(got[0], tokens)
+            elif kind == "pressure":
+                pages = (len(tokens) // self.page_size) % DEVICE_PAGES + 1
+                indices = await cache.alloc_device(pages * self.page_size)
+                if indices is not None:
+                    cache.device_pool.free(indices)
+            else:
+                request_id = self.next_id("q")
+
+                async def prefetch_commit() -> None:
+                    prefetch = await cache.prefetch(request_id, tokens)
+                    if prefetch is None:
+                        return
+                    try:
+                        outcome = await cache.commit_prefetch(request_id)
+                    except BaseException:
+                        with anyio.CancelScope(shield=True), contextlib.suppress(UnknownRequest):
+                            await cache.cancel_prefetch(request_id)
+                        raise
+                    event(f"burst commit {outcome.status}")
+
+                await self.cancellable(point, prefetch_commit)
+
+        async def go() -> None:
+            async with anyio.create_task_group() as tg:
+                for kind, seq, point in ops:
+                    tg.start_soon(one, kind, seq, point)
+            if opened:
+                self.backend.gated = True
+
+        self.run(go)
+
+    @rule(seq=sequences, point=cancel_points)
+    def prefetch(self, seq: tuple[list[int], int], point: int | None) -> None:
+        tokens = make_tokens(*seq, self.page_size)
+        self.remember(tokens)
+        request_id = self.next_id("p")
+
+        async def go() -> None:
+            got = await self.cancellable(point, self.c.prefetch, request_id, tokens)
+            if got and got[0] is not None:
+                self.prefetches[request_id] = got[0]
+                event("prefetch started")
+
+        self.run(go)
+
+    @rule(pages=st.integers(1, 4))
+    def allow_reads(self, pages: int) -> None:
+        if not self.backend.gated:
+            return
+
+        async def go() -> None:
+            self.backend.allow(pages)
+            for _ in range(4):
+                await anyio.lowlevel.checkpoint()
+
+        self.run(go)
+
+    @rule(pick=picks, point=cancel_points)
+    def commit(self, pick: int, point: int | None) -> None:
+        if not self.prefetches:
+            return
+        request_id = list(self.prefetches)[pick % len(self.prefetches)]
+        prefetch = self.prefetches[request_id]
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            got = await self.cancellable(point, self.c.commit_prefetch, request_id)
+            if opened:
+                self.backend.gated = True
+            if not got:
+                return  # cancelled while waiting: the prefetch stays in flight, asked to stop
+            outcome = got[0]
+            del self.prefetches[request_id]
+            assert outcome.status in ("committed", "dropped")
+            assert outcome.completed_tokens == prefetch.completed_tokens <= prefetch.num_tokens
+            assert outcome.completed_tokens % self.page_size == 0
+            if outcome.status == "dropped":
+                assert outcome.loaded_tokens == 0
+                assert outcome.released_tokens == prefetch.num_tokens
+            else:
+                assert 0 <= outcome.loaded_tokens <= outcome.completed_tokens
+            if self.stop_policy is StopPolicy.WAIT_COMPLETE and not prefetch.failed_pages:
+                assert outcome.completed_tokens == prefetch.num_tokens
+            event(f"commit {outcome.status}")
+
+        self.run(go)
+
+    @rule(pick=picks)
+    def cancel(self, pick: int) -> None:
+        if not self.prefetches:
+            return
+        request_id = list(self.prefetches)[pick % len(self.prefetches)]
+
+        async def go() -> None:
+            outcome = await self.c.cancel_prefetch(request_id)
+            del self.prefetches[request_id]
+            assert outcome.status == "cancelled"
+            assert outcome.loaded_tokens == 0
+            assert self.backend.reads_started == self.backend.reads_done or self.prefetches
+
+        self.run(go)
+
+    @rule(pick=picks, page=st.integers(0, 7), mode=st.sampled_from(["false", "error", "corrupt", "heal"]))
+    def inject_fault(self, pick: int, page: int, mode: str) -> None:
+        """Make one page of a known sequence fail: unread, a raising batch, or flipped bytes in storage."""
+        if not self.known_keys:
+            return
+        key = self.known_keys[pick % len(self.known_keys)]
+        layout = layout_for(self.page_size)
+        keys = page_keys(key, layout, self.namespace)
+        target = keys[page % len(keys)]
+
+        async def go() -> None:
+            if mode == "heal":
+                self.backend.faults.clear()
+            elif mode == "corrupt":
+                if await self.inner.exists([target]):
+                    self.inner.corrupt(target, offset=-3)
+                    self.corrupted.add(target)
+            else:
+                self.backend.faults[target] = mode
+
+        self.run(go)
+
+    @rule(pages=st.integers(1, DEVICE_PAGES))
+    def device_pressure(self, pages: int) -> None:
+        """Ask for device pages (evicting, and under write-back backing up first), then give them back."""
+
+        async def go() -> None:
+            got = await self.c.alloc_device(pages * self.page_size)
+            if got is None:
+                event("device pressure: could not evict enough")
+            else:
+                self.c.device_pool.free(got)
+
+        self.run(go)
+
+    @rule()
+    def wait_idle(self) -> None:
+        async def go() -> None:
+            await self.c.wait_idle()
+            s = self.c.statistics()
+            assert s.backups_queued == 0
+            assert s.storage_writes_queued == 0
+            assert s.tree.pending_backup_tokens == 0
+            await self.check_storage()
+
+        self.run(go)
+
+    @invariant()
+    def repr_is_informative(self) -> None:
+        if self.cache is not None:
+            assert "HiCache open" in repr(self.cache)
+
+
+TestControllerMachine = ControllerMachine.TestCase
+TestControllerMachine.settings = settings(
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

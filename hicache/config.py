@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
@@ -51,6 +52,8 @@ class HiCacheConfig:
         storage_batch_pages: pages per storage `get`/`put` call while streaming.
         storage_concurrency: storage batches in flight at once per prefetch or backup.
         release_batch_pages: pages the release queue returns to the host pool per step.
+        components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
+            `MambaState`), each with its own device and host pools; empty for a full-attention model.
     """
 
     layout: KVLayout
@@ -72,6 +75,7 @@ class HiCacheConfig:
     storage_batch_pages: int = 8
     storage_concurrency: int = 4
     release_batch_pages: int = 256
+    components: tuple[Component, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -102,6 +106,16 @@ class HiCacheConfig:
             raise ValueError(f"storage_url: expected a URL such as 'file:///path', got {self.storage_url!r}")
         if not isinstance(self.namespace, Namespace):
             raise TypeError(f"namespace: expected a Namespace, got {type(self.namespace).__name__}")
+        components = tuple(self.components)
+        names = set()
+        for comp in components:
+            if not isinstance(comp, Component):
+                raise TypeError(f"components: expected Component objects, got {type(comp).__name__}")
+            if comp.name in names or comp.name == "full":
+                raise ValueError(f"components: the name {comp.name!r} is taken")
+            names.add(comp.name)
+            comp.pool_layout(self.page_size)  # raises on a page size mismatch
+        object.__setattr__(self, "components", components)
 
     @property
     def page_size(self) -> int:

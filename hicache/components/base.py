@@ -118,6 +118,16 @@ class Component(Protocol):
         ...
 
     @property
+    def device_pages(self) -> int:
+        """Pages of the component's device pool (its layout's pages)."""
+        ...
+
+    @property
+    def host_pages(self) -> int:
+        """Pages of the component's host pool."""
+        ...
+
+    @property
     def lock_path(self) -> bool:
         """`True`: a lock on a node also protects this component on every ancestor (like the base);
         `False`: only on the node itself."""
@@ -152,6 +162,11 @@ class Component(Protocol):
         when the key had a partial last page).
         Returns one value (or `None`) per span; indices not handed out are freed by the tree.
         """
+        ...
+
+    def prefix_pages(self, num_tokens: int, page_size: int) -> int:
+        """How many of the last pages of a `num_tokens`-token prefix have a page of this component
+        (storage reads them, all or nothing, with a prefetch ending there)."""
         ...
 
     def page_hash_index(self, num_pages: int, value: torch.Tensor, page_size: int) -> list[int]:

@@ -96,6 +96,10 @@ class MambaState:
             out[-1] = values
         return out
 
+    def prefix_pages(self, num_tokens: int, page_size: int) -> int:
+        """One state, named after the prefix's last page."""
+        return 1
+
     def page_hash_index(self, num_pages: int, value: torch.Tensor, page_size: int) -> list[int]:
         """The state is named after the node's last page."""
         return [num_pages - 1]

@@ -111,6 +111,10 @@ class SlidingWindow:
             out.append(values[lo - start : e - start] if lo < e else None)
         return out
 
+    def prefix_pages(self, num_tokens: int, page_size: int) -> int:
+        """The window's pages at the end of a prefix of `num_tokens` tokens."""
+        return -(-min(self.window, num_tokens) // page_size)
+
     def page_hash_index(self, num_pages: int, value: torch.Tensor, page_size: int) -> list[int]:
         """The value covers the node's last `len(value) // page_size` pages."""
         pages = int(value.shape[0]) // page_size

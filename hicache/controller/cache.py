@@ -13,7 +13,7 @@ import logging
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -22,6 +22,7 @@ from typing import Self
 import anyio
 import torch
 
+from hicache.components import Component, component_storage_key
 from hicache.config import HiCacheConfig
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseQueue, ReleaseStatistics
@@ -54,6 +55,8 @@ class Lease:
         cached_len: tokens of the prefix available on device.
         hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
         prefetch: the outcome of the request's storage prefetch, if one ran.
+        component_indices: per hybrid component, the device indices the prefix uses (the sliding
+            window's KV, the Mamba state's slot); empty without components.
     """
 
     request_id: str
@@ -64,6 +67,7 @@ class Lease:
     hit_tokens_by_tier: dict[str, int]
     prefetch: PrefetchOutcome | None = None
     active: bool = field(default=True, repr=False)
+    component_indices: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,18 @@ class HiCache:
             eviction_policy=config.eviction_policy,
             write_through_threshold=config.write_through_threshold,
             namespace=config.namespace,
+            components=config.components or None,
         )
+        self.components: tuple[Component, ...] = self.tree.components
+        self.component_pools: dict[str, tuple[KVPool, KVPool]] = {
+            comp.name: (
+                make_device_pool(
+                    comp.pool_layout(config.page_size), comp.device_pages, name=f"{comp.name}-device"
+                ),
+                make_host_pool(comp.pool_layout(config.page_size), comp.host_pages, name=f"{comp.name}-host"),
+            )
+            for comp in self.components
+        }
         self.device_pool = (
             device_pool if device_pool is not None else make_device_pool(config.layout, config.device_pages)
         )
@@ -242,11 +257,14 @@ class HiCache:
             f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetches)} storage={storage}>"
         )
 
-    def sanity_check(self, *, held_device_tokens: int = 0) -> None:
-        """Check the tree's invariants and exact page accounting of both pools.
+    def sanity_check(
+        self, *, held_device_tokens: int = 0, held_component_slots: Mapping[str, int] | None = None
+    ) -> None:
+        """Check the tree's invariants and exact page accounting of every pool (components' included).
 
         Args:
             held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted).
+            held_component_slots: per component, device slots the caller holds outside the tree.
 
         Raises:
             InvariantViolation: listing every violation found.
@@ -274,6 +292,32 @@ class HiCache:
                 f"host pool: {host_used} tokens used != tree {t.host_tokens} + pending backups "
                 f"{t.pending_backup_tokens} + prefetches + pending releases = {host_owned}"
             )
+        for name, stats in self.tree.component_statistics().items():
+            device_pool, host_pool = self.component_pools[name]
+            used = device_pool.statistics().used_pages * device_pool.page_size
+            held = held_component_slots.get(name, 0) if held_component_slots else 0
+            owned = stats.device_slots + stats.queued_free_device_slots + held
+            if used != owned:
+                violations.append(f"{name} device pool: {used} slots used != tree and queued {owned}")
+            used = host_pool.statistics().used_pages * host_pool.page_size
+            staged = sum(
+                int(t.indices.numel())
+                for p in self._prefetches.values()
+                for t in p.staged
+                if t.pool is host_pool
+            )
+            owned = (
+                stats.host_slots
+                + stats.pending_backup_slots
+                + stats.queued_free_host_slots
+                + staged
+                + self.release_queue.pending_transfer_slots(host_pool)
+            )
+            if used != owned:
+                violations.append(
+                    f"{name} host pool: {used} slots used != tree, pending backups, queued frees, "
+                    f"staged prefetches and pending releases = {owned}"
+                )
         if violations:
             raise InvariantViolation(violations)
 
@@ -321,6 +365,7 @@ class HiCache:
         match = await self.load_back(match)
         node = match.last_device_node
         self.tree.lock_device(node)
+        self._free_component_garbage()
         cached = match.device_len
         device_hit = min(first.device_len, cached)
         host_hit = min(first.host_len, cached - device_hit)
@@ -336,6 +381,7 @@ class HiCache:
                 "storage": cached - device_hit - host_hit,
             },
             prefetch=outcome,
+            component_indices=self.tree.component_window(node) if self.components else {},
         )
 
     def release(self, lease: Lease) -> None:
@@ -344,7 +390,13 @@ class HiCache:
             lease.active = False
             self.tree.unlock_device(lease.node)
 
-    async def insert(self, lease: Lease, tokens: KeyLike, device_indices: torch.Tensor) -> InsertResult:
+    async def insert(
+        self,
+        lease: Lease,
+        tokens: KeyLike,
+        device_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> InsertResult:
         """Insert a finished request's KV and release its lease.
 
         Args:
@@ -353,6 +405,10 @@ class HiCache:
             device_indices: device indices for every token, padded to whole pages: the first
                 `lease.cached_len` are the lease's own; pages the tree already holds and the trailing
                 partial page are freed here.
+            components: device indices of hybrid components from `alloc_component` (a sliding window's
+                for a page-aligned suffix of the page-aligned tokens, a Mamba state's one slot taken
+                after the last token); the cache owns them from here on and frees what the tree
+                does not keep.
         """
         self._check_open("insert")
         if not lease.active:
@@ -374,14 +430,59 @@ class HiCache:
         ):
             raise ValueError("tokens: must start with the lease's cached prefix")
         aligned = n // page * page
-        result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
+        if components:
+            result = self.tree.insert(key, device_indices[:n], components)
+        else:
+            result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
         if result.prefix_len > lease.cached_len:
             self.device_pool.free(device_indices[lease.cached_len : result.prefix_len])
         if padded > aligned:
             self.device_pool.free(device_indices[aligned:])
         self.release(lease)
+        self._free_component_garbage()
         self._schedule_backups(result.backups)
         return result
+
+    # ------------------------------------------------------------------ components
+
+    def _free_component_garbage(self) -> None:
+        """Return every component index the tree let go of to its pool."""
+        if not self.components:
+            return
+        for free in self.tree.take_component_frees():
+            device_pool, host_pool = self.component_pools[free.component]
+            (device_pool if free.tier == "device" else host_pool).free(free.indices)
+
+    def _alloc_component_slots(self, name: str, tier: str, num_slots: int) -> torch.Tensor | None:
+        """Allocate slots of a component's pool on `tier`, evicting that component's values if needed."""
+        device_pool, host_pool = self.component_pools[name]
+        pool = device_pool if tier == "device" else host_pool
+        indices = pool.alloc(num_slots)
+        if indices is not None:
+            return indices
+        if tier == "host":
+            self.release_queue.flush()
+        free = pool.statistics().free_pages * pool.page_size
+        if free < num_slots:
+            self.tree.evict_component(name, num_slots - free, tier)
+            self._free_component_garbage()
+        return pool.alloc(num_slots)
+
+    def alloc_component(self, name: str, num_slots: int) -> torch.Tensor | None:
+        """Allocate device slots of component `name` (whole pages), evicting its unlocked values if needed.
+
+        Returns None when not enough can be evicted. Pass the indices to `insert(components=...)`.
+
+        Raises:
+            ValueError: an unknown component or a count that is not a multiple of its page size.
+        """
+        self._check_open("alloc_component")
+        if name not in self.component_pools:
+            raise ValueError(f"name: unknown component {name!r}")
+        page = self.component_pools[name][0].page_size
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0 or num_slots % page:
+            raise ValueError(f"num_slots: expected a non-negative multiple of {page}, got {num_slots!r}")
+        return self._alloc_component_slots(name, "device", num_slots)
 
     # ------------------------------------------------------------------ device allocation and eviction
 
@@ -405,6 +506,7 @@ class HiCache:
             need = num_tokens - self.device_pool.statistics().free_pages * self.page_size
             result = self.tree.evict_device(need, host_free_tokens=self._host_room())
             self.device_pool.free(result.freed_device)
+            self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
             for node in result.backup_first:
@@ -429,6 +531,7 @@ class HiCache:
             evicted = self.tree.evict_host(num_tokens - free)
             if evicted.freed_host.numel():
                 self.host_pool.free(evicted.freed_host)
+            self._free_component_garbage()
         indices = self.host_pool.alloc(num_tokens)
         if indices is None and partial:
             free = self.host_pool.statistics().free_pages * self.page_size
@@ -457,25 +560,61 @@ class HiCache:
             device_indices = await self.alloc_device(length)
             if device_indices is None:
                 return match
+            loaded: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
                 await copy_pages_async(self.host_pool, host_values, self.device_pool, device_indices)
+                if self.components:
+                    loaded = await self._load_components(match.host_nodes)
             except BaseException:
                 self.device_pool.free(device_indices)
                 raise
-            self._attach_loaded(key, start, device_indices)
+            self._attach_loaded(key, start, device_indices, loaded)
             self.metrics.load_back_tokens.inc(length)
         finally:
             self.tree.unlock_host(last_host)
             self.tree.unlock_device(match.last_device_node)
         return self.tree.match_prefix(key)
 
-    def _attach_loaded(self, key: bytes, start: int, device_indices: torch.Tensor) -> None:
+    async def _load_components(
+        self, nodes: Sequence[TreeNode]
+    ) -> dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Copy the host component values of `nodes` to fresh device slots: (node, name) -> (host, device).
+
+        A component whose device slots cannot be had is not loaded (its nodes stay tombstones there).
+        """
+        loaded: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        try:
+            for node in nodes:
+                for comp in self.components:
+                    host = self.tree.component_value(node, comp.name, "host")
+                    if host is None:
+                        continue
+                    device = self._alloc_component_slots(comp.name, "device", int(host.numel()))
+                    if device is None:
+                        continue
+                    loaded[(node, comp.name)] = (host, device)
+                    device_pool, host_pool = self.component_pools[comp.name]
+                    await copy_pages_async(host_pool, host, device_pool, device)
+        except BaseException:
+            for (_, name), (_, device) in loaded.items():
+                self.component_pools[name][0].free(device)
+            raise
+        return loaded
+
+    def _attach_loaded(
+        self,
+        key: bytes,
+        start: int,
+        device_indices: torch.Tensor,
+        components: Mapping[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """Attach freshly loaded device pages to the nodes covering tokens [start, start + n) now.
 
         Re-walks the tree so that splits or a concurrent load of the same nodes while the copy ran are
         handled: pages of nodes already on device again are freed as duplicates.
         """
         end = start + int(device_indices.numel())
+        pending = dict(components or {})
         current = self.tree.match_prefix(key[: end * TOKEN_BYTES])
         offset = current.device_len
         duplicate_end = min(end, offset)
@@ -486,7 +625,17 @@ class HiCache:
             if node_end > end:
                 break
             if offset >= start:
-                self.tree.attach_device(node, device_indices[offset - start : node_end - start])
+                comps: dict[str, torch.Tensor] = {}
+                for comp in self.components:
+                    entry = pending.pop((node, comp.name), None)
+                    # The host value may have been split meanwhile: attach the copy only if it still fits.
+                    if entry is not None and self.tree.component_value(node, comp.name, "host") is entry[0]:
+                        comps[comp.name] = entry[1]
+                    elif entry is not None:
+                        self.component_pools[comp.name][0].free(entry[1])
+                self.tree.attach_device(
+                    node, device_indices[offset - start : node_end - start], comps or None
+                )
             offset = node_end
         if offset < end:  # a tail the tree no longer covers (cannot happen while host-locked)
             self.device_pool.free(device_indices[max(offset, duplicate_end) - start :])
@@ -523,25 +672,50 @@ class HiCache:
                 self.metrics.backup_skipped.inc()
                 return False
             device_values = torch.cat([node.device_value for node in chain if node.device_value is not None])
+            comp_copies = self._stage_component_backup(chain) if self.components else {}
             offset = 0
             for node, size in zip(chain, sizes, strict=True):
-                self.tree.begin_backup(node, host_indices[offset : offset + size])
+                staged = {name: host for (n, name), (_, host) in comp_copies.items() if n is node}
+                self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
                 offset += size
             try:
                 await copy_pages_async(self.device_pool, device_values, self.host_pool, host_indices)
+                for (_, name), (device, host) in comp_copies.items():
+                    device_pool, host_pool = self.component_pools[name]
+                    await copy_pages_async(device_pool, device, host_pool, host)
             except BaseException:
                 for node in reversed(chain):
                     self.host_pool.free(self.tree.abort_backup(node))
+                self._free_component_garbage()
                 raise
             # Root first. A node split while copying is committed together with its split-off upper part.
             for node in chain:
                 self.tree.commit_backup(node)
+            self._free_component_garbage()
             self.metrics.backup_tokens.inc(sum(sizes))
         if self.storage is not None and self.config.backup_to_storage:
             self._storage_queue.append(target)
             self._add_work(1)
             self._storage_wakeup.set()
         return True
+
+    def _stage_component_backup(
+        self, chain: Sequence[TreeNode]
+    ) -> dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Host slots for the component device values of `chain`: (node, name) -> (device, host).
+
+        A component whose host slots cannot be had is not backed up (the node is a tombstone there).
+        """
+        out: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for node in chain:
+            for comp in self.components:
+                device = self.tree.component_value(node, comp.name, "device")
+                if device is None:
+                    continue
+                host = self._alloc_component_slots(comp.name, "host", int(device.numel()))
+                if host is not None:
+                    out[(node, comp.name)] = (device, host)
+        return out
 
     # ------------------------------------------------------------------ host -> storage
 
@@ -582,6 +756,8 @@ class HiCache:
         try:
             keys = [h.hex() for h in hashes]
             stored = await storage.exists(keys)
+            if self.components:
+                await self._store_components(storage, path[: len(values)], target)
             if stored >= len(keys):
                 return
             views = self.host_pool.page_views(torch.cat(values)[stored * self.page_size :])
@@ -594,6 +770,41 @@ class HiCache:
                 self.metrics.storage_page_failures.labels(reason="write").inc(len(ok) - written)
         finally:
             self.tree.unlock_host(target)
+
+    async def _store_components(
+        self, storage: StorageBackend, path: list[TreeNode], target: TreeNode
+    ) -> None:
+        """Write the host component pages of `path` (host-locked by the caller) that storage lacks.
+
+        Keys are the page hash plus the component name; pages use the component pool's page format.
+        Components locked only at the node (Mamba) are written for `target` alone: the lock protects
+        no other node's value while the write is in flight.
+        """
+        page = self.page_size
+        for comp in self.components:
+            host_pool = self.component_pools[comp.name][1]
+            keys: list[str] = []
+            views: list[memoryview] = []
+            for node in path if comp.lock_path else [target]:
+                value = self.tree.component_value(node, comp.name, "host")
+                if value is None:
+                    continue
+                hashes = node.hashes
+                keys.extend(
+                    component_storage_key(hashes[i], comp.name)
+                    for i in comp.page_hash_index(len(hashes), value, page)
+                )
+                views.extend(host_pool.page_views(value))
+            if not keys:
+                continue
+            if await storage.exists(keys) >= len(keys):
+                continue
+            ok = await storage.put(keys, views)
+            self.metrics.storage_bytes_written.inc(
+                sum(len(v) for v, good in zip(views, ok, strict=True) if good)
+            )
+            if not all(ok):
+                self.metrics.storage_page_failures.labels(reason="write").inc(len(ok) - sum(ok))
 
     def _add_work(self, count: int) -> None:
         if self._queued_work == 0:
@@ -681,6 +892,22 @@ class HiCache:
             self.tree.unlock_host(anchor)
             raise
         n_pages = host_indices.numel() // page
+        staged: list[ComponentTransfer] = []
+        reads: list[tuple[list[str], list[memoryview]]] = []
+        if self.components:
+            try:
+                got = await self._stage_components(storage, hashes[:n_pages], n_pages * page)
+                self._check_open("prefetch")
+            except BaseException:
+                self.host_pool.free(host_indices)
+                self.tree.unlock_host(anchor)
+                raise
+            if isinstance(got, str):
+                self.host_pool.free(host_indices)
+                self.tree.unlock_host(anchor)
+                self._skip(got)
+                return None
+            staged, reads = got
         prefetch = Prefetch(
             request_id=request_id,
             anchor=anchor,
@@ -692,6 +919,8 @@ class HiCache:
             stop_policy=self.config.prefetch_stop_policy,
             timeout_s=self.config.prefetch_timeout(n_pages * page),
             transfers=transfers,
+            staged=staged,
+            staged_reads=reads,
         )
         self._prefetches[request_id] = prefetch
         self._inflight_tokens += prefetch.num_tokens
@@ -699,6 +928,41 @@ class HiCache:
         assert self._task_group is not None
         self._task_group.start_soon(self._stream, prefetch, storage)
         return prefetch
+
+    async def _stage_components(
+        self, storage: StorageBackend, hashes: Sequence[bytes], num_tokens: int
+    ) -> tuple[list[ComponentTransfer], list[tuple[list[str], list[memoryview]]]] | str:
+        """Host buffers and page keys of every component a prefix of `num_tokens` tokens needs at its end.
+
+        All or nothing: a skip reason when storage lacks any of the pages (a partial window, no Mamba
+        state) or a component's host pool cannot take them; nothing stays allocated then.
+        """
+        staged: list[ComponentTransfer] = []
+        reads: list[tuple[list[str], list[memoryview]]] = []
+        reason: str | None = None
+        try:
+            for comp in self.components:
+                k = min(len(hashes), comp.prefix_pages(num_tokens, self.page_size))
+                keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
+                if not keys or await storage.exists(keys) < len(keys):
+                    reason = "component_miss"
+                    break
+                host_pool = self.component_pools[comp.name][1]
+                indices = self._alloc_component_slots(comp.name, "host", k * host_pool.page_size)
+                if indices is None:
+                    reason = "component_host_full"
+                    break
+                staged.append(ComponentTransfer(comp.name, host_pool, indices))
+                reads.append((keys, host_pool.page_views(indices)))
+        except BaseException:
+            for transfer in staged:
+                transfer.pool.free(transfer.indices)
+            raise
+        if reason is not None:
+            for transfer in staged:
+                transfer.pool.free(transfer.indices)
+            return reason
+        return staged, reads
 
     def _skip(self, reason: str) -> None:
         self.metrics.prefetch_skipped.labels(reason=reason).inc()
@@ -742,26 +1006,36 @@ class HiCache:
         page = self.page_size
         host = prefetch.host_indices
         dropped = False
+        drop_reason = "anchor_not_backed_up"
         loaded = present = 0
         node: TreeNode | None = prefetch.anchor
-        if completed:
+        if prefetch.staged and (completed < prefetch.num_tokens or not prefetch.components_complete):
+            # All or nothing: a partial window or a missing state makes every page useless.
+            dropped = True
+            drop_reason = "component_incomplete"
+        elif completed:
             result = self.tree.insert_host(
                 prefetch.anchor,
                 prefetch.key[: completed * TOKEN_BYTES],
                 host[:completed],
                 prefetch.hashes[: completed // page],
+                components={t.component: t.indices for t in prefetch.staged} or None,
             )
             dropped = result.host_insert_dropped
             present = result.prefix_len
             node = result.node
         if dropped:
+            # One release call: the host pages and every component transfer, in a stable order.
             batch = self.release_queue.release(host, prefetch.transfers)
             prefetch.state = PrefetchState.DROPPED
-            self.metrics.prefetch_dropped_tokens.labels(reason="anchor_not_backed_up").inc(completed)
+            self.metrics.prefetch_dropped_tokens.labels(reason=drop_reason).inc(completed)
         else:
             loaded = completed - present
             released = torch.cat([host[:present], host[completed:]]) if present else host[completed:]
-            batch = self.release_queue.release(released, prefetch.transfers)
+            # The tree took the staged component buffers (what it did not keep is freed below).
+            caller_transfers = prefetch.transfers[: len(prefetch.transfers) - len(prefetch.staged)]
+            batch = self.release_queue.release(released, caller_transfers)
+            self._free_component_garbage()
             prefetch.state = PrefetchState.COMMITTED
             self.metrics.prefetch_committed.inc()
             self.metrics.prefetch_loaded_tokens.inc(loaded)

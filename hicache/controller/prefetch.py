@@ -85,6 +85,8 @@ class Prefetch:
         stop_policy: StopPolicy,
         timeout_s: float,
         transfers: Sequence[ComponentTransfer] = (),
+        staged: Sequence[ComponentTransfer] = (),
+        staged_reads: Sequence[tuple[Sequence[str], Sequence[memoryview]]] = (),
     ) -> None:
         self.request_id = request_id
         self.anchor = anchor
@@ -96,7 +98,13 @@ class Prefetch:
         self.page_size = page_size
         self.stop_policy = stop_policy
         self.timeout_s = timeout_s
-        self.transfers = tuple(transfers)
+        self.transfers = tuple(transfers) + tuple(staged)
+        """Every component transfer of this prefetch: the caller's, then those staged by the cache."""
+        self.staged = tuple(staged)
+        """The component transfers the cache staged (read from storage after the pages, all or nothing)."""
+        self._staged_reads = [(list(keys), list(views)) for keys, views in staged_reads]
+        self.components_complete = not self._staged_reads
+        """Every staged component page was read and verified (true when none were staged)."""
         self.state = PrefetchState.STREAMING
         self.completed_pages = 0
         self.failed_pages = 0
@@ -162,12 +170,30 @@ class Prefetch:
                     if good < len(ok):
                         self.failed_pages += 1
                         break
+                if self.completed_pages == total and self._staged_reads:
+                    await self._read_components(backend)
         finally:
             self._stream_scope = None
             if self.state is PrefetchState.STREAMING:
                 self.state = PrefetchState.TERMINATED
             self._finished.set()
             self._notify_progress()
+
+    async def _read_components(self, backend: StorageBackend) -> None:
+        """Read the staged component pages; complete only if every one of them arrives."""
+        for keys, views in self._staged_reads:
+            try:
+                ok = await backend.get(keys, views)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as exc:  # as for pages: a storage error ends the prefetch, never the loop
+                logger.warning("prefetch %s: component read failed: %r", self.request_id, exc)
+                self.failed_pages += 1
+                return
+            if not all(ok):
+                self.failed_pages += sum(1 for flag in ok if not flag)
+                return
+        self.components_complete = True
 
     def request_stop(self) -> None:
         """Ask the stream to stop now; pages already verified stay counted."""

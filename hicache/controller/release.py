@@ -102,6 +102,12 @@ class ReleaseQueue:
         self._wakeup.set()
         return batch
 
+    def pending_transfer_slots(self, pool: IndexPool) -> int:
+        """Indices of component transfers into `pool` still waiting to be freed."""
+        return sum(
+            int(t.indices.numel()) for batch in self._pending for t in batch.transfers if t.pool is pool
+        )
+
     def statistics(self) -> ReleaseStatistics:
         """Pending and released calls and tokens."""
         return ReleaseStatistics(

@@ -1,0 +1,245 @@
+"""Hybrid components in the pure tree: one scenario per rule (window, tombstone, state, cascade, locks, sanity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.components import MambaState, SlidingWindow
+from hicache.errors import InvariantViolation
+from hicache.memory import KVLayout
+from hicache.tree import RadixTree
+
+PAGE = 4
+WINDOW = 8
+
+
+def swa() -> SlidingWindow:
+    return SlidingWindow(WINDOW, KVLayout.flat(8, PAGE), device_pages=16, host_pages=16)
+
+
+def mamba() -> MambaState:
+    return MambaState(32, device_slots=8, host_slots=8)
+
+
+def make_tree(*names: str, write_policy: str = "write_through") -> RadixTree:
+    comps = [swa() if n == "swa" else mamba() for n in names]
+    return RadixTree(PAGE, write_policy=write_policy, components=comps)
+
+
+def ids(start: int, n: int) -> torch.Tensor:
+    return torch.arange(start, start + n, dtype=torch.int64)
+
+
+def seq(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def frees(tree: RadixTree) -> dict[tuple[str, str], list[int]]:
+    out: dict[tuple[str, str], list[int]] = {}
+    for f in tree.take_component_frees():
+        out.setdefault((f.component, f.tier), []).extend(f.indices.tolist())
+    return out
+
+
+def test_a_match_ends_only_where_the_sliding_window_is_complete() -> None:
+    """A prefix ending inside a node whose window KV covers only the node's tail is truncated to the
+    previous node end: the window before the split point has no KV."""
+    tree = make_tree("swa")
+    a, b = seq(16), seq(16, 100)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8)})
+    tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8)})
+    assert tree.match_prefix(a + b).device_len == 32
+    assert tree.match_prefix(a).device_len == 16
+    # Ending after b's first 8 tokens: b's window KV covers only its last 8 tokens.
+    assert tree.match_prefix(a + b[:8]).device_len == 16
+    assert frees(tree) == {}  # every window index found a node
+    tree.sanity_check()
+
+
+def test_old_window_pages_become_a_tombstone_while_the_node_keeps_serving_full_attention() -> None:
+    """Evicting an internal node's window KV keeps its full-attention KV: deeper matches still hit,
+    a match ending at the tombstone does not."""
+    tree = make_tree("swa")
+    a, b = seq(16), seq(16, 100)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8)})
+    tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8)})
+    tree.take_component_frees()
+    upper = tree.match_prefix(a).last_device_node
+    tree.lock_device(tree.match_prefix(a + b).last_device_node)  # protects b's window (and a's)
+    assert tree.evict_component("swa", 8) == 0
+    tree.unlock_device(tree.match_prefix(a + b).last_device_node)
+    # LRU: a was touched by the last match too; both are candidates; evict until a's window is gone.
+    while tree.component_value(upper, "swa") is not None:
+        assert tree.evict_component("swa", 1) > 0
+    assert upper.device_value is not None  # the node stays for full attention
+    assert tree.match_prefix(a).device_len == 0
+    assert set(range(8)) <= set(frees(tree)[("swa", "device")])
+    tree.sanity_check()
+
+
+def test_a_match_ends_only_at_a_node_holding_a_mamba_state() -> None:
+    """Splitting a node leaves its state at the end (the lower part): a match ending at the split point
+    is truncated to the previous state."""
+    tree = make_tree("mamba")
+    a, b = seq(16), seq(16, 100)
+    tree.insert(a, ids(0, 16), {"mamba": ids(0, 1)})
+    tree.insert(a + b, ids(0, 32), {"mamba": ids(1, 1)})
+    assert tree.match_prefix(a + b).device_len == 32
+    assert tree.match_prefix(a + b[:8]).device_len == 16
+    lower = tree.match_prefix(a + b).last_device_node
+    assert tree.component_value(lower, "mamba") is not None
+    assert tree.component_window(lower) == {"mamba": ids(1, 1)}
+    tree.sanity_check()
+
+
+def test_a_state_on_an_unaligned_key_is_handed_back() -> None:
+    """A state taken after a partial last page does not sit at a node end: the tree frees it."""
+    tree = make_tree("mamba")
+    tree.insert(seq(18), ids(0, 18), {"mamba": ids(5, 1)})
+    assert frees(tree) == {("mamba", "device"): [5]}
+    assert tree.match_prefix(seq(16)).device_len == 0
+    tree.sanity_check()
+
+
+def test_evicting_the_window_cascades_to_the_state_and_evicting_full_attention_to_both() -> None:
+    """Priority full > SWA > Mamba: a window tombstone drops the node's state; losing the device copy of
+    the base drops every component there."""
+    tree = make_tree("swa", "mamba")
+    a = seq(16)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
+    node = tree.match_prefix(a).last_device_node
+    assert tree.evict_component("mamba", 1) == 1
+    assert tree.component_value(node, "swa") is not None  # a state eviction leaves the window
+    assert frees(tree) == {("mamba", "device"): [0]}
+    tree.insert(a, ids(100, 16), {"mamba": ids(3, 1)})
+    assert tree.component_value(node, "mamba") is not None
+    frees(tree)
+    assert tree.evict_component("swa", 8) == 8
+    assert tree.component_value(node, "mamba") is None
+    assert frees(tree) == {("swa", "device"): list(range(8)), ("mamba", "device"): [3]}
+    tree.insert(a, ids(100, 16), {"swa": ids(8, 8), "mamba": ids(4, 1)})
+    frees(tree)
+    evicted = tree.evict_device(16)
+    assert evicted.freed_device.tolist() == list(range(16))
+    assert frees(tree) == {("swa", "device"): list(range(8, 16)), ("mamba", "device"): [4]}
+    tree.sanity_check()
+
+
+def test_component_locks_are_per_component_and_never_above_the_base_lock() -> None:
+    """A lock protects the whole path's window KV but only the locked node's state: an ancestor's state
+    can still be evicted while a request runs."""
+    tree = make_tree("swa", "mamba")
+    a, b = seq(16), seq(16, 100)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
+    tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8), "mamba": ids(1, 1)})
+    frees(tree)
+    leaf = tree.match_prefix(a + b).last_device_node
+    upper = tree.match_prefix(a).last_device_node
+    tree.lock_device(leaf)
+    assert tree.evict_component("swa", 100) == 0
+    assert tree.evict_component("mamba", 100) == 1  # the ancestor's state only
+    assert tree.component_value(upper, "mamba") is None
+    assert tree.component_value(leaf, "mamba") is not None
+    tree.sanity_check()
+    assert upper.components is not None
+    upper.components["swa"].device_lock = upper.device_lock + 1
+    with pytest.raises(InvariantViolation, match="swa device lock 2 exceeds the base lock 1"):
+        tree.sanity_check()
+    upper.components["swa"].device_lock = upper.device_lock
+    tree.unlock_device(leaf)
+    tree.sanity_check()
+
+
+def test_backup_and_load_back_carry_components_and_a_host_match_needs_them_on_the_host() -> None:
+    """A node backed up with its window and state can be demoted and matched on the host; loading it back
+    attaches the components again."""
+    tree = make_tree("swa", "mamba")
+    a = seq(16)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
+    node = tree.match_prefix(a).last_device_node
+    tree.begin_backup(node, ids(0, 16), {"swa": ids(40, 8), "mamba": ids(7, 1)})
+    with pytest.raises(ValueError, match="already backed up"):
+        tree.begin_backup(node, ids(0, 16))
+    tree.commit_backup(node)
+    assert tree.component_statistics()["swa"].host_slots == 8
+    tree.demote(node)
+    assert frees(tree) == {("swa", "device"): list(range(8)), ("mamba", "device"): [0]}
+    m = tree.match_prefix(a)
+    assert (m.device_len, m.host_len) == (0, 16)
+    tree.attach_device(node, ids(50, 16), {"swa": ids(60, 8), "mamba": ids(2, 1)})
+    assert tree.match_prefix(a).device_len == 16
+    # Without the host state, the same host node is not a match.
+    tree.demote(node)
+    frees(tree)
+    assert tree.evict_component("mamba", 1, "host") == 1
+    assert tree.match_prefix(a).host_len == 0
+    tree.sanity_check()
+
+
+def test_aborted_component_backup_is_handed_back() -> None:
+    """An aborted backup returns the base host indices and queues the component's for freeing."""
+    tree = make_tree("swa")
+    tree.insert(seq(16), ids(0, 16), {"swa": ids(0, 16)})
+    node = tree.match_prefix(seq(16)).last_device_node
+    tree.begin_backup(node, ids(0, 16), {"swa": ids(16, 16)})
+    assert tree.component_statistics()["swa"].pending_backup_slots == 16
+    assert tree.abort_backup(node).tolist() == list(range(16))
+    assert frees(tree) == {("swa", "host"): list(range(16, 32))}
+    tree.sanity_check()
+
+
+def test_a_dropped_refill_leaves_its_component_buffers_to_the_caller() -> None:
+    """Under write-through a refill below an un-backed node is dropped: the tree takes no component
+    index (the controller releases them with the host pages in one call)."""
+    tree = make_tree("swa", "mamba")
+    tree.insert(seq(16), ids(0, 16))
+    r = tree.insert_host(tree.root, seq(32), ids(0, 32), components={"swa": ids(0, 8), "mamba": ids(0, 1)})
+    assert r.host_insert_dropped
+    assert tree.take_component_frees() == []
+    assert all(s.host_slots == 0 for s in tree.component_statistics().values())
+    tree.sanity_check()
+
+
+def test_a_refill_attaches_the_window_as_a_suffix_and_the_state_at_its_end() -> None:
+    """A storage refill's window covers its last pages and its state its end: only the end matches."""
+    tree = make_tree("swa", "mamba")
+    r = tree.insert_host(tree.root, seq(32), ids(0, 32), components={"swa": ids(0, 8), "mamba": ids(0, 1)})
+    assert not r.host_insert_dropped
+    assert tree.component_value(r.node, "swa", "host") is not None
+    m = tree.match_prefix(seq(32))
+    assert (m.device_len, m.host_len) == (0, 32)
+    assert tree.match_prefix(seq(24)).host_len == 0  # neither a state nor a window there
+    tree.sanity_check()
+
+
+def test_sanity_check_reports_component_data_without_base_data_and_counter_drift() -> None:
+    """Component data on a tier without the base value, drifted counters and a malformed window suffix
+    are all reported."""
+    tree = make_tree("swa")
+    tree.insert(seq(16), ids(0, 16), {"swa": ids(0, 8)})
+    node = tree.match_prefix(seq(16)).last_device_node
+    assert node.components is not None
+    node.components["swa"].host_value = ids(0, 8)
+    with pytest.raises(InvariantViolation) as info:
+        tree.sanity_check()
+    text = "\n".join(info.value.violations)
+    assert "swa.host_value without the base value on that tier" in text
+    assert "counter swa host slots: kept 0, recomputed 8" in text
+    node.components["swa"].host_value = None
+    node.components["swa"].device_value = ids(0, 6)
+    with pytest.raises(InvariantViolation, match="not a non-empty page-aligned suffix"):
+        tree.sanity_check()
+
+
+def test_without_components_nodes_carry_no_component_data() -> None:
+    """The base case is untouched: no records, no queued frees, and components are refused."""
+    tree = RadixTree(PAGE)
+    tree.insert(seq(16), ids(0, 16))
+    tree.lock_device(tree.match_prefix(seq(16)).last_device_node)
+    assert all(n.components is None for n in tree.iter_nodes())
+    assert tree.take_component_frees() == []
+    with pytest.raises(ValueError, match="no components"):
+        tree.insert(seq(32), ids(0, 32), {"swa": ids(0, 8)})
+    with pytest.raises(ValueError, match="taken"):
+        RadixTree(PAGE, components=[swa(), swa()])

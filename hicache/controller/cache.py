@@ -761,7 +761,11 @@ class HiCache:
             if stored >= len(keys):
                 return
             views = self.host_pool.page_views(torch.cat(values)[stored * self.page_size :])
-            ok = await storage.put(keys[stored:], views)
+            try:
+                ok = await storage.put(keys[stored:], views)
+            except Exception:
+                self.metrics.storage_page_failures.labels(reason="write").inc(len(views))
+                raise
             written = sum(ok)
             self.metrics.storage_bytes_written.inc(
                 sum(len(v) for v, good in zip(views, ok, strict=True) if good)
@@ -871,7 +875,14 @@ class HiCache:
                 key[anchor_end * TOKEN_BYTES :], page, self.config.namespace, anchor.last_hash
             )
             page_keys = [h.hex() for h in hashes]
-            hit_pages = await storage.exists(page_keys)
+            try:
+                hit_pages = await storage.exists(page_keys)
+            except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
+                logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
+                self.metrics.storage_page_failures.labels(reason="exists").inc()
+                self.tree.unlock_host(anchor)
+                self._skip("storage_error")
+                return None
             self._check_open("prefetch")
             hit = hit_pages * page
             if anchor_end + hit - matched < self.config.prefetch_threshold:
@@ -1002,6 +1013,8 @@ class HiCache:
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
         self._inflight_tokens -= prefetch.num_tokens
+        if prefetch.timed_out and prefetch.completed_pages < len(prefetch.page_keys):
+            self.metrics.storage_page_failures.labels(reason="timeout").inc()
         completed = prefetch.completed_tokens
         page = self.page_size
         host = prefetch.host_indices

@@ -108,6 +108,8 @@ class Prefetch:
         self.state = PrefetchState.STREAMING
         self.completed_pages = 0
         self.failed_pages = 0
+        self.timed_out = False
+        """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
         self._stop_requested = False
         self._stream_scope: anyio.CancelScope | None = None
@@ -216,6 +218,8 @@ class Prefetch:
         if remaining > 0:
             with anyio.move_on_after(remaining):
                 await self._finished.wait()
+        if not self._finished.is_set():
+            self.timed_out = True
 
     async def wait_progress(self) -> None:
         """Wait until more pages complete or the stream stops (for serving loops that poll progress)."""

@@ -1,0 +1,93 @@
+"""Helpers for hybrid-cache tests: a small config with a sliding window and a Mamba state, and storage
+pages written as another instance would."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hicache import HiCache, HiCacheConfig, KVLayout
+from hicache.components import MambaState, SlidingWindow, component_storage_key
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
+from storage_backends.memory import MemoryBackend
+
+PAGE = 4
+WINDOW = 16
+STATE_NBYTES = 16
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
+SWA_LAYOUT = KVLayout.flat(8, PAGE)
+
+
+def hybrid_config(*names: str, **overrides: object) -> HiCacheConfig:
+    """4-token pages; `swa` (16-token window, 16 pages per tier) and/or `mamba` (8 slots per tier)."""
+    comps: list[object] = []
+    for name in names or ("swa", "mamba"):
+        if name == "swa":
+            comps.append(SlidingWindow(WINDOW, SWA_LAYOUT, device_pages=16, host_pages=16))
+        else:
+            comps.append(MambaState(STATE_NBYTES, device_slots=8, host_slots=8))
+    options: dict[str, object] = {
+        "layout": LAYOUT,
+        "device_pages": 32,
+        "host_pages": 64,
+        "prefetch_threshold": 8,
+        "storage_batch_pages": 2,
+        "prefetch_stop_policy": "wait_complete",
+        "components": tuple(comps),
+    }
+    options.update(overrides)
+    return HiCacheConfig(**options)  # type: ignore[arg-type]
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def base_payload(key: bytes) -> torch.Tensor:
+    """Deterministic full-attention KV for `key`'s tokens, shaped for `KVPool.write_tokens`."""
+    ids = torch.frombuffer(bytearray(key), dtype=torch.int64).to(torch.float32)
+    n = ids.numel()
+    shape = LAYOUT.tokens_shape(n)
+    return (
+        (ids.view(1, 1, n, 1, 1) * 10 + torch.arange(LAYOUT.head_dim, dtype=torch.float32))
+        .expand(shape)
+        .contiguous()
+    )
+
+
+def swa_payload(key: bytes) -> torch.Tensor:
+    """Deterministic window KV (8 bytes per token: the token id's low bytes, reversed)."""
+    raw = torch.frombuffer(bytearray(key), dtype=torch.uint8).view(-1, 8).flip(1)
+    return raw.reshape(SWA_LAYOUT.tokens_shape(raw.shape[0])).contiguous()
+
+
+def state_payload(key: bytes) -> torch.Tensor:
+    """A deterministic state for the prefix `key`: bytes derived from its length and last token."""
+    last = int.from_bytes(key[-8:], "little")
+    n = len(key) // 8
+    data = torch.tensor([(last * 7 + n + i) % 251 for i in range(STATE_NBYTES)], dtype=torch.uint8)
+    return data.view(1, 1, 1, 1, STATE_NBYTES)
+
+
+async def store_hybrid(
+    backend: MemoryBackend, cache: HiCache, seq: Sequence[int], *, with_state: bool = True
+) -> list[str]:
+    """Put `seq`'s full-attention pages, the window's pages at its end and its end state into storage."""
+    key = as_key_bytes(list(seq))
+    hashes = chained_page_hashes(key, PAGE, cache.config.namespace, ROOT_HASH)
+    n = len(hashes)
+    data = base_payload(key[: n * PAGE * 8])
+    pages = data.view(LAYOUT.num_layers, 2, n, PAGE, 1, LAYOUT.head_dim).permute(2, 0, 1, 3, 4, 5)
+    keys = [h.hex() for h in hashes]
+    views = [memoryview(pages[i].contiguous().numpy().tobytes()) for i in range(n)]
+    window_pages = min(n, -(-WINDOW // PAGE))
+    for i in range(n - window_pages, n):
+        keys.append(component_storage_key(hashes[i], "swa"))
+        views.append(memoryview(swa_payload(key[i * PAGE * 8 : (i + 1) * PAGE * 8]).numpy().tobytes()))
+    if with_state:
+        keys.append(component_storage_key(hashes[-1], "mamba"))
+        views.append(memoryview(state_payload(key[: n * PAGE * 8]).numpy().tobytes()))
+    ok = await backend.put(keys, views)
+    assert all(ok)
+    return keys

@@ -1,0 +1,211 @@
+"""Hybrid components through the controller: the seed's drop, all-or-nothing staging, and a round trip
+through backup, storage, prefetch and load-back."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from component_helpers import (
+    PAGE,
+    WINDOW,
+    base_payload,
+    hybrid_config,
+    state_payload,
+    store_hybrid,
+    swa_payload,
+    tokens,
+)
+
+from hicache import HiCache, PrefetchState
+from hicache.components import component_storage_key
+from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
+from storage_backends.memory import MemoryBackend
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[MemoryBackend]:
+    async with MemoryBackend(namespace_digest=Namespace().digest) as b:
+        yield b
+
+
+async def open_cache(backend: object, *names: str, **overrides: object) -> HiCache:
+    cache = HiCache(hybrid_config(*names, **overrides), storage=backend)  # type: ignore[arg-type]
+    await cache.start()
+    return cache
+
+
+def assert_every_pool_full(cache: HiCache) -> None:
+    pools = [cache.device_pool, cache.host_pool]
+    for device_pool, host_pool in cache.component_pools.values():
+        pools.extend((device_pool, host_pool))
+    for pool in pools:
+        assert pool.statistics().used_pages == 0, pool
+
+
+async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call(
+    backend: MemoryBackend,
+) -> None:
+    """The seed (SGLang #31902) with components: a 32-token refill carrying a 16-slot window transfer and a
+    1-slot state transfer, attached below a device-only node under write-through, is dropped in exactly
+    one release call (pages, then the transfers in order); nothing of it is committed."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(500, 32)
+        await store_hybrid(backend, cache, seq)
+        device = cache.device_pool.alloc(16)
+        assert device is not None
+        cache.tree.insert(seq[:16], device)  # full attention only, not backed up yet
+        anchor = cache.tree.match_prefix(seq[:16])
+        parent = next(iter(cache.tree.root.children.values()))
+        assert parent.device_value is not None
+        assert not parent.backed_up
+        assert anchor.device_len == 0  # no window, no state: not a usable prefix
+        cache.release_queue.history = []
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        assert prefetch.num_tokens == 32
+        host_indices = prefetch.host_indices
+        transfers = prefetch.transfers
+        assert [(t.component, t.indices.numel()) for t in transfers] == [("swa", 16), ("mamba", 1)]
+        outcome = await cache.commit_prefetch("r1")
+        assert outcome.status == "dropped"
+        assert prefetch.state is PrefetchState.DROPPED
+        assert outcome.loaded_tokens == 0
+        assert len(cache.release_queue.history) == 1
+        release = cache.release_queue.history[0]
+        assert torch.equal(release.host_indices, host_indices[:32])
+        assert release.transfers == transfers
+        assert [t.component for t in release.transfers] == ["swa", "mamba"]
+        stats = cache.tree.component_statistics()
+        assert all(s.host_slots == 0 and s.pending_backup_slots == 0 for s in stats.values())
+        assert parent.children == {}
+        cache.sanity_check()
+        evicted = cache.tree.evict_device(16)
+        cache.device_pool.free(evicted.freed_device)
+        await cache.release_queue.drain()
+        cache.sanity_check()
+        assert_every_pool_full(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_a_missing_state_in_storage_skips_the_prefetch_and_keeps_nothing(
+    backend: MemoryBackend,
+) -> None:
+    """All or nothing: pages without their end state are useless to a Mamba model; nothing is allocated."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(1, 32)
+        await store_hybrid(backend, cache, seq, with_state=False)
+        assert await cache.prefetch("r1", seq) is None
+        assert 'reason="component_miss"' in cache.registry.render_prometheus()
+        assert_every_pool_full(cache)
+        cache.sanity_check()
+    finally:
+        await cache.aclose()
+
+
+async def test_a_prefetch_that_stops_short_of_its_window_is_dropped_in_one_call(
+    backend: MemoryBackend,
+) -> None:
+    """A refill that ends before its last page (a damaged page) has no window or state at its end: commit
+    drops every page and both component transfers in one release call."""
+    cache = await open_cache(backend)
+    try:
+        seq = tokens(1, 32)
+        keys = await store_hybrid(backend, cache, seq)
+        cache.release_queue.history = []
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        await backend.delete([keys[5]])  # streaming stops at page 5 (20 tokens)
+        outcome = await cache.commit_prefetch("r1")
+        assert (outcome.status, outcome.completed_tokens, outcome.loaded_tokens) == ("dropped", 20, 0)
+        (release,) = cache.release_queue.history
+        assert torch.equal(release.host_indices, prefetch.host_indices)
+        assert release.transfers == prefetch.transfers
+        assert cache.tree.statistics().num_nodes == 0
+        await cache.release_queue.drain()
+        cache.sanity_check()
+        assert_every_pool_full(cache)
+    finally:
+        await cache.aclose()
+
+
+async def serve_hybrid(cache: HiCache, seq: list[int]) -> None:
+    """Serve `seq` as a hybrid model would: full-attention KV, the window's KV and the end state."""
+    lease = await cache.acquire(f"fill-{seq[0]}", seq)
+    n = len(seq)
+    key = as_key_bytes(seq)
+    new = await cache.alloc_device(n - lease.cached_len)
+    assert new is not None
+    cache.device_pool.write_tokens(new, base_payload(key[lease.cached_len * 8 :]))
+    swa = cache.alloc_component("swa", WINDOW)
+    state = cache.alloc_component("mamba", 1)
+    assert swa is not None
+    assert state is not None
+    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
+    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
+    await cache.insert(lease, seq, torch.cat([lease.device_indices, new]), {"swa": swa, "mamba": state})
+
+
+async def test_backup_storage_prefetch_and_load_back_carry_every_component_bitwise(
+    backend: MemoryBackend,
+) -> None:
+    """Instance A serves a request; its window and state are backed up and written through to storage
+    under page-hash-plus-name keys. Instance B acquires the same tokens from storage: the lease's window
+    KV and state on B's device are exactly A's."""
+    seq = tokens(300, 32)
+    key = as_key_bytes(seq)
+    first = await open_cache(backend)
+    try:
+        await serve_hybrid(first, seq)
+        await first.wait_idle()
+        first.sanity_check()
+        stats = first.tree.component_statistics()
+        assert (stats["swa"].host_slots, stats["mamba"].host_slots) == (WINDOW, 1)
+        hashes = chained_page_hashes(key, PAGE, first.config.namespace, ROOT_HASH)
+        comp_keys = [component_storage_key(h, "swa") for h in hashes[-WINDOW // PAGE :]]
+        comp_keys.append(component_storage_key(hashes[-1], "mamba"))
+        for k in comp_keys:
+            assert await backend.exists([k]) == 1
+    finally:
+        await first.aclose()
+    second = await open_cache(backend)
+    try:
+        lease = await second.acquire("again", seq)
+        assert lease.cached_len == 32
+        assert lease.hit_tokens_by_tier["storage"] == 32
+        assert torch.equal(second.device_pool.read_tokens(lease.device_indices), base_payload(key))
+        swa_pool = second.component_pools["swa"][0]
+        state_pool = second.component_pools["mamba"][0]
+        assert torch.equal(
+            swa_pool.read_tokens(lease.component_indices["swa"]), swa_payload(key[-WINDOW * 8 :])
+        )
+        assert torch.equal(state_pool.read_tokens(lease.component_indices["mamba"]), state_payload(key))
+        second.release(lease)
+        await second.wait_idle()
+        second.sanity_check()
+    finally:
+        await second.aclose()
+
+
+async def test_full_attention_only_cache_has_no_component_pools(backend: MemoryBackend) -> None:
+    """Backward compatibility: without components nothing changes, and component calls are refused."""
+    from hicache import HiCacheConfig
+
+    config = hybrid_config()
+    plain = HiCacheConfig(layout=config.layout, device_pages=8, host_pages=8)
+    cache = HiCache(plain, storage=backend)
+    await cache.start()
+    try:
+        assert cache.component_pools == {}
+        with pytest.raises(ValueError, match="unknown component"):
+            cache.alloc_component("swa", PAGE)
+        lease = await cache.acquire("r", tokens(0, 8))
+        assert lease.component_indices == {}
+        cache.release(lease)
+        cache.sanity_check()
+    finally:
+        await cache.aclose()

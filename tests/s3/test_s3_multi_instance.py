@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from s3_instance import PAGE, PROMPTS, aligned, instance_config, kv_payload
 from s3_servers import S3Server
 
 import storage_backends.s3 as s3_module
-from hicache import HiCache, Lease
+from hicache import HiCache, Lease, PrefetchOutcome
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.s3 import S3Backend
 
@@ -92,12 +91,12 @@ class Shared:
 
 
 @pytest.fixture(scope="module", params=["moto_server", "juicefs_server"])
-def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared]:
+def shared(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Shared:
     """Instance A, run once per server: serves `PROMPTS`, writes through to S3, saves its KV, exits."""
     server: S3Server = request.getfixturevalue(request.param)
     workdir = tmp_path_factory.mktemp(f"shared-{server.kind}")
     url = server.url(unique_prefix())
-    yield Shared(server, url, workdir, run_instance(server, "produce", url, workdir))
+    return Shared(server, url, workdir, run_instance(server, "produce", url, workdir))
 
 
 def test_instance_a_writes_every_whole_page_through_to_s3(shared: Shared) -> None:
@@ -217,6 +216,7 @@ async def test_server_killed_mid_prefetch_ends_it_short_then_the_cache_serves_ag
 
     async with HiCache(config) as cache:
         lease: Lease | None = None
+        outcome: PrefetchOutcome | None = None
 
         async def acquire() -> None:
             nonlocal lease
@@ -241,13 +241,13 @@ async def test_server_killed_mid_prefetch_ends_it_short_then_the_cache_serves_ag
 
         if resolve == "commit":
             assert lease is not None
-            assert lease.prefetch is not None
             outcome = lease.prefetch
             assert lease.cached_len == 96
             assert lease.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 96}
             assert torch.equal(
                 cache.device_pool.read_tokens(lease.device_indices), kv_payload(prompt)[:, :, :96]
             )
+        assert outcome is not None
         assert outcome.matched_tokens == 160
         assert outcome.completed_tokens == 96
         assert outcome.failed_pages == 1
@@ -302,5 +302,6 @@ def test_two_instances_example_runs_on_its_own_moto_server() -> None:
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-4000:]}"
     lines = done.stdout.splitlines()
     assert lines[0].startswith("started moto on http://127.0.0.1:")
-    assert any(line.startswith("producer: wrote ") for line in lines), lines
+    assert "producer: wrote 9 pages (73728 bytes) to S3" in lines
+    assert "consumer: alice reused 96 tokens {'device': 0, 'host': 0, 'storage': 96}" in lines
     assert lines[-1] == "consumer: KV identical to the producer's for every request"

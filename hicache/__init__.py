@@ -5,6 +5,7 @@ A paged radix tree over device, pinned host and storage tiers, embedded in async
 
 from __future__ import annotations
 
+from hicache.components import MambaState, SlidingWindow
 from hicache.config import HiCacheConfig
 from hicache.controller import (
     CacheStatistics,
@@ -46,6 +47,7 @@ __all__ = [
     "KVLayout",
     "KVPool",
     "Lease",
+    "MambaState",
     "Namespace",
     "PageNotFound",
     "PoolError",
@@ -55,6 +57,7 @@ __all__ = [
     "PrefetchOutcome",
     "PrefetchState",
     "RadixTree",
+    "SlidingWindow",
     "StopPolicy",
     "StorageError",
     "StorageUnavailable",

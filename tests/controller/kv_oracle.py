@@ -7,19 +7,26 @@ page swapped with another, or a stale buffer therefore never matches, even when 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar, TypeVarTuple, Unpack
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from hicache import HiCache, KVLayout
 from hicache.errors import StorageError
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree import TreeNode
+from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import StorageBackend
+
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
 
 __all__ = [
     "FaultyBackend",
+    "InlineMemoryBackend",
     "chain_payload",
     "check_leased_kv",
     "check_pools_exact",
@@ -181,6 +188,21 @@ def check_pools_exact(
     )
 
 
+class InlineMemoryBackend(MemoryBackend):
+    """A `MemoryBackend` that copies and verifies pages on the event loop instead of in worker threads.
+
+    Its reads then advance only with the loop, so a test can let a gated read finish with checkpoints
+    alone (no thread to wait for), and a state machine replays the same interleaving every time.
+    """
+
+    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
+        await anyio.lowlevel.checkpoint()
+        return func(*args)
+
+    def __repr__(self) -> str:
+        return "<InlineMemoryBackend " + super().__repr__().removeprefix("<MemoryBackend ")
+
+
 class FaultyBackend:
     """Wraps a backend: gates page reads, and fails, hangs or lies about chosen pages.
 
@@ -202,6 +224,11 @@ class FaultyBackend:
         self.errors_raised = 0
         self._credits = 0
         self._changed = anyio.Event()
+
+    @property
+    def credits(self) -> int:
+        """Gated page reads allowed and not yet started."""
+        return self._credits
 
     def allow(self, pages: int = 1) -> None:
         """Let `pages` more page reads proceed (when gated)."""

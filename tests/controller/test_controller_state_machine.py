@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kv_oracle import (
     FaultyBackend,
+    InlineMemoryBackend,
     chain_payload,
     check_leased_kv,
     check_pools_exact,
@@ -43,7 +44,6 @@ from kv_oracle import (
 from hicache import HiCache, HiCacheConfig, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.policy import StopPolicy, WritePolicy
-from storage_backends.memory import MemoryBackend
 
 T = TypeVar("T")
 
@@ -52,6 +52,8 @@ HOST_PAGES = 16
 
 sequences = st.tuples(st.lists(st.integers(0, 2), min_size=0, max_size=8), st.integers(0, 3))
 """Pages drawn from three patterns (so prefixes are shared), and a partial tail."""
+short_sequences = st.tuples(st.lists(st.integers(0, 1), min_size=1, max_size=3), st.integers(0, 3))
+"""Short prefixes of the same patterns: served requests that longer stored sequences extend."""
 cancel_points = st.none() | st.integers(0, 12)
 """None: let the operation finish; k: cancel it after k scheduler turns."""
 picks = st.integers(0, 1 << 16)
@@ -80,7 +82,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.runner = asyncio.Runner()
         self.cache: HiCache | None = None
         self.backend: FaultyBackend
-        self.inner: MemoryBackend
+        self.inner: InlineMemoryBackend
         self.page_size = 1
         self.stop_policy = StopPolicy.WAIT_COMPLETE
         self.namespace = Namespace(model="state-machine")
@@ -89,6 +91,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.expected_pages: dict[str, bytes] = {}
         self.corrupted: set[str] = set()
         self.known_keys: list[bytes] = []
+        self.prefilled: list[list[int]] = []
         self.serial = 0
         self._owner: asyncio.Task[None] | None = None
         self._closing: anyio.Event | None = None
@@ -150,6 +153,22 @@ class ControllerMachine(RuleBasedStateMachine):
             event("operation cancelled")
         return out
 
+    async def allow_and_settle(self, pages: int) -> None:
+        """Let `pages` gated reads proceed and turn the loop until they are used or nobody reads.
+
+        Reads run on the loop (`InlineMemoryBackend`, no threads), so checkpoints alone finish them.
+        """
+        if not self.backend.gated or pages == 0:
+            return
+        self.backend.allow(pages)
+        for _ in range(500):
+            streaming = any(not p.done for p in self.prefetches.values())
+            if (self.backend.credits == 0 or not streaming) and (
+                self.backend.reads_started == self.backend.reads_done
+            ):
+                break
+            await anyio.lowlevel.checkpoint()
+
     def gate_for_blocking_wait(self) -> bool:
         """Open the gate while a wait_complete commit waits (else it would wait forever); True if opened."""
         if self.stop_policy is StopPolicy.WAIT_COMPLETE and self.backend.gated:
@@ -164,7 +183,7 @@ class ControllerMachine(RuleBasedStateMachine):
         write=st.sampled_from(list(WritePolicy)),
         stop=st.sampled_from([StopPolicy.BEST_EFFORT, StopPolicy.WAIT_COMPLETE]),
         gated=st.booleans(),
-        prefill=st.lists(sequences, max_size=3),
+        prefill=st.lists(sequences, min_size=1, max_size=3),
     )
     def setup(
         self,
@@ -183,12 +202,13 @@ class ControllerMachine(RuleBasedStateMachine):
         self, write: WritePolicy, stop: StopPolicy, gated: bool, prefill: list[tuple[list[int], int]]
     ) -> None:
         layout = layout_for(self.page_size)
-        self.inner = MemoryBackend(namespace_digest=self.namespace.digest)
+        self.inner = InlineMemoryBackend(namespace_digest=self.namespace.digest)
         self.backend = FaultyBackend(self.inner, gated=gated)
         # Another instance served these before: their pages are in storage.
         for pages, tail in prefill:
             tokens = make_tokens(pages, tail, self.page_size)
             self.remember(tokens)
+            self.prefilled.append(tokens)
             aligned = len(tokens) // self.page_size * self.page_size
             if aligned:
                 await store_chain(self.inner, self.key_of(tokens[:aligned]), layout, self.namespace)
@@ -300,9 +320,9 @@ class ControllerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(seq=sequences, point=cancel_points)
-    def acquire(self, seq: tuple[list[int], int], point: int | None) -> None:
-        tokens = make_tokens(*seq, self.page_size)
+    @rule(seq=sequences, stored=st.none() | picks, point=cancel_points)
+    def acquire(self, seq: tuple[list[int], int], stored: int | None, point: int | None) -> None:
+        tokens = self.pick_tokens(seq, stored)
         self.remember(tokens)
         request_id = self.next_id("r")
         opened = self.gate_for_blocking_wait()
@@ -320,6 +340,35 @@ class ControllerMachine(RuleBasedStateMachine):
                     event("acquire hit storage")
                 if lease.prefetch is not None:
                     event(f"acquire prefetch {lease.prefetch.status}")
+
+        self.run(go)
+
+    @rule(seq=short_sequences)
+    def serve(self, seq: tuple[list[int], int]) -> None:
+        """A whole request at once: acquire, compute the KV beyond the hit, insert (a device-only chain
+        under write-through-selective, or one whose backup is still queued)."""
+        tokens = make_tokens(*seq, self.page_size)
+        self.remember(tokens)
+        request_id = self.next_id("s")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            lease = await cache.acquire(request_id, tokens)
+            if opened:
+                self.backend.gated = True
+            padded = -(-len(tokens) // self.page_size) * self.page_size
+            new = await cache.alloc_device(padded - lease.cached_len)
+            if new is None:
+                cache.release(lease)
+                return
+            aligned = len(tokens) // self.page_size * self.page_size
+            if aligned > lease.cached_len:
+                kv = chain_payload(lease.key[: aligned * TOKEN_BYTES], cache.config.layout, self.namespace)
+                cache.device_pool.write_tokens(
+                    new[: aligned - lease.cached_len], kv[:, :, lease.cached_len :]
+                )
+            await cache.insert(lease, tokens, torch.cat([lease.device_indices, new]))
 
         self.run(go)
 
@@ -432,9 +481,15 @@ class ControllerMachine(RuleBasedStateMachine):
 
         self.run(go)
 
-    @rule(seq=sequences, point=cancel_points)
-    def prefetch(self, seq: tuple[list[int], int], point: int | None) -> None:
-        tokens = make_tokens(*seq, self.page_size)
+    def pick_tokens(self, seq: tuple[list[int], int], stored: int | None) -> list[int]:
+        """A drawn sequence, or (when `stored` is drawn) one another instance stored."""
+        if stored is not None and self.prefilled:
+            return self.prefilled[stored % len(self.prefilled)]
+        return make_tokens(*seq, self.page_size)
+
+    @rule(seq=sequences, stored=st.none() | picks, point=cancel_points)
+    def prefetch(self, seq: tuple[list[int], int], stored: int | None, point: int | None) -> None:
+        tokens = self.pick_tokens(seq, stored)
         self.remember(tokens)
         request_id = self.next_id("p")
 
@@ -452,21 +507,21 @@ class ControllerMachine(RuleBasedStateMachine):
             return
 
         async def go() -> None:
-            self.backend.allow(pages)
-            for _ in range(4):
-                await anyio.lowlevel.checkpoint()
+            await self.allow_and_settle(pages)
 
         self.run(go)
 
-    @rule(pick=picks, point=cancel_points)
-    def commit(self, pick: int, point: int | None) -> None:
+    @rule(pick=picks, point=cancel_points, reads=st.integers(0, 6))
+    def commit(self, pick: int, point: int | None, reads: int) -> None:
+        """Let `reads` more gated pages arrive, then commit one prefetch (cancelled at `point`)."""
         if not self.prefetches:
             return
         request_id = list(self.prefetches)[pick % len(self.prefetches)]
         prefetch = self.prefetches[request_id]
-        opened = self.gate_for_blocking_wait()
 
         async def go() -> None:
+            await self.allow_and_settle(reads)
+            opened = self.gate_for_blocking_wait()
             got = await self.cancellable(point, self.c.commit_prefetch, request_id)
             if opened:
                 self.backend.gated = True
@@ -558,8 +613,8 @@ class ControllerMachine(RuleBasedStateMachine):
 
 TestControllerMachine = ControllerMachine.TestCase
 TestControllerMachine.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
+    max_examples=200,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

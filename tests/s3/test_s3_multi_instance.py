@@ -159,6 +159,7 @@ async def complete(cache: HiCache, lease: Lease, prompt: list[int]) -> None:
 
 
 def s3_backend(cache: HiCache) -> S3Backend:
+    """The cache's storage, which these tests open as an S3Backend."""
     assert isinstance(cache.storage, S3Backend)
     return cache.storage
 

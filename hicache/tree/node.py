@@ -39,6 +39,7 @@ class TreeNode:
         "_ctx",
         "_dev_children",
         "_hashes",
+        "_path_indices",
         "backup_pending",
         "children",
         "components",
@@ -76,6 +77,9 @@ class TreeNode:
         self._hashes: list[bytes] | None = None
         self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
         self._backup_owner: TreeNode | None = None
+        # The joined device values of the whole root path, cached by a match that joined them; dropped
+        # whenever this node's device value changes (see `RadixTree._remember_path`).
+        self._path_indices: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,7 @@ __all__ = ["RadixTree"]
 logger = logging.getLogger("hicache.tree")
 
 _WB = WritePolicy.WRITE_BACK
+_INT64 = torch.int64
 _LITTLE = sys.byteorder == "little"
 
 
@@ -149,6 +150,7 @@ class RadixTree:
         self._evictable_size = 0
         self._protected_size = 0
         self._evictable_host = 0
+        self._path_cache_tokens = 0  # tokens held by the nodes' cached joined root paths
         self._components: tuple[Component, ...] | None = None
         self._component_index: dict[str, Component] = {}
         # Per component: slots held on the device, on the host, in backups in flight.
@@ -170,6 +172,10 @@ class RadixTree:
         n = len(node.key) >> 3
         delta = (value is not None) - (old is not None)
         node.device_value = value
+        cached = node._path_indices
+        if cached is not None:
+            node._path_indices = None
+            self._path_cache_tokens -= cached.numel()
         if delta:
             self._device_tokens += delta * n
             if node.device_lock:
@@ -194,6 +200,27 @@ class RadixTree:
             if not node.host_lock:
                 self._evictable_host += delta * n
         self._refresh(node)
+
+    def _remember_path(self, node: TreeNode, vals: tuple[torch.Tensor, ...], joined: torch.Tensor) -> None:
+        """Cache `joined` on `node` as its joined root path if the path still holds exactly `vals`.
+
+        Called by `MatchResult.device_indices` after a join. The cache stays exact: `_set_device` drops a
+        node's cache whenever its device value changes, an ancestor's value cannot change while a
+        descendant is on the device (device prefix continuity), and a split keeps the lower part's root
+        path. The caches hold at most twice the device tokens (deep chains would otherwise cost O(depth^2)).
+        """
+        cur: TreeNode | None = node
+        for v in reversed(vals):
+            if cur is None or cur.device_value is not v:
+                return
+            cur = cur.parent
+        n = joined.numel()
+        if cur is not self.root or node._path_indices is not None:
+            return
+        if self._path_cache_tokens + n > 2 * self._device_tokens:
+            return
+        node._path_indices = joined
+        self._path_cache_tokens += n
 
     def _split_values(self, node: TreeNode, upper: TreeNode, tokens: int) -> None:
         """Move the first `tokens` tokens' values of `node` to its new parent `upper` (token counts only
@@ -663,6 +690,8 @@ class RadixTree:
             last_device,
             last_host,
             tuple(host_nodes),
+            last_device._path_indices,
+            self,
         )
 
     # ------------------------------------------------------------------ matching and inserting
@@ -682,59 +711,78 @@ class RadixTree:
             TypeError, ValueError: for a key that cannot be converted (see `hicache.keys.as_key_bytes`).
         """
         # Fast path for the common key types (the conversion is otherwise `as_key_bytes`).
-        if type(key) is array and key.typecode == "q" and _LITTLE:
-            kb = key.tobytes()
-        elif type(key) is bytes and not len(key) & 7:
+        kt = type(key)
+        if kt is array and key.typecode == "q" and _LITTLE:  # type: ignore[union-attr]
+            kb = key.tobytes()  # type: ignore[union-attr]
+        elif kt is bytes and not len(key) & 7:
             kb = key
         else:
             kb = as_key_bytes(key)
         step = self._step
         end = len(kb)
-        if end % step:
-            end -= end % step
+        rem = end % step
+        if rem:
+            end -= rem
             kb = kb[:end]
         if self._components is not None:
             return self._match_hybrid(kb)
-        self._clock += 1
-        tick = self._clock
-        root = self.root
-        node = root
+        self._clock = tick = self._clock + 1
+        root = node = last_device = last_host = self.root
         pos = 0
         device_values: list[torch.Tensor] = []
-        device_bytes = 0
         host_nodes: list[TreeNode] = []
-        last_device = root
-        last_host = root
+        # Three stretches: device nodes (host copy or not), then host-only nodes; the loop stays in the
+        # first while the path is on the device, the common case.
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
             if child is None:
                 break
             ck = child.key
             if kb.startswith(ck, pos):
-                matched = len(ck)
+                pos += len(ck)
             else:
                 matched = self._matched_bytes(kb, pos, ck)
                 child = self._split(child, matched)
+                pos += matched
             child.last_access = tick
             dv = child.device_value
-            if dv is not None:
-                device_values.append(dv)
-                device_bytes += matched
-                last_device = child
-            else:
+            if dv is None:
                 host_nodes.append(child)
+                if child.host_value is not None:
+                    last_host = child
+                node = child
+                break
+            device_values.append(dv)
+            last_device = node = child
             if child.host_value is not None:
                 last_host = child
-            pos += matched
+        device_end = pos if not host_nodes else pos - len(node.key)
+        while host_nodes and pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            if kb.startswith(ck, pos):
+                pos += len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+                pos += matched
+            child.last_access = tick
+            host_nodes.append(child)
+            if child.host_value is not None:
+                last_host = child
             node = child
         return MatchResult(
             kb,
             tuple(device_values),
-            device_bytes >> 3,
-            (pos - device_bytes) >> 3,
+            device_end >> 3,
+            (pos - device_end) >> 3,
             last_device,
             last_host,
             tuple(host_nodes),
+            last_device._path_indices if last_device is not root else EMPTY_INDICES,
+            self,
         )
 
     def insert(
@@ -764,24 +812,41 @@ class RadixTree:
             TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
             ValueError: `device_indices` of the wrong shape or length, or malformed component values.
         """
-        kb, ntok = self._aligned_key(key)
-        _check_indices(device_indices, "device_indices", ntok)
-        comp_values = self._component_inputs(components, "components", len(kb) >> 3) if components else None
-        self._clock += 1
-        tick = self._clock
+        kt = type(key)
+        if kt is array and key.typecode == "q" and _LITTLE:  # type: ignore[union-attr]
+            kb = key.tobytes()  # type: ignore[union-attr]
+        elif kt is bytes and not len(key) & 7:
+            kb = key
+        else:
+            kb = as_key_bytes(key)
+        ntok = len(kb) >> 3
         step = self._step
         end = len(kb)
+        rem = end % step
+        if rem:
+            end -= rem
+            kb = kb[:end]
+        if not (
+            type(device_indices) is torch.Tensor
+            and device_indices.dtype is _INT64
+            and device_indices.dim() == 1
+            and device_indices.numel() == ntok
+        ):
+            _check_indices(device_indices, "device_indices", ntok)
+        comp_values = self._component_inputs(components, "components", end >> 3) if components else None
+        self._clock = tick = self._clock + 1
         backup_hits = self._backup_hits
         backups: list[TreeNode] = []
-        node = self.root
+        root = node = self.root
         pos = 0
         prefix_bytes = 0
-        values: torch.Tensor | None = (
-            None  # the caller's indices from the first non-duplicate token, cloned once
-        )
+        # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
+        values: torch.Tensor | None = None
         base = 0
+        first = b""
         while pos < end:
-            child = node.children.get(kb[pos : pos + step])
+            first = kb[pos : pos + step]
+            child = node.children.get(first)
             if child is None:
                 break
             ck = child.key
@@ -796,8 +861,8 @@ class RadixTree:
                 prefix_bytes += matched
             else:
                 if values is None:
-                    values = device_indices[pos >> 3 : end >> 3].clone()
                     base = pos >> 3
+                    values = device_indices.narrow_copy(0, base, (end >> 3) - base)
                 self._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
             if (
                 backup_hits is not None
@@ -809,20 +874,35 @@ class RadixTree:
             pos += matched
             node = child
         if pos < end:
+            # A new device leaf below `node` (what `_new_node` and `_set_device` do, inlined: the leaf
+            # holds no lock, no backup and no component yet).
+            start = pos >> 3
             if values is None:
-                values = device_indices[pos >> 3 : end >> 3].clone()
-                base = pos >> 3
-            leaf = self._new_node(node, kb[pos:])
+                value = device_indices.narrow_copy(0, start, (end >> 3) - start)
+            else:
+                value = values[start - base :]
+            leaf = TreeNode(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
+            node.children[first] = leaf
+            self._num_nodes += 1
             leaf.last_access = tick
             if backup_hits is not None:
                 leaf.hit_count = 1
                 if backup_hits <= 1:
                     backups.append(leaf)
-            self._set_device(leaf, values[(pos >> 3) - base :])
+            leaf.device_value = value
+            n = (end - pos) >> 3
+            self._device_tokens += n
+            self._evictable_size += n
+            if node is not root:
+                node._dev_children += 1
+                self._refresh(node)
+            else:
+                node._dev_children += 1
+            self._device_leaves.add(leaf)
             node = leaf
         if comp_values:
-            self._attach_components(self._key_path(kb, self.root), 0, end >> 3, ntok, comp_values, "device")
-        return InsertResult(prefix_bytes >> 3, end >> 3, node, tuple(backups))
+            self._attach_components(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
+        return InsertResult(prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else ())
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
         """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.tree.node import TreeNode
+
+if TYPE_CHECKING:
+    from hicache.tree.radix import RadixTree
 
 __all__ = [
     "EMPTY_INDICES",
@@ -22,9 +26,11 @@ EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 """A shared empty int64 tensor returned wherever no indices apply (never write into it)."""
 
 
-@dataclass(frozen=True, slots=True)
 class MatchResult:
-    """The longest cached prefix of a key.
+    """The longest cached prefix of a key (a read-only record: callers never assign its attributes).
+
+    A plain slotted class rather than a frozen dataclass: it is built once per match on the hot path, and a
+    frozen dataclass's `__init__` costs several times more.
 
     Attributes:
         key: the page-aligned key in bytes form.
@@ -36,27 +42,66 @@ class MatchResult:
         host_nodes: the host-only nodes after the device prefix, root-first (to be loaded back).
     """
 
-    key: bytes
-    device_values: tuple[torch.Tensor, ...]
-    device_len: int
-    host_len: int
-    last_device_node: TreeNode
-    last_host_node: TreeNode
-    host_nodes: tuple[TreeNode, ...]
+    __slots__ = (
+        "_indices",
+        "_tree",
+        "device_len",
+        "device_values",
+        "host_len",
+        "host_nodes",
+        "key",
+        "last_device_node",
+        "last_host_node",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        device_values: tuple[torch.Tensor, ...],
+        device_len: int,
+        host_len: int,
+        last_device_node: TreeNode,
+        last_host_node: TreeNode,
+        host_nodes: tuple[TreeNode, ...],
+        indices: torch.Tensor | None = None,
+        tree: RadixTree | None = None,
+    ) -> None:
+        self.key = key
+        self.device_values = device_values
+        self.device_len = device_len
+        self.host_len = host_len
+        self.last_device_node = last_device_node
+        self.last_host_node = last_host_node
+        self.host_nodes = host_nodes
+        # The joined device indices, when known (the last device node's cached root path, or a join done
+        # by an earlier read of `device_indices`).
+        self._indices = indices
+        self._tree = tree  # where a join is offered for caching on the last device node
 
     @property
     def device_indices(self) -> torch.Tensor:
         """Device pool indices of the matched device prefix, one per token (empty if none).
 
-        Concatenated on access (no copy when a single node matched: then it is the node's own tensor,
-        which callers must not modify).
+        Joined on first access and then kept; not a copy when a single node matched or when the last device
+        node already held its joined root path (callers must not modify the tensor). A join is also cached
+        on the last device node for later matches ending there, if the node and its ancestors still hold
+        the values this match saw.
         """
+        out = self._indices
+        if out is not None:
+            return out
         vals = self.device_values
         if not vals:
-            return EMPTY_INDICES
-        if len(vals) == 1:
-            return vals[0]
-        return torch.cat(vals)
+            out = EMPTY_INDICES
+        elif len(vals) == 1:
+            out = vals[0]
+        else:
+            out = torch.cat(vals)
+            tree = self._tree
+            if tree is not None:
+                tree._remember_path(self.last_device_node, vals, out)
+        self._indices = out
+        return out
 
     def __repr__(self) -> str:
         return (
@@ -66,9 +111,8 @@ class MatchResult:
         )
 
 
-@dataclass(frozen=True, slots=True)
 class InsertResult:
-    """What an `insert` or `insert_host` did.
+    """What an `insert` or `insert_host` did (a read-only record; slotted for the hot path).
 
     Attributes:
         prefix_len: tokens of the key that were already cached; the caller frees `indices[:prefix_len]`.
@@ -80,11 +124,27 @@ class InsertResult:
             the caller frees every host index it passed.
     """
 
-    prefix_len: int
-    total_len: int
-    node: TreeNode
-    backups: tuple[TreeNode, ...] = ()
-    host_insert_dropped: bool = False
+    __slots__ = ("backups", "host_insert_dropped", "node", "prefix_len", "total_len")
+
+    def __init__(
+        self,
+        prefix_len: int,
+        total_len: int,
+        node: TreeNode,
+        backups: tuple[TreeNode, ...] = (),
+        host_insert_dropped: bool = False,
+    ) -> None:
+        self.prefix_len = prefix_len
+        self.total_len = total_len
+        self.node = node
+        self.backups = backups
+        self.host_insert_dropped = host_insert_dropped
+
+    def __repr__(self) -> str:
+        return (
+            f"InsertResult(prefix_len={self.prefix_len}, total_len={self.total_len}, node={self.node.id}, "
+            f"backups={[n.id for n in self.backups]}, host_insert_dropped={self.host_insert_dropped})"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ def collect_violations(tree: RadixTree) -> list[str]:
 
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
-    num_nodes = device = host = pending = evictable = protected = evictable_host = 0
+    num_nodes = device = host = pending = evictable = protected = evictable_host = path_cache = 0
     stack = [root]
     while stack:
         node = stack.pop()
@@ -120,6 +120,9 @@ def collect_violations(tree: RadixTree) -> list[str]:
                 evictable_host += n
         if pv is not None:
             pending += n
+        if node._path_indices is not None:
+            path_cache += node._path_indices.numel()
+            _check_path_cache(node, out)
         if node.components is not None:
             comp_check.visit(node, out)
 
@@ -142,10 +145,28 @@ def collect_violations(tree: RadixTree) -> list[str]:
         ("evictable_device_tokens", stats.evictable_device_tokens, evictable),
         ("protected_device_tokens", stats.protected_device_tokens, protected),
         ("evictable_host_tokens", stats.evictable_host_tokens, evictable_host),
+        ("path_cache_tokens", tree._path_cache_tokens, path_cache),
     ):
         if kept != recomputed:
             out.append(f"counter {name}: kept {kept}, recomputed {recomputed}")
     return out
+
+
+def _check_path_cache(node: TreeNode, out: list[str]) -> None:
+    """A node's cached joined root path equals the join of the device values on its path."""
+    cached = node._path_indices
+    assert cached is not None
+    parts: list[torch.Tensor] = []
+    cur: TreeNode | None = node
+    while cur is not None and cur.parent is not None:
+        if cur.device_value is None:
+            out.append(f"node {node.id}: caches its joined root path but node {cur.id} is not on the device")
+            return
+        parts.append(cur.device_value)
+        cur = cur.parent
+    parts.reverse()
+    if not torch.equal(cached, torch.cat(parts)):
+        out.append(f"node {node.id}: cached joined root path differs from its path's device values")
 
 
 def check_tree(tree: RadixTree) -> None:

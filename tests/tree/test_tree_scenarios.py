@@ -489,3 +489,42 @@ def test_sanity_check_reports_every_violation() -> None:
     assert "negative lock" in text
     assert "3 entries for 8 tokens" in text
     assert len(info.value.violations) >= 3
+
+
+def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
+    """A match caches the joined device indices on its last node; the cache must never outlive the values.
+
+    Guards against a stale join: after the path is demoted and loaded back at other device indices, or
+    split by a shorter match, every match must return the indices the nodes hold now.
+    """
+    tree = RadixTree(P)
+    insert_device_chain(tree, page_key(0, 2), 0)
+    leaf = insert_device_chain(tree, page_key(0, 2) + page_key(100, 2), 50).node
+    key = page_key(0, 2) + page_key(100, 2)
+    first = tree.match_prefix(key)
+    expected = torch.cat([indices(0, 8), indices(58, 8)])
+    assert torch.equal(first.device_indices, expected)
+    assert tree.statistics().device_tokens == 16
+    again = tree.match_prefix(key)
+    assert again.device_indices is first.device_indices  # served from the cache, not joined again
+    tree.sanity_check()
+
+    back_up(tree, leaf)
+    upper = leaf.parent
+    assert upper is not None
+    tree.demote(leaf)
+    tree.demote(upper)
+    tree.sanity_check()
+    reloaded = tree.match_prefix(key)
+    assert reloaded.device_len == 0
+    assert [n.id for n in reloaded.host_nodes] == [upper.id, leaf.id]
+    tree.attach_device(upper, indices(200, 8))
+    tree.attach_device(leaf, indices(300, 8))
+    m = tree.match_prefix(key)
+    assert torch.equal(m.device_indices, torch.cat([indices(200, 8), indices(300, 8)]))
+    tree.sanity_check()
+
+    shorter = tree.match_prefix(page_key(0, 2) + page_key(100, 1))  # splits the leaf
+    assert torch.equal(shorter.device_indices, torch.cat([indices(200, 8), indices(300, 4)]))
+    assert torch.equal(tree.match_prefix(key).device_indices, torch.cat([indices(200, 8), indices(300, 8)]))
+    tree.sanity_check()

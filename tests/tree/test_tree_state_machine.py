@@ -187,7 +187,12 @@ class TreeMachine(RuleBasedStateMachine):
     def match(self, choices: list[int], tail: int) -> None:
         key = self.key(choices, tail)
         m = self.tree.match_prefix(key)
-        assert m.device_indices.shape == (m.device_len,)
+        joined = m.device_indices
+        assert joined.shape == (m.device_len,)
+        if m.device_values:
+            assert torch.equal(joined, torch.cat(m.device_values))
+        # A second match may serve the joined indices from the path cache: they must be the same.
+        assert torch.equal(self.tree.match_prefix(key).device_indices, joined)
         assert m.device_len + m.host_len <= len(key)
         assert sum(n.num_tokens for n in m.host_nodes) == m.host_len
         for n in m.host_nodes:

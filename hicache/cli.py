@@ -42,8 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--system-prompts",
         type=int,
-        default=3,
-        help="distinct system prompts shared by the users (default 3)",
+        default=None,
+        help="distinct system prompts shared by the users (default 3; with --model hybrid one per user)",
+    )
+    demo.add_argument(
+        "--model",
+        choices=["llama", "hybrid"],
+        default="llama",
+        help="llama: a small Llama (full attention); hybrid: a tiny LaraMini with full, sliding-window and "
+        "linear-attention layers, cached with SlidingWindow and MambaState components (default llama)",
     )
     demo.add_argument("--device-pages", type=int, default=None, help="pages in the device pool (default 160)")
     demo.add_argument("--host-pages", type=int, default=None, help="pages in the host pool (default 224)")
@@ -99,6 +106,11 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.demo.workload import WorkloadSpec
     from hicache.policy import WritePolicy
 
+    hybrid = args.model == "hybrid"
+    if args.system_prompts is None:
+        # A hybrid prefix is reusable only where a state was stored (at the end of a request): a system
+        # prompt shared by users ends at a split without one, so the hybrid run gives each user its own.
+        args.system_prompts = args.users if hybrid else 3
     for name in ("users", "turns", "system_prompts"):
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
@@ -109,16 +121,32 @@ def _demo(args: argparse.Namespace) -> int:
         overrides["device_pages"] = args.device_pages
     if args.host_pages is not None:
         overrides["host_pages"] = args.host_pages
-    config = DemoConfig(
-        users=args.users,
-        turns=args.turns,
-        seed=args.seed,
-        backend_url=args.backend,
-        write_policy=WritePolicy(args.write_policy),
-        metrics_port=args.metrics_port,
-        workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
-        **overrides,
-    )
+    if hybrid:
+        from hicache.demo.hybrid_serve import HybridDemoConfig, hybrid_demo_config, run_hybrid_demo
+
+        base = hybrid_demo_config()
+        config = dataclasses.replace(
+            base,
+            users=args.users,
+            turns=args.turns,
+            seed=args.seed,
+            backend_url=args.backend,
+            write_policy=WritePolicy(args.write_policy),
+            metrics_port=args.metrics_port,
+            workload=dataclasses.replace(base.workload, system_prompts=args.system_prompts),
+            **overrides,
+        )
+    else:
+        config = DemoConfig(
+            users=args.users,
+            turns=args.turns,
+            seed=args.seed,
+            backend_url=args.backend,
+            write_policy=WritePolicy(args.write_policy),
+            metrics_port=args.metrics_port,
+            workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
+            **overrides,
+        )
     # With --json, stdout carries only the JSON; progress and messages go to stderr.
     err = Console(stderr=True)
     out = err if args.json else Console()
@@ -146,7 +174,11 @@ def _demo(args: argparse.Namespace) -> int:
         def announce(url: str) -> None:
             progress.console.print(f"serving metrics at {url}")
 
-        result: DemoResult = anyio.run(run_demo, config, on_progress, announce)
+        result: DemoResult
+        if hybrid:
+            result = anyio.run(run_hybrid_demo, HybridDemoConfig(config), on_progress, announce)
+        else:
+            result = anyio.run(run_demo, config, on_progress, announce)
     summary = summarize(result)
     if args.plot:
         save_plot(result, args.plot)

@@ -84,6 +84,7 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "tree": result.tree,
         "wall_s": {k: round(v, 3) for k, v in result.wall_s.items()},
         "metrics_url": result.metrics_url,
+        **({"hybrid": result.details} if result.details else {}),
     }
 
 
@@ -142,7 +143,29 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"{checks['same_split_logits_bitwise']}/{s['requests']}, max |logit diff| vs recompute "
             f"{checks['max_recompute_logit_diff']:.1e} (tolerance {checks['tolerance']:.0e})",
         ),
+        *_hybrid_rows(s),
         ("outputs identical to recompute", f"{s['identical']}/{s['requests']}"),
+    ]
+
+
+def _hybrid_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Rows of the hybrid run's components (none for the Llama run)."""
+    h = summary.get("hybrid")
+    if not h:
+        return []
+    restored = h["restored"]
+    occupancy = ", ".join(
+        f"{name} device {t['device_slots']:,} / host {t['host_slots']:,} slots"
+        for name, t in h["component_tree"].items()
+    )
+    return [
+        ("model", f"{h['model']}: {', '.join(h['layer_types'])}"),
+        (
+            "components restored",
+            f"{restored['requests']} requests: {restored['window_tokens']:,} sliding-window tokens "
+            f"(window {h['window_tokens']}), {restored['states']} states of {_bytes(h['state_nbytes'])}",
+        ),
+        ("components cached at the end", occupancy),
     ]
 
 
@@ -151,7 +174,8 @@ def render_summary(summary: dict[str, Any]) -> Any:
     from rich.table import Table
 
     ok = summary["identical"] == summary["requests"]
-    table = Table(title="hicache demo", show_header=False, title_style="bold")
+    title = "hicache demo (hybrid)" if summary.get("hybrid") else "hicache demo"
+    table = Table(title=title, show_header=False, title_style="bold")
     table.add_column("what", style="bold")
     table.add_column("value")
     for label, value in summary_rows(summary):

@@ -44,8 +44,11 @@ __all__ = [
     "RECOMPUTE_TOLERANCE",
     "DemoConfig",
     "DemoResult",
+    "ProgressFn",
     "RequestRecord",
+    "pool_json",
     "run_demo",
+    "storage_url",
     "sum_metric",
     "top_prefixes",
 ]
@@ -217,6 +220,7 @@ class DemoResult:
         wall_s: seconds per phase (`model`, `cache`, `recompute`, `verify`).
         token_nbytes: bytes of K/V per token in the pools.
         metrics_url: where metrics were served, if they were.
+        details: model-specific extras for the summary (the hybrid run's components); empty for Llama.
     """
 
     config: DemoConfig
@@ -230,6 +234,7 @@ class DemoResult:
     wall_s: dict[str, float]
     token_nbytes: int
     metrics_url: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def all_identical(self) -> bool:
@@ -538,3 +543,10 @@ def _pool_json(stats: Any) -> dict[str, Any]:
         "page_size": stats.page_size,
         "page_nbytes": stats.page_nbytes,
     }
+
+
+storage_url = _storage_url
+"""`async with storage_url(url) as url:` the URL itself, or a temporary file-backend directory when `None`."""
+
+pool_json = _pool_json
+"""A pool's `PoolStatistics` as JSON-serialisable data."""

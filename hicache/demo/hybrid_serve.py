@@ -1,0 +1,599 @@
+"""`hicache demo --model hybrid`: the serving loop over the hybrid model, with every component cached.
+
+The cache is configured with the hybrid model's components beside its full-attention K/V: a
+`SlidingWindow` (the sliding layers' K/V of the last `window` tokens) and a `MambaState` (every linear
+layer's conv and recurrent state, one slot). Each request matches, loads back host hits, prefetches storage
+hits (pages, window pages and the state, all or nothing), restores all three from the device pools,
+prefills only the uncached suffix, decodes a few tokens and inserts its K/V, window and the state at the
+sequence's last page boundary (the forward pass is cut there so that the state exists).
+
+A recurrent state exists only where some request's sequence ended, so a cached prefix can only be used up
+to such a point: returning users resume their own conversations, but users who merely share a system
+prompt do not share its state (the tree matches the full-attention pages, then stops at a node without a
+state).
+
+Verification is the main demo's: restored K/V, window and state equal bit for bit what the model itself
+produced (`HybridOracle`); the logits equal bit for bit those of the model continuing from those recorded
+tensors with the same split; and they agree with a no-cache recompute within `RECOMPUTE_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import anyio
+import torch
+
+from hicache.components import MambaState, SlidingWindow
+from hicache.config import HiCacheConfig
+from hicache.controller import HiCache, Lease
+from hicache.demo.hybrid import (
+    HybridDecode,
+    HybridModel,
+    HybridParts,
+    HybridPrefill,
+    HybridPrefix,
+    HybridSpec,
+)
+from hicache.demo.serve import (
+    DemoConfig,
+    DemoResult,
+    ProgressFn,
+    RequestRecord,
+    pool_json,
+    storage_url,
+    sum_metric,
+    top_prefixes,
+)
+from hicache.demo.workload import Session, WorkloadSpec, make_workload
+from hicache.keys import Namespace, as_key_bytes, chained_page_hashes
+from hicache.memory import KVLayout
+
+__all__ = ["HybridCheck", "HybridDemoConfig", "HybridOracle", "hybrid_demo_config", "run_hybrid_demo"]
+
+_Pairs = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HybridDemoConfig:
+    """A hybrid demo run: the main demo's knobs plus the model and the component pools.
+
+    Attributes:
+        demo: users, turns, workload, base pools (full-attention K/V), backend and the rest.
+        model: the hybrid model's shape and weight seed (`sliding_window - 1` must be a multiple of the
+            page size, so that a window is whole pages).
+        swa_device_pages: pages of the sliding-window component's device pool.
+        swa_host_pages: pages of its host pool.
+        state_device_slots: states the Mamba component's device pool holds.
+        state_host_slots: states its host pool holds.
+    """
+
+    demo: DemoConfig
+    model: HybridSpec = field(default_factory=HybridSpec)
+    swa_device_pages: int = 24
+    swa_host_pages: int = 40
+    state_device_slots: int = 8
+    state_host_slots: int = 14
+
+    def __post_init__(self) -> None:
+        if self.model.window % self.demo.page_size:
+            raise ValueError(
+                f"model: the window ({self.model.window} tokens) is not a multiple of the page size "
+                f"{self.demo.page_size}"
+            )
+
+
+def hybrid_demo_config(**overrides: Any) -> DemoConfig:
+    """The main demo's `DemoConfig` with the hybrid run's defaults, then `overrides` on top.
+
+    Smaller than the Llama run's: 8-token pages, a 64-token system prompt, short turns, and pools small
+    enough that eviction, host hits and storage prefetch all happen.
+    """
+    values: dict[str, Any] = {
+        "page_size": 8,
+        "device_pages": 72,
+        "host_pages": 96,
+        "prefetch_threshold": 16,
+        "workload": WorkloadSpec(system_prompt_tokens=64, user_tokens=(12, 40), decode_tokens=6),
+    }
+    values.update(overrides)
+    return DemoConfig(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class HybridCheck:
+    """The result of comparing a restored prefix with the oracle.
+
+    Attributes:
+        mismatched: what differed: `full@page`, `swa@page` or `state`, or never recorded.
+        reference: the prefix built from the recorded tensors (the restored value's matching version).
+    """
+
+    mismatched: tuple[str, ...]
+    reference: HybridParts
+
+    @property
+    def ok(self) -> bool:
+        """Whether the restored K/V, window and state all equal recorded versions bit for bit."""
+        return not self.mismatched
+
+
+class HybridOracle:
+    """Reference copies of what the hybrid model produced, by chained page hash of the token prefix.
+
+    Full-attention and sliding-window K/V are kept per page; states per prefix end. As in `KVOracle`, the
+    same tokens computed in different chunks may differ in the last bits, so each entry may have several
+    versions; a restored value must equal one of them exactly.
+
+    Args:
+        model: the model whose tensors are recorded.
+        page_size: tokens per page, as in the cache.
+    """
+
+    def __init__(self, model: HybridModel, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size: expected >= 1, got {page_size}")
+        self.model = model
+        self.page_size = page_size
+        self._namespace = Namespace(model="demo-hybrid-oracle")
+        self._full: dict[bytes, list[_Pairs]] = {}
+        self._swa: dict[bytes, list[_Pairs]] = {}
+        self._states: dict[bytes, list[_Pairs]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"HybridOracle(page_size={self.page_size}, full_pages={len(self._full)}, "
+            f"swa_pages={len(self._swa)}, states={len(self._states)})"
+        )
+
+    def _hashes(self, tokens: torch.Tensor, end: int) -> list[bytes]:
+        return chained_page_hashes(as_key_bytes(tokens[:end], name="tokens"), self.page_size, self._namespace)
+
+    def record(
+        self, tokens: torch.Tensor, cache: Any, start: int, end: int, states: dict[int, torch.Tensor]
+    ) -> None:
+        """Record the full pages of `[start, end)` the model computed into `cache`, and the packed states.
+
+        Args:
+            tokens: the sequence (at least `end` tokens).
+            cache: the model's recording cache, restored at `start` (or empty with `start` 0).
+            start: the first position the model computed itself.
+            end: one past the last position with K/V in `cache`.
+            states: position -> packed state at that position (kept at page boundaries only).
+        """
+        size = self.page_size
+        hashes = self._hashes(tokens, end)
+        model = self.model
+        for page in range(-(-start // size), end // size):
+            s, e = page * size, (page + 1) * size
+            full = tuple(
+                (k.clone(), v.clone()) for k, v in model.recorded_pairs(cache, model.full_layers, s, e)
+            )
+            swa = tuple(
+                (k.clone(), v.clone()) for k, v in model.recorded_pairs(cache, model.swa_layers, s, e)
+            )
+            _add_version(self._full, hashes[page], full)
+            _add_version(self._swa, hashes[page], swa)
+        for pos, packed in states.items():
+            if pos > 0 and pos % size == 0 and pos <= end:
+                _add_version(self._states, hashes[pos // size - 1], model.unpack_state(packed))
+
+    def check(self, tokens: torch.Tensor, restored: HybridParts) -> HybridCheck:
+        """Compare a restored prefix (page-aligned) with the recorded tensors."""
+        length = restored.length
+        size = self.page_size
+        if length % size or length < 1:
+            raise ValueError(f"restored: covers {length} tokens, not a positive multiple of page_size={size}")
+        hashes = self._hashes(tokens, length)
+        bad: list[str] = []
+        full_pages = [
+            _choose(self._full, hashes[p], _slice(restored.full, p * size, (p + 1) * size), f"full@{p}", bad)
+            for p in range(length // size)
+        ]
+        first = length - int(restored.swa[0][0].shape[2]) if restored.swa else length
+        swa_pages = [
+            _choose(
+                self._swa,
+                hashes[p],
+                _slice(restored.swa, p * size - first, (p + 1) * size - first),
+                f"swa@{p}",
+                bad,
+            )
+            for p in range(first // size, length // size)
+        ]
+        state = _choose(self._states, hashes[-1], restored.states, "state", bad)
+        reference = HybridParts(length=length, full=_concat(full_pages), swa=_concat(swa_pages), states=state)
+        return HybridCheck(mismatched=tuple(bad), reference=reference)
+
+
+def _add_version(store: dict[bytes, list[_Pairs]], key: bytes, data: _Pairs) -> None:
+    versions = store.setdefault(key, [])
+    if not any(_pairs_equal(v, data) for v in versions):
+        versions.append(data)
+
+
+def _choose(store: dict[bytes, list[_Pairs]], key: bytes, got: _Pairs, label: str, bad: list[str]) -> _Pairs:
+    """The recorded version equal to `got`; else note `label` in `bad` and return a stand-in."""
+    versions = store.get(key, [])
+    match = next((v for v in versions if _pairs_equal(v, got)), None)
+    if match is None:
+        bad.append(label)
+        return versions[0] if versions else tuple((a.clone(), b.clone()) for a, b in got)
+    return match
+
+
+def _pairs_equal(a: _Pairs, b: _Pairs) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b, strict=True)
+    )
+
+
+def _slice(pairs: _Pairs, start: int, end: int) -> _Pairs:
+    return tuple((k[:, :, start:end], v[:, :, start:end]) for k, v in pairs)
+
+
+def _concat(pages: list[_Pairs]) -> _Pairs:
+    if not pages:
+        return ()
+    return tuple(
+        (torch.cat([p[i][0] for p in pages], dim=2), torch.cat([p[i][1] for p in pages], dim=2))
+        for i in range(len(pages[0]))
+    )
+
+
+def _noop(phase: str, done: int, total: int) -> None:
+    del phase, done, total
+
+
+@dataclass(slots=True)
+class _Restored:
+    """What a request restored from the cache and how its prefill was cut, kept for verification."""
+
+    prefix: HybridPrefix
+    splits: tuple[int, ...]
+
+
+class _HybridRunner:
+    """State shared by the users of one hybrid demo run."""
+
+    def __init__(self, config: HybridDemoConfig, model: HybridModel, progress: ProgressFn) -> None:
+        self.config = config
+        self.demo = config.demo
+        self.model = model
+        self.progress = progress
+        spec = config.demo.workload_spec()
+        self.workload = make_workload(
+            WorkloadSpec(
+                users=spec.users,
+                turns=spec.turns,
+                system_prompts=spec.system_prompts,
+                system_prompt_tokens=spec.system_prompt_tokens,
+                user_tokens=spec.user_tokens,
+                decode_tokens=spec.decode_tokens,
+                arrival_gap_s=spec.arrival_gap_s,
+                think_time_s=spec.think_time_s,
+                vocab_size=config.model.vocab_size,
+                seed=spec.seed,
+            )
+        )
+        self.model_lock = anyio.Lock()
+        self.running = anyio.CapacityLimiter(self.demo.max_running)
+        self.oracle = HybridOracle(model, self.demo.page_size)
+        self.records: list[RequestRecord] = []
+        self.restored: dict[str, _Restored] = {}
+        self.t0 = 0.0
+
+    async def compute(self, fn: Callable[[], Any]) -> Any:
+        """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
+        threads = self.demo.torch_threads
+
+        def call() -> Any:
+            if threads is not None and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            return fn()
+
+        async with self.model_lock:
+            return await anyio.to_thread.run_sync(call)
+
+    # ------------------------------------------------------------------ with the cache
+
+    async def serve_cached(self, cache: HiCache) -> None:
+        async with anyio.create_task_group() as tg:
+            for conversation in self.workload.conversations:
+                tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+
+    async def _user_cached(self, cache: HiCache, session: Session) -> None:
+        conv = session.conversation
+        await anyio.sleep(conv.start_delay_s)
+        while not session.done:
+            prompt = session.next_prompt()
+            turn = session.turn
+            arrival = time.perf_counter()
+            async with self.running:
+                record = await self._serve_one(
+                    cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival
+                )
+            self.records.append(record)
+            self.progress("cache", len(self.records), self.workload.num_requests)
+            session.record_reply(prompt, record.reply)
+            await anyio.sleep(conv.think_times_s[turn])
+
+    def _read_prefix(self, cache: HiCache, lease: Lease, reused: int) -> HybridPrefix:
+        """The prefix's K/V, window and state, read out of the three device pools."""
+        window = min(self.model.spec.window, reused)
+        swa_pool = cache.component_pools["swa"][0]
+        state_pool = cache.component_pools["mamba"][0]
+        # A usable match ends where the window is complete and a state exists: both are there.
+        swa_indices = lease.component_indices["swa"]
+        return HybridPrefix(
+            length=reused,
+            full_kv=cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu(),
+            swa_kv=swa_pool.read_tokens(swa_indices[swa_indices.numel() - window :]).cpu(),
+            state=state_pool.read_tokens(lease.component_indices["mamba"]).cpu().reshape(-1),
+        )
+
+    def _decode_and_record(
+        self, prefill: HybridPrefill, prompt: torch.Tensor, steps: int, snapshot_at: int | None
+    ) -> HybridDecode:
+        """Decode, then record what the model computed itself in the oracle (in the worker thread)."""
+        decoded = self.model.decode(prefill, steps, snapshot_at)
+        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
+        self.oracle.record(seq, prefill.cache, prefill.start, seq.numel(), prefill.state_at)
+        return decoded
+
+    async def _serve_one(
+        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
+    ) -> RequestRecord:
+        page = self.demo.page_size
+        steps = self.workload.spec.decode_tokens
+        window = self.model.spec.window
+        t_acquire = time.perf_counter()
+        lease: Lease = await cache.acquire(request_id, prompt)
+        acquire_s = time.perf_counter() - t_acquire
+        new_indices: torch.Tensor | None = None
+        owned: dict[str, torch.Tensor] = {}
+        try:
+            cached = lease.cached_len
+            n_prompt = int(prompt.numel())
+            # A state exists only at the cached end; a fully cached prompt (no token left to run from
+            # there) is recomputed.
+            reused = cached if cached < n_prompt else 0
+            prefix = self._read_prefix(cache, lease, reused) if reused else None
+            n_seq = n_prompt + steps - 1
+            aligned = n_seq // page * page
+            snapshot_at = aligned if aligned > reused else None
+            prefill: HybridPrefill = await self.compute(
+                partial(self.model.prefill, prompt, prefix, snapshot_at)
+            )
+            ttft = time.perf_counter() - arrival
+            decode = partial(self._decode_and_record, prefill, prompt, steps, snapshot_at)
+            decoded: HybridDecode = await self.compute(decode)
+            if prefix is not None:
+                self.restored[request_id] = _Restored(prefix, prefill.splits)
+            reply = decoded.tokens
+            seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
+            # A state is kept only at the end of an inserted key, and keys end on page boundaries: the
+            # sequence is inserted up to its last boundary, where the forward pass was cut.
+            inserted = aligned <= cached
+            if not inserted:
+                full_new, swa_new = self.model.new_kv(prefill.cache, reused, aligned)
+                new_indices = await cache.alloc_device(aligned - cached)
+                inserted = new_indices is not None
+            if new_indices is not None:
+                cache.device_pool.write_tokens(new_indices, full_new[:, :, cached - reused :])
+                await self._stage_components(cache, owned, swa_new, prefill, reused, aligned, window)
+                indices = torch.cat([lease.device_indices[:cached], new_indices])
+                new_indices = None  # owned by the tree from here on, and so are the components
+                components, owned = owned, {}
+                await cache.insert(lease, seq[:aligned], indices, components or None)
+        finally:
+            cache.release(lease)
+            if new_indices is not None:
+                cache.device_pool.free(new_indices)
+            for name, slots in owned.items():
+                cache.component_pools[name][0].free(slots)
+        return RequestRecord(
+            request_id=request_id,
+            user=user,
+            turn=turn,
+            prompt=prompt,
+            cached_len=cached,
+            reused_len=reused,
+            hits=dict(lease.hit_tokens_by_tier),
+            prefetch=lease.prefetch.status if lease.prefetch is not None else None,
+            inserted=inserted,
+            arrival_s=arrival - self.t0,
+            ttft_s=ttft,
+            reply=reply,
+            logits=decoded.logits,
+            acquire_s=acquire_s,
+        )
+
+    async def _stage_components(
+        self,
+        cache: HiCache,
+        owned: dict[str, torch.Tensor],
+        swa_new: torch.Tensor,
+        prefill: HybridPrefill,
+        reused: int,
+        aligned: int,
+        window: int,
+    ) -> None:
+        """Write the window before `aligned` and the state at `aligned` into fresh component slots.
+
+        The window's part before `reused` is already in the tree (locked by the lease); only the newly
+        computed part is written. A component whose slots cannot be had is left out: the new node is then
+        a tombstone for it, which is valid, only not reusable.
+        """
+        start = max(aligned - window, reused)
+        swa = cache.alloc_component("swa", aligned - start)
+        if swa is not None:
+            owned["swa"] = swa
+            cache.component_pools["swa"][0].write_tokens(
+                swa, swa_new[:, :, start - reused : aligned - reused]
+            )
+        state = cache.alloc_component("mamba", 1)
+        if state is not None:
+            owned["mamba"] = state
+            packed = prefill.state_at[aligned]
+            cache.component_pools["mamba"][0].write_tokens(state, packed.view(1, 1, 1, 1, -1))
+
+    # ------------------------------------------------------------------ without a cache
+
+    async def serve_recompute(self) -> None:
+        by_user: dict[int, list[RequestRecord]] = {}
+        for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
+            by_user.setdefault(record.user, []).append(record)
+        done = [0]
+        async with anyio.create_task_group() as tg:
+            for conv in self.workload.conversations:
+                tg.start_soon(
+                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
+                )
+
+    async def _user_recompute(
+        self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
+    ) -> None:
+        await anyio.sleep(delay)
+        steps = self.workload.spec.decode_tokens
+        for record in records:
+            arrival = time.perf_counter()
+            record.arrival_nocache_s = arrival - self.t0
+            async with self.running:
+                prefill: HybridPrefill = await self.compute(partial(self.model.prefill, record.prompt, None))
+                record.ttft_nocache_s = time.perf_counter() - arrival
+                decoded: HybridDecode = await self.compute(partial(self.model.decode, prefill, steps))
+            record.reply_equal = decoded.tokens == record.reply
+            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
+            done[0] += 1
+            self.progress("recompute", done[0], len(self.records))
+            await anyio.sleep(think[record.turn])
+
+    # ------------------------------------------------------------------ checks 1 and 2
+
+    def verify(self) -> None:
+        for i, record in enumerate(self.records):
+            restored = self.restored.pop(record.request_id, None)
+            if restored is not None:
+                check = self.oracle.check(record.prompt, self.model.parts_from_prefix(restored.prefix))
+                record.kv_bitwise = check.ok
+                reference = self.model.cache_from_parts(check.reference)
+                logits = self.model.continue_from(reference, record.prompt, restored.splits)
+                record.same_split_bitwise = torch.equal(logits, record.logits[0])
+            self.progress("verify", i + 1, len(self.records))
+
+
+async def run_hybrid_demo(
+    config: HybridDemoConfig, progress: ProgressFn = _noop, announce: Callable[[str], None] | None = None
+) -> DemoResult:
+    """Serve the workload over the hybrid model with a component-aware `HiCache`, then without, and verify.
+
+    Args:
+        config: the run's configuration.
+        progress: called as requests complete, per phase.
+        announce: called with the metrics URL once it is being served.
+    """
+    demo = config.demo
+    spec = config.model
+    wall: dict[str, float] = {}
+    t = time.perf_counter()
+    model = await anyio.to_thread.run_sync(HybridModel, spec)
+    wall["model"] = time.perf_counter() - t
+    runner = _HybridRunner(config, model, progress)
+    page = demo.page_size
+    layout = KVLayout(len(model.full_layers), spec.num_kv_heads, spec.head_dim, torch.float32, page)
+    swa_layout = KVLayout(len(model.swa_layers), spec.num_kv_heads, spec.head_dim, torch.float32, page)
+    components = (
+        SlidingWindow(spec.window, swa_layout, config.swa_device_pages, config.swa_host_pages),
+        MambaState(spec.state_nbytes, config.state_device_slots, config.state_host_slots),
+    )
+    metrics_url: str | None = None
+    async with storage_url(demo.backend_url) as url:
+        cache_config = HiCacheConfig(
+            layout=layout,
+            device_pages=demo.device_pages,
+            host_pages=demo.host_pages,
+            write_policy=demo.write_policy,
+            storage_url=url,
+            storage_options=demo.storage_options,
+            namespace=Namespace(model=f"hicache-demo-hybrid-{spec.seed}", extra=uuid.uuid4().hex),
+            prefetch_threshold=demo.prefetch_threshold,
+            components=components,
+        )
+        async with HiCache(cache_config) as cache, anyio.create_task_group() as tg:
+            if demo.metrics_port is not None:
+                from hicache.metrics import serve_metrics
+
+                port = await tg.start(serve_metrics, cache.registry, "127.0.0.1", demo.metrics_port)
+                metrics_url = f"http://127.0.0.1:{port}/metrics"
+                if announce is not None:
+                    announce(metrics_url)
+            t = runner.t0 = time.perf_counter()
+            await runner.serve_cached(cache)
+            await cache.wait_idle()
+            wall["cache"] = time.perf_counter() - t
+            cache.sanity_check()
+            snapshot = cache.registry.snapshot()
+            prometheus = cache.registry.render_prometheus()
+            stats = cache.statistics()
+            pools: dict[str, dict[str, Any]] = {
+                "device": pool_json(stats.device_pool),
+                "host": pool_json(stats.host_pool),
+                "storage": {"url": url, "bytes_written": sum_metric(snapshot, "storage_bytes_written_total")},
+            }
+            tree = {
+                "nodes": stats.tree.num_nodes,
+                "device_tokens": stats.tree.device_tokens,
+                "host_tokens": stats.tree.host_tokens,
+                "evictable_device_tokens": stats.tree.evictable_device_tokens,
+                "evictable_host_tokens": stats.tree.evictable_host_tokens,
+            }
+            component_pools = {
+                name: {"device": pool_json(dev.statistics()), "host": pool_json(host.statistics())}
+                for name, (dev, host) in cache.component_pools.items()
+            }
+            component_tree = {
+                name: {"device_slots": s.device_slots, "host_slots": s.host_slots}
+                for name, s in cache.tree.component_statistics().items()
+            }
+            prefixes = top_prefixes(cache)
+            tg.cancel_scope.cancel()
+    t = runner.t0 = time.perf_counter()
+    await runner.serve_recompute()
+    wall["recompute"] = time.perf_counter() - t
+    t = time.perf_counter()
+    await runner.compute(runner.verify)
+    wall["verify"] = time.perf_counter() - t
+    records = runner.records
+    details = {
+        "model": repr(model),
+        "layer_types": list(spec.layer_types),
+        "window_tokens": spec.window,
+        "state_nbytes": spec.state_nbytes,
+        "restored": {
+            "requests": sum(1 for r in records if r.reused_len),
+            "window_tokens": sum(min(spec.window, r.reused_len) for r in records),
+            "states": sum(1 for r in records if r.reused_len),
+        },
+        "component_pools": component_pools,
+        "component_tree": component_tree,
+    }
+    return DemoResult(
+        config=demo,
+        backend_url=url,
+        records=records,
+        metrics=snapshot,
+        prometheus=prometheus,
+        pools=pools,
+        tree=tree,
+        top_prefixes=prefixes,
+        wall_s=wall,
+        token_nbytes=layout.token_nbytes,
+        metrics_url=metrics_url,
+        details=details,
+    )

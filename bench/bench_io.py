@@ -1,16 +1,23 @@
-"""Read throughput of the file backend against raw `os.preadv`, hot and cold page cache.
+"""Read throughput of the file backend and of the controller's prefetch path against raw `os.preadv`.
 
-Reads `--total-mib` of pages (payloads of 1 MiB and 64 KiB) into one host-pool-like CPU tensor (pinned when
-CUDA is available), each figure as a ratio against a raw baseline measured in the same run: threads calling
-`os.preadv` on the same files straight into the same tensor, at the same concurrency, with no checks. The
-backend run happens inside an event loop with a ticker task that records its own lateness, so the table
-shows the loop's longest stall too. Cold passes drop each file from the page cache first
-(`posix_fadvise(DONTNEED)` after an `os.sync()`).
+Prefetches `--total-mib` of pages (payloads of 1 MiB and of 64 KiB), hot and cold page cache, three ways:
 
-`measure_load(load, keys, views)` takes any async "load these pages into these views" callable, so the
-same figures can be taken through the controller's prefetch path later.
+- raw: the baseline, measured in the same run: threads calling `os.open` + `os.preadv(header, page view)`
+  + `os.close` on the same files straight into a host-pool-like tensor, with no checks. It runs at every
+  thread count of `--raw-threads` and the fastest counts, so the backend cannot win by picking a thread
+  count that suits it and handicaps the baseline.
+- backend: `FileBackend.get` of every page in one call (its default options unless `--threads`).
+- controller: a `HiCache` with a `file://` storage tier holding those same pages, as written by another
+  instance: `--sequences` requests, each `prefetch` + `commit_prefetch` under the `wait_complete` stop
+  policy, all concurrently, into the cache's host pool. The ratio includes everything a serving loop
+  pays: the storage `exists`, the host allocation, batch-by-batch streaming and the tree insert.
 
-Usage: python bench/bench_io.py [--total-mib 1024] [--concurrency 16] [--repeats 3]
+Every backend and controller pass runs inside the event loop next to a ticker task that records its own
+lateness: the longest stall of the loop is reported too (goal < 10 ms). Cold passes drop each file from
+the page cache first (`posix_fadvise(DONTNEED)`, after `os.sync()`); raw and backend passes alternate so
+drift in the machine's load hits both. Figures are medians over `--repeats`.
+
+Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
 Ends with one JSON line.
 """
 
@@ -26,27 +33,48 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
 
+from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
+from hicache.keys import ROOT_HASH, chained_page_hashes
 from storage_backends.file import FileBackend
-from storage_backends.page_format import HEADER_SIZE, page_key
+from storage_backends.page_format import HEADER_SIZE
 
-Load = Callable[[Sequence[str], Sequence[memoryview]], Awaitable[list[bool]]]
-
-NS = bytes(range(16))
 GOALS = {1 << 20: 0.9, 64 << 10: 0.7}
 STALL_GOAL_MS = 10.0
+PAGE_TOKENS = 64
+"""Tokens per page in the controller pass; bytes per token set the page payload."""
+NAMESPACE = Namespace(model="bench-io", dtype="uint8")
 
 
 @dataclass
-class LoadResult:
+class Timed:
+    """One timed pass: seconds, the loop's longest stall, pages loaded."""
+
     seconds: float
     max_stall_ms: float
-    ok: int
+    pages: int
+
+
+@dataclass
+class Series:
+    """The passes of one way of reading, for one page size and cache state."""
+
+    seconds: list[float] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+
+    def add(self, timed: Timed) -> None:
+        self.seconds.append(timed.seconds)
+        self.stalls.append(timed.max_stall_ms)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
 
 
 def host_pool(total_bytes: int) -> torch.Tensor:
@@ -61,7 +89,7 @@ def host_pool(total_bytes: int) -> torch.Tensor:
 
 def page_views(pool: torch.Tensor, page_bytes: int) -> list[memoryview]:
     """One writable memoryview per page of the pool."""
-    flat = memoryview(pool.numpy()).cast("B")
+    flat = pool.numpy().data.cast("B")
     return [flat[i : i + page_bytes] for i in range(0, pool.numel(), page_bytes)]
 
 
@@ -75,8 +103,8 @@ def drop_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def raw_read(paths: Sequence[str], views: Sequence[memoryview], concurrency: int) -> float:
-    """The baseline: `concurrency` threads, each open + preadv(header, page view) + close; returns seconds."""
+def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) -> float:
+    """The baseline: `threads` threads, each open + preadv(header, page view) + close; returns seconds."""
     cursor = iter(range(len(paths)))
     lock = threading.Lock()
 
@@ -93,17 +121,17 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], concurrency: int
             finally:
                 os.close(fd)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
     start = time.perf_counter()
-    for t in threads:
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
     return time.perf_counter() - start
 
 
-async def measure_load(load: Load, keys: Sequence[str], views: Sequence[memoryview]) -> LoadResult:
-    """Time one `load(keys, views)` call while a ticker measures the event loop's longest stall."""
+async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
+    """Time `run()` (which returns the pages it loaded) while a ticker measures the loop's longest stall."""
     done = anyio.Event()
     worst = 0.0
 
@@ -118,86 +146,179 @@ async def measure_load(load: Load, keys: Sequence[str], views: Sequence[memoryvi
         tg.start_soon(ticker)
         await anyio.sleep(0.005)  # let the ticker settle
         start = time.perf_counter()
-        flags = await load(keys, views)
+        pages = await run()
         seconds = time.perf_counter() - start
         done.set()
-    return LoadResult(seconds, worst * 1000, flags.count(True))
+    return Timed(seconds, worst * 1000, pages)
+
+
+def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
+    """`count` distinct token sequences (int64 tensors) of whole pages, `n_pages` pages in all."""
+    per = n_pages // count
+    return [torch.arange(s * 10**9, s * 10**9 + per * PAGE_TOKENS, dtype=torch.int64) for s in range(count)]
+
+
+def storage_keys(seqs: Sequence[torch.Tensor]) -> list[str]:
+    """The storage keys a cache in `NAMESPACE` looks up for `seqs`, in sequence order."""
+    keys: list[str] = []
+    for seq in seqs:
+        hashes = chained_page_hashes(seq.numpy().tobytes(), PAGE_TOKENS, NAMESPACE, ROOT_HASH)
+        keys.extend(h.hex() for h in hashes)
+    return keys
+
+
+def controller_config(root: Path, page_bytes: int, n_pages: int, threads: int | None) -> HiCacheConfig:
+    """A cache whose host pool holds every page and whose storage tier is the bench's file root."""
+    options: dict[str, Any] = {} if threads is None else {"max_concurrency": threads}
+    return HiCacheConfig(
+        layout=KVLayout.flat(page_bytes // PAGE_TOKENS, PAGE_TOKENS),
+        device_pages=4,
+        host_pages=n_pages,
+        storage_url=f"file://{root}",
+        storage_options=options,
+        namespace=NAMESPACE,
+        backup_to_storage=False,
+        prefetch_stop_policy=StopPolicy.WAIT_COMPLETE,
+        prefetch_capacity_tokens=n_pages * PAGE_TOKENS,
+    )
+
+
+async def controller_pass(config: HiCacheConfig, seqs: Sequence[torch.Tensor]) -> Timed:
+    """Prefetch and commit every sequence concurrently in a fresh cache; time it with the ticker."""
+    async with HiCache(config) as cache:
+
+        async def one(i: int, seq: torch.Tensor, loaded: list[int]) -> None:
+            prefetch = await cache.prefetch(f"bench-{i}", seq)
+            assert prefetch is not None, "prefetch was skipped"
+            outcome = await cache.commit_prefetch(f"bench-{i}")
+            assert outcome.status == "committed", outcome
+            loaded[i] = outcome.loaded_tokens // PAGE_TOKENS
+
+        async def run() -> int:
+            loaded = [0] * len(seqs)
+            async with anyio.create_task_group() as tg:
+                for i, seq in enumerate(seqs):
+                    tg.start_soon(one, i, seq, loaded)
+            return sum(loaded)
+
+        timed = await timed_with_ticker(run)
+        cache.sanity_check()
+    return timed
 
 
 async def bench_page_size(
-    root: Path, page_bytes: int, total_bytes: int, concurrency: int, repeats: int, pool: torch.Tensor
-) -> dict[str, dict[str, float]]:
-    """Write the pages once, then time raw and backend reads, hot and cold; medians per state."""
-    n = total_bytes // page_bytes
+    root: Path, page_bytes: int, args: argparse.Namespace, pool: torch.Tensor
+) -> dict[str, dict[str, Any]]:
+    """Write the pages once, then time raw, backend and controller reads, hot and cold."""
+    total = args.total_mib << 20
+    n = total // page_bytes
+    seqs = sequences(n, args.sequences)
+    keys = storage_keys(seqs)
+    assert len(keys) == n
     views = page_views(pool[: n * page_bytes], page_bytes)
-    keys = [page_key(i.to_bytes(16, "little")) for i in range(n)]
-    out: dict[str, dict[str, float]] = {}
-    async with FileBackend(root, namespace_digest=NS, max_concurrency=concurrency) as backend:
+    backend_options: dict[str, Any] = {} if args.threads is None else {"max_concurrency": args.threads}
+    config = controller_config(root, page_bytes, n, args.threads)
+    raw_threads = [int(t) for t in args.raw_threads.split(",")]
+    out: dict[str, dict[str, Any]] = {}
+    async with FileBackend(root, namespace_digest=NAMESPACE.digest, **backend_options) as backend:
         pool.random_(0, 256)
         assert all(await backend.put(keys, views))
         expected = pool[: n * page_bytes].clone()
         os.sync()
         paths = [str(backend.path_of(k)) for k in keys]
         await backend.get(keys[:64], views[:64])  # start the worker threads outside the timed runs
+
+        async def backend_run() -> int:
+            return (await backend.get(keys, views)).count(True)
+
         for state in ("hot", "cold"):
-            raw_s: list[float] = []
-            be_s: list[float] = []
-            stalls: list[float] = []
+            raws = {t: Series() for t in raw_threads}
+            direct, controller = Series(), Series()
             if state == "hot":
-                raw_read(paths, views, concurrency)  # warm the page cache
-            for _ in range(repeats):
+                raw_read(paths, views, max(raw_threads))  # warm the page cache
+            for _ in range(args.repeats):
+                for t, series in raws.items():
+                    if state == "cold":
+                        drop_page_cache(paths)
+                    pool.zero_()
+                    series.add(Timed(raw_read(paths, views, t), 0.0, n))
                 if state == "cold":
                     drop_page_cache(paths)
                 pool.zero_()
-                raw_s.append(raw_read(paths, views, concurrency))
-                if state == "cold":
-                    drop_page_cache(paths)
-                pool.zero_()
-                result = await measure_load(backend.get, keys, views)
-                assert result.ok == n, f"backend loaded {result.ok} of {n} pages"
-                be_s.append(result.seconds)
-                stalls.append(result.max_stall_ms)
+                result = await timed_with_ticker(backend_run)
+                assert result.pages == n, f"backend loaded {result.pages} of {n} pages"
+                direct.add(result)
+                if not args.no_controller:
+                    if state == "cold":
+                        drop_page_cache(paths)
+                    result = await controller_pass(config, seqs)
+                    assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
+                    controller.add(result)
             assert torch.equal(pool[: n * page_bytes], expected), "backend read wrong bytes"
-            raw_med, be_med = statistics.median(raw_s), statistics.median(be_s)
-            out[state] = {
-                "raw_gbps": total_bytes / raw_med / 1e9,
-                "backend_gbps": total_bytes / be_med / 1e9,
-                "ratio": raw_med / be_med,
-                "max_stall_ms": max(stalls),
+            best_threads = min(raws, key=lambda t: raws[t].median)
+            raw_med = raws[best_threads].median
+            entry: dict[str, Any] = {
+                "raw_gbps": total / raw_med / 1e9,
+                "raw_threads": best_threads,
+                "raw_gbps_by_threads": {t: round(total / s.median / 1e9, 2) for t, s in raws.items()},
+                "backend_gbps": total / direct.median / 1e9,
+                "ratio": raw_med / direct.median,
+                "max_stall_ms": max(direct.stalls),
             }
+            if controller.seconds:
+                entry |= {
+                    "controller_gbps": total / controller.median / 1e9,
+                    "controller_ratio": raw_med / controller.median,
+                    "controller_max_stall_ms": max(controller.stalls),
+                }
+            out[state] = entry
         del expected
     shutil.rmtree(root, ignore_errors=True)
     return out
 
 
+def label(page_bytes: int) -> str:
+    return f"{page_bytes >> 20} MiB" if page_bytes >= 1 << 20 else f"{page_bytes >> 10} KiB"
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     total = args.total_mib << 20
     pool = host_pool(total)
-    results: dict[int, dict[str, dict[str, float]]] = {}
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hicache-bench-io-", dir=args.dir) as tmp:
         for page_bytes in (1 << 20, 64 << 10):
-            results[page_bytes] = await bench_page_size(
-                Path(tmp) / f"p{page_bytes}", page_bytes, total, args.concurrency, args.repeats, pool
-            )
+            results[page_bytes] = await bench_page_size(Path(tmp) / f"p{page_bytes}", page_bytes, args, pool)
+    threads = "default" if args.threads is None else args.threads
     print(
-        f"file backend vs raw preadv: {args.total_mib} MiB, concurrency {args.concurrency}, "
-        f"median of {args.repeats}, pinned={pool.is_pinned()}, cpus={os.cpu_count()}"
+        f"file backend and controller prefetch vs raw preadv: {args.total_mib} MiB, backend threads "
+        f"{threads}, raw = fastest of {args.raw_threads} threads, median of {args.repeats}, "
+        f"{args.sequences} concurrent prefetches, pinned={pool.is_pinned()}, cpus={os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.2f}, {time.perf_counter() - started:.0f} s"
     )
     print(
-        f"{'page':>8} {'cache':>5} {'raw GB/s':>9} {'backend GB/s':>13} {'ratio':>6} {'goal':>5} {'loop stall ms':>14}"
+        f"{'page':>8} {'cache':>5} {'raw GB/s':>9} {'(threads)':>9} {'backend':>8} {'ratio':>6} "
+        f"{'stall ms':>9} {'controller':>11} {'ratio':>6} {'stall ms':>9} {'goal':>5}"
     )
     for page_bytes, states in results.items():
-        label = f"{page_bytes >> 20} MiB" if page_bytes >= 1 << 20 else f"{page_bytes >> 10} KiB"
         for state, r in states.items():
-            print(
-                f"{label:>8} {state:>5} {r['raw_gbps']:9.2f} {r['backend_gbps']:13.2f} {r['ratio']:6.2f} "
-                f"{GOALS[page_bytes]:5.2f} {r['max_stall_ms']:14.2f}"
+            ctl = (
+                f"{r['controller_gbps']:11.2f} {r['controller_ratio']:6.2f} {r['controller_max_stall_ms']:9.2f}"
+                if "controller_gbps" in r
+                else f"{'-':>11} {'-':>6} {'-':>9}"
             )
+            print(
+                f"{label(page_bytes):>8} {state:>5} {r['raw_gbps']:9.2f} {r['raw_threads']:>9} "
+                f"{r['backend_gbps']:8.2f} {r['ratio']:6.2f} {r['max_stall_ms']:9.2f} {ctl} "
+                f"{GOALS[page_bytes]:5.2f}"
+            )
+        for state, r in states.items():
+            print(f"  {label(page_bytes)} {state} raw GB/s by threads: {r['raw_gbps_by_threads']}")
     mib, kib = results[1 << 20], results[64 << 10]
-    return {
+    summary: dict[str, object] = {
         "bench": "io",
         "total_mib": args.total_mib,
-        "concurrency": args.concurrency,
+        "threads": threads,
         "ratio_1mib_hot": round(mib["hot"]["ratio"], 3),
         "ratio_64kib_hot": round(kib["hot"]["ratio"], 3),
         "ratio_1mib_cold": round(mib["cold"]["ratio"], 3),
@@ -206,13 +327,31 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "gbps_64kib_hot": round(kib["hot"]["backend_gbps"], 2),
         "max_loop_stall_ms": round(max(r["max_stall_ms"] for s in results.values() for r in s.values()), 2),
     }
+    if not args.no_controller:
+        for page_bytes, name in ((1 << 20, "1mib"), (64 << 10, "64kib")):
+            for state in ("hot", "cold"):
+                summary[f"ratio_{name}_{state}_controller"] = round(
+                    results[page_bytes][state]["controller_ratio"], 3
+                )
+        summary["max_loop_stall_ms_controller"] = round(
+            max(r["controller_max_stall_ms"] for s in results.values() for r in s.values()), 2
+        )
+    summary["load_average"] = round(os.getloadavg()[0], 2)
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=1024)
-    parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--raw-threads", default="2,4,16", help="thread counts tried for the raw baseline")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="backend max_concurrency (default: its own)"
+    )
+    parser.add_argument(
+        "--sequences", type=int, default=16, help="concurrent prefetches in the controller pass"
+    )
+    parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
     parser.add_argument("--dir", default="/tmp")
     args = parser.parse_args()
     summary = anyio.run(main_async, args)

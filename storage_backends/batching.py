@@ -117,17 +117,22 @@ def buffer_sizes(buffers: Sequence[memoryview]) -> list[int]:
     return list(map(_NBYTES, buffers))
 
 
-def group_slices(sizes: Sequence[int], *, limit: int, group_bytes: int) -> list[slice]:
+def group_slices(
+    sizes: Sequence[int], *, limit: int, group_bytes: int, min_group_bytes: int = 0
+) -> list[slice]:
     """Split a batch into contiguous groups, one worker-thread call each.
 
-    Small pages are grouped so one thread hop (tens of microseconds) is spread over several pages; a
-    group never exceeds `group_bytes` unless a single page does, and the batch is split into at least
-    `limit` groups when it has that many pages, so every permitted thread has work.
+    Small pages are grouped so one thread hop (tens of microseconds of event-loop time) is spread over
+    several pages; a group never exceeds `group_bytes` unless a single page does. A batch with at least
+    `limit` pages is split into at least `limit` groups, so every permitted thread has work, but only
+    while each group keeps `min_group_bytes`: a small batch is not scattered over threads page by page
+    when one hop would cost more than the pages it carries.
 
     Args:
         sizes: bytes per page, in batch order.
         limit: the concurrency the groups will run under.
         group_bytes: the target bytes per group.
+        min_group_bytes: the fewest bytes worth a group of its own when spreading over `limit` threads.
     """
     n = len(sizes)
     if n == 0:
@@ -137,7 +142,7 @@ def group_slices(sizes: Sequence[int], *, limit: int, group_bytes: int) -> list[
     start = 0
     acc = 0
     for i, size in enumerate(sizes):
-        if i > start and (acc + size > group_bytes or i - start >= per_thread):
+        if i > start and (acc + size > group_bytes or (i - start >= per_thread and acc >= min_group_bytes)):
             out.append(slice(start, i))
             start, acc = i, 0
         acc += size

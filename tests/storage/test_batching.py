@@ -144,6 +144,18 @@ def test_group_slices_spreads_small_pages_and_keeps_big_ones_alone() -> None:
     assert [s.stop - s.start for s in few] == [2, 2, 2, 2]
 
 
+def test_group_slices_keeps_small_batches_together_under_min_group_bytes() -> None:
+    """Spreading over threads stops where a group would carry less than `min_group_bytes`."""
+    assert group_slices([64] * 8, limit=16, group_bytes=1 << 20, min_group_bytes=1024) == [slice(0, 8)]
+    spread = group_slices([512] * 8, limit=16, group_bytes=1 << 20, min_group_bytes=1024)
+    assert [(s.start, s.stop) for s in spread] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # a large batch still honours the byte target and gives every thread work
+    many = group_slices([64] * 1000, limit=4, group_bytes=6400, min_group_bytes=1024)
+    assert all(s.stop - s.start <= 100 for s in many)
+    assert len(many) >= 4
+    assert [i for s in many for i in range(s.start, s.stop)] == list(range(1000))
+
+
 def test_check_batch_names_the_bad_argument() -> None:
     """Length mismatches and non-contiguous buffers raise ValueError naming buffers."""
     page = memoryview(bytearray(8))

@@ -6,6 +6,7 @@ another process, and the guarantee that a cancelled get waits for its worker thr
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import random
@@ -21,7 +22,7 @@ import pytest
 import xxhash
 from contract import BackendContract, Corrupt, Reopen, empty_pages, make_keys, make_pages
 
-from storage_backends.file import FileBackend
+from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
 
 NS = bytes(range(16))
@@ -202,10 +203,10 @@ async def test_cancelled_get_waits_for_its_worker_thread(
     entered, gate = threading.Event(), threading.Event()
     real_read_one = backend._read_one
 
-    def gated_read_one(key: str, buf: memoryview) -> int:
+    def gated_read_one(key: str, buf: memoryview, *args: int) -> int:
         entered.set()
         assert gate.wait(timeout=30), "test gate never opened"
-        return real_read_one(key, buf)
+        return real_read_one(key, buf, *args)
 
     monkeypatch.setattr(backend, "_read_one", gated_read_one)
     out = empty_pages(1, 4096)
@@ -292,3 +293,135 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
         FileBackend(tmp_path, namespace_digest=NS, max_concurrency=0)
     with pytest.raises(ValueError, match="namespace_digest"):
         FileBackend(tmp_path, namespace_digest=b"short")
+
+
+def nowait_blocks_after(count: int) -> tuple[list[int], object]:
+    """A stand-in for `os.preadv` whose `RWF_NOWAIT` reads succeed `count` times, then would block.
+
+    Returns the list of flags every call was made with, and the function.
+    """
+    real_preadv = os.preadv
+    calls: list[int] = []
+
+    def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
+        calls.append(flags)
+        if flags & os.RWF_NOWAIT and calls.count(os.RWF_NOWAIT) > count:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_preadv(fd, buffers, offset, flags)
+
+    return calls, preadv
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux-only")
+async def test_a_cold_page_reads_the_rest_of_its_group_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a page would wait for the device, the rest of its group is advised WILLNEED, then read.
+
+    Guards the switch from `RWF_NOWAIT` probing to the readahead path: every page must still land
+    verified, a missing page after the switch is a miss, a corrupt one is counted, and no page is
+    read twice into its buffer with a wrong result.
+    """
+    async with FileBackend(tmp_path, namespace_digest=NS, max_concurrency=1) as b:
+        keys, pages = make_keys(8), make_pages(8, 4096)
+        assert await b.put(keys[:5] + keys[6:], pages[:5] + pages[6:]) == [True] * 7  # keys[5] absent
+        path = b.path_of(keys[7])
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+        calls, preadv = nowait_blocks_after(2)
+        advised: list[int] = []
+        real_fadvise = os.posix_fadvise
+
+        def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+            advised.append(advice)
+            real_fadvise(fd, offset, length, advice)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        out = empty_pages(8, 4096)
+        flags = await b.get(keys, out)
+        assert flags == [True] * 5 + [False, True, False]
+        assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
+        assert bytes(out[6]) == bytes(pages[6])
+        # pages 0-1 hot; page 2 would block, so pages 2..7 are opened (5 is absent) and advised
+        assert calls[:3] == [os.RWF_NOWAIT] * 3
+        assert calls[3:] == [0] * 5
+        assert advised == [os.POSIX_FADV_WILLNEED] * 5
+        stats = b.statistics()
+        assert (stats.pages_read, stats.misses, stats.checksum_failures) == (6, 1, 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux-only")
+async def test_a_filesystem_without_nowait_reads_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that rejects `RWF_NOWAIT` (EOPNOTSUPP, some FUSE mounts) is read without it."""
+    async with FileBackend(tmp_path, namespace_digest=NS, max_concurrency=1) as b:
+        keys, pages = make_keys(4), make_pages(4, 1024)
+        await b.put(keys, pages)
+        real_preadv = os.preadv
+        calls: list[int] = []
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
+            calls.append(flags)
+            if flags:
+                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+            return real_preadv(fd, buffers, offset, flags)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        out = empty_pages(4, 1024)
+        assert await b.get(keys, out) == [True] * 4
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+        assert await b.get(keys, empty_pages(4, 1024)) == [True] * 4
+        assert calls[0] == os.RWF_NOWAIT
+        # the refused page is read again plainly, with the rest of its group; then never a probe again
+        assert calls[1:] == [0] * 8, "after the first refusal no read asks for RWF_NOWAIT again"
+
+
+async def test_readahead_off_never_probes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`readahead=False` reads every page with a plain preadv and never advises the kernel."""
+    async with FileBackend(tmp_path, namespace_digest=NS, readahead=False) as b:
+        keys, pages = make_keys(6), make_pages(6, 1024)
+        await b.put(keys, pages)
+        real_preadv = os.preadv
+        calls: list[int] = []
+
+        def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
+            calls.append(flags)
+            return real_preadv(fd, buffers, offset, flags)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+        out = empty_pages(6, 1024)
+        assert await b.get(keys, out) == [True] * 6
+        assert calls == [0] * 6
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+
+
+def test_default_concurrency_follows_the_cpus(tmp_path: Path) -> None:
+    """By default one thread per usable CPU, between 4 and 16, and the repr says how many."""
+    n = default_concurrency()
+    assert 4 <= n <= 16
+    b = FileBackend(tmp_path, namespace_digest=NS)
+    try:
+        assert f"max_concurrency={n}" in repr(b)
+    finally:
+        anyio.run(b.aclose)
+
+
+async def test_small_batches_take_one_thread_hop(
+    backend: FileBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight 4 KiB pages go to one worker-thread call, not eight (a hop costs more than 4 KiB of reading)."""
+    keys, pages = make_keys(8), make_pages(8, 4096)
+    await backend.put(keys, pages)
+    groups: list[int] = []
+    real_read_group = backend._read_group
+
+    def counting_read_group(keys: list[str], buffers: list[memoryview]) -> list[int]:
+        groups.append(len(keys))
+        return real_read_group(keys, buffers)
+
+    monkeypatch.setattr(backend, "_read_group", counting_read_group)
+    assert await backend.get(keys, empty_pages(8, 4096)) == [True] * 8
+    assert groups == [8]

@@ -727,12 +727,11 @@ class RadixTree:
         if self._components is not None:
             return self._match_hybrid(kb)
         self._clock = tick = self._clock + 1
-        root = node = last_device = last_host = self.root
+        node = last_host = self.root
         pos = 0
         device_values: list[torch.Tensor] = []
-        host_nodes: list[TreeNode] = []
-        # Three stretches: device nodes (host copy or not), then host-only nodes; the loop stays in the
-        # first while the path is on the device, the common case.
+        # The device stretch of the path (the common case) here; host-only nodes, which by device prefix
+        # continuity only follow it, in `_match_host_tail`.
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
             if child is None:
@@ -747,20 +746,38 @@ class RadixTree:
             child.last_access = tick
             dv = child.device_value
             if dv is None:
-                host_nodes.append(child)
-                if child.host_value is not None:
-                    last_host = child
-                node = child
-                break
+                return self._match_host_tail(kb, pos, child, node, last_host, device_values, tick)
             device_values.append(dv)
-            last_device = node = child
             if child.host_value is not None:
                 last_host = child
-        device_end = pos if not host_nodes else pos - len(node.key)
-        while host_nodes and pos < end:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None:
+            node = child
+        return MatchResult(
+            kb, tuple(device_values), pos >> 3, 0, node, last_host, (), node._path_indices, self
+        )
+
+    def _match_host_tail(
+        self,
+        kb: bytes,
+        pos: int,
+        child: TreeNode,
+        last_device: TreeNode,
+        last_host: TreeNode,
+        device_values: list[torch.Tensor],
+        tick: int,
+    ) -> MatchResult:
+        """The rest of `match_prefix` from the first host-only node `child` (ending at `pos`) on."""
+        step = self._step
+        end = len(kb)
+        device_end = pos - len(child.key)
+        host_nodes = [child]
+        if child.host_value is not None:
+            last_host = child
+        node = child
+        while pos < end:
+            nxt = node.children.get(kb[pos : pos + step])
+            if nxt is None:
                 break
+            child = nxt
             ck = child.key
             if kb.startswith(ck, pos):
                 pos += len(ck)
@@ -781,7 +798,7 @@ class RadixTree:
             last_device,
             last_host,
             tuple(host_nodes),
-            last_device._path_indices if last_device is not root else EMPTY_INDICES,
+            last_device._path_indices,
             self,
         )
 

@@ -18,12 +18,14 @@ the page cache first (`posix_fadvise(DONTNEED)`, after `os.sync()`); raw and bac
 drift in the machine's load hits both. Figures are medians over `--repeats`.
 
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
+       [--sequences 16] [--batch-pages N] [--no-controller]
 Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -131,7 +133,12 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
 
 
 async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
-    """Time `run()` (which returns the pages it loaded) while a ticker measures the loop's longest stall."""
+    """Time `run()` (which returns the pages it loaded) while a ticker measures the loop's longest stall.
+
+    Collects garbage first: a closed `HiCache` caught in a reference cycle still holds its 1 GiB host
+    pool, and freeing that inside a timed pass stalled the loop for ~100 ms and evicted the "hot" pages.
+    """
+    gc.collect()
     done = anyio.Event()
     worst = 0.0
 
@@ -167,9 +174,12 @@ def storage_keys(seqs: Sequence[torch.Tensor]) -> list[str]:
     return keys
 
 
-def controller_config(root: Path, page_bytes: int, n_pages: int, threads: int | None) -> HiCacheConfig:
+def controller_config(
+    root: Path, page_bytes: int, n_pages: int, threads: int | None, batch_pages: int | None
+) -> HiCacheConfig:
     """A cache whose host pool holds every page and whose storage tier is the bench's file root."""
     options: dict[str, Any] = {} if threads is None else {"max_concurrency": threads}
+    extra: dict[str, Any] = {} if batch_pages is None else {"storage_batch_pages": batch_pages}
     return HiCacheConfig(
         layout=KVLayout.flat(page_bytes // PAGE_TOKENS, PAGE_TOKENS),
         device_pages=4,
@@ -180,6 +190,7 @@ def controller_config(root: Path, page_bytes: int, n_pages: int, threads: int | 
         backup_to_storage=False,
         prefetch_stop_policy=StopPolicy.WAIT_COMPLETE,
         prefetch_capacity_tokens=n_pages * PAGE_TOKENS,
+        **extra,
     )
 
 
@@ -217,7 +228,7 @@ async def bench_page_size(
     assert len(keys) == n
     views = page_views(pool[: n * page_bytes], page_bytes)
     backend_options: dict[str, Any] = {} if args.threads is None else {"max_concurrency": args.threads}
-    config = controller_config(root, page_bytes, n, args.threads)
+    config = controller_config(root, page_bytes, n, args.threads, args.batch_pages)
     raw_threads = [int(t) for t in args.raw_threads.split(",")]
     out: dict[str, dict[str, Any]] = {}
     async with FileBackend(root, namespace_digest=NAMESPACE.digest, **backend_options) as backend:
@@ -241,6 +252,7 @@ async def bench_page_size(
                     if state == "cold":
                         drop_page_cache(paths)
                     pool.zero_()
+                    gc.collect()
                     series.add(Timed(raw_read(paths, views, t), 0.0, n))
                 if state == "cold":
                     drop_page_cache(paths)
@@ -293,7 +305,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     print(
         f"file backend and controller prefetch vs raw preadv: {args.total_mib} MiB, backend threads "
         f"{threads}, raw = fastest of {args.raw_threads} threads, median of {args.repeats}, "
-        f"{args.sequences} concurrent prefetches, pinned={pool.is_pinned()}, cpus={os.cpu_count()}, "
+        f"{args.sequences} concurrent prefetches (batch pages {args.batch_pages or 'default'}), pinned={pool.is_pinned()}, cpus={os.cpu_count()}, "
         f"load average {os.getloadavg()[0]:.2f}, {time.perf_counter() - started:.0f} s"
     )
     print(
@@ -350,6 +362,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--sequences", type=int, default=16, help="concurrent prefetches in the controller pass"
+    )
+    parser.add_argument(
+        "--batch-pages", type=int, default=None, help="storage_batch_pages of the cache (default: its own)"
     )
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
     parser.add_argument("--dir", default="/tmp")

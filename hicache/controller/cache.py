@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ from hicache.components import Component, component_storage_key
 from hicache.config import HiCacheConfig
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseQueue, ReleaseStatistics
+from hicache.controller.storage_writer import StorageWriter
+from hicache.controller.work_queue import WorkQueue
 from hicache.errors import CacheClosed, InvariantViolation, UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
 from hicache.memory import KVPool, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
@@ -153,14 +154,10 @@ class HiCache:
         )
         self._prefetches: dict[str, Prefetch] = {}
         self._inflight_tokens = 0
-        self._backup_queue: deque[TreeNode] = deque()
-        self._backup_wakeup = anyio.Event()
-        self._storage_queue: deque[TreeNode] = deque()
-        self._storage_wakeup = anyio.Event()
+        self._backups: WorkQueue[TreeNode] = WorkQueue("backup", self._backup)
+        self._storage_writes: WorkQueue[TreeNode] = WorkQueue("storage write-through", self._store)
+        self._storage_writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
-        self._queued_work = 0
-        self._idle = anyio.Event()
-        self._idle.set()
         self._stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._started = False
@@ -189,12 +186,14 @@ class HiCache:
                 namespace_digest=self.config.namespace.digest,
                 **dict(self.config.storage_options),
             )
+        if self.storage is not None:
+            self._storage_writer = StorageWriter(self, self.storage)
         stack = AsyncExitStack()
         self._task_group = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
         self._task_group.start_soon(self.release_queue.run)
-        self._task_group.start_soon(self._backup_worker)
-        self._task_group.start_soon(self._storage_worker)
+        self._task_group.start_soon(self._backups.run)
+        self._task_group.start_soon(self._storage_writes.run)
         self._started = True
 
     async def aclose(self) -> None:
@@ -241,8 +240,8 @@ class HiCache:
             release_queue=self.release_queue.statistics(),
             prefetches_in_flight=len(self._prefetches),
             prefetch_tokens_in_flight=self._inflight_tokens,
-            backups_queued=len(self._backup_queue),
-            storage_writes_queued=len(self._storage_queue),
+            backups_queued=len(self._backups),
+            storage_writes_queued=len(self._storage_writes),
             closed=self._closed,
         )
 
@@ -323,10 +322,12 @@ class HiCache:
 
     async def wait_idle(self) -> None:
         """Wait until no backup, storage write or release is queued or running."""
+        # A backup queues a storage write and both free pages: wait until all three are quiet at once.
         while True:
-            await self._idle.wait()
+            await self._backups.wait_idle()
+            await self._storage_writes.wait_idle()
             await self.release_queue.drain()
-            if self._queued_work == 0:
+            if self._backups.idle and self._storage_writes.idle:
                 return
 
     # ------------------------------------------------------------------ matching and leases
@@ -509,10 +510,11 @@ class HiCache:
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
+            backed_up = 0
             for node in result.backup_first:
-                await self._backup(node)
-            if result.evicted_tokens == 0 and not result.backup_first:
-                return None
+                backed_up += await self._backup(node)
+            if result.freed_device.numel() == 0 and not backed_up:
+                return None  # nothing could be evicted, nor backed up to make it evictable
 
     def _host_room(self) -> int:
         """Host tokens available for backups: free pages plus what host eviction can reclaim."""
@@ -641,24 +643,7 @@ class HiCache:
             self.device_pool.free(device_indices[max(offset, duplicate_end) - start :])
 
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
-        if not targets:
-            return
-        self._backup_queue.extend(targets)
-        self._add_work(len(targets))
-        self._backup_wakeup.set()
-
-    async def _backup_worker(self) -> None:
-        while True:
-            await self._backup_wakeup.wait()
-            self._backup_wakeup = anyio.Event()
-            while self._backup_queue:
-                target = self._backup_queue.popleft()
-                try:
-                    await self._backup(target)
-                except Exception:
-                    logger.exception("backup of node %d failed", target.id)
-                finally:
-                    self._work_done()
+        self._backups.put(targets)
 
     async def _backup(self, target: TreeNode) -> bool:
         """Back `target` up to host with its un-backed ancestors, root first. True when committed."""
@@ -693,10 +678,8 @@ class HiCache:
                 self.tree.commit_backup(node)
             self._free_component_garbage()
             self.metrics.backup_tokens.inc(sum(sizes))
-        if self.storage is not None and self.config.backup_to_storage:
-            self._storage_queue.append(target)
-            self._add_work(1)
-            self._storage_wakeup.set()
+        if self._storage_writer is not None and self.config.backup_to_storage:
+            self._storage_writes.put([target])
         return True
 
     def _stage_component_backup(
@@ -719,106 +702,9 @@ class HiCache:
 
     # ------------------------------------------------------------------ host -> storage
 
-    async def _storage_worker(self) -> None:
-        while True:
-            await self._storage_wakeup.wait()
-            self._storage_wakeup = anyio.Event()
-            while self._storage_queue:
-                target = self._storage_queue.popleft()
-                try:
-                    await self._store(target)
-                except Exception:
-                    logger.exception("storage write-through of node %d failed", target.id)
-                finally:
-                    self._work_done()
-
     async def _store(self, target: TreeNode) -> None:
-        """Write the backed-up pages on target's path to storage, skipping those already stored."""
-        storage = self.storage
-        if storage is None or target.parent is None or target.host_value is None:
-            return
-        path: list[TreeNode] = []
-        node: TreeNode | None = target
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        hashes: list[bytes] = []
-        values: list[torch.Tensor] = []
-        for node in path:
-            if node.host_value is None:
-                break
-            hashes.extend(node.hashes)
-            values.append(node.host_value)
-        if not hashes:
-            return
-        self.tree.lock_host(target)
-        try:
-            keys = [h.hex() for h in hashes]
-            stored = await storage.exists(keys)
-            if self.components:
-                await self._store_components(storage, path[: len(values)], target)
-            if stored >= len(keys):
-                return
-            views = self.host_pool.page_views(torch.cat(values)[stored * self.page_size :])
-            try:
-                ok = await storage.put(keys[stored:], views)
-            except Exception:
-                self.metrics.storage_page_failures.labels(reason="write").inc(len(views))
-                raise
-            written = sum(ok)
-            self.metrics.storage_bytes_written.inc(
-                sum(len(v) for v, good in zip(views, ok, strict=True) if good)
-            )
-            if written < len(ok):
-                self.metrics.storage_page_failures.labels(reason="write").inc(len(ok) - written)
-        finally:
-            self.tree.unlock_host(target)
-
-    async def _store_components(
-        self, storage: StorageBackend, path: list[TreeNode], target: TreeNode
-    ) -> None:
-        """Write the host component pages of `path` (host-locked by the caller) that storage lacks.
-
-        Keys are the page hash plus the component name; pages use the component pool's page format.
-        Components locked only at the node (Mamba) are written for `target` alone: the lock protects
-        no other node's value while the write is in flight.
-        """
-        page = self.page_size
-        for comp in self.components:
-            host_pool = self.component_pools[comp.name][1]
-            keys: list[str] = []
-            views: list[memoryview] = []
-            for node in path if comp.lock_path else [target]:
-                value = self.tree.component_value(node, comp.name, "host")
-                if value is None:
-                    continue
-                hashes = node.hashes
-                keys.extend(
-                    component_storage_key(hashes[i], comp.name)
-                    for i in comp.page_hash_index(len(hashes), value, page)
-                )
-                views.extend(host_pool.page_views(value))
-            if not keys:
-                continue
-            if await storage.exists(keys) >= len(keys):
-                continue
-            ok = await storage.put(keys, views)
-            self.metrics.storage_bytes_written.inc(
-                sum(len(v) for v, good in zip(views, ok, strict=True) if good)
-            )
-            if not all(ok):
-                self.metrics.storage_page_failures.labels(reason="write").inc(len(ok) - sum(ok))
-
-    def _add_work(self, count: int) -> None:
-        if self._queued_work == 0:
-            self._idle = anyio.Event()
-        self._queued_work += count
-
-    def _work_done(self) -> None:
-        self._queued_work -= 1
-        if self._queued_work == 0:
-            self._idle.set()
+        if self._storage_writer is not None:
+            await self._storage_writer.store(target)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -875,10 +761,14 @@ class HiCache:
                 key[anchor_end * TOKEN_BYTES :], page, self.config.namespace, anchor.last_hash
             )
             page_keys = [h.hex() for h in hashes]
+            hit_pages: int | None = None
             try:
-                hit_pages = await storage.exists(page_keys)
+                # A hung lookup must not hang the request: it gets the same budget as a stream.
+                with anyio.move_on_after(self.config.prefetch_timeout(remainder)):
+                    hit_pages = await storage.exists(page_keys)
             except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
                 logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
+            if hit_pages is None:
                 self.metrics.storage_page_failures.labels(reason="exists").inc()
                 self.tree.unlock_host(anchor)
                 self._skip("storage_error")

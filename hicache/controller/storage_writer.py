@@ -1,0 +1,147 @@
+"""Host -> storage write-through: after a host backup commits, its pages go to storage in the background."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.components import component_storage_key
+from hicache.tree import TreeNode
+from storage_backends.protocol import StorageBackend
+
+if TYPE_CHECKING:
+    from hicache.controller.cache import HiCache
+
+__all__ = ["KnownPages", "StorageWriter"]
+
+
+class KnownPages:
+    """A bounded LRU set of page keys known to be in storage (written by us or seen by `exists`).
+
+    It spares a storage round trip per page already stored when a longer path is written through; a
+    page deleted behind our back is written again once it falls out of the set.
+    """
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity: must be >= 1, got {capacity}")
+        self._capacity = capacity
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def known_prefix(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are known to be stored."""
+        n = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            self._keys.move_to_end(key)
+            n += 1
+        return n
+
+    def add(self, keys: Iterable[str]) -> None:
+        """Remember `keys` as stored, dropping the least recently used beyond the capacity."""
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+
+class StorageWriter:
+    """Writes the backed-up pages on a node's path (and its components' pages) that storage lacks.
+
+    Runs as the job of a `WorkQueue`; the node's path stays host-locked while its pages are read.
+    """
+
+    def __init__(self, cache: HiCache, storage: StorageBackend) -> None:
+        self._cache = cache
+        self._storage = storage
+        self.known = KnownPages()
+
+    async def store(self, target: TreeNode) -> None:
+        """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
+        cache = self._cache
+        tree = cache.tree
+        if target.parent is None or target.host_value is None:
+            return
+        path: list[TreeNode] = []
+        node: TreeNode | None = target
+        while node is not None and node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        hashes: list[bytes] = []
+        values: list[torch.Tensor] = []
+        for node in path:
+            if node.host_value is None:  # write-back: pages below an un-backed node cannot be found by prefix
+                break
+            hashes.extend(node.hashes)
+            values.append(node.host_value)
+        if not hashes:
+            return
+        tree.lock_host(target)
+        try:
+            keys = [h.hex() for h in hashes]
+            stored = self.known.known_prefix(keys)
+            if stored < len(keys):
+                stored += await self._storage.exists(keys[stored:])
+            self.known.add(keys[:stored])
+            if cache.components:
+                await self._store_components(path[: len(values)], target)
+            if stored >= len(keys):
+                return
+            views = cache.host_pool.page_views(torch.cat(values)[stored * cache.page_size :])
+            await self._put(keys[stored:], views)
+        finally:
+            tree.unlock_host(target)
+
+    async def _put(self, keys: list[str], views: list[memoryview]) -> None:
+        metrics = self._cache.metrics
+        try:
+            ok = await self._storage.put(keys, views)
+        except Exception:
+            metrics.storage_page_failures.labels(reason="write").inc(len(views))
+            raise
+        metrics.storage_bytes_written.inc(sum(len(v) for v, good in zip(views, ok, strict=True) if good))
+        self.known.add(key for key, good in zip(keys, ok, strict=True) if good)
+        if not all(ok):
+            metrics.storage_page_failures.labels(reason="write").inc(len(ok) - sum(ok))
+
+    async def _store_components(self, path: list[TreeNode], target: TreeNode) -> None:
+        """Write the host component pages of `path` (host-locked by the caller) that storage lacks.
+
+        Keys are the page hash plus the component name; pages use the component pool's page format.
+        Components locked only at the node (Mamba) are written for `target` alone: the lock protects
+        no other node's value while the write is in flight.
+        """
+        cache = self._cache
+        page = cache.page_size
+        for comp in cache.components:
+            host_pool = cache.component_pools[comp.name][1]
+            keys: list[str] = []
+            views: list[memoryview] = []
+            for node in path if comp.lock_path else [target]:
+                value = cache.tree.component_value(node, comp.name, "host")
+                if value is None:
+                    continue
+                hashes = node.hashes
+                keys.extend(
+                    component_storage_key(hashes[i], comp.name)
+                    for i in comp.page_hash_index(len(hashes), value, page)
+                )
+                views.extend(host_pool.page_views(value))
+            if not keys or all(key in self.known for key in keys):
+                continue
+            if await self._storage.exists(keys) >= len(keys):
+                self.known.add(keys)
+                continue
+            await self._put(keys, views)

@@ -49,8 +49,8 @@ class HiCacheConfig:
         prefetch_timeout_per_1k_tokens: seconds per 1,024 tokens, for the `timeout` policy.
         prefetch_timeout_max: upper bound in seconds, for the `timeout` policy.
         prefetch_capacity_tokens: most tokens in flight across prefetches (default: half the host pool).
-        storage_batch_pages: pages per storage `get`/`put` call while streaming.
-        storage_concurrency: storage batches in flight at once per prefetch or backup.
+        storage_batch_pages: pages per storage `get` call while streaming a prefetch.
+        storage_concurrency: `get` batches in flight at once per prefetch.
         release_batch_pages: pages the release queue returns to the host pool per step.
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
@@ -72,7 +72,7 @@ class HiCacheConfig:
     prefetch_timeout_per_1k_tokens: float = 0.1
     prefetch_timeout_max: float = 30.0
     prefetch_capacity_tokens: int | None = None
-    storage_batch_pages: int = 8
+    storage_batch_pages: int = 16
     storage_concurrency: int = 4
     release_batch_pages: int = 256
     components: tuple[Component, ...] = ()

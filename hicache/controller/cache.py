@@ -871,7 +871,9 @@ class HiCache:
 
     async def _stream(self, prefetch: Prefetch, storage: StorageBackend) -> None:
         views = self.host_pool.page_views(prefetch.host_indices)
-        await prefetch.stream(storage, views, self.config.storage_batch_pages)
+        await prefetch.stream(
+            storage, views, self.config.storage_batch_pages, self.config.storage_concurrency
+        )
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:

@@ -137,41 +137,68 @@ class Prefetch:
             f"anchor={self.anchor.id} policy={self.stop_policy.value}>"
         )
 
-    async def stream(self, backend: StorageBackend, views: Sequence[memoryview], batch_pages: int) -> None:
-        """Read pages in order, batch by batch, until all are read, one fails, or a stop is requested.
+    async def stream(
+        self,
+        backend: StorageBackend,
+        views: Sequence[memoryview],
+        batch_pages: int,
+        concurrency: int = 1,
+    ) -> None:
+        """Read pages in batches, up to `concurrency` batches at once, until all are read or one fails.
 
-        A page counts only once fully written and verified; streaming stops at the first failed page.
-        Batches are read one after another, so `completed_pages` is always an exact prefix. When this
-        returns (normally, or cancelled through `request_stop`) no read is still writing into `views`:
-        the backends' `get` waits for its worker threads even when cancelled.
+        A page counts only once fully written and verified, and only after every page before it:
+        `completed_pages` is always an exact prefix, however the batches finish. The first failed
+        page ends the stream there (batches behind it are cancelled). When this returns (normally, or
+        cancelled through `request_stop`) no read is still writing into `views`: the backends' `get`
+        waits for its worker threads even when cancelled.
         """
+        total = len(self.page_keys)
+        bounds = [(s, min(total, s + batch_pages)) for s in range(0, total, batch_pages)]
+        finished: dict[int, int] = {}  # batch -> leading verified pages (-1: the read raised)
+        next_batch = 0
+
+        def settle(tg: anyio.abc.TaskGroup) -> None:
+            nonlocal next_batch
+            while next_batch in finished:
+                start, stop = bounds[next_batch]
+                good = finished.pop(next_batch)
+                self.completed_pages = start + max(good, 0)
+                self._notify_progress()
+                if good < stop - start:
+                    self.failed_pages += 1
+                    tg.cancel_scope.cancel()  # the pages behind a failure are useless
+                    next_batch = len(bounds)
+                    return
+                next_batch += 1
+
+        async def read(index: int, tg: anyio.abc.TaskGroup, slots: anyio.Semaphore) -> None:
+            start, stop = bounds[index]
+            try:
+                ok = await backend.get(self.page_keys[start:stop], views[start:stop])
+                good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as exc:  # a storage error ends the prefetch here, never the loop
+                logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
+                good = -1
+            finally:
+                slots.release()
+            finished[index] = good
+            settle(tg)
+
         try:
             with anyio.CancelScope() as scope:
                 self._stream_scope = scope
                 if self._stop_requested:
                     scope.cancel()
-                total = len(self.page_keys)
-                while self.completed_pages < total:
-                    start = self.completed_pages
-                    stop = min(total, start + batch_pages)
-                    try:
-                        ok = await backend.get(self.page_keys[start:stop], views[start:stop])
-                    except anyio.get_cancelled_exc_class():
-                        raise
-                    except Exception as exc:  # a storage error ends the prefetch here, never the loop
-                        logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
-                        self.failed_pages += 1
-                        break
-                    good = 0
-                    for flag in ok:
-                        if not flag:
+                slots = anyio.Semaphore(max(1, concurrency))
+                async with anyio.create_task_group() as tg:
+                    for index in range(len(bounds)):
+                        await slots.acquire()
+                        if next_batch >= len(bounds):
+                            slots.release()
                             break
-                        good += 1
-                    self.completed_pages = start + good
-                    self._notify_progress()
-                    if good < len(ok):
-                        self.failed_pages += 1
-                        break
+                        tg.start_soon(read, index, tg, slots)
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend)
         finally:

@@ -23,6 +23,7 @@ def make_config(**overrides: object) -> HiCacheConfig:
         "host_pages": 64,
         "prefetch_threshold": 8,
         "storage_batch_pages": 2,
+        "storage_concurrency": 1,  # gated tests count pages batch by batch
     }
     options.update(overrides)
     return HiCacheConfig(**options)  # type: ignore[arg-type]

@@ -394,3 +394,74 @@ async def test_info_log_names_dropped_or_committed(
         assert lines == ["prefetch committed request=r1 completed=32 matched=32 loaded=32 released=0"]
     finally:
         await cache.aclose()
+
+
+class BatchGatedBackend:
+    """Each `get` call (one batch) waits for its own gate; the test opens them in any order."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        self.inner = inner
+        self.gates: list[anyio.Event] = []
+        self.fail: set[int] = set()
+        self.cancelled: list[int] = []
+
+    async def exists(self, keys: list[str]) -> int:
+        return await self.inner.exists(keys)
+
+    async def get(self, keys: list[str], buffers: list[memoryview]) -> list[bool]:
+        index = len(self.gates)
+        self.gates.append(anyio.Event())
+        try:
+            await self.gates[index].wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(index)
+            raise
+        ok = await self.inner.get(keys, buffers)
+        return [False] * len(ok) if index in self.fail else ok
+
+    async def put(self, keys: list[str], buffers: list[memoryview]) -> list[bool]:
+        return await self.inner.put(keys, buffers)
+
+    async def delete(self, keys: list[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_concurrent_batches_count_only_the_verified_prefix(backend: MemoryBackend) -> None:
+    """Batches finish out of order: pages count only once every page before them is in.
+
+    A failed batch ends the stream at its first page and cancels the batches behind it.
+    """
+    gated = BatchGatedBackend(backend)
+    cache = await open_cache(gated, storage_concurrency=3, prefetch_stop_policy="wait_complete")
+    try:
+        seq = tokens(1, 48)  # 12 pages, 6 batches of 2
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        await anyio.wait_all_tasks_blocked()
+        assert len(gated.gates) == 3  # three batches in flight, no more
+        gated.gates[1].set()
+        await anyio.wait_all_tasks_blocked()
+        assert prefetch.completed_pages == 0  # batch 1 is in, but batch 0 is not
+        gated.gates[0].set()
+        await anyio.wait_all_tasks_blocked()
+        assert prefetch.completed_pages == 4
+        assert len(gated.gates) == 5
+        gated.fail.add(2)
+        gated.gates[2].set()
+        await anyio.wait_all_tasks_blocked()
+        assert prefetch.done
+        assert prefetch.completed_pages == 4
+        assert sorted(gated.cancelled) == [3, 4]
+        outcome = await cache.commit_prefetch("r1")
+        assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.failed_pages) == (16, 16, 1)
+        match = cache.match(seq)
+        host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
+        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq[:16])))
+        await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()

@@ -190,7 +190,8 @@ async def test_server_killed_mid_prefetch_ends_it_short_then_the_cache_serves_ag
     url = server.url(unique_prefix())
     options = {**server.options(), **FAST_RETRIES, "max_concurrency": 2}
     prompt = PROMPTS[1]  # 173 tokens: 10 whole pages, read in batches of 4 by 2 workers
-    config = instance_config(url, storage_options=options)
+    # One batch in flight at a time, so "both workers hold pages 6 and 7" means pages 0-5 are verified.
+    config = instance_config(url, storage_options=options, storage_concurrency=1)
 
     async with HiCache(config) as producer:
         await complete(producer, await producer.acquire("fill", prompt), prompt)

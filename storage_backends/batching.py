@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress
 from operator import attrgetter
-from typing import TypeVar, cast
+from typing import TypeVar, TypeVarTuple, Unpack, cast
 
 import anyio
+import anyio.to_thread
 
 __all__ = [
     "CORRUPT",
@@ -26,11 +28,15 @@ __all__ = [
     "StatisticsRecorder",
     "buffer_sizes",
     "check_batch",
+    "check_keys",
     "gather_bounded",
+    "gather_page_groups",
     "group_slices",
+    "run_in_thread",
 ]
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 HIT = 0
 """Per-page outcome: the page was read (or written) and verified."""
@@ -99,8 +105,7 @@ def check_batch(keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
             C-contiguous memoryview.
         TypeError: naming `keys`, if `keys` is a single `str` instead of a sequence of keys.
     """
-    if isinstance(keys, str):
-        raise TypeError("keys: expected a sequence of page keys, got a single str")
+    check_keys(keys)
     if len(keys) != len(buffers):
         raise ValueError(f"buffers: expected one buffer per key ({len(keys)}), got {len(buffers)}")
     if all(type(buf) is memoryview and buf.c_contiguous for buf in buffers):
@@ -110,6 +115,16 @@ def check_batch(keys: Sequence[str], buffers: Sequence[memoryview]) -> None:
             raise ValueError(f"buffers[{i}]: expected a memoryview, got {type(buf).__name__}")
         if not buf.c_contiguous:
             raise ValueError(f"buffers[{i}]: expected a C-contiguous memoryview")
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    """Check that `keys` is a sequence of keys, not one key.
+
+    Raises:
+        TypeError: naming `keys`, if `keys` is a single `str` instead of a sequence of keys.
+    """
+    if isinstance(keys, str):
+        raise TypeError("keys: expected a sequence of page keys, got a single str")
 
 
 def buffer_sizes(buffers: Sequence[memoryview]) -> list[int]:
@@ -148,6 +163,45 @@ def group_slices(
         acc += size
     out.append(slice(start, n))
     return out
+
+
+async def run_in_thread(func: Callable[[Unpack[Ts]], T], *args: *Ts, limiter: anyio.CapacityLimiter) -> T:
+    """Run `func(*args)` in a worker thread under `limiter`, waiting for the thread even when cancelled.
+
+    anyio's `to_thread.run_sync` delivers a cancellation only after the thread returns. That is what keeps
+    the buffers safe: once `get` returns, normally or cancelled, no thread still writes into them. aiofiles
+    (and a bare `loop.run_in_executor`) would not do: a cancelled `await` there abandons the executor
+    future while its thread keeps reading into the caller's buffer, possibly after the caller has handed
+    that host-pool page to another request.
+    """
+    return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+
+
+async def gather_page_groups(
+    func: Callable[[Sequence[str], Sequence[memoryview]], list[int]],
+    keys: Sequence[str],
+    buffers: Sequence[memoryview],
+    *,
+    limiter: anyio.CapacityLimiter,
+    group_bytes: int,
+    min_group_bytes: int = 0,
+) -> list[int]:
+    """Run `func(keys[g], buffers[g])` in worker threads over the `group_slices` of a batch.
+
+    At most `limiter.total_tokens` groups run at once, each in a thread of `limiter` (see
+    `run_in_thread`: no thread outlives the call); the first failure cancels the rest (`gather_bounded`).
+
+    Returns:
+        The per-page outcome codes `func` returned, flattened, in batch order.
+    """
+    limit = int(limiter.total_tokens)
+    groups = group_slices(
+        buffer_sizes(buffers), limit=limit, group_bytes=group_bytes, min_group_bytes=min_group_bytes
+    )
+    outcomes = await gather_bounded(
+        [partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter) for g in groups], limit
+    )
+    return [o for group in outcomes for o in group]
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,14 +275,18 @@ class StatisticsRecorder:
         self.errors += len(flags) - hits
         return flags
 
+    def counters(self) -> dict[str, int]:
+        """The counters by `BackendStatistics` field name (for a subclass's snapshot to extend)."""
+        return {
+            "pages_read": self.pages_read,
+            "pages_written": self.pages_written,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+            "misses": self.misses,
+            "checksum_failures": self.checksum_failures,
+            "errors": self.errors,
+        }
+
     def snapshot(self) -> BackendStatistics:
         """The counters as a frozen `BackendStatistics`."""
-        return BackendStatistics(
-            pages_read=self.pages_read,
-            pages_written=self.pages_written,
-            bytes_read=self.bytes_read,
-            bytes_written=self.bytes_written,
-            misses=self.misses,
-            checksum_failures=self.checksum_failures,
-            errors=self.errors,
-        )
+        return BackendStatistics(**self.counters())

@@ -16,19 +16,16 @@ import logging
 import os
 import secrets
 import struct
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar, TypeVarTuple, Unpack
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import anyio
-import anyio.to_thread
 import xxhash
 
-from hicache.errors import CacheClosed, ChecksumMismatch, StorageError
+from hicache.errors import ChecksumMismatch, StorageError
 from storage_backends.batching import (
     CORRUPT,
     ERROR,
@@ -36,11 +33,12 @@ from storage_backends.batching import (
     MISS,
     BackendStatistics,
     StatisticsRecorder,
-    buffer_sizes,
     check_batch,
     gather_bounded,
-    group_slices,
+    gather_page_groups,
+    run_in_thread,
 )
+from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -55,9 +53,6 @@ from storage_backends.page_format import (
 __all__ = ["FileBackend", "default_concurrency"]
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R")
-Ts = TypeVarTuple("Ts")
 
 SUFFIX = ".kvp"
 """File name suffix of a stored page."""
@@ -105,7 +100,7 @@ def default_concurrency() -> int:
     return min(16, max(4, cpus))
 
 
-class FileBackend:
+class FileBackend(BackendLifecycle):
     """Pages as files under a root directory (a local disk, NFS, or a FUSE mount such as JuiceFS).
 
     Safe to share a root between processes: writes are atomic renames and every read is verified.
@@ -178,11 +173,6 @@ class FileBackend:
         """The directory holding the pages."""
         return Path(self._root)
 
-    @property
-    def closed(self) -> bool:
-        """Whether `aclose()` was called."""
-        return self._closed
-
     def path_of(self, key: str) -> Path:
         """The file that holds page `key` (validated: it never leaves the root).
 
@@ -218,7 +208,7 @@ class FileBackend:
                 slice(s, min(s + _EXISTS_CHUNK, n)) for s in range(pos, min(pos + wave, n), _EXISTS_CHUNK)
             ]
             counts = await gather_bounded(
-                [partial(self._in_thread, self._count_present, keys[c]) for c in chunks],
+                [partial(run_in_thread, self._count_present, keys[c], limiter=self._limiter) for c in chunks],
                 self._max_concurrency,
             )
             for chunk, count in zip(chunks, counts, strict=True):
@@ -242,17 +232,7 @@ class FileBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(
-            buffer_sizes(buffers),
-            limit=self._max_concurrency,
-            group_bytes=self._group_bytes,
-            min_group_bytes=_MIN_GROUP_BYTES,
-        )
-        outcomes = await gather_bounded(
-            [partial(self._in_thread, self._read_group, keys[g], buffers[g]) for g in groups],
-            self._max_concurrency,
-        )
-        return self._stats.record_reads([o for group in outcomes for o in group], buffers)
+        return self._stats.record_reads(await self._gather_groups(self._read_group, keys, buffers), buffers)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Write pages from `buffers`, each atomically (temporary file + rename); one flag per page.
@@ -267,17 +247,7 @@ class FileBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(
-            buffer_sizes(buffers),
-            limit=self._max_concurrency,
-            group_bytes=self._group_bytes,
-            min_group_bytes=_MIN_GROUP_BYTES,
-        )
-        outcomes = await gather_bounded(
-            [partial(self._in_thread, self._write_group, keys[g], buffers[g]) for g in groups],
-            self._max_concurrency,
-        )
-        return self._stats.record_writes([o for group in outcomes for o in group], buffers)
+        return self._stats.record_writes(await self._gather_groups(self._write_group, keys, buffers), buffers)
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove pages; absent keys are ignored.
@@ -291,21 +261,13 @@ class FileBackend:
         validate_keys(keys)
         chunks = [slice(s, s + _EXISTS_CHUNK) for s in range(0, len(keys), _EXISTS_CHUNK)]
         await gather_bounded(
-            [partial(self._in_thread, self._delete_group, keys[c]) for c in chunks], self._max_concurrency
+            [partial(run_in_thread, self._delete_group, keys[c], limiter=self._limiter) for c in chunks],
+            self._max_concurrency,
         )
 
     async def aclose(self) -> None:
         """Mark the backend closed (it holds no open files between calls); idempotent."""
         self._closed = True
-
-    async def __aenter__(self) -> Self:
-        self._check_open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         s = self._stats
@@ -317,27 +279,25 @@ class FileBackend:
             f"checksum_failures={s.checksum_failures} errors={s.errors}>"
         )
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
-
     # -- internals ------------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CacheClosed(f"{self!r} is closed")
 
     def _path(self, key: str) -> str:
         return f"{self._root}/{key[0:2]}/{key[2:4]}/{key}{SUFFIX}"
 
-    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
-        # anyio's to_thread.run_sync waits for the thread to finish even when the caller is cancelled
-        # (the cancellation is delivered after it returns). That is what keeps the buffers safe: once
-        # `get` returns, normally or cancelled, no thread still writes into them. aiofiles (and a bare
-        # `loop.run_in_executor`) would not do: a cancelled `await` there abandons the executor future
-        # while its thread keeps reading into the caller's buffer, possibly after the caller has handed
-        # that host-pool page to another request.
-        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+    async def _gather_groups(
+        self,
+        func: Callable[[Sequence[str], Sequence[memoryview]], list[int]],
+        keys: Sequence[str],
+        buffers: Sequence[memoryview],
+    ) -> list[int]:
+        return await gather_page_groups(
+            func,
+            keys,
+            buffers,
+            limiter=self._limiter,
+            group_bytes=self._group_bytes,
+            min_group_bytes=_MIN_GROUP_BYTES,
+        )
 
     def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         """Read and verify a group of pages in a worker thread; one outcome code per page.

@@ -10,28 +10,23 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
-from collections.abc import Callable, Sequence
-from functools import partial
-from types import TracebackType
-from typing import Any, Self, TypeVar, TypeVarTuple, Unpack
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
-import anyio.to_thread
 
-from hicache.errors import CacheClosed, ChecksumMismatch
+from hicache.errors import ChecksumMismatch
 from storage_backends.batching import (
     CORRUPT,
     HIT,
     MISS,
     BackendStatistics,
     StatisticsRecorder,
-    buffer_sizes,
     check_batch,
-    gather_bounded,
-    group_slices,
+    gather_page_groups,
 )
+from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
@@ -44,9 +39,6 @@ from storage_backends.page_format import (
 __all__ = ["MemoryBackend", "drop_named_store"]
 
 log = logging.getLogger(__name__)
-
-R = TypeVar("R")
-Ts = TypeVarTuple("Ts")
 
 _GROUP_BYTES = 1 << 20
 _named_stores: dict[str, dict[str, bytes]] = {}
@@ -62,7 +54,7 @@ def drop_named_store(name: str) -> bool:
         return _named_stores.pop(name, None) is not None
 
 
-class MemoryBackend:
+class MemoryBackend(BackendLifecycle):
     """Pages in a Python dict, verified on every read exactly like stored files.
 
     Args:
@@ -105,11 +97,6 @@ class MemoryBackend:
             raise ValueError(f"url: expected memory://name with nothing after the name, got {url!r}")
         return cls(namespace_digest=namespace_digest, name=parts.netloc or None, **options)
 
-    @property
-    def closed(self) -> bool:
-        """Whether `aclose()` was called."""
-        return self._closed
-
     def statistics(self) -> BackendStatistics:
         """Counters since the backend was opened."""
         return self._stats.snapshot()
@@ -149,12 +136,10 @@ class MemoryBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=_GROUP_BYTES)
-        outcomes = await gather_bounded(
-            [partial(self._in_thread, self._read_group, keys[g], buffers[g]) for g in groups],
-            self._max_concurrency,
+        outcomes = await gather_page_groups(
+            self._read_group, keys, buffers, limiter=self._limiter, group_bytes=_GROUP_BYTES
         )
-        return self._stats.record_reads([o for group in outcomes for o in group], buffers)
+        return self._stats.record_reads(outcomes, buffers)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Store pages (header + a copy of the payload), each replacing any older version whole.
@@ -166,12 +151,10 @@ class MemoryBackend:
         self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
-        groups = group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=_GROUP_BYTES)
-        outcomes = await gather_bounded(
-            [partial(self._in_thread, self._write_group, keys[g], buffers[g]) for g in groups],
-            self._max_concurrency,
+        outcomes = await gather_page_groups(
+            self._write_group, keys, buffers, limiter=self._limiter, group_bytes=_GROUP_BYTES
         )
-        return self._stats.record_writes([o for group in outcomes for o in group], buffers)
+        return self._stats.record_writes(outcomes, buffers)
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove pages; absent keys are ignored."""
@@ -184,15 +167,6 @@ class MemoryBackend:
         """Mark the backend closed; a named store keeps its pages for later backends. Idempotent."""
         self._closed = True
 
-    async def __aenter__(self) -> Self:
-        self._check_open()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
     def __repr__(self) -> str:
         s = self._stats
         state = "closed" if self._closed else "open"
@@ -203,19 +177,7 @@ class MemoryBackend:
             f"misses={s.misses} checksum_failures={s.checksum_failures} errors={s.errors}>"
         )
 
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
-
     # -- internals ------------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CacheClosed(f"{self!r} is closed")
-
-    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
-        # Waits for the thread even when cancelled, so no copy lands in a buffer after `get` returns.
-        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
 
     def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         return [self._read_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]

@@ -29,13 +29,11 @@ import os
 import random
 import re
 import time
-import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Self, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import anyio
@@ -50,8 +48,15 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from hicache.errors import CacheClosed, ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
-from storage_backends.batching import BackendStatistics, check_batch, gather_bounded
+from hicache.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
+from storage_backends.batching import (
+    BackendStatistics,
+    StatisticsRecorder,
+    check_batch,
+    check_keys,
+    gather_bounded,
+)
+from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
@@ -132,7 +137,7 @@ def _parse_bool(name: str, value: str) -> bool:
     raise ValueError(f"{name}: expected a boolean, got {value!r}")
 
 
-class S3Backend:
+class S3Backend(BackendLifecycle):
     """Pages as objects in an S3 bucket; implements `storage_backends.protocol.StorageBackend`.
 
     Open it with `S3Backend.from_url("s3://bucket/prefix?endpoint=...&region=...", namespace_digest=...)` or
@@ -258,13 +263,7 @@ class S3Backend:
 
         self._requests = 0
         self._retries = 0
-        self._pages_read = 0
-        self._pages_written = 0
-        self._bytes_read = 0
-        self._bytes_written = 0
-        self._misses = 0
-        self._checksum_failures = 0
-        self._errors = 0
+        self._stats = StatisticsRecorder()
         self._closed = False
 
     @classmethod
@@ -311,25 +310,13 @@ class S3Backend:
 
     # ------------------------------------------------------------------ lifecycle and observability
 
-    async def __aenter__(self) -> S3Backend:
+    async def __aenter__(self) -> Self:
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Release the client and its connection pool; idempotent. Later calls raise `CacheClosed`."""
         self._closed = True
         self._store = None
-
-    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
-        if not getattr(self, "_closed", True):
-            _warn(f"unclosed {self!r}", ResourceWarning, source=self, stacklevel=1)
 
     def __repr__(self) -> str:
         return (
@@ -338,24 +325,9 @@ class S3Backend:
             f"max_concurrency={self._max_concurrency}, closed={self._closed})"
         )
 
-    @property
-    def closed(self) -> bool:
-        """Whether `aclose()` was called."""
-        return self._closed
-
     def statistics(self) -> S3Statistics:
         """A frozen snapshot of the counters since the backend was opened."""
-        return S3Statistics(
-            pages_read=self._pages_read,
-            pages_written=self._pages_written,
-            bytes_read=self._bytes_read,
-            bytes_written=self._bytes_written,
-            misses=self._misses,
-            checksum_failures=self._checksum_failures,
-            errors=self._errors,
-            requests=self._requests,
-            retries=self._retries,
-        )
+        return S3Statistics(**self._stats.counters(), requests=self._requests, retries=self._retries)
 
     def object_path(self, key: str) -> str:
         """The object name of page `key` inside the bucket (`<prefix>/<key[:2]>/<key>`)."""
@@ -371,8 +343,7 @@ class S3Backend:
         missing page. A page whose HEAD fails after retries counts as not stored.
         """
         store = self._open_store()
-        if isinstance(keys, str):
-            raise TypeError("keys: expected a sequence of page keys, got a single str")
+        check_keys(keys)
         validate_keys(keys)
         batch = _Batch()
         found = 0
@@ -434,8 +405,7 @@ class S3Backend:
             StorageUnavailable: if some deletes still failed after retries (the count is in the message).
         """
         store = self._open_store()
-        if isinstance(keys, str):
-            raise TypeError("keys: expected a sequence of page keys, got a single str")
+        check_keys(keys)
         validate_keys(keys)
         batch = _Batch()
         failures = await gather_bounded(
@@ -454,7 +424,7 @@ class S3Backend:
         except PageNotFound:
             return False
         except StorageError:
-            self._errors += 1
+            self._stats.errors += 1
             return False
         return True
 
@@ -463,10 +433,10 @@ class S3Backend:
         try:
             body = await self._call(partial(_fetch, store, path), batch, "GET", path)
         except PageNotFound:
-            self._misses += 1
+            self._stats.misses += 1
             return False
         except StorageError:
-            self._errors += 1
+            self._stats.errors += 1
             return False
         expected = HEADER_SIZE + buf.nbytes
         if len(body) != expected:
@@ -477,7 +447,7 @@ class S3Backend:
                 raise ValueError(
                     f"buffers[{index}]: page {key} holds {stored} payload bytes, the buffer has {buf.nbytes}"
                 )
-            self._checksum_failures += 1
+            self._stats.checksum_failures += 1
             logger.warning(
                 "s3 page %s has %d bytes, expected %d: treated as a miss", path, len(body), expected
             )
@@ -490,11 +460,11 @@ class S3Backend:
             else:
                 verify()
         except ChecksumMismatch as exc:
-            self._checksum_failures += 1
+            self._stats.checksum_failures += 1
             logger.warning("s3 page %s failed verification (%s): treated as a miss", path, exc)
             return False
-        self._pages_read += 1
-        self._bytes_read += buf.nbytes
+        self._stats.pages_read += 1
+        self._stats.bytes_read += buf.nbytes
         return True
 
     async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
@@ -506,10 +476,10 @@ class S3Backend:
                 partial(obstore.put_async, store, path, body, use_multipart=False), batch, "PUT", path
             )
         except StorageError:
-            self._errors += 1
+            self._stats.errors += 1
             return False
-        self._pages_written += 1
-        self._bytes_written += buf.nbytes
+        self._stats.pages_written += 1
+        self._stats.bytes_written += buf.nbytes
         return True
 
     async def _delete_one(self, store: S3Store, key: str, batch: _Batch) -> StorageError | None:
@@ -519,7 +489,7 @@ class S3Backend:
         except PageNotFound:
             return None
         except StorageError as exc:
-            self._errors += 1
+            self._stats.errors += 1
             return exc
         return None
 
@@ -579,10 +549,9 @@ class S3Backend:
         return text
 
     def _open_store(self) -> S3Store:
-        store = self._store
-        if self._closed or store is None:
-            raise CacheClosed(f"{self!r} is closed")
-        return store
+        self._check_open()
+        assert self._store is not None, "an open S3Backend holds its store"
+        return self._store
 
 
 def _http_status(exc: BaseException) -> int | None:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from hicache.demo.model import full_logits, seeded_model
+
 __all__ = [
     "HybridDecode",
     "HybridModel",
@@ -153,17 +155,7 @@ def build_hybrid_model(spec: HybridSpec) -> Any:
         attn_implementation="eager",
         tie_word_embeddings=False,
     )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(spec.seed)
-        model = model_cls(config)
-    finally:
-        torch.random.set_rng_state(state)
-    model = model.to(dtype=torch.float32)
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
+    return seeded_model(model_cls, config, spec.seed)
 
 
 def _recording_cache_class() -> type:
@@ -457,9 +449,7 @@ class HybridModel:
 
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of every position of `tokens` from one forward pass with no cache, `(n, vocab_size)`."""
-        with torch.inference_mode():
-            out = self.model(input_ids=tokens.unsqueeze(0), use_cache=False)
-        return out.logits[0].clone()  # type: ignore[no-any-return]
+        return full_logits(self.model, tokens)
 
 
 def _pairs_from_pool(kv: torch.Tensor) -> tuple[KVPair, ...]:

@@ -20,9 +20,8 @@ tensors with the same split; and they agree with a no-cache recompute within `RE
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -45,12 +44,13 @@ from hicache.demo.serve import (
     DemoResult,
     ProgressFn,
     RequestRecord,
+    ServingLoop,
+    demo_cache_config,
+    noop_progress,
     pool_json,
-    storage_url,
-    sum_metric,
-    top_prefixes,
+    run_serving,
 )
-from hicache.demo.workload import Session, WorkloadSpec, make_workload
+from hicache.demo.workload import WorkloadSpec, make_workload
 from hicache.keys import Namespace, as_key_bytes, chained_page_hashes
 from hicache.memory import KVLayout
 
@@ -246,10 +246,6 @@ def _concat(pages: list[_Pairs]) -> _Pairs:
     )
 
 
-def _noop(phase: str, done: int, total: int) -> None:
-    del phase, done, total
-
-
 @dataclass(slots=True)
 class _Restored:
     """What a request restored from the cache and how its prefill was cut, kept for verification."""
@@ -258,70 +254,19 @@ class _Restored:
     splits: tuple[int, ...]
 
 
-class _HybridRunner:
+class _HybridRunner(ServingLoop[HybridModel]):
     """State shared by the users of one hybrid demo run."""
 
     def __init__(self, config: HybridDemoConfig, model: HybridModel, progress: ProgressFn) -> None:
+        demo = config.demo
+        workload = make_workload(replace(demo.workload_spec(), vocab_size=config.model.vocab_size))
+        super().__init__(model, workload, demo.max_running, demo.torch_threads, progress)
         self.config = config
-        self.demo = config.demo
-        self.model = model
-        self.progress = progress
-        spec = config.demo.workload_spec()
-        self.workload = make_workload(
-            WorkloadSpec(
-                users=spec.users,
-                turns=spec.turns,
-                system_prompts=spec.system_prompts,
-                system_prompt_tokens=spec.system_prompt_tokens,
-                user_tokens=spec.user_tokens,
-                decode_tokens=spec.decode_tokens,
-                arrival_gap_s=spec.arrival_gap_s,
-                think_time_s=spec.think_time_s,
-                vocab_size=config.model.vocab_size,
-                seed=spec.seed,
-            )
-        )
-        self.model_lock = anyio.Lock()
-        self.running = anyio.CapacityLimiter(self.demo.max_running)
-        self.oracle = HybridOracle(model, self.demo.page_size)
-        self.records: list[RequestRecord] = []
+        self.demo = demo
+        self.oracle = HybridOracle(model, demo.page_size)
         self.restored: dict[str, _Restored] = {}
-        self.t0 = 0.0
-
-    async def compute(self, fn: Callable[[], Any]) -> Any:
-        """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
-        threads = self.demo.torch_threads
-
-        def call() -> Any:
-            if threads is not None and torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            return fn()
-
-        async with self.model_lock:
-            return await anyio.to_thread.run_sync(call)
 
     # ------------------------------------------------------------------ with the cache
-
-    async def serve_cached(self, cache: HiCache) -> None:
-        async with anyio.create_task_group() as tg:
-            for conversation in self.workload.conversations:
-                tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
-
-    async def _user_cached(self, cache: HiCache, session: Session) -> None:
-        conv = session.conversation
-        await anyio.sleep(conv.start_delay_s)
-        while not session.done:
-            prompt = session.next_prompt()
-            turn = session.turn
-            arrival = time.perf_counter()
-            async with self.running:
-                record = await self._serve_one(
-                    cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival
-                )
-            self.records.append(record)
-            self.progress("cache", len(self.records), self.workload.num_requests)
-            session.record_reply(prompt, record.reply)
-            await anyio.sleep(conv.think_times_s[turn])
 
     def _read_prefix(self, cache: HiCache, lease: Lease, reused: int) -> HybridPrefix:
         """The prefix's K/V, window and state, read out of the three device pools."""
@@ -397,18 +342,16 @@ class _HybridRunner:
                 cache.device_pool.free(new_indices)
             for name, slots in owned.items():
                 cache.component_pools[name][0].free(slots)
-        return RequestRecord(
-            request_id=request_id,
-            user=user,
-            turn=turn,
-            prompt=prompt,
-            cached_len=cached,
-            reused_len=reused,
-            hits=dict(lease.hit_tokens_by_tier),
-            prefetch=lease.prefetch.status if lease.prefetch is not None else None,
+        return self._record(
+            lease,
+            request_id,
+            user,
+            turn,
+            prompt,
+            reused=reused,
             inserted=inserted,
-            arrival_s=arrival - self.t0,
-            ttft_s=ttft,
+            arrival=arrival,
+            ttft=ttft,
             reply=reply,
             logits=decoded.logits,
             acquire_s=acquire_s,
@@ -443,37 +386,6 @@ class _HybridRunner:
             packed = prefill.state_at[aligned]
             cache.component_pools["mamba"][0].write_tokens(state, packed.view(1, 1, 1, 1, -1))
 
-    # ------------------------------------------------------------------ without a cache
-
-    async def serve_recompute(self) -> None:
-        by_user: dict[int, list[RequestRecord]] = {}
-        for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
-            by_user.setdefault(record.user, []).append(record)
-        done = [0]
-        async with anyio.create_task_group() as tg:
-            for conv in self.workload.conversations:
-                tg.start_soon(
-                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
-                )
-
-    async def _user_recompute(
-        self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
-    ) -> None:
-        await anyio.sleep(delay)
-        steps = self.workload.spec.decode_tokens
-        for record in records:
-            arrival = time.perf_counter()
-            record.arrival_nocache_s = arrival - self.t0
-            async with self.running:
-                prefill: HybridPrefill = await self.compute(partial(self.model.prefill, record.prompt, None))
-                record.ttft_nocache_s = time.perf_counter() - arrival
-                decoded: HybridDecode = await self.compute(partial(self.model.decode, prefill, steps))
-            record.reply_equal = decoded.tokens == record.reply
-            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
-            done[0] += 1
-            self.progress("recompute", done[0], len(self.records))
-            await anyio.sleep(think[record.turn])
-
     # ------------------------------------------------------------------ checks 1 and 2
 
     def verify(self) -> None:
@@ -489,7 +401,9 @@ class _HybridRunner:
 
 
 async def run_hybrid_demo(
-    config: HybridDemoConfig, progress: ProgressFn = _noop, announce: Callable[[str], None] | None = None
+    config: HybridDemoConfig,
+    progress: ProgressFn = noop_progress,
+    announce: Callable[[str], None] | None = None,
 ) -> DemoResult:
     """Serve the workload over the hybrid model with a component-aware `HiCache`, then without, and verify.
 
@@ -512,65 +426,25 @@ async def run_hybrid_demo(
         SlidingWindow(spec.window, swa_layout, config.swa_device_pages, config.swa_host_pages),
         MambaState(spec.state_nbytes, config.state_device_slots, config.state_host_slots),
     )
-    metrics_url: str | None = None
-    async with storage_url(demo.backend_url) as url:
-        cache_config = HiCacheConfig(
-            layout=layout,
-            device_pages=demo.device_pages,
-            host_pages=demo.host_pages,
-            write_policy=demo.write_policy,
-            storage_url=url,
-            storage_options=demo.storage_options,
-            namespace=Namespace(model=f"hicache-demo-hybrid-{spec.seed}", extra=uuid.uuid4().hex),
-            prefetch_threshold=demo.prefetch_threshold,
-            components=components,
-        )
-        async with HiCache(cache_config) as cache, anyio.create_task_group() as tg:
-            if demo.metrics_port is not None:
-                from hicache.metrics import serve_metrics
 
-                port = await tg.start(serve_metrics, cache.registry, "127.0.0.1", demo.metrics_port)
-                metrics_url = f"http://127.0.0.1:{port}/metrics"
-                if announce is not None:
-                    announce(metrics_url)
-            t = runner.t0 = time.perf_counter()
-            await runner.serve_cached(cache)
-            await cache.wait_idle()
-            wall["cache"] = time.perf_counter() - t
-            cache.sanity_check()
-            snapshot = cache.registry.snapshot()
-            prometheus = cache.registry.render_prometheus()
-            stats = cache.statistics()
-            pools: dict[str, dict[str, Any]] = {
-                "device": pool_json(stats.device_pool),
-                "host": pool_json(stats.host_pool),
-                "storage": {"url": url, "bytes_written": sum_metric(snapshot, "storage_bytes_written_total")},
-            }
-            tree = {
-                "nodes": stats.tree.num_nodes,
-                "device_tokens": stats.tree.device_tokens,
-                "host_tokens": stats.tree.host_tokens,
-                "evictable_device_tokens": stats.tree.evictable_device_tokens,
-                "evictable_host_tokens": stats.tree.evictable_host_tokens,
-            }
-            component_pools = {
+    def cache_config(url: str) -> HiCacheConfig:
+        return demo_cache_config(demo, layout, url, f"hicache-demo-hybrid-{spec.seed}", components)
+
+    def inspect(cache: HiCache) -> dict[str, Any]:
+        return {
+            "component_pools": {
                 name: {"device": pool_json(dev.statistics()), "host": pool_json(host.statistics())}
                 for name, (dev, host) in cache.component_pools.items()
-            }
-            component_tree = {
+            },
+            "component_tree": {
                 name: {"device_slots": s.device_slots, "host_slots": s.host_slots}
                 for name, s in cache.tree.component_statistics().items()
-            }
-            prefixes = top_prefixes(cache)
-            tg.cancel_scope.cancel()
-    t = runner.t0 = time.perf_counter()
-    await runner.serve_recompute()
-    wall["recompute"] = time.perf_counter() - t
-    t = time.perf_counter()
-    await runner.compute(runner.verify)
-    wall["verify"] = time.perf_counter() - t
-    records = runner.records
-    details = {
+            },
+        }
+
+    result = await run_serving(runner, demo, cache_config, wall, announce, inspect)
+    records = result.records
+    result.details = {
         "model": repr(model),
         "layer_types": list(spec.layer_types),
         "window_tokens": spec.window,
@@ -580,20 +454,6 @@ async def run_hybrid_demo(
             "window_tokens": sum(min(spec.window, r.reused_len) for r in records),
             "states": sum(1 for r in records if r.reused_len),
         },
-        "component_pools": component_pools,
-        "component_tree": component_tree,
+        **result.details,
     }
-    return DemoResult(
-        config=demo,
-        backend_url=url,
-        records=records,
-        metrics=snapshot,
-        prometheus=prometheus,
-        pools=pools,
-        tree=tree,
-        top_prefixes=prefixes,
-        wall_s=wall,
-        token_nbytes=layout.token_nbytes,
-        metrics_url=metrics_url,
-        details=details,
-    )
+    return result

@@ -22,7 +22,9 @@ __all__ = [
     "PrefillResult",
     "build_model",
     "cache_from_kv",
+    "full_logits",
     "kv_from_cache",
+    "seeded_model",
 ]
 
 
@@ -79,9 +81,17 @@ def build_model(spec: ModelSpec) -> Any:
         attn_implementation="eager",
         tie_word_embeddings=False,
     )
+    return seeded_model(model_cls, config, spec.seed)
+
+
+def seeded_model(model_cls: Any, config: Any, seed: int) -> Any:
+    """`model_cls(config)` with weights drawn from `torch.manual_seed(seed)`, float32, in eval mode, frozen.
+
+    The global RNG state is restored afterwards.
+    """
     state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(seed)
         model = model_cls(config)
     finally:
         torch.random.set_rng_state(state)
@@ -90,6 +100,13 @@ def build_model(spec: ModelSpec) -> Any:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def full_logits(model: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of every position of `tokens` from one forward pass of `model` with no cache, `(n, vocab_size)`."""
+    with torch.inference_mode():
+        out = model(input_ids=tokens.unsqueeze(0), use_cache=False)
+    return out.logits[0].clone()  # type: ignore[no-any-return]
 
 
 def kv_from_cache(cache: Any, start: int, end: int) -> torch.Tensor:
@@ -254,9 +271,7 @@ class DemoModel:
 
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of every position of `tokens` from one forward pass with no cache, `(n, vocab_size)`."""
-        with torch.inference_mode():
-            out = self.model(input_ids=tokens.unsqueeze(0), use_cache=False)
-        return out.logits[0].clone()  # type: ignore[no-any-return]
+        return full_logits(self.model, tokens)
 
     def _empty_kv(self) -> torch.Tensor:
         s = self.spec

@@ -25,11 +25,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 import torch
 
+from hicache.components.base import Component
 from hicache.config import HiCacheConfig
 from hicache.controller import HiCache, Lease
 from hicache.demo.model import DecodeResult, DemoModel, ModelSpec, PrefillResult, cache_from_kv
@@ -46,8 +47,12 @@ __all__ = [
     "DemoResult",
     "ProgressFn",
     "RequestRecord",
+    "ServingLoop",
+    "demo_cache_config",
+    "noop_progress",
     "pool_json",
     "run_demo",
+    "run_serving",
     "storage_url",
     "sum_metric",
     "top_prefixes",
@@ -242,29 +247,49 @@ class DemoResult:
         return all(r.identical for r in self.records)
 
 
-def _noop(phase: str, done: int, total: int) -> None:
+def noop_progress(phase: str, done: int, total: int) -> None:
+    """A `ProgressFn` that reports nothing."""
     del phase, done, total
 
 
-class _Runner:
-    """State shared by the users of one demo run."""
+ModelT = TypeVar("ModelT")
+
+
+class ServingLoop(Generic[ModelT]):
+    """State and user loops shared by the demo runners: one model, a running-slot limit, the records.
+
+    A runner subclasses this and implements `_serve_one` (one request through the cache); the user loops
+    with the cache, the no-cache recompute run and the model worker thread are here. The model must offer
+    `prefill(prompt, None)` and `decode(prefill, steps)` returning objects with `tokens` and `logits`.
+
+    Args:
+        model: the model the requests run on.
+        workload: the seeded workload.
+        max_running: requests in flight at once.
+        torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
+        progress: called as requests complete, per phase.
+    """
 
     def __init__(
-        self, config: DemoConfig, model: DemoModel, workload: Workload, progress: ProgressFn
+        self,
+        model: ModelT,
+        workload: Workload,
+        max_running: int,
+        torch_threads: int | None,
+        progress: ProgressFn,
     ) -> None:
-        self.config = config
         self.model = model
         self.workload = workload
         self.progress = progress
+        self.torch_threads = torch_threads
         self.model_lock = anyio.Lock()
-        self.running = anyio.CapacityLimiter(config.max_running)
-        self.oracle = KVOracle(config.page_size)
+        self.running = anyio.CapacityLimiter(max_running)
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
         """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
-        threads = self.config.torch_threads
+        threads = self.torch_threads
 
         def call() -> Any:
             # The thread count is per OS thread under OpenMP, so it is set in the worker itself.
@@ -277,14 +302,8 @@ class _Runner:
 
     # ------------------------------------------------------------------ with the cache
 
-    def _decode_and_record(self, prefill: PrefillResult, prompt: torch.Tensor, reused: int) -> DecodeResult:
-        """Decode, then record the K/V the model computed itself in the oracle (in the worker thread)."""
-        decoded = self.model.decode(prefill, self.workload.spec.decode_tokens)
-        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
-        self.oracle.record(seq, prefill.cache, reused, seq.numel())
-        return decoded
-
     async def serve_cached(self, cache: HiCache) -> None:
+        """Serve every user's conversation through `cache`, recording each request."""
         async with anyio.create_task_group() as tg:
             for conversation in self.workload.conversations:
                 tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
@@ -304,6 +323,106 @@ class _Runner:
             self.progress("cache", len(self.records), self.workload.num_requests)
             session.record_reply(prompt, record.reply)
             await anyio.sleep(conv.think_times_s[turn])
+
+    async def _serve_one(
+        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
+    ) -> RequestRecord:
+        raise NotImplementedError
+
+    def _record(
+        self,
+        lease: Lease,
+        request_id: str,
+        user: int,
+        turn: int,
+        prompt: torch.Tensor,
+        *,
+        reused: int,
+        inserted: bool,
+        arrival: float,
+        ttft: float,
+        reply: list[int],
+        logits: torch.Tensor,
+        acquire_s: float,
+        restored_kv: torch.Tensor | None = None,
+    ) -> RequestRecord:
+        """The record of one request served through the cache under `lease` (still readable after release)."""
+        return RequestRecord(
+            request_id=request_id,
+            user=user,
+            turn=turn,
+            prompt=prompt,
+            cached_len=lease.cached_len,
+            reused_len=reused,
+            hits=dict(lease.hit_tokens_by_tier),
+            prefetch=lease.prefetch.status if lease.prefetch is not None else None,
+            inserted=inserted,
+            arrival_s=arrival - self.t0,
+            ttft_s=ttft,
+            reply=reply,
+            logits=logits,
+            restored_kv=restored_kv,
+            acquire_s=acquire_s,
+        )
+
+    # ------------------------------------------------------------------ without a cache
+
+    async def serve_recompute(self) -> None:
+        """Serve the recorded prompts again with full recompute and no cache, comparing the replies."""
+        by_user: dict[int, list[RequestRecord]] = {}
+        for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
+            by_user.setdefault(record.user, []).append(record)
+        done = [0]
+        async with anyio.create_task_group() as tg:
+            for conv in self.workload.conversations:
+                tg.start_soon(
+                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
+                )
+
+    async def _user_recompute(
+        self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
+    ) -> None:
+        await anyio.sleep(delay)
+        steps = self.workload.spec.decode_tokens
+        model: Any = self.model
+        for record in records:
+            arrival = time.perf_counter()
+            record.arrival_nocache_s = arrival - self.t0
+            async with self.running:
+                prefill = await self.compute(partial(model.prefill, record.prompt, None))
+                record.ttft_nocache_s = time.perf_counter() - arrival
+                decoded = await self.compute(partial(model.decode, prefill, steps))
+            record.reply_equal = decoded.tokens == record.reply
+            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
+            done[0] += 1
+            self.progress("recompute", done[0], len(self.records))
+            await anyio.sleep(think[record.turn])
+
+    # ------------------------------------------------------------------ checks 1 and 2
+
+    def verify(self) -> None:
+        """Run checks 1 and 2 on every record (in the worker thread)."""
+        raise NotImplementedError
+
+
+class _Runner(ServingLoop[DemoModel]):
+    """State shared by the users of one demo run."""
+
+    def __init__(
+        self, config: DemoConfig, model: DemoModel, workload: Workload, progress: ProgressFn
+    ) -> None:
+        super().__init__(model, workload, config.max_running, config.torch_threads, progress)
+        self.config = config
+        self.oracle = KVOracle(config.page_size)
+
+    # ------------------------------------------------------------------ with the cache
+
+    def _decode_and_record(self, prefill: PrefillResult, prompt: torch.Tensor, reused: int) -> DecodeResult:
+        """Decode, then record the K/V the model computed itself in the oracle (in the worker thread)."""
+        decoded = self.model.decode(prefill, self.workload.spec.decode_tokens)
+        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
+        self.oracle.record(seq, prefill.cache, reused, seq.numel())
+        return decoded
 
     async def _serve_one(
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
@@ -338,54 +457,21 @@ class _Runner:
             cache.release(lease)
             if new_indices is not None:
                 cache.device_pool.free(new_indices)
-        return RequestRecord(
-            request_id=request_id,
-            user=user,
-            turn=turn,
-            prompt=prompt,
-            cached_len=cached,
-            reused_len=reused,
-            hits=dict(lease.hit_tokens_by_tier),
-            prefetch=lease.prefetch.status if lease.prefetch is not None else None,
+        return self._record(
+            lease,
+            request_id,
+            user,
+            turn,
+            prompt,
+            reused=reused,
             inserted=inserted,
-            arrival_s=arrival - self.t0,
-            ttft_s=ttft,
+            arrival=arrival,
+            ttft=ttft,
             reply=reply,
             logits=decoded.logits,
-            restored_kv=restored,
             acquire_s=acquire_s,
+            restored_kv=restored,
         )
-
-    # ------------------------------------------------------------------ without a cache
-
-    async def serve_recompute(self) -> None:
-        by_user: dict[int, list[RequestRecord]] = {}
-        for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
-            by_user.setdefault(record.user, []).append(record)
-        done = [0]
-        async with anyio.create_task_group() as tg:
-            for conv in self.workload.conversations:
-                tg.start_soon(
-                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
-                )
-
-    async def _user_recompute(
-        self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
-    ) -> None:
-        await anyio.sleep(delay)
-        steps = self.workload.spec.decode_tokens
-        for record in records:
-            arrival = time.perf_counter()
-            record.arrival_nocache_s = arrival - self.t0
-            async with self.running:
-                prefill: PrefillResult = await self.compute(partial(self.model.prefill, record.prompt, None))
-                record.ttft_nocache_s = time.perf_counter() - arrival
-                decoded: DecodeResult = await self.compute(partial(self.model.decode, prefill, steps))
-            record.reply_equal = decoded.tokens == record.reply
-            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
-            done[0] += 1
-            self.progress("recompute", done[0], len(self.records))
-            await anyio.sleep(think[record.turn])
 
     # ------------------------------------------------------------------ checks 1 and 2
 
@@ -452,7 +538,7 @@ async def _storage_url(url: str | None) -> AsyncIterator[str]:
 
 
 async def run_demo(
-    config: DemoConfig, progress: ProgressFn = _noop, announce: Callable[[str], None] | None = None
+    config: DemoConfig, progress: ProgressFn = noop_progress, announce: Callable[[str], None] | None = None
 ) -> DemoResult:
     """Serve the workload with a `HiCache`, then without, verify every request, and return the records.
 
@@ -469,21 +555,68 @@ async def run_demo(
     runner = _Runner(config, model, workload, progress)
     spec = config.model
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, config.page_size)
+
+    def cache_config(url: str) -> HiCacheConfig:
+        return demo_cache_config(config, layout, url, f"hicache-demo-{spec.seed}")
+
+    return await run_serving(runner, config, cache_config, wall, announce)
+
+
+def demo_cache_config(
+    config: DemoConfig,
+    layout: KVLayout,
+    url: str,
+    model_name: str,
+    components: tuple[Component, ...] = (),
+) -> HiCacheConfig:
+    """The cache's configuration for a demo run: `config`'s pools and policies over `url`.
+
+    Args:
+        config: the run's configuration.
+        layout: the base pool's (full-attention) K/V layout.
+        url: the storage URL actually used.
+        model_name: the namespace's model name.
+        components: the hybrid model's components, if any.
+    """
+    return HiCacheConfig(
+        layout=layout,
+        device_pages=config.device_pages,
+        host_pages=config.host_pages,
+        write_policy=config.write_policy,
+        storage_url=url,
+        storage_options=config.storage_options,
+        # A fresh namespace per run: pages a previous run left in a shared store are not this run's
+        # model output as far as the oracle knows, so they must never match.
+        namespace=Namespace(model=model_name, extra=uuid.uuid4().hex),
+        prefetch_threshold=config.prefetch_threshold,
+        components=components,
+    )
+
+
+async def run_serving(
+    runner: ServingLoop[Any],
+    config: DemoConfig,
+    cache_config: Callable[[str], HiCacheConfig],
+    wall: dict[str, float],
+    announce: Callable[[str], None] | None = None,
+    inspect: Callable[[HiCache], dict[str, Any]] | None = None,
+) -> DemoResult:
+    """The phases of a demo run after the model is built: cached run, no-cache run, verification.
+
+    Args:
+        runner: the run's serving loop.
+        config: the run's configuration (storage tier, metrics port).
+        cache_config: the cache's configuration, given the storage URL actually used.
+        wall: seconds per phase so far; the `cache`, `recompute` and `verify` phases are added.
+        announce: called with the metrics URL once it is being served.
+        inspect: called with the cache at the end of the cached run; what it returns becomes the result's
+            `details`.
+    """
     metrics_url: str | None = None
+    details: dict[str, Any] = {}
     async with _storage_url(config.backend_url) as url:
-        cache_config = HiCacheConfig(
-            layout=layout,
-            device_pages=config.device_pages,
-            host_pages=config.host_pages,
-            write_policy=config.write_policy,
-            storage_url=url,
-            storage_options=config.storage_options,
-            # A fresh namespace per run: pages a previous run left in a shared store are not this run's
-            # model output as far as the oracle knows, so they must never match.
-            namespace=Namespace(model=f"hicache-demo-{spec.seed}", extra=uuid.uuid4().hex),
-            prefetch_threshold=config.prefetch_threshold,
-        )
-        async with HiCache(cache_config) as cache, anyio.create_task_group() as tg:
+        hicache_config = cache_config(url)
+        async with HiCache(hicache_config) as cache, anyio.create_task_group() as tg:
             if config.metrics_port is not None:
                 from hicache.metrics import serve_metrics
 
@@ -511,6 +644,8 @@ async def run_demo(
                 "evictable_device_tokens": stats.tree.evictable_device_tokens,
                 "evictable_host_tokens": stats.tree.evictable_host_tokens,
             }
+            if inspect is not None:
+                details = inspect(cache)
             prefixes = top_prefixes(cache)
             tg.cancel_scope.cancel()
     t = runner.t0 = time.perf_counter()
@@ -529,8 +664,9 @@ async def run_demo(
         tree=tree,
         top_prefixes=prefixes,
         wall_s=wall,
-        token_nbytes=layout.token_nbytes,
+        token_nbytes=hicache_config.layout.token_nbytes,
         metrics_url=metrics_url,
+        details=details,
     )
 
 

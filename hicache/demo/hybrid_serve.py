@@ -43,7 +43,7 @@ from hicache.demo.serve import (
     DemoConfig,
     DemoResult,
     ProgressFn,
-    RequestRecord,
+    Served,
     ServingLoop,
     demo_cache_config,
     noop_progress,
@@ -291,15 +291,12 @@ class _HybridRunner(ServingLoop[HybridModel]):
         self.oracle.record(seq, prefill.cache, prefill.start, seq.numel(), prefill.state_at)
         return decoded
 
-    async def _serve_one(
-        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
-    ) -> RequestRecord:
+    async def _run(
+        self, cache: HiCache, lease: Lease, request_id: str, prompt: torch.Tensor, arrival: float
+    ) -> Served:
         page = self.demo.page_size
         steps = self.workload.spec.decode_tokens
         window = self.model.spec.window
-        t_acquire = time.perf_counter()
-        lease: Lease = await cache.acquire(request_id, prompt)
-        acquire_s = time.perf_counter() - t_acquire
         new_indices: torch.Tensor | None = None
         owned: dict[str, torch.Tensor] = {}
         try:
@@ -342,20 +339,7 @@ class _HybridRunner(ServingLoop[HybridModel]):
                 cache.device_pool.free(new_indices)
             for name, slots in owned.items():
                 cache.component_pools[name][0].free(slots)
-        return self._record(
-            lease,
-            request_id,
-            user,
-            turn,
-            prompt,
-            reused=reused,
-            inserted=inserted,
-            arrival=arrival,
-            ttft=ttft,
-            reply=reply,
-            logits=decoded.logits,
-            acquire_s=acquire_s,
-        )
+        return Served(reused, inserted, ttft, reply, decoded.logits)
 
     async def _stage_components(
         self,

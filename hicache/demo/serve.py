@@ -47,6 +47,7 @@ __all__ = [
     "DemoResult",
     "ProgressFn",
     "RequestRecord",
+    "Served",
     "ServingLoop",
     "demo_cache_config",
     "noop_progress",
@@ -252,15 +253,37 @@ def noop_progress(phase: str, done: int, total: int) -> None:
     del phase, done, total
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What serving one request under its lease produced, for its `RequestRecord`.
+
+    Attributes:
+        reused: cached tokens actually used.
+        inserted: whether the request's KV was inserted.
+        ttft: time to first token.
+        reply: the greedy reply.
+        logits: the logits each reply token was chosen from.
+        restored_kv: the K/V restored from the cache, kept for verification, or `None`.
+    """
+
+    reused: int
+    inserted: bool
+    ttft: float
+    reply: list[int]
+    logits: torch.Tensor
+    restored_kv: torch.Tensor | None = None
+
+
 ModelT = TypeVar("ModelT")
 
 
 class ServingLoop(Generic[ModelT]):
     """State and user loops shared by the demo runners: one model, a running-slot limit, the records.
 
-    A runner subclasses this and implements `_serve_one` (one request through the cache); the user loops
-    with the cache, the no-cache recompute run and the model worker thread are here. The model must offer
-    `prefill(prompt, None)` and `decode(prefill, steps)` returning objects with `tokens` and `logits`.
+    A runner subclasses this and implements `_run` (one request through the cache under its lease, which
+    it releases); the user loops with the cache, the no-cache recompute run and the model worker thread
+    are here. The model must offer `prefill(prompt, None)` and `decode(prefill, steps)` returning objects
+    with `tokens` and `logits`.
 
     Args:
         model: the model the requests run on.
@@ -327,43 +350,33 @@ class ServingLoop(Generic[ModelT]):
     async def _serve_one(
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
     ) -> RequestRecord:
-        raise NotImplementedError
-
-    def _record(
-        self,
-        lease: Lease,
-        request_id: str,
-        user: int,
-        turn: int,
-        prompt: torch.Tensor,
-        *,
-        reused: int,
-        inserted: bool,
-        arrival: float,
-        ttft: float,
-        reply: list[int],
-        logits: torch.Tensor,
-        acquire_s: float,
-        restored_kv: torch.Tensor | None = None,
-    ) -> RequestRecord:
-        """The record of one request served through the cache under `lease` (still readable after release)."""
+        t_acquire = time.perf_counter()
+        lease: Lease = await cache.acquire(request_id, prompt)
+        acquire_s = time.perf_counter() - t_acquire
+        served = await self._run(cache, lease, request_id, prompt, arrival)
         return RequestRecord(
             request_id=request_id,
             user=user,
             turn=turn,
             prompt=prompt,
             cached_len=lease.cached_len,
-            reused_len=reused,
+            reused_len=served.reused,
             hits=dict(lease.hit_tokens_by_tier),
             prefetch=lease.prefetch.status if lease.prefetch is not None else None,
-            inserted=inserted,
+            inserted=served.inserted,
             arrival_s=arrival - self.t0,
-            ttft_s=ttft,
-            reply=reply,
-            logits=logits,
-            restored_kv=restored_kv,
+            ttft_s=served.ttft,
+            reply=served.reply,
+            logits=served.logits,
+            restored_kv=served.restored_kv,
             acquire_s=acquire_s,
         )
+
+    async def _run(
+        self, cache: HiCache, lease: Lease, request_id: str, prompt: torch.Tensor, arrival: float
+    ) -> Served:
+        """Serve one request under `lease` (which this releases) and insert what it computed."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ without a cache
 
@@ -424,13 +437,10 @@ class _Runner(ServingLoop[DemoModel]):
         self.oracle.record(seq, prefill.cache, reused, seq.numel())
         return decoded
 
-    async def _serve_one(
-        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
-    ) -> RequestRecord:
+    async def _run(
+        self, cache: HiCache, lease: Lease, request_id: str, prompt: torch.Tensor, arrival: float
+    ) -> Served:
         page = self.config.page_size
-        t_acquire = time.perf_counter()
-        lease: Lease = await cache.acquire(request_id, prompt)
-        acquire_s = time.perf_counter() - t_acquire
         new_indices: torch.Tensor | None = None
         try:
             cached = lease.cached_len
@@ -457,21 +467,7 @@ class _Runner(ServingLoop[DemoModel]):
             cache.release(lease)
             if new_indices is not None:
                 cache.device_pool.free(new_indices)
-        return self._record(
-            lease,
-            request_id,
-            user,
-            turn,
-            prompt,
-            reused=reused,
-            inserted=inserted,
-            arrival=arrival,
-            ttft=ttft,
-            reply=reply,
-            logits=decoded.logits,
-            acquire_s=acquire_s,
-            restored_kv=restored,
-        )
+        return Served(reused, inserted, ttft, reply, decoded.logits, restored_kv=restored)
 
     # ------------------------------------------------------------------ checks 1 and 2
 

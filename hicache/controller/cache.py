@@ -561,7 +561,8 @@ class HiCache:
             )
             device_indices = await self.alloc_device(length)
             if device_indices is None:
-                return match
+                # No room: the device part alone, cut back to where every component is valid.
+                return self.tree.match_prefix(key[: start * TOKEN_BYTES]) if self.components else match
             loaded: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
                 await copy_pages_async(self.host_pool, host_values, self.device_pool, device_indices)

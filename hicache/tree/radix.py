@@ -639,7 +639,8 @@ class RadixTree:
 
     def _match_hybrid(self, kb: bytes) -> MatchResult:
         """`match_prefix` with components: the walk of the base, then truncated to where every component
-        allows a prefix to end (device prefix first; the host-only part only beyond a valid device end)."""
+        allows a prefix to end (beyond the device part once its host-only nodes are loaded, else at the
+        deepest valid device node)."""
         self._clock += 1
         tick = self._clock
         step = self._step
@@ -665,14 +666,15 @@ class RadixTree:
         k = 0
         while k < len(path) and path[k].device_value is not None:
             k += 1
+        # Components need to be valid only where the prefix ends: first try to end beyond the device
+        # part (once its host-only nodes are loaded), else at the deepest valid device node.
+        j = len(path) - k
+        while j > 0 and not self._valid_mixed(path[k + j - 1]):
+            j -= 1
         i = k
-        while i > 0 and not self.valid_end(path[i - 1], "device"):
-            i -= 1
-        j = 0
-        if i == k:
-            j = len(path) - k
-            while j > 0 and not self._valid_mixed(path[k + j - 1]):
-                j -= 1
+        if j == 0:
+            while i > 0 and not self.valid_end(path[i - 1], "device"):
+                i -= 1
         device_nodes = path[:i]
         host_nodes = path[k : k + j]
         last_device = device_nodes[-1] if device_nodes else root
@@ -701,8 +703,8 @@ class RadixTree:
 
         A match ending inside a node splits it; every matched node's `last_access` is advanced. With
         components the match is truncated to the deepest node where every component allows a prefix to
-        end (a complete sliding window, a Mamba state): on the device first, then, only if the whole
-        device prefix is valid, over host-only nodes whose components are on the host.
+        end (a complete sliding window, a Mamba state): at the deepest host-only node that is valid once
+        loaded (device nodes before it need not be valid ends), else at the deepest valid device node.
 
         Args:
             key: the token key (bytes, `array('q')`, a 1-D integer tensor or a sequence of ints).

@@ -93,6 +93,33 @@ def test_a_match_ends_only_at_a_node_holding_a_mamba_state() -> None:
     tree.sanity_check()
 
 
+def test_a_host_match_may_pass_a_shared_prefix_that_holds_no_state() -> None:
+    """Two conversations share a prefix whose split node holds no state: one user's own history on the
+    host is still a match, since a component needs to be valid only where the prefix ends."""
+    tree = make_tree("mamba")
+    a, b, c = seq(16), seq(16, 100), seq(16, 200)
+    tree.insert(a + b, ids(0, 32), {"mamba": ids(0, 1)})
+    tree.insert(a + c, ids(32, 32), {"mamba": ids(1, 1)})
+    own = tree.match_prefix(a + b).last_device_node
+    upper = own.parent
+    assert upper is not None
+    assert tree.component_value(upper, "mamba") is None  # the split point holds no state
+    tree.begin_backup(upper, ids(100, 16))
+    tree.commit_backup(upper)
+    tree.begin_backup(own, ids(116, 16), {"mamba": ids(5, 1)})
+    tree.commit_backup(own)
+    tree.demote(own)
+    frees(tree)
+    m = tree.match_prefix(a + b)
+    assert (m.device_len, m.host_len) == (16, 16)
+    assert m.host_nodes == (own,)
+    # Without the host state the same prefix matches nothing: the shared node is no valid end.
+    assert tree.evict_component("mamba", 1, "host") == 1
+    m = tree.match_prefix(a + b)
+    assert (m.device_len, m.host_len) == (0, 0)
+    tree.sanity_check()
+
+
 def test_a_state_on_an_unaligned_key_is_handed_back() -> None:
     """A state taken after a partial last page does not sit at a node end: the tree frees it."""
     tree = make_tree("mamba")

@@ -18,7 +18,7 @@ __all__ = ["StorageBackend"]
 class StorageBackend(Protocol):
     """A page store: batch exists/get/put/delete over page keys, closed with `aclose()`.
 
-    Contract (checked by `tests/storage/test_contract.py` for every backend):
+    Contract (checked by `tests/storage/contract.py` for every backend):
       * `exists(keys)` returns the length of the longest prefix of `keys` that is fully stored.
       * `get(keys, buffers)` fills `buffers[i]` with page `keys[i]` and returns one bool per page; a page that
         is missing, torn, truncated or fails its checksum is `False` and is never reported as loaded. When

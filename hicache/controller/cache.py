@@ -39,8 +39,6 @@ __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 logger = logging.getLogger("hicache.cache")
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 @dataclass
 class Lease:

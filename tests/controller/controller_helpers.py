@@ -10,6 +10,7 @@ import torch
 from hicache import HiCache, HiCacheConfig, KVLayout
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import StorageBackend
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
@@ -76,14 +77,36 @@ async def insert_device_chain(cache: HiCache, seq: Sequence[int], *, schedule_ba
     await cache.insert(lease, seq, indices)
 
 
-class GatedBackend:
+class PassThroughBackend:
+    """A storage wrapper that forwards every call to `inner`; test backends override what they change."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        self.inner = inner
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        return await self.inner.exists(keys)
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        return await self.inner.get(keys, buffers)
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        return await self.inner.put(keys, buffers)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class GatedBackend(PassThroughBackend):
     """A memory backend whose `get` reads one page per `allow()`; everything else passes through.
 
     Lets a test hold a prefetch mid-stream at an exact page, with no sleeps.
     """
 
     def __init__(self, inner: MemoryBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._credits = 0
         self._changed = anyio.Event()
         self.reads_started = 0
@@ -113,12 +136,3 @@ class GatedBackend:
             finally:
                 self.reads_done += 1
         return results
-
-    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        return await self.inner.put(keys, buffers)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.inner.delete(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()

@@ -13,6 +13,7 @@ from typing import TypeVar, TypeVarTuple, Unpack
 import anyio
 import anyio.lowlevel
 import torch
+from controller_helpers import PassThroughBackend
 
 from hicache import HiCache, KVLayout
 from hicache.errors import StorageError
@@ -203,7 +204,7 @@ class InlineMemoryBackend(MemoryBackend):
         return "<InlineMemoryBackend " + super().__repr__().removeprefix("<MemoryBackend ")
 
 
-class FaultyBackend:
+class FaultyBackend(PassThroughBackend):
     """Wraps a backend: gates page reads, and fails, hangs or lies about chosen pages.
 
     Faults are set per page key in `faults`:
@@ -215,7 +216,7 @@ class FaultyBackend:
     """
 
     def __init__(self, inner: StorageBackend, *, gated: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.gated = gated
         self.faults: dict[str, str] = {}
         self.exists_error = False
@@ -269,12 +270,3 @@ class FaultyBackend:
             finally:
                 self.reads_done += 1
         return results
-
-    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        return await self.inner.put(keys, buffers)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.inner.delete(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import pytest
@@ -11,6 +11,7 @@ import torch
 from controller_helpers import (
     PAGE,
     GatedBackend,
+    PassThroughBackend,
     insert_device_chain,
     make_config,
     page_payload,
@@ -396,19 +397,16 @@ async def test_info_log_names_dropped_or_committed(
         await cache.aclose()
 
 
-class BatchGatedBackend:
+class BatchGatedBackend(PassThroughBackend):
     """Each `get` call (one batch) waits for its own gate; the test opens them in any order."""
 
     def __init__(self, inner: MemoryBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.gates: list[anyio.Event] = []
         self.fail: set[int] = set()
         self.cancelled: list[int] = []
 
-    async def exists(self, keys: list[str]) -> int:
-        return await self.inner.exists(keys)
-
-    async def get(self, keys: list[str], buffers: list[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         index = len(self.gates)
         self.gates.append(anyio.Event())
         try:
@@ -418,15 +416,6 @@ class BatchGatedBackend:
             raise
         ok = await self.inner.get(keys, buffers)
         return [False] * len(ok) if index in self.fail else ok
-
-    async def put(self, keys: list[str], buffers: list[memoryview]) -> list[bool]:
-        return await self.inner.put(keys, buffers)
-
-    async def delete(self, keys: list[str]) -> None:
-        await self.inner.delete(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_concurrent_batches_count_only_the_verified_prefix(backend: MemoryBackend) -> None:

@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test check bench bench-tree bench-io bench-s3 venv clean
+FUZZ_ROUNDS ?= 20
+PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py tests/memory/test_memory_allocator.py
+
+.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +23,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The property tests with fresh random seeds, FUZZ_ROUNDS times (`make test` runs them derandomized).
+fuzz: $(STAMP)
+	for i in $$(seq $(FUZZ_ROUNDS)); do \
+		HICACHE_HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -p no:cacheprovider -x $(PROPERTY_TESTS) || exit 1; \
+	done
 
 check: $(STAMP)
 	$(BIN)/ruff check hicache storage_backends tests bench examples

@@ -25,6 +25,7 @@ __all__ = [
     "HIT",
     "MISS",
     "BackendStatistics",
+    "PendingGroups",
     "StatisticsRecorder",
     "buffer_sizes",
     "check_batch",
@@ -185,23 +186,48 @@ async def gather_page_groups(
     limiter: anyio.CapacityLimiter,
     group_bytes: int,
     min_group_bytes: int = 0,
+    pending: PendingGroups | None = None,
 ) -> list[int]:
     """Run `func(keys[g], buffers[g])` in worker threads over the `group_slices` of a batch.
 
-    At most `limiter.total_tokens` groups run at once, each in a thread of `limiter` (see
+    The batch is spread over as many groups as `limiter` has threads that `pending` (the backend's
+    count of groups in flight, when given) leaves unclaimed (see `group_slices`), and at
+    most `limiter.total_tokens` groups run at once, each in a thread of `limiter` (see
     `run_in_thread`: no thread outlives the call); the first failure cancels the rest (`gather_bounded`).
 
     Returns:
         The per-page outcome codes `func` returned, flattened, in batch order.
     """
     limit = int(limiter.total_tokens)
+    # Spread a batch over the threads no other call has claimed: when every thread has work (many
+    # prefetches at once) smaller groups buy no parallelism, only more thread hops for the loop to pay.
+    spare = limit - pending.groups if pending is not None else limit
     groups = group_slices(
-        buffer_sizes(buffers), limit=limit, group_bytes=group_bytes, min_group_bytes=min_group_bytes
+        buffer_sizes(buffers), limit=max(1, spare), group_bytes=group_bytes, min_group_bytes=min_group_bytes
     )
-    outcomes = await gather_bounded(
-        [partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter) for g in groups], limit
-    )
+    if pending is not None:
+        pending.groups += len(groups)
+    try:
+        outcomes = await gather_bounded(
+            [partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter) for g in groups], limit
+        )
+    finally:
+        if pending is not None:
+            pending.groups -= len(groups)
     return [o for group in outcomes for o in group]
+
+
+class PendingGroups:
+    """How many page groups a backend's calls have handed to its worker threads and not finished yet.
+
+    `gather_page_groups` reads it to split a batch only over threads that no other call has claimed, and
+    keeps it up to date. Touched on the event-loop thread only.
+    """
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        self.groups = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from storage_backends.batching import (
     HIT,
     MISS,
     BackendStatistics,
+    PendingGroups,
     StatisticsRecorder,
     check_batch,
     gather_bounded,
@@ -147,6 +148,7 @@ class FileBackend(BackendLifecycle):
         self._durable = durable
         self._nowait = _NOWAIT if readahead else 0
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
         self._known_dirs: set[str] = set()
         self._closed = False
@@ -297,6 +299,7 @@ class FileBackend(BackendLifecycle):
             limiter=self._limiter,
             group_bytes=self._group_bytes,
             min_group_bytes=_MIN_GROUP_BYTES,
+            pending=self._pending,
         )
 
     def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:

@@ -22,6 +22,7 @@ from storage_backends.batching import (
     HIT,
     MISS,
     BackendStatistics,
+    PendingGroups,
     StatisticsRecorder,
     check_batch,
     gather_page_groups,
@@ -80,6 +81,7 @@ class MemoryBackend(BackendLifecycle):
                 self._pages = _named_stores.setdefault(name, {})
         self._max_concurrency = max_concurrency
         self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -137,7 +139,12 @@ class MemoryBackend(BackendLifecycle):
         check_batch(keys, buffers)
         validate_keys(keys)
         outcomes = await gather_page_groups(
-            self._read_group, keys, buffers, limiter=self._limiter, group_bytes=_GROUP_BYTES
+            self._read_group,
+            keys,
+            buffers,
+            limiter=self._limiter,
+            group_bytes=_GROUP_BYTES,
+            pending=self._pending,
         )
         return self._stats.record_reads(outcomes, buffers)
 
@@ -152,7 +159,12 @@ class MemoryBackend(BackendLifecycle):
         check_batch(keys, buffers)
         validate_keys(keys)
         outcomes = await gather_page_groups(
-            self._write_group, keys, buffers, limiter=self._limiter, group_bytes=_GROUP_BYTES
+            self._write_group,
+            keys,
+            buffers,
+            limiter=self._limiter,
+            group_bytes=_GROUP_BYTES,
+            pending=self._pending,
         )
         return self._stats.record_writes(outcomes, buffers)
 

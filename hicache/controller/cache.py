@@ -25,6 +25,7 @@ from hicache.components import Component, component_storage_key
 from hicache.config import HiCacheConfig
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseQueue, ReleaseStatistics
+from hicache.controller.storage_probe import probe_hit_pages
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.work_queue import WorkQueue
 from hicache.errors import CacheClosed, InvariantViolation, UnknownRequest
@@ -125,24 +126,37 @@ class HiCache:
             components=config.components or None,
         )
         self.components: tuple[Component, ...] = self.tree.components
-        self.component_pools: dict[str, tuple[KVPool, KVPool]] = {
-            comp.name: (
-                make_device_pool(
-                    comp.pool_layout(config.page_size), comp.device_pages, name=f"{comp.name}-device"
-                ),
-                make_host_pool(comp.pool_layout(config.page_size), comp.host_pages, name=f"{comp.name}-host"),
-            )
-            for comp in self.components
-        }
-        self.device_pool = (
-            device_pool if device_pool is not None else make_device_pool(config.layout, config.device_pages)
-        )
-        self.host_pool = (
-            host_pool if host_pool is not None else make_host_pool(config.layout, config.host_pages)
-        )
-        for name, pool in (("device_pool", self.device_pool), ("host_pool", self.host_pool)):
-            if pool.layout != config.layout:
+        for name, pool in (("device_pool", device_pool), ("host_pool", host_pool)):
+            if pool is not None and pool.layout != config.layout:
                 raise ValueError(f"{name}: layout {pool.layout} does not match config.layout {config.layout}")
+        # The pools made here are the cache's to close (last, in `aclose`); pools passed in stay the
+        # caller's. If making one fails, those already made are closed before the error propagates.
+        self._owned_pools: list[KVPool] = []
+
+        def own(pool: KVPool) -> KVPool:
+            self._owned_pools.append(pool)
+            return pool
+
+        try:
+            self.component_pools: dict[str, tuple[KVPool, KVPool]] = {}
+            for comp in self.components:
+                layout = comp.pool_layout(config.page_size)
+                self.component_pools[comp.name] = (
+                    own(make_device_pool(layout, comp.device_pages, name=f"{comp.name}-device")),
+                    own(make_host_pool(layout, comp.host_pages, name=f"{comp.name}-host")),
+                )
+            self.device_pool = (
+                device_pool
+                if device_pool is not None
+                else own(make_device_pool(config.layout, config.device_pages))
+            )
+            self.host_pool = (
+                host_pool if host_pool is not None else own(make_host_pool(config.layout, config.host_pages))
+            )
+        except BaseException:
+            for made in self._owned_pools:
+                made.close()
+            raise
         self.storage: StorageBackend | None = storage
         self._owns_storage = storage is None
         self.registry = metrics if metrics is not None else MetricsRegistry()
@@ -198,6 +212,7 @@ class HiCache:
         """Cancel prefetches (waiting for their I/O), stop the workers, free everything, close storage.
 
         Idempotent. Buffers are released only after every read or copy that may write into them stopped.
+        The pools the cache made are closed last; pools passed to the constructor stay open (the caller's).
         """
         if self._closed:
             return
@@ -207,18 +222,26 @@ class HiCache:
                 for request_id in list(self._prefetches):
                     await self._cancel(request_id)
         finally:
-            # The task group was entered by `start()`; it is exited here, outside any newer cancel scope.
-            if self._stack is not None:
-                assert self._task_group is not None
-                self._task_group.cancel_scope.cancel()
-                await self._stack.aclose()
-            with anyio.CancelScope(shield=True):
-                self.release_queue.flush()
-                if self.storage is not None and self._owns_storage:
-                    await self.storage.aclose()
+            try:
+                # The task group was entered by `start()`; it is exited here, outside any newer cancel
+                # scope. Exiting waits for every worker, so no backup, store or stream touches a pool after.
+                if self._stack is not None:
+                    assert self._task_group is not None
+                    self._task_group.cancel_scope.cancel()
+                    await self._stack.aclose()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        self.release_queue.flush()
+                        if self.storage is not None and self._owns_storage:
+                            await self.storage.aclose()
+                    finally:
+                        for pool in self._owned_pools:
+                            pool.close()
 
     def __del__(self) -> None:
-        if self._started and not self._closed:
+        # getattr: a constructor that raised never set the flags, and must not fail again here.
+        if getattr(self, "_started", False) and not self._closed:
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
 
     def _check_open(self, what: str) -> None:
@@ -764,7 +787,7 @@ class HiCache:
             try:
                 # A hung lookup must not hang the request: it gets the same budget as a stream.
                 with anyio.move_on_after(self.config.prefetch_timeout(remainder)):
-                    hit_pages = await storage.exists(page_keys)
+                    hit_pages = await probe_hit_pages(storage, page_keys)
             except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
                 logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
             if hit_pages is None:
@@ -870,9 +893,7 @@ class HiCache:
 
     async def _stream(self, prefetch: Prefetch, storage: StorageBackend) -> None:
         views = self.host_pool.page_views(prefetch.host_indices)
-        await prefetch.stream(
-            storage, views, self.config.storage_batch_pages, self.config.storage_concurrency
-        )
+        await prefetch.stream(storage, views, self.config.batch_pages, self.config.storage_concurrency)
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:

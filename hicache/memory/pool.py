@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import operator
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -63,6 +65,9 @@ def _allocate_buffer(
 class KVPool:
     """A page-first pool of KV pages with its own page allocator.
 
+    A pool is a resource: close it with `close()`, `aclose()`, `with` or `async with`; one garbage-collected
+    while still open warns with `ResourceWarning`.
+
     Args:
         layout: the shape of one page.
         num_pages: pages in the pool.
@@ -76,6 +81,9 @@ class KVPool:
         TypeError: when `layout` is not a `KVLayout`.
         ValueError: when `num_pages` is negative or `pin_memory=True` is asked for a non-CPU pool.
     """
+
+    # Set last in `__init__`: a pool whose constructor failed reads as closed and does not warn in `__del__`.
+    _buffer: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -92,15 +100,15 @@ class KVPool:
         self._allocator = PageAllocator(num_pages, layout.page_size)
         self._device = torch.device(device)
         self._name = name
-        self._buffer: torch.Tensor | None
-        self._buffer, self._pinned = _allocate_buffer(
+        buffer, self._pinned = _allocate_buffer(
             (num_pages, *layout.page_shape), layout.dtype, self._device, pin_memory, name
         )
-        self._device = self._buffer.device
+        self._device = buffer.device
         # Byte view of the whole buffer, one row per page, for zero-copy page views (CPU only).
         self._bytes: np.ndarray | None = None
         if self._device.type == "cpu":
-            self._bytes = self._buffer.view(-1).view(torch.uint8).view(num_pages, layout.page_nbytes).numpy()
+            self._bytes = buffer.view(-1).view(torch.uint8).view(num_pages, layout.page_nbytes).numpy()
+        self._buffer = buffer
 
     # -- properties -----------------------------------------------------------------------------------
 
@@ -273,6 +281,14 @@ class KVPool:
         """Asynchronous `close`; idempotent."""
         self.close()
 
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
     async def __aenter__(self) -> KVPool:
         return self
 
@@ -280,6 +296,11 @@ class KVPool:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    # `warnings.warn` is bound as a default so the check still works while the interpreter shuts down.
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        if self._buffer is not None:
+            _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
 
     def _check_open(self) -> None:
         if self._buffer is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -13,8 +16,25 @@ from hicache.memory import HostPool, KVLayout, KVPool, make_device_pool, make_ho
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float16, page_size=4)
 
 
+_open_pools: list[KVPool] = []
+
+
+def opened(pool: KVPool) -> KVPool:
+    """Register `pool` to be closed after the test."""
+    _open_pools.append(pool)
+    return pool
+
+
+@pytest.fixture(autouse=True)
+def close_pools() -> Iterator[None]:
+    """Close every pool the test opened: an unclosed pool warns, and warnings are errors."""
+    yield
+    while _open_pools:
+        _open_pools.pop().close()
+
+
 def make_pool(num_pages: int = 6, layout: KVLayout = LAYOUT) -> KVPool:
-    return KVPool(layout, num_pages, device="cpu", pin_memory=False, name="test")
+    return opened(KVPool(layout, num_pages, device="cpu", pin_memory=False, name="test"))
 
 
 def random_kv(layout: KVLayout, n: int, seed: int = 0) -> torch.Tensor:
@@ -203,31 +223,61 @@ async def test_closed_pool_refuses_work() -> None:
         _ = pool.buffer
 
 
+def test_pool_is_a_context_manager() -> None:
+    with KVPool(LAYOUT, 1, pin_memory=False, name="scoped") as pool:
+        assert not pool.closed
+    assert pool.closed
+
+
+def test_unclosed_pool_warns_naming_it() -> None:
+    """A pool dropped while open warns `ResourceWarning` with its name; a closed one does not."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        KVPool(LAYOUT, 1, pin_memory=False, name="closed-one").close()
+        KVPool(LAYOUT, 1, pin_memory=False, name="forgotten")
+        gc.collect()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(messages) == 1
+    assert "unclosed <KVPool 'forgotten'" in messages[0]
+
+
+def test_pool_whose_constructor_failed_does_not_warn() -> None:
+    """A half-built pool holds no buffer: its `__del__` stays silent."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="num_pages"):
+            KVPool(LAYOUT, -1, pin_memory=False, name="broken")
+        with pytest.raises(TypeError, match="layout"):
+            KVPool("layout", 1)  # type: ignore[arg-type]
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
 # -- pinning ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without an accelerator")
 def test_pinning_falls_back_to_pageable_memory_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
-    auto = make_host_pool(LAYOUT, 2)
+    auto = opened(make_host_pool(LAYOUT, 2))
     assert auto.pinned is False
     assert auto.statistics().pinned is False
     assert HostPool is KVPool
     with caplog.at_level(logging.WARNING, logger="hicache.memory.pool"):
-        asked = KVPool(LAYOUT, 2, pin_memory=True, name="asked")
+        asked = opened(KVPool(LAYOUT, 2, pin_memory=True, name="asked"))
     assert asked.pinned is False
     assert not asked.buffer.is_pinned()
     assert any("pinned memory unavailable" in r.getMessage() for r in caplog.records)
-    device = make_device_pool(LAYOUT, 2)
+    device = opened(make_device_pool(LAYOUT, 2))
     assert device.device.type == "cpu"
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_host_pool_is_pinned_with_cuda() -> None:
-    host = make_host_pool(LAYOUT, 2)
+    host = opened(make_host_pool(LAYOUT, 2))
     assert host.pinned
     assert host.buffer.is_pinned()
-    device = make_device_pool(LAYOUT, 2)
+    device = opened(make_device_pool(LAYOUT, 2))
     assert device.device.type == "cuda"
     with pytest.raises(ValueError, match="pin_memory"):
         KVPool(LAYOUT, 2, device="cuda", pin_memory=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import anyio
 import anyio.to_thread
@@ -17,8 +18,25 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16
 P = LAYOUT.page_size
 
 
+_open_pools: list[KVPool] = []
+
+
+def opened(p: KVPool) -> KVPool:
+    """Register `p` to be closed after the test."""
+    _open_pools.append(p)
+    return p
+
+
+@pytest.fixture(autouse=True)
+def close_pools() -> Iterator[None]:
+    """Close every pool the test opened: an unclosed pool warns, and warnings are errors."""
+    yield
+    while _open_pools:
+        _open_pools.pop().close()
+
+
 def pool(num_pages: int, name: str, layout: KVLayout = LAYOUT) -> KVPool:
-    return KVPool(layout, num_pages, pin_memory=False, name=name)
+    return opened(KVPool(layout, num_pages, pin_memory=False, name=name))
 
 
 def fill_random(p: KVPool, indices: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -140,19 +158,19 @@ async def test_cancelled_copy_waits_for_its_worker_thread(monkeypatch: pytest.Mo
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_copy_pages_async_between_device_and_pinned_host() -> None:
-    device = make_device_pool(LAYOUT, 8)
-    host = KVPool(LAYOUT, 8, pin_memory=True, name="host")
+    device = opened(make_device_pool(LAYOUT, 8))
+    host = opened(KVPool(LAYOUT, 8, pin_memory=True, name="host"))
     assert host.pinned
     h_idx = scattered_pages(host, [6, 2, 3, 0])
     kv = fill_random(host, h_idx, seed=11)
     d_idx = scattered_pages(device, [1, 2, 7, 4])
     await copy_pages_async(host, h_idx, device, d_idx)  # H2D
     assert torch.equal(device.read_tokens(d_idx).cpu().view(torch.int16), kv.view(torch.int16))
-    back = KVPool(LAYOUT, 8, pin_memory=True, name="back")
+    back = opened(KVPool(LAYOUT, 8, pin_memory=True, name="back"))
     b_idx = scattered_pages(back, [3, 4, 0, 5])
     await copy_pages_async(device, d_idx, back, b_idx)  # D2H
     assert torch.equal(back.read_tokens(b_idx).view(torch.int16), kv.view(torch.int16))
-    other = make_device_pool(LAYOUT, 8)
+    other = opened(make_device_pool(LAYOUT, 8))
     o_idx = alloc(other, 4 * P)
     await copy_pages_async(device, d_idx, other, o_idx)  # D2D
     copy_pages(other, o_idx, back, b_idx)
@@ -163,8 +181,8 @@ async def test_copy_pages_async_between_device_and_pinned_host() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_cancelled_cuda_copy_completes_before_returning() -> None:
     layout = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.float16, page_size=64)
-    device = make_device_pool(layout, 16)
-    host = KVPool(layout, 16, pin_memory=True, name="host")
+    device = opened(make_device_pool(layout, 16))
+    host = opened(KVPool(layout, 16, pin_memory=True, name="host"))
     d_idx, h_idx = alloc(device, 16 * 64), alloc(host, 16 * 64)
     device.buffer.fill_(3.0)
     with anyio.CancelScope() as scope:

@@ -49,7 +49,7 @@ STALL_GOAL_MS = 10.0
 MARKER = 0xA5
 """Byte written over a destination before each pass."""
 VERIFY_CHUNK_BYTES = 256 << 20
-"""Pages compared per step when verifying, so a check never gathers the whole pool at once."""
+"""Bytes of pages compared per step when verifying, so a check never gathers the whole pool at once."""
 
 
 def llama8b_layout(page_size: int) -> KVLayout:
@@ -58,7 +58,10 @@ def llama8b_layout(page_size: int) -> KVLayout:
 
 
 def label(page_bytes: int) -> str:
-    return f"{page_bytes >> 20}mib" if page_bytes >= 1 << 20 else f"{page_bytes >> 10}kib"
+    """`2mib`, `128kib`, or a byte count: the suffix of a layout's JSON keys."""
+    if page_bytes % (1 << 20) == 0:
+        return f"{page_bytes >> 20}mib"
+    return f"{page_bytes >> 10}kib" if page_bytes % 1024 == 0 else f"{page_bytes}b"
 
 
 @dataclass
@@ -318,7 +321,8 @@ async def bench_layout(layout: KVLayout, args: argparse.Namespace) -> LayoutResu
     n = (args.total_mib << 20) // layout.page_nbytes // args.sequences * args.sequences
     if n == 0:
         raise SystemExit(
-            f"--total-mib {args.total_mib} holds {n} pages of {layout.page_nbytes} bytes: too few"
+            f"--total-mib {args.total_mib} holds fewer than --sequences {args.sequences} pages of "
+            f"{layout.page_nbytes} bytes"
         )
     result = LayoutResult(layout, n)
     device = make_device_pool(layout, n, name="bench-device")

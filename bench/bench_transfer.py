@@ -316,19 +316,10 @@ async def controller_pass(
         assert pool.allocator.free_pages == pool.allocator.capacity_pages, pool
 
 
-async def bench_layout(layout: KVLayout, args: argparse.Namespace) -> LayoutResult:
-    # A whole number of pages per controller request, so that every pass moves the same pages.
-    n = (args.total_mib << 20) // layout.page_nbytes // args.sequences * args.sequences
-    if n == 0:
-        raise SystemExit(
-            f"--total-mib {args.total_mib} holds fewer than --sequences {args.sequences} pages of "
-            f"{layout.page_nbytes} bytes"
-        )
-    result = LayoutResult(layout, n)
-    device = make_device_pool(layout, n, name="bench-device")
-    host = make_host_pool(layout, n, name="bench-host")
-    generator = torch.Generator().manual_seed(layout.page_size)
-    nbytes = result.nbytes
+async def run_layout(device: KVPool, host: KVPool, result: LayoutResult, args: argparse.Namespace) -> None:
+    """Warm up, then `--repeats` rounds of raw, async and controller passes in both directions."""
+    n, nbytes = result.pages, result.nbytes
+    generator = torch.Generator().manual_seed(result.layout.page_size)
 
     # Warm-up (untimed): the first copies of each kind pay for streams, threads and page mappings.
     fill_pattern(device, 0)
@@ -346,7 +337,22 @@ async def bench_layout(layout: KVLayout, args: argparse.Namespace) -> LayoutResu
         await async_pass(host, device, n, generator, result.load, "load")
         if not args.no_controller:
             await controller_pass(device, host, args.sequences, 2 * r + 2, generator, result)
-    del device, host
+
+
+async def bench_layout(layout: KVLayout, args: argparse.Namespace) -> LayoutResult:
+    # A whole number of pages per controller request, so that every pass moves the same pages.
+    n = (args.total_mib << 20) // layout.page_nbytes // args.sequences * args.sequences
+    if n == 0:
+        raise SystemExit(
+            f"--total-mib {args.total_mib} holds fewer than --sequences {args.sequences} pages of "
+            f"{layout.page_nbytes} bytes"
+        )
+    result = LayoutResult(layout, n)
+    with (
+        make_device_pool(layout, n, name="bench-device") as device,
+        make_host_pool(layout, n, name="bench-host") as host,
+    ):
+        await run_layout(device, host, result, args)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -388,8 +394,8 @@ def summarize(result: LayoutResult) -> dict[str, float]:
 def device_description() -> tuple[str, str, bool]:
     """The device kind, its name, and whether a host pool is pinned here."""
     if torch.cuda.is_available():
-        probe = make_host_pool(llama8b_layout(1), 1)
-        return "cuda", torch.cuda.get_device_name(0), probe.pinned
+        with make_host_pool(llama8b_layout(1), 1) as probe:
+            return "cuda", torch.cuda.get_device_name(0), probe.pinned
     return "cpu", "cpu", False
 
 

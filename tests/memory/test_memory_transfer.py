@@ -190,3 +190,61 @@ async def test_cancelled_cuda_copy_completes_before_returning() -> None:
         await copy_pages_async(device, d_idx, host, h_idx)
     assert scope.cancelled_caught
     assert bool((host.buffer == 3.0).all())
+
+
+BIG_PAGES = KVLayout(num_layers=2, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16, page_size=4)
+"""16 KiB pages: copies between CPU pools go run by run (above `_MIN_RUN_BYTES`)."""
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, BIG_PAGES], ids=["gather-scatter", "runs"])
+async def test_scattered_cpu_copies_are_bitwise_on_both_paths(layout: KVLayout) -> None:
+    """Both CPU strategies (one gather + scatter for small pages, one copy per run for larger ones)."""
+    src, dst = pool(64, "src", layout), pool(64, "dst", layout)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    s_idx = scattered_pages(src, order[:40])
+    d_idx = scattered_pages(dst, order[24:])
+    kv = fill_random(src, s_idx, seed=5)
+    await copy_pages_async(src, s_idx, dst, d_idx)
+    assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+    copy_pages(dst, d_idx[: 8 * P], src, s_idx[-8 * P :])
+    assert torch.equal(
+        src.read_tokens(s_idx[-8 * P :]).view(torch.int16), kv[:, :, : 8 * P].view(torch.int16)
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_many_scattered_cuda_runs_are_enqueued_off_the_loop_after_the_callers_stream() -> None:
+    """More runs than `_INLINE_RUNS`: enqueued from a worker thread, still ordered after the caller's
+    current stream (work the caller queued there lands before the copy reads), bitwise both ways."""
+    pages = 4 * transfer_module._INLINE_RUNS
+    device = opened(make_device_pool(LAYOUT, pages))
+    host = opened(KVPool(LAYOUT, pages, pin_memory=True, name="host"))
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(9)).tolist()
+    h_idx = scattered_pages(host, order)
+    d_idx = scattered_pages(device, list(range(pages))[::-1])
+    kv = fill_random(host, h_idx, seed=13)
+    await copy_pages_async(host, h_idx, device, d_idx)
+    assert torch.equal(device.read_tokens(d_idx).cpu().view(torch.int16), kv.view(torch.int16))
+    caller = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(50_000_000)  # type: ignore[attr-defined]  # keep the caller's stream busy
+        device.buffer.fill_(7.0)
+        await copy_pages_async(device, d_idx, host, h_idx)
+    assert bool((host.read_tokens(h_idx) == 7.0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_cancelled_threaded_cuda_copy_completes_before_returning() -> None:
+    pages = 4 * transfer_module._INLINE_RUNS
+    device = opened(make_device_pool(LAYOUT, pages))
+    host = opened(KVPool(LAYOUT, pages, pin_memory=True, name="host"))
+    d_idx = scattered_pages(device, list(range(pages))[::-1])
+    h_idx = alloc(host, pages * P)
+    device.buffer.fill_(3.0)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await copy_pages_async(device, d_idx, host, h_idx)
+    assert scope.cancelled_caught
+    assert bool((host.buffer == 3.0).all())

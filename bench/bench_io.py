@@ -137,8 +137,13 @@ async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
 
     Collects garbage first: a closed `HiCache` caught in a reference cycle still holds its 1 GiB host
     pool, and freeing that inside a timed pass stalled the loop for ~100 ms and evicted the "hot" pages.
+    Then freezes the survivors out of the collector's reach for the pass (`gc.freeze()`), as serving
+    engines do once their model is loaded (SGLang has `freeze_gc`, vLLM `freeze_gc_heap`): otherwise a
+    full collection, which walks every object of the process (~170k after importing torch: 100-170 ms
+    here), can land inside a pass and is then the loop's longest stall, whatever the cache does.
     """
     gc.collect()
+    gc.freeze()
     done = anyio.Event()
     worst = 0.0
 
@@ -156,6 +161,7 @@ async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
         pages = await run()
         seconds = time.perf_counter() - start
         done.set()
+    gc.unfreeze()  # the next pass's collection must reach what this one left behind
     return Timed(seconds, worst * 1000, pages)
 
 

@@ -10,6 +10,8 @@ For each layout — a Llama-8B-like KV (32 layers, 8 KV heads, head dim 128, bf1
   thread. The best a plain torch op does between those two kinds of memory.
 - async: `copy_pages_async` of every page, scattered (a random page permutation on each side, so no two
   pages form a run), awaited inside the event loop.
+- host-run: the same with the host pages consecutive and the device pages scattered: a backup into a
+  fresh host run, or the load-back of one into a fragmented device pool.
 - controller: a `HiCache` (write-through, no storage) over the same two pools, fragmented first so that
   its allocations are scattered too: `--sequences` requests insert their pages and the timed pass ends
   when every write-through backup has landed (`wait_idle`); then every device copy is evicted and the
@@ -207,6 +209,8 @@ class LayoutResult:
     raw_load: Series = field(default_factory=Series)
     backup: Series = field(default_factory=Series)
     load: Series = field(default_factory=Series)
+    backup_host_runs: Series = field(default_factory=Series)
+    load_host_runs: Series = field(default_factory=Series)
     controller_backup: Series = field(default_factory=Series)
     controller_load: Series = field(default_factory=Series)
 
@@ -216,11 +220,23 @@ class LayoutResult:
 
 
 async def async_pass(
-    src: KVPool, dst: KVPool, n: int, generator: torch.Generator, series: Series, what: str
+    src: KVPool,
+    dst: KVPool,
+    n: int,
+    generator: torch.Generator,
+    series: Series,
+    what: str,
+    host_consecutive: bool = False,
 ) -> None:
-    """`copy_pages_async` of all `n` pages, scattered on both sides; timed, then checked bitwise."""
+    """`copy_pages_async` of all `n` pages, scattered on both sides (or on the device side only, the
+    host pages consecutive: a backup into a fresh host run, or its load-back); timed, checked bitwise."""
     src_pages = torch.randperm(n, generator=generator)
     dst_pages = torch.randperm(n, generator=generator)
+    if host_consecutive:
+        if src.device.type == "cpu":
+            src_pages = torch.arange(n)
+        else:
+            dst_pages = torch.arange(n)
     src_idx, dst_idx = tokens_of(src, src_pages), tokens_of(dst, dst_pages)
     mark(dst)
 
@@ -333,8 +349,10 @@ async def run_layout(device: KVPool, host: KVPool, result: LayoutResult, args: a
         fill_pattern(device, 2 * r + 1)
         raw_pass(device, host, nbytes, result.raw_backup, "backup")
         await async_pass(device, host, n, generator, result.backup, "backup")
+        await async_pass(device, host, n, generator, result.backup_host_runs, "backup", host_consecutive=True)
         raw_pass(host, device, nbytes, result.raw_load, "load")
         await async_pass(host, device, n, generator, result.load, "load")
+        await async_pass(host, device, n, generator, result.load_host_runs, "load", host_consecutive=True)
         if not args.no_controller:
             await controller_pass(device, host, args.sequences, 2 * r + 2, generator, result)
 
@@ -376,7 +394,16 @@ def summarize(result: LayoutResult) -> dict[str, float]:
         "raw_load_gbps": gbps(nb, result.raw_load),
         "load_gbps": gbps(nb, result.load),
         "load_ratio": result.raw_load.median / result.load.median,
-        "max_loop_stall_ms": max(result.backup.stalls + result.load.stalls),
+        "backup_host_runs_gbps": gbps(nb, result.backup_host_runs),
+        "backup_host_runs_ratio": result.raw_backup.median / result.backup_host_runs.median,
+        "load_host_runs_gbps": gbps(nb, result.load_host_runs),
+        "load_host_runs_ratio": result.raw_load.median / result.load_host_runs.median,
+        "max_loop_stall_ms": max(
+            result.backup.stalls
+            + result.load.stalls
+            + result.backup_host_runs.stalls
+            + result.load_host_runs.stalls
+        ),
     }
     if result.controller_backup.seconds:
         out |= {
@@ -411,7 +438,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     )
     print(
         f"{'page':>8} {'pages':>6} {'direction':>9} {'raw GB/s':>9} {'async':>7} {'ratio':>6} {'stall ms':>9} "
-        f"{'controller':>11} {'ratio':>6} {'stall ms':>9}"
+        f"{'host-run':>9} {'ratio':>6} {'controller':>11} {'ratio':>6} {'stall ms':>9}"
     )
     summary: dict[str, object] = {
         "bench": "transfer",
@@ -426,9 +453,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     for result in results:
         tag = label(result.layout.page_nbytes)
         s = summarize(result)
-        for direction, raw, way, ctl in (
-            ("backup", result.raw_backup, result.backup, result.controller_backup),
-            ("load", result.raw_load, result.load, result.controller_load),
+        for direction, raw, way, runs, ctl in (
+            ("backup", result.raw_backup, result.backup, result.backup_host_runs, result.controller_backup),
+            ("load", result.raw_load, result.load, result.load_host_runs, result.controller_load),
         ):
             ctl_cols = (
                 f"{gbps(result.nbytes, ctl):11.2f} {raw.median / ctl.median:6.2f} {max(ctl.stalls):9.2f}"
@@ -437,7 +464,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             )
             print(
                 f"{tag:>8} {result.pages:>6} {direction:>9} {gbps(result.nbytes, raw):9.2f} "
-                f"{gbps(result.nbytes, way):7.2f} {raw.median / way.median:6.2f} {max(way.stalls):9.2f} {ctl_cols}"
+                f"{gbps(result.nbytes, way):7.2f} {raw.median / way.median:6.2f} {max(way.stalls):9.2f} "
+                f"{gbps(result.nbytes, runs):9.2f} {raw.median / runs.median:6.2f} {ctl_cols}"
             )
         stalls.append(s["max_loop_stall_ms"])
         if "controller_max_loop_stall_ms" in s:

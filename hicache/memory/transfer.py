@@ -1,21 +1,27 @@
 """Page copies between pools: synchronous, and awaitable without blocking the event loop.
 
 Indices are validated token indices of whole, aligned pages; the copy works on the page dimension of the
-page-first buffers. Two cases:
+page-first buffers. Three cases:
 
 * both pools on one CUDA device, or on the CPU with runs of under `_MIN_RUN_BYTES`: one indexed gather
   (``index_select``) and one scatter (``index_copy_``);
-* otherwise: the pages are grouped into runs that are consecutive on both sides, and each run is one
-  direct ``copy_`` between contiguous slices (``non_blocking`` when the host side is pinned). No staging buffer is needed, so an asynchronous D2H copy can never be scattered
-  on the host before it has landed; on the CPU a gather into a temporary the size of the whole transfer
-  ran at ~1 GB/s where run copies reach ~5-10 GB/s (`bench/bench_transfer.py`, 2 MiB pages).
+* between a CUDA device and host memory: the pages are cut into runs consecutive on the host side. A run
+  consecutive on the device too is one direct ``copy_`` between contiguous slices; a run whose device
+  pages are scattered goes through a device staging buffer (a gather or scatter kernel plus one
+  ``copy_``), so scattered device pages do not cost one small copy each. Copies are ``non_blocking``
+  when the host side is pinned. The host side is never staged, so an asynchronous D2H copy can never be
+  scattered on the host before it has landed;
+* otherwise (two CPU pools with larger runs, two CUDA devices): one ``copy_`` per run consecutive on both
+  sides. On the CPU a gather into a temporary the size of the whole transfer ran at ~1 GB/s where run
+  copies reach ~5-10 GB/s (`bench/bench_transfer.py`, 2 MiB pages).
 
-Launching a copy costs a few microseconds, so scattered pages (one run each) are enqueued from a worker
-thread once there are more than `_INLINE_RUNS` runs: 32k launches on the event loop would stall it for
-a good part of a second.
+Launching a copy costs a few microseconds, so a plan of more than `_INLINE_RUNS` operations is enqueued
+from a worker thread: 32k launches on the event loop would stall it for a good part of a second.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.lowlevel
@@ -30,6 +36,8 @@ _POLL_INTERVAL_S = 0.0002
 """How long `copy_pages_async` sleeps between `event.query()` polls of a CUDA copy."""
 _INLINE_RUNS = 64
 """The most run copies `copy_pages_async` enqueues on the event loop itself (well under a millisecond)."""
+_STAGE_BYTES = 64 << 20
+"""The largest device staging buffer a copy of scattered device pages uses at once."""
 _MIN_RUN_BYTES = 8 << 10
 """Between CPU pools, the average run size from which per-run copies beat one gather and scatter
 (measured: 16 KiB pages 2.6 vs 0.6 GB/s; 512-byte pages 0.06 vs 0.17 GB/s)."""
@@ -73,12 +81,87 @@ def _runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, i
     return [(s_list[a], d_list[a], b - a) for a, b in zip(starts, ends, strict=True)]
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How pages move between pools on different devices.
+
+    Attributes:
+        direct: ``(src_start, dst_start, count)`` runs consecutive on both sides: one ``copy_`` each.
+        staged: ``(host_start, first, count)`` runs consecutive on the host side only, ``first`` indexing
+            `device_pages`: each is one gather (or scatter) kernel on the device plus one ``copy_``.
+        device_pages: the device side's page ids, in transfer order (None when nothing is staged).
+    """
+
+    direct: list[tuple[int, int, int]]
+    staged: list[tuple[int, int, int]] = field(default_factory=list)
+    device_pages: torch.Tensor | None = None
+
+    @property
+    def operations(self) -> int:
+        """Copies and kernels to enqueue."""
+        return len(self.direct) + 2 * len(self.staged)
+
+
+def _plan(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages: torch.Tensor) -> _Plan:
+    """Group the pages of a cross-device copy into as few operations as the two layouts allow.
+
+    Between a CUDA pool and host memory, runs are cut where the host pages stop being consecutive: a run
+    whose device pages are scattered goes through a device staging buffer (an indexed gather or scatter
+    on the GPU) in one host copy, instead of one small copy per page. Staged runs are cut to
+    `_STAGE_BYTES` so the staging buffer stays small.
+    """
+    kinds = {src.device.type, dst.device.type}
+    if kinds != {"cpu", "cuda"}:
+        return _Plan(_runs(src_pages, dst_pages))
+    host_is_src = src.device.type == "cpu"
+    host_pages, device_pages = (src_pages, dst_pages) if host_is_src else (dst_pages, src_pages)
+    n = host_pages.numel()
+    host_breaks = (host_pages[1:] - host_pages[:-1]) != 1
+    starts = [0, *(torch.nonzero(host_breaks).view(-1) + 1).tolist()]
+    ends = [*starts[1:], n]
+    # Device breaks before position i, so a run [a, b) is consecutive on the device iff cum[b-1] == cum[a].
+    device_cum = [0, *torch.cumsum((device_pages[1:] - device_pages[:-1]) != 1, 0).tolist()]
+    hosts, devices = host_pages.tolist(), device_pages.tolist()
+    stage = max(1, _STAGE_BYTES // src.layout.page_nbytes)
+    direct: list[tuple[int, int, int]] = []
+    staged: list[tuple[int, int, int]] = []
+    for a, b in zip(starts, ends, strict=True):
+        if device_cum[b - 1] == device_cum[a]:
+            direct.append((hosts[a], devices[a], b - a) if host_is_src else (devices[a], hosts[a], b - a))
+            continue
+        for c in range(a, b, stage):
+            staged.append((hosts[c], c, min(b, c + stage) - c))
+    return _Plan(direct, staged, device_pages if staged else None)
+
+
+def _copy_plan(src: KVPool, dst: KVPool, plan: _Plan) -> None:
+    """Enqueue (on the current stream) or run a `_Plan`."""
+    _copy_runs(src, dst, plan.direct)
+    if not plan.staged:
+        return
+    assert plan.device_pages is not None
+    device_pool = src if src.device.type == "cuda" else dst
+    # Pinned and non-blocking: a pageable upload would wait for the stream, on the caller's thread.
+    index = plan.device_pages.pin_memory().to(device_pool.device, non_blocking=True)
+    # A staging buffer freed here is reused only by later work on this same stream, so it is never
+    # overwritten while a copy still reads it.
+    if device_pool is src:  # device -> host: gather on the GPU, one copy per host run
+        for host_start, first, count in plan.staged:
+            staging = src.buffer.index_select(0, index[first : first + count])
+            dst.buffer[host_start : host_start + count].copy_(staging, non_blocking=True)
+    else:  # host -> device: one copy per host run, scatter on the GPU
+        for host_start, first, count in plan.staged:
+            staging = torch.empty_like(dst.buffer[:count])
+            staging.copy_(src.buffer[host_start : host_start + count], non_blocking=True)
+            dst.buffer.index_copy_(0, index[first : first + count], staging)
+
+
 def _copy_page_ids(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages: torch.Tensor) -> None:
     """Copy validated pages; enqueues on the current CUDA stream when a side is on a CUDA device."""
     if src_pages.numel() == 0:
         return
     if src.device != dst.device:
-        _copy_runs(src, dst, _runs(src_pages, dst_pages))
+        _copy_plan(src, dst, _plan(src, src_pages, dst, dst_pages))
         return
     if src.device.type == "cpu":
         runs = _runs(src_pages, dst_pages)
@@ -103,11 +186,11 @@ def _copy_runs(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> No
 def _enqueue_on_side_stream(
     src: KVPool,
     dst: KVPool,
-    runs: list[tuple[int, int, int]],
+    plan: _Plan,
     device: torch.device,
     after: torch.cuda.Stream,
 ) -> torch.cuda.Event:
-    """Enqueue the run copies on a new side stream that first waits for `after`; return its end event.
+    """Enqueue a plan on a new side stream that first waits for `after`; return its end event.
 
     Safe to call from a worker thread: the side stream is made current only inside this call, and `after`
     (the caller's current stream, captured on its own thread) orders the copy after the caller's work.
@@ -115,7 +198,7 @@ def _enqueue_on_side_stream(
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     stream.wait_stream(after)
     with torch.cuda.stream(stream):
-        _copy_runs(src, dst, runs)
+        _copy_plan(src, dst, plan)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
     return event
@@ -188,22 +271,35 @@ async def copy_pages_async(
         # The copy is complete; a cancellation that arrived meanwhile is raised here rather than later.
         await anyio.lowlevel.checkpoint_if_cancelled()
         return
-    runs = _runs(src_pages, dst_pages)
+    plan = _plan(src, src_pages, dst, dst_pages) if src.device != dst.device else _Plan([])
+    if src.device == dst.device:  # one CUDA device: a gather and a scatter, enqueued inline
+        stream = torch.cuda.Stream(device=cuda)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(cuda))
+        with torch.cuda.stream(stream):
+            _copy_page_ids(src, src_pages, dst, dst_pages)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        await _wait_event_safely(event)
+        return
     after = torch.cuda.current_stream(cuda)
-    if len(runs) <= _INLINE_RUNS:
-        event = _enqueue_on_side_stream(src, dst, runs, cuda, after)
+    if plan.operations <= _INLINE_RUNS:
+        event = _enqueue_on_side_stream(src, dst, plan, cuda, after)
     else:
         # Waits for the thread even when cancelled: once it returns, every copy is enqueued and the
         # event below covers them all.
         with anyio.CancelScope(shield=True):
             event = await anyio.to_thread.run_sync(
-                _enqueue_on_side_stream, src, dst, runs, cuda, after, limiter=limiter
+                _enqueue_on_side_stream, src, dst, plan, cuda, after, limiter=limiter
             )
+    await _wait_event_safely(event)
+
+
+async def _wait_event_safely(event: torch.cuda.Event) -> None:
+    """Wait for a copy's event; if cancelled meanwhile, still wait for it before re-raising, so no DMA is
+    still writing when the caller frees a buffer."""
     try:
         await _wait_event(event)
     except BaseException:
-        # Cancelled (or failed) while the copy is in flight: wait for it before re-raising, so no DMA is
-        # still writing when the caller frees a buffer.
         with anyio.CancelScope(shield=True):
             await _wait_event(event)
         raise

@@ -248,3 +248,76 @@ async def test_a_cancelled_threaded_cuda_copy_completes_before_returning() -> No
         await copy_pages_async(device, d_idx, host, h_idx)
     assert scope.cancelled_caught
     assert bool((host.buffer == 3.0).all())
+
+
+class _FakePool:
+    """What `_plan` reads of a pool: its device and page size."""
+
+    def __init__(self, device: str, layout: KVLayout = BIG_PAGES) -> None:
+        self.device = torch.device(device)
+        self.layout = layout
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("host_is_src", [True, False], ids=["load", "backup"])
+def test_a_cross_device_plan_moves_every_page_exactly_once(seed: int, host_is_src: bool) -> None:
+    """Host runs with scattered device pages are staged (and cut to the staging size), the rest direct;
+    together they pair every source page with its destination page, once."""
+    g = torch.Generator().manual_seed(seed)
+    n = 200
+    # Host side: a few consecutive runs in a random order; device side: runs, then scattered pages.
+    cut = sorted(torch.randperm(n - 1, generator=g)[:8].add(1).tolist())
+    pieces = [list(range(a, b)) for a, b in zip([0, *cut], [*cut, n], strict=True)]
+    host = [p for i in torch.randperm(len(pieces), generator=g).tolist() for p in pieces[i]]
+    device = list(range(n // 2)) + [n // 2 + p for p in torch.randperm(n - n // 2, generator=g).tolist()]
+    host_t, device_t = torch.tensor(host), torch.tensor(device)
+    cpu, gpu = _FakePool("cpu"), _FakePool("cuda")
+    src, dst = (cpu, gpu) if host_is_src else (gpu, cpu)
+    src_pages, dst_pages = (host_t, device_t) if host_is_src else (device_t, host_t)
+    stage = 24
+    old = transfer_module._STAGE_BYTES
+    transfer_module._STAGE_BYTES = stage * BIG_PAGES.page_nbytes
+    try:
+        plan = transfer_module._plan(src, src_pages, dst, dst_pages)  # type: ignore[arg-type]
+    finally:
+        transfer_module._STAGE_BYTES = old
+    pairs: list[tuple[int, int]] = []
+    for s, d, k in plan.direct:
+        pairs.extend((s + i, d + i) for i in range(k))
+    assert plan.staged, "scattered device pages under host runs must be staged"
+    assert plan.device_pages is not None
+    staged_devices = plan.device_pages.tolist()
+    for h, first, k in plan.staged:
+        assert 1 <= k <= stage
+        for i in range(k):
+            pair = (h + i, staged_devices[first + i])
+            pairs.append(pair if host_is_src else pair[::-1])
+    assert sorted(pairs) == sorted(zip(src_pages.tolist(), dst_pages.tolist(), strict=True))
+    assert plan.operations < n  # fewer operations than one copy per page
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stage_pages", [7, 1024])
+async def test_scattered_device_pages_under_host_runs_are_staged_bitwise(
+    stage_pages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backup into consecutive host pages from scattered device pages, and load back into other scattered
+    device pages: staged through device buffers (cut to `stage_pages`), bitwise both ways."""
+    monkeypatch.setattr(transfer_module, "_STAGE_BYTES", stage_pages * BIG_PAGES.page_nbytes)
+    pages = 96
+    device = opened(make_device_pool(BIG_PAGES, pages))
+    host = opened(KVPool(BIG_PAGES, pages, pin_memory=True, name="host"))
+    g = torch.Generator().manual_seed(21)
+    d_idx = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
+    h_idx = alloc(host, pages * BIG_PAGES.page_size)  # consecutive
+    kv = torch.randn(BIG_PAGES.tokens_shape(pages * BIG_PAGES.page_size), generator=g).to(BIG_PAGES.dtype)
+    device.write_tokens(d_idx, kv.cuda())
+    await copy_pages_async(device, d_idx, host, h_idx)
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+    device.buffer.zero_()
+    d2 = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
+    await copy_pages_async(host, h_idx, device, d2)
+    assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
+    copy_pages(device, d2, host, h_idx)  # the synchronous path plans the same way
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))

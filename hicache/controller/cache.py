@@ -661,8 +661,12 @@ class HiCache:
                     node, device_indices[offset - start : node_end - start], comps or None
                 )
             offset = node_end
-        if offset < end:  # a tail the tree no longer covers (cannot happen while host-locked)
-            self.device_pool.free(device_indices[max(offset, duplicate_end) - start :])
+        if offset < end:
+            # A tail not attached: nodes loaded meanwhile by another request, or beyond where the re-match
+            # now ends (a component's valid end moved; it may end before `start`, on the device part).
+            self.device_pool.free(device_indices[max(offset, start) - start :])
+        for (_, name), (_, copy) in pending.items():  # copies of nodes not attached here
+            self.component_pools[name][0].free(copy)
 
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
         self._backups.put(targets)

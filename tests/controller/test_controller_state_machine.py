@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -41,7 +41,7 @@ from kv_oracle import (
     store_chain,
 )
 
-from hicache import HiCache, HiCacheConfig, Lease, Prefetch, UnknownRequest
+from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.policy import StopPolicy, WritePolicy
 
@@ -72,10 +72,17 @@ class Held:
     lease: Lease
     tokens: list[int]
     computed: torch.Tensor | None = None
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Component device slots the test filled for the request (hybrid machines), not yet inserted."""
 
 
 class ControllerMachine(RuleBasedStateMachine):
-    """Random serving traffic against one `HiCache` with storage, checked after every step."""
+    """Random serving traffic against one `HiCache` with storage, checked after every step.
+
+    Hybrid-model machines (`test_controller_components_machine.py`) subclass it through the hooks
+    `cache_config`, `store_prefill`, `stage_components` and `check`; here they do nothing beyond the
+    full-attention model.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -205,25 +212,14 @@ class ControllerMachine(RuleBasedStateMachine):
         self.inner = InlineMemoryBackend(namespace_digest=self.namespace.digest)
         self.backend = FaultyBackend(self.inner, gated=gated)
         # Another instance served these before: their pages are in storage.
-        for pages, tail in prefill:
+        for i, (pages, tail) in enumerate(prefill):
             tokens = make_tokens(pages, tail, self.page_size)
             self.remember(tokens)
             self.prefilled.append(tokens)
             aligned = len(tokens) // self.page_size * self.page_size
             if aligned:
-                await store_chain(self.inner, self.key_of(tokens[:aligned]), layout, self.namespace)
-        config = HiCacheConfig(
-            layout=layout,
-            device_pages=DEVICE_PAGES,
-            host_pages=HOST_PAGES,
-            write_policy=write,
-            write_through_threshold=2,
-            namespace=self.namespace,
-            prefetch_threshold=self.page_size,
-            prefetch_stop_policy=stop,
-            storage_batch_pages=2,
-            release_batch_pages=2,
-        )
+                await self.store_prefill(self.key_of(tokens[:aligned]), i)
+        config = self.cache_config(layout, write, stop)
         started = anyio.Event()
         self._closing = anyio.Event()
         closing = self._closing
@@ -237,22 +233,64 @@ class ControllerMachine(RuleBasedStateMachine):
                     await self.release_everything(cache)
             finally:
                 await self.backend.aclose()  # the cache does not own a backend it was given
-            # After aclose: nothing in flight, nothing pending.
+            # After aclose: nothing in flight, nothing pending, every pool (components' too) free.
             s = cache.statistics()
             assert s.closed
             assert s.prefetches_in_flight == 0
             assert s.release_queue.pending_calls == 0
-            assert cache.device_pool.statistics().used_pages == 0
-            assert cache.host_pool.statistics().used_pages == 0
+            pools = [cache.device_pool, cache.host_pool]
+            for device_pool, host_pool in cache.component_pools.values():
+                pools.extend((device_pool, host_pool))
+            for pool in pools:
+                assert pool.statistics().used_pages == 0, pool
 
         self._owner = asyncio.get_running_loop().create_task(own())
         await started.wait()
 
+    def cache_config(self, layout: KVLayout, write: WritePolicy, stop: StopPolicy) -> HiCacheConfig:
+        """The configuration of the cache under test: tiny pools, so eviction is constant."""
+        return HiCacheConfig(
+            layout=layout,
+            device_pages=DEVICE_PAGES,
+            host_pages=HOST_PAGES,
+            write_policy=write,
+            write_through_threshold=2,
+            namespace=self.namespace,
+            prefetch_threshold=self.page_size,
+            prefetch_stop_policy=stop,
+            storage_batch_pages=2,
+            release_batch_pages=2,
+        )
+
+    async def store_prefill(self, key: bytes, index: int) -> None:
+        """Put the pages of the page-aligned `key` (the `index`-th prefilled sequence) into storage."""
+        await store_chain(self.inner, key, layout_for(self.page_size), self.namespace)
+
+    def stage_components(self, lease: Lease, tokens: list[int]) -> dict[str, torch.Tensor]:
+        """Component device slots holding the request's values, to insert with it (none here)."""
+        return {}
+
+    def free_held(self, cache: HiCache, held: Held) -> None:
+        """Give back what the test allocated for a request it will not insert."""
+        if held.computed is not None:
+            cache.device_pool.free(held.computed)
+        for name, slots in held.components.items():
+            cache.component_pools[name][0].free(slots)
+        held.computed = None
+        held.components = {}
+
+    def held_component_slots(self) -> dict[str, int]:
+        """Per component, device slots the test holds outside the tree."""
+        out: dict[str, int] = {}
+        for h in self.leases.values():
+            for name, slots in h.components.items():
+                out[name] = out.get(name, 0) + int(slots.numel())
+        return out
+
     async def release_everything(self, cache: HiCache) -> None:
         """Release every lease and prefetch, wait idle, evict everything: both pools must end up free."""
         for held in self.leases.values():
-            if held.computed is not None:
-                cache.device_pool.free(held.computed)
+            self.free_held(cache, held)
             cache.release(held.lease)
         self.leases.clear()
         for request_id in list(self.prefetches):
@@ -276,6 +314,9 @@ class ControllerMachine(RuleBasedStateMachine):
             cache.host_pool.free(host.freed_host)
             if host.evicted_tokens == 0:
                 break
+        for free in cache.tree.take_component_frees():  # component values evicted with their nodes
+            device_pool, host_pool = cache.component_pools[free.component]
+            (device_pool if free.tier == "device" else host_pool).free(free.indices)
         cache.sanity_check()
         assert cache.tree.statistics().num_nodes == 0
 
@@ -298,7 +339,10 @@ class ControllerMachine(RuleBasedStateMachine):
         cache = self.c
         await cache.release_queue.drain()
         held = [h.computed for h in self.leases.values() if h.computed is not None]
-        cache.sanity_check(held_device_tokens=sum(int(t.numel()) for t in held))
+        cache.sanity_check(
+            held_device_tokens=sum(int(t.numel()) for t in held),
+            held_component_slots=self.held_component_slots(),
+        )
         assert cache.statistics().prefetches_in_flight == len(self.prefetches)
         check_pools_exact(
             cache, held_device=held, prefetch_host=[p.host_indices for p in self.prefetches.values()]
@@ -368,7 +412,8 @@ class ControllerMachine(RuleBasedStateMachine):
                 cache.device_pool.write_tokens(
                     new[: aligned - lease.cached_len], kv[:, :, lease.cached_len :]
                 )
-            await cache.insert(lease, tokens, torch.cat([lease.device_indices, new]))
+            components = self.stage_components(lease, tokens)
+            await cache.insert(lease, tokens, torch.cat([lease.device_indices, new]), components or None)
 
         self.run(go)
 
@@ -397,6 +442,7 @@ class ControllerMachine(RuleBasedStateMachine):
                 )
                 cache.device_pool.write_tokens(new[: aligned - cached], kv[:, :, cached:])
             held.computed = new
+            held.components = self.stage_components(held.lease, held.tokens)
 
         self.run(go)
 
@@ -411,7 +457,7 @@ class ControllerMachine(RuleBasedStateMachine):
 
         async def go() -> None:
             indices = torch.cat([held.lease.device_indices, held.computed])
-            await self.c.insert(held.lease, held.tokens, indices)
+            await self.c.insert(held.lease, held.tokens, indices, held.components or None)
 
         self.run(go)
 
@@ -423,8 +469,7 @@ class ControllerMachine(RuleBasedStateMachine):
         held = self.leases.pop(request_id)
 
         async def go() -> None:
-            if held.computed is not None:
-                self.c.device_pool.free(held.computed)
+            self.free_held(self.c, held)
             self.c.release(held.lease)
             self.c.release(held.lease)  # idempotent
 
@@ -601,6 +646,8 @@ class ControllerMachine(RuleBasedStateMachine):
             assert s.backups_queued == 0
             assert s.storage_writes_queued == 0
             assert s.tree.pending_backup_tokens == 0
+            for name, comp in self.c.tree.component_statistics().items():
+                assert comp.pending_backup_slots == 0, name
             await self.check_storage()
 
         self.run(go)

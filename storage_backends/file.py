@@ -231,7 +231,6 @@ class FileBackend(BackendLifecycle):
             ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
                 `keys`, a non-contiguous buffer, or a buffer whose size differs from a stored page.
         """
-        self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
         return self._stats.record_reads(await self._gather_groups(self._read_group, keys, buffers), buffers)
@@ -246,7 +245,6 @@ class FileBackend(BackendLifecycle):
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` or `buffers`, as for `get`.
         """
-        self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
         return self._stats.record_writes(await self._gather_groups(self._write_group, keys, buffers), buffers)
@@ -259,17 +257,12 @@ class FileBackend(BackendLifecycle):
             ValueError: naming `keys`, for a malformed key.
             StorageError: if a file exists but cannot be removed.
         """
-        self._check_open()
         validate_keys(keys)
         chunks = [slice(s, s + _EXISTS_CHUNK) for s in range(0, len(keys), _EXISTS_CHUNK)]
         await gather_bounded(
             [partial(run_in_thread, self._delete_group, keys[c], limiter=self._limiter) for c in chunks],
             self._max_concurrency,
         )
-
-    async def aclose(self) -> None:
-        """Mark the backend closed (it holds no open files between calls); idempotent."""
-        self._closed = True
 
     def __repr__(self) -> str:
         s = self._stats

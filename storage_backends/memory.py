@@ -120,7 +120,6 @@ class MemoryBackend(BackendLifecycle):
 
     async def exists(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` whose pages are all stored."""
-        self._check_open()
         validate_keys(keys)
         pages = self._pages
         for i, key in enumerate(keys):
@@ -135,7 +134,6 @@ class MemoryBackend(BackendLifecycle):
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` or `buffers`, as `FileBackend.get`.
         """
-        self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
         outcomes = await gather_page_groups(
@@ -155,7 +153,6 @@ class MemoryBackend(BackendLifecycle):
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` or `buffers`, as `FileBackend.put`.
         """
-        self._check_open()
         check_batch(keys, buffers)
         validate_keys(keys)
         outcomes = await gather_page_groups(
@@ -170,14 +167,13 @@ class MemoryBackend(BackendLifecycle):
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove pages; absent keys are ignored."""
-        self._check_open()
         validate_keys(keys)
         for key in keys:
             self._pages.pop(key, None)
 
-    async def aclose(self) -> None:
-        """Mark the backend closed; a named store keeps its pages for later backends. Idempotent."""
-        self._closed = True
+    def _release(self) -> None:
+        """Let go of the pages: a private store's are freed, a named store keeps them for later backends."""
+        self._pages = {}
 
     def __repr__(self) -> str:
         s = self._stats

@@ -26,7 +26,8 @@ class StorageBackend(Protocol):
       * `put(keys, buffers)` stores each page atomically: a reader sees the whole page or none of it.
         Returns one bool per page.
       * `delete(keys)` removes pages; absent keys are ignored.
-      * `aclose()` is idempotent; any call after it raises `hicache.errors.CacheClosed`.
+      * `aclose()` is idempotent; any call made after it began raises `hicache.errors.CacheClosed`, and it
+        returns only once the calls already in flight have returned (`storage_backends.lifecycle`).
     """
 
     async def exists(self, keys: Sequence[str]) -> int:

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any, Final, Self, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import anyio
@@ -310,12 +310,8 @@ class S3Backend(BackendLifecycle):
 
     # ------------------------------------------------------------------ lifecycle and observability
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def aclose(self) -> None:
-        """Release the client and its connection pool; idempotent. Later calls raise `CacheClosed`."""
-        self._closed = True
+    def _release(self) -> None:
+        """Drop the client and its connection pool (once no call is in flight)."""
         self._store = None
 
     def __repr__(self) -> str:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import obstore
 import pytest
-from contract import BackendContract, Corrupt, Reopen
+from contract import BackendContract, Corrupt, ReadGate, Reopen
 from obstore.store import S3Store
 from s3_servers import S3Server
 
@@ -59,6 +59,13 @@ class _S3Contract(BackendContract):
             await obstore.put_async(store, path, bytes(body))
 
         return flip_last_byte
+
+    @pytest.fixture
+    def hold_reads(self, backend: S3Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
+        gate = ReadGate()
+        monkeypatch.setattr(backend, "_get_one", gate.awaited(backend._get_one))
+        yield gate
+        gate.open()
 
 
 class TestS3Moto(_S3Contract):

@@ -7,6 +7,9 @@ and may override two hooks:
   the same store (the caller closes it). Without it the cross-namespace and cross-instance tests skip.
 * `corrupt_page`: a callable `corrupt_page(key)` (sync or async) that damages the stored page `key` (flip a
   payload byte, truncate the object). Without it the corruption test skips.
+* `hold_reads`: a `ReadGate` whose wrapper the subclass installed around the step of `backend` that fills
+  the caller's buffers (`ReadGate.in_thread` for a worker-thread function, `ReadGate.awaited` for a
+  coroutine function); it holds reads there until opened. Without it the closing-while-reading test skips.
 
 Example::
 
@@ -23,19 +26,27 @@ from __future__ import annotations
 
 import inspect
 import random
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from hicache.errors import CacheClosed
 from storage_backends import StorageBackend, page_key
 
-__all__ = ["BackendContract", "Corrupt", "Reopen", "empty_pages", "make_keys", "make_pages"]
+__all__ = ["BackendContract", "Corrupt", "ReadGate", "Reopen", "empty_pages", "make_keys", "make_pages"]
 
 Reopen = Callable[[bytes], Awaitable[StorageBackend]]
 Corrupt = Callable[[str], Any]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_GATE_TIMEOUT_S = 60.0
+"""A held read gives up waiting after this long, so a failing test cannot leave a thread behind forever."""
 
 
 def make_keys(n: int, *, salt: int = 0) -> list[str]:
@@ -52,6 +63,48 @@ def make_pages(n: int, page_bytes: int, *, seed: int = 0) -> list[memoryview]:
 def empty_pages(n: int, page_bytes: int, fill: int = 0) -> list[memoryview]:
     """`n` writable page buffers filled with `fill`."""
     return [memoryview(bytearray([fill]) * page_bytes) for _ in range(n)]
+
+
+class ReadGate:
+    """Holds a backend's page reads at the step that fills the caller's buffers until `open()`.
+
+    The subclass's `hold_reads` fixture installs `in_thread(func)` around a function that runs in a worker
+    thread (the thread itself waits, as a slow disk would) or `awaited(func)` around a coroutine function
+    (it waits without blocking the event loop), and opens the gate at teardown.
+    """
+
+    def __init__(self) -> None:
+        self._held = threading.Event()
+        self._open = threading.Event()
+
+    def in_thread(self, func: Callable[P, T]) -> Callable[P, T]:
+        """`func`, waiting at the gate first; for functions that run in worker threads."""
+
+        def held(*args: P.args, **kwargs: P.kwargs) -> T:
+            self._held.set()
+            self._open.wait(_GATE_TIMEOUT_S)
+            return func(*args, **kwargs)
+
+        return held
+
+    def awaited(self, func: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+        """`func`, waiting at the gate first; for coroutine functions."""
+
+        async def held(*args: P.args, **kwargs: P.kwargs) -> T:
+            self._held.set()
+            await anyio.to_thread.run_sync(self._open.wait, _GATE_TIMEOUT_S)
+            return await func(*args, **kwargs)
+
+        return held
+
+    async def wait_held(self) -> None:
+        """Return once a read reached the gate."""
+        await anyio.to_thread.run_sync(self._held.wait, _GATE_TIMEOUT_S)
+        assert self._held.is_set(), "no read reached the gate"
+
+    def open(self) -> None:
+        """Let the held reads, and every later one, go on."""
+        self._open.set()
 
 
 class BackendContract:
@@ -75,6 +128,11 @@ class BackendContract:
     @pytest.fixture
     def corrupt_page(self) -> Corrupt | None:
         """Hook: damage one stored page; None when the backend cannot."""
+        return None
+
+    @pytest.fixture
+    def hold_reads(self) -> ReadGate | None:
+        """Hook: a gate installed in `backend`'s read path; None when the backend provides none."""
         return None
 
     # -- round trips ----------------------------------------------------------------------------------
@@ -184,6 +242,58 @@ class BackendContract:
             await backend.exists(keys)
         with pytest.raises(CacheClosed):
             await backend.delete(keys)
+
+    async def test_aclose_waits_for_calls_in_flight(
+        self, backend: StorageBackend, hold_reads: ReadGate | None, page_bytes: int
+    ) -> None:
+        """aclose refuses new calls at once, but returns only after the read in flight returned.
+
+        Guards against a close that lets its caller free buffers a worker thread is still filling. Two
+        concurrent acloses both wait; the held read completes normally.
+        """
+        if hold_reads is None:
+            pytest.skip("this backend provides no `hold_reads` hook")
+        n = 4
+        keys, pages = make_keys(n), make_pages(n, page_bytes)
+        assert await backend.put(keys, pages) == [True] * n
+        out = empty_pages(n, page_bytes)
+        steps: list[str] = []
+        results: list[list[bool]] = []
+
+        async def read() -> None:
+            results.append(await backend.get(keys, out))
+            steps.append("read returned")
+
+        async def close(which: str) -> None:
+            await backend.aclose()
+            steps.append(f"{which} aclose returned")
+
+        later_calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: backend.exists(keys),
+            lambda: backend.get(keys, empty_pages(n, page_bytes)),
+            lambda: backend.put(keys, pages),
+            lambda: backend.delete(keys),
+        ]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await hold_reads.wait_held()
+            tg.start_soon(close, "first")
+            tg.start_soon(close, "second")
+            try:
+                await anyio.wait_all_tasks_blocked()
+                assert steps == [], "aclose returned while a read was in flight"
+                for call in later_calls:
+                    with pytest.raises(CacheClosed):
+                        await call()
+                assert steps == []
+                steps.append("gate opened")
+            finally:
+                hold_reads.open()
+        assert steps[:2] == ["gate opened", "read returned"]
+        assert sorted(steps[2:]) == ["first aclose returned", "second aclose returned"]
+        assert results == [[True] * n]
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+        await backend.aclose()  # and a later one returns at once
 
     # -- namespaces and sharing -----------------------------------------------------------------------
 

@@ -13,14 +13,14 @@ import random
 import sys
 import threading
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
 import xxhash
-from contract import BackendContract, Corrupt, Reopen, empty_pages, make_keys, make_pages
+from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
@@ -55,6 +55,13 @@ class TestFileBackend(BackendContract):
             path.write_bytes(bytes(data))
 
         return flip_last_byte
+
+    @pytest.fixture
+    def hold_reads(self, backend: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
+        gate = ReadGate()
+        monkeypatch.setattr(backend, "_read_group", gate.in_thread(backend._read_group))
+        yield gate
+        gate.open()
 
 
 class TestDurableFileBackend(TestFileBackend):

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from contract import BackendContract, Corrupt, Reopen, empty_pages, make_keys, make_pages
+from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 
 from storage_backends.memory import MemoryBackend, drop_named_store
 from storage_backends.page_format import HEADER_SIZE
@@ -40,6 +40,13 @@ class TestMemoryBackend(BackendContract):
     @pytest.fixture
     def corrupt_page(self, backend: MemoryBackend) -> Corrupt:
         return backend.corrupt
+
+    @pytest.fixture
+    def hold_reads(self, backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
+        gate = ReadGate()
+        monkeypatch.setattr(backend, "_read_group", gate.in_thread(backend._read_group))
+        yield gate
+        gate.open()
 
 
 async def test_private_stores_are_isolated() -> None:

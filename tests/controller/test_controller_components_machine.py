@@ -145,6 +145,18 @@ class ComponentControllerMachine(ControllerMachine):
             if h.lease.cached_len and h.lease.hit_tokens_by_tier["storage"]:
                 event("a lease's components came from storage")
 
+    async def release_everything(self, cache: HiCache) -> None:
+        m = cache.metrics
+        for reason in ("anchor_not_backed_up", "component_incomplete"):
+            if m.prefetch_dropped_tokens.value(reason=reason):
+                event(f"a prefetch with components was dropped: {reason}")
+        for reason in ("component_miss", "component_host_full"):
+            if m.prefetch_skipped.value(reason=reason):
+                event(f"a prefetch was skipped: {reason}")
+        if m.prefetch_loaded_tokens.value():
+            event("a prefetch attached pages with their components")
+        await super().release_everything(cache)
+
     # ------------------------------------------------------------------ rules of the hybrid model
 
     @rule(seq=sequences, mode=store_modes)
@@ -169,18 +181,30 @@ class ComponentControllerMachine(ControllerMachine):
         self.omit = omit & frozenset(self.components)
         self.whole_window = whole_window
 
-    @rule(which=st.integers(0, 1), pages=st.integers(1, SWA_PAGES))
-    def component_pressure(self, which: int, pages: int) -> None:
-        """Ask for device slots of one component (evicting its unlocked values, and with a window the
-        state of the same node), then give them back."""
+    @rule(pick=st.integers(0, 1 << 16), pages=st.integers(1, 3))
+    def serve_stored_prefix(self, pick: int, pages: int) -> None:
+        """Serve the first `pages` pages of a sequence in storage: a device node that a later prefetch of
+        the whole sequence attaches below (dropped when it is not backed up under write-through)."""
+        if not self.prefilled:
+            return
+        tokens = self.prefilled[pick % len(self.prefilled)]
+        n = min(len(tokens) // self.page_size, pages) * self.page_size
+        if n:
+            self.serve_tokens(tokens[:n])
+
+    @rule(which=st.integers(0, 1), extra=st.integers(1, 3))
+    def component_pressure(self, which: int, extra: int) -> None:
+        """Ask for `extra` pages more of one component's device pool than are free (evicting its unlocked
+        values, and with a window the state of the same node), then give them back."""
         name = self.components[which % len(self.components)]
 
         async def go() -> None:
             cache = self.c
-            size = cache.component_pools[name][0].page_size
-            n = pages if name == "swa" else -(-pages // 3)
+            pool = cache.component_pools[name][0]
+            stats = pool.statistics()
+            n = min(stats.free_pages + extra, stats.capacity_pages)
             before = cache.tree.component_statistics()
-            got = cache.alloc_component(name, n * size)
+            got = cache.alloc_component(name, n * pool.page_size)
             after = cache.tree.component_statistics()
             if got is None:
                 event(f"component pressure {name}: could not evict enough")
@@ -238,7 +262,7 @@ class HybridControllerMachine(ComponentControllerMachine):
 
 
 _settings = settings(
-    max_examples=100,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

@@ -391,7 +391,10 @@ class ControllerMachine(RuleBasedStateMachine):
     def serve(self, seq: tuple[list[int], int]) -> None:
         """A whole request at once: acquire, compute the KV beyond the hit, insert (a device-only chain
         under write-through-selective, or one whose backup is still queued)."""
-        tokens = make_tokens(*seq, self.page_size)
+        self.serve_tokens(make_tokens(*seq, self.page_size))
+
+    def serve_tokens(self, tokens: list[int]) -> None:
+        """The `serve` rule's body, for any tokens."""
         self.remember(tokens)
         request_id = self.next_id("s")
         opened = self.gate_for_blocking_wait()

@@ -3,17 +3,21 @@ window, a Mamba state, or both.
 
 The machine is `ControllerMachine` (`test_controller_state_machine.py`) with every request's window KV and
 end state supplied on insert the way a serving loop does (`alloc_component`, written, handed to `insert`;
-sometimes only the newly computed part of the window, sometimes a component left out), storage holding
+the whole window or only its newly computed part, sometimes a component left out), storage holding
 component pages beside the base pages (the window and state at a sequence's end, at every page, or none),
-and rules of its own: component device pressure (evictions that cascade from the window to the state of
-the same node) and faults on component pages (a staged read that fails, lies or finds corrupt bytes,
-so the all-or-nothing prefetch is dropped).
+and rules of its own: another instance storing more sequences, serving a prefix of a stored sequence (a
+later prefetch of the whole attaches below it, and is dropped when it is not backed up under
+write-through), component device pressure (evictions that cascade from the window to the state of the
+same node) and faults on component pages (a staged read that fails, lies or finds corrupt bytes, so the
+all-or-nothing prefetch is dropped).
 
 After every step, on top of the base machine's checks: exact index-level accounting of every component
-pool (each used slot is the tree's, queued for freeing, the test's, or staged by a prefetch in flight),
-every component value in the tree and under every lease holds the oracle payload of its own prefix
-(`component_oracle`), and a lease that caches anything has every component. At the end all component
-pools must be free too.
+pool (each used slot is the tree's, the test's, or staged by a prefetch in flight; nothing the tree let go
+of is left unfreed), every component value in the tree and under every lease holds the oracle payload of
+its own prefix (`component_oracle`), a lease that caches anything has every component, and every component
+page in storage holds the oracle bytes of its key. At the end all component pools must be free too.
+
+Below the machine: the scenarios it found, each reduced to a deterministic test.
 """
 
 from __future__ import annotations
@@ -136,6 +140,9 @@ class ComponentControllerMachine(ControllerMachine):
                 held.setdefault(name, []).append(slots)
         staged = [t for p in self.prefetches.values() for t in p.staged]
         check_component_pools_exact(cache, held=held, staged=staged)
+        for name, stats in cache.tree.component_statistics().items():
+            # Every index the tree let go of went back to its pool before the step ended.
+            assert stats.queued_free_device_slots == stats.queued_free_host_slots == 0, (name, stats)
         if check_component_kv(cache):
             stats = cache.tree.component_statistics()
             tiers = [t for t in ("device", "host") if any(getattr(s, f"{t}_slots") for s in stats.values())]

@@ -174,6 +174,9 @@ class HiCache:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._started = False
         self._closed = False
+        self._copies = 0
+        """Device <-> host copies in flight (`_copy`), the caller's load-backs included."""
+        self._copies_idle: anyio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -232,12 +235,31 @@ class HiCache:
             finally:
                 with anyio.CancelScope(shield=True):
                     try:
+                        await self._wait_for_copies()
                         self.release_queue.flush()
                         if self.storage is not None and self._owns_storage:
                             await self.storage.aclose()
                     finally:
                         for pool in self._owned_pools:
                             pool.close()
+
+    async def _copy(
+        self, src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor
+    ) -> None:
+        """`copy_pages_async`, counted: `aclose` closes no pool while a copy may still write into it,
+        including load-backs running in the caller's own tasks."""
+        self._copies += 1
+        try:
+            await copy_pages_async(src, src_indices, dst, dst_indices)
+        finally:
+            self._copies -= 1
+            if not self._copies and self._copies_idle is not None:
+                self._copies_idle.set()
+
+    async def _wait_for_copies(self) -> None:
+        while self._copies:
+            self._copies_idle = anyio.Event()  # set by the last copy to finish
+            await self._copies_idle.wait()
 
     def __del__(self) -> None:
         # getattr: a constructor that raised never set the flags, and must not fail again here.
@@ -586,7 +608,7 @@ class HiCache:
                 return self.tree.match_prefix(key[: start * TOKEN_BYTES]) if self.components else match
             loaded: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
-                await copy_pages_async(self.host_pool, host_values, self.device_pool, device_indices)
+                await self._copy(self.host_pool, host_values, self.device_pool, device_indices)
                 if self.components:
                     loaded = await self._load_components(match.host_nodes)
             except BaseException:
@@ -618,7 +640,7 @@ class HiCache:
                         continue
                     loaded[(node, comp.name)] = (host, device)
                     device_pool, host_pool = self.component_pools[comp.name]
-                    await copy_pages_async(host_pool, host, device_pool, device)
+                    await self._copy(host_pool, host, device_pool, device)
         except BaseException:
             for (_, name), (_, device) in loaded.items():
                 self.component_pools[name][0].free(device)
@@ -690,10 +712,10 @@ class HiCache:
                 self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
                 offset += size
             try:
-                await copy_pages_async(self.device_pool, device_values, self.host_pool, host_indices)
+                await self._copy(self.device_pool, device_values, self.host_pool, host_indices)
                 for (_, name), (device, host) in comp_copies.items():
                     device_pool, host_pool = self.component_pools[name]
-                    await copy_pages_async(device_pool, device, host_pool, host)
+                    await self._copy(device_pool, device, host_pool, host)
             except BaseException:
                 for node in reversed(chain):
                     self.host_pool.free(self.tree.abort_backup(node))

@@ -15,6 +15,7 @@ from hicache.components import MambaState, SlidingWindow
 from hicache.controller import cache as cache_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
+from hicache.tree import MatchResult
 from storage_backends.memory import MemoryBackend
 
 
@@ -166,3 +167,58 @@ async def test_a_mismatched_pool_is_refused_before_any_pool_is_made() -> None:
             gc.collect()
         assert not wrong.closed
     assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+async def test_pools_close_only_after_a_callers_load_back_copy_landed(
+    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aclose from one task while another task's load_back copy is in flight: the pools stay open until
+    the copy has landed (a CUDA copy still writing into a freed device buffer would corrupt other memory).
+    """
+    real_copy = cache_module.copy_pages_async
+    copy_started = anyio.Event()
+    finish_copy = anyio.Event()
+    closed_when_copy_returned: list[bool] = []
+
+    async def held_copy(*args: object, **kwargs: object) -> None:
+        copy_started.set()
+        with anyio.CancelScope(shield=True):  # like a real copy: never abandoned mid-flight
+            await finish_copy.wait()
+            await real_copy(*args, **kwargs)  # type: ignore[arg-type]
+        closed_when_copy_returned.append(any(pool.closed for pool in pools))
+
+    seq = tokens(1, 16)
+    steps: list[str] = []
+    seen_while_held: list[bool] = []
+    cache = HiCache(make_config(), storage=backend)
+    pools = every_pool(cache)
+
+    async def serve(match: MatchResult) -> None:
+        await cache.load_back(match)  # finishes its bookkeeping once the copy has landed
+        steps.append("load_back returned")
+
+    async def release_the_copy_once_aclose_waits() -> None:
+        await anyio.wait_all_tasks_blocked()
+        seen_while_held.append(any(pool.closed for pool in pools))
+        steps.append("copy released")
+        finish_copy.set()
+
+    # The request's task group is older than the cache's, which `aclose` exits in this same task.
+    async with anyio.create_task_group() as tg:
+        async with cache:
+            await store_sequence(backend, cache, seq)
+            assert await cache.prefetch("r1", seq) is not None
+            assert (await cache.commit_prefetch("r1")).status == "committed"
+            match = cache.match(seq)
+            assert match.host_len == 16
+            monkeypatch.setattr(cache_module, "copy_pages_async", held_copy)
+            tg.start_soon(serve, match)
+            await copy_started.wait()
+            tg.start_soon(release_the_copy_once_aclose_waits)
+            steps.append("aclose called")
+        steps.append("aclose returned")
+    assert seen_while_held == [False]
+    assert steps[:2] == ["aclose called", "copy released"]
+    assert sorted(steps[2:]) == ["aclose returned", "load_back returned"]
+    assert closed_when_copy_returned == [False]
+    assert all(pool.closed for pool in pools)

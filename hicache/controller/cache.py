@@ -177,6 +177,8 @@ class HiCache:
         self._copies = 0
         """Device <-> host copies in flight (`_copy`), the caller's load-backs included."""
         self._copies_idle: anyio.Event | None = None
+        self._copy_limiter: anyio.CapacityLimiter | None = None
+        """Threads that enqueue or run copies (set by `start`; None: anyio's default limiter)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -203,6 +205,11 @@ class HiCache:
             )
         if self.storage is not None:
             self._storage_writer = StorageWriter(self, self.storage)
+        if self.device_pool.device.type == "cuda":
+            # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
+            # thousands of page copies from their own threads fight over the GIL (on an H200, 16
+            # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
+            self._copy_limiter = anyio.CapacityLimiter(1)
         stack = AsyncExitStack()
         self._task_group = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
@@ -250,7 +257,7 @@ class HiCache:
         including load-backs running in the caller's own tasks."""
         self._copies += 1
         try:
-            await copy_pages_async(src, src_indices, dst, dst_indices)
+            await copy_pages_async(src, src_indices, dst, dst_indices, limiter=self._copy_limiter)
         finally:
             self._copies -= 1
             if not self._copies and self._copies_idle is not None:

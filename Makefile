@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 FUZZ_ROUNDS ?= 20
 PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 venv clean
+.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,7 +35,7 @@ check: $(STAMP)
 	$(BIN)/ruff format --check hicache storage_backends tests bench examples
 	$(BIN)/mypy
 
-bench: bench-tree bench-io bench-s3
+bench: bench-tree bench-io bench-s3 bench-transfer
 
 bench-tree: $(STAMP)
 	$(BIN)/python bench/bench_tree.py
@@ -45,6 +45,13 @@ bench-io: $(STAMP)
 
 bench-s3: $(STAMP)
 	$(BIN)/python bench/bench_s3.py
+
+bench-transfer: $(STAMP)
+	$(BIN)/python bench/bench_transfer.py
+
+# On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
+gpu-check:
+	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -851,13 +851,9 @@ class HiCache:
         staged: list[ComponentTransfer] = []
         reads: list[tuple[list[str], list[memoryview]]] = []
         if self.components:
-            try:
-                got = await self._stage_components(storage, hashes[:n_pages], n_pages * page)
-                self._check_open("prefetch")
-            except BaseException:
-                self.host_pool.free(host_indices)
-                self.tree.unlock_host(anchor)
-                raise
+            got = await self._stage_components_or_free(
+                storage, hashes[:n_pages], n_pages * page, host_indices, anchor
+            )
             if isinstance(got, str):
                 self.host_pool.free(host_indices)
                 self.tree.unlock_host(anchor)
@@ -884,6 +880,33 @@ class HiCache:
         assert self._task_group is not None
         self._task_group.start_soon(self._stream, prefetch, storage)
         return prefetch
+
+    async def _stage_components_or_free(
+        self,
+        storage: StorageBackend,
+        hashes: Sequence[bytes],
+        num_tokens: int,
+        host_indices: torch.Tensor,
+        anchor: TreeNode,
+    ) -> tuple[list[ComponentTransfer], list[tuple[list[str], list[memoryview]]]] | str:
+        """`_stage_components` for a prefetch holding `host_indices` and a lock on `anchor`: if staging
+        fails, or the cache closes meanwhile, the host pages, the lock and anything staged are let go."""
+        got: tuple[list[ComponentTransfer], list[tuple[list[str], list[memoryview]]]] | str = "unstaged"
+        try:
+            got = await self._stage_components(storage, hashes, num_tokens)
+            self._check_open("prefetch")
+        except BaseException:
+            # A pool already closed by `aclose` took its memory with it: nothing to give back there.
+            if not isinstance(got, str):
+                for transfer in got[0]:
+                    pool = self.component_pools[transfer.component][1]  # the pool it was staged in
+                    if not pool.closed:
+                        pool.free(transfer.indices)
+            if not self.host_pool.closed:
+                self.host_pool.free(host_indices)
+            self.tree.unlock_host(anchor)
+            raise
+        return got
 
     async def _stage_components(
         self, storage: StorageBackend, hashes: Sequence[bytes], num_tokens: int

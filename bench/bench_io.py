@@ -41,6 +41,7 @@ from typing import Any
 
 import anyio
 import torch
+from _loop_timing import run_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
 from hicache.keys import ROOT_HASH, chained_page_hashes
@@ -133,36 +134,10 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
 
 
 async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
-    """Time `run()` (which returns the pages it loaded) while a ticker measures the loop's longest stall.
-
-    Collects garbage first: a closed `HiCache` caught in a reference cycle still holds its 1 GiB host
-    pool, and freeing that inside a timed pass stalled the loop for ~100 ms and evicted the "hot" pages.
-    Then freezes the survivors out of the collector's reach for the pass (`gc.freeze()`), as serving
-    engines do once their model is loaded (SGLang has `freeze_gc`, vLLM `freeze_gc_heap`): otherwise a
-    full collection, which walks every object of the process (~170k after importing torch: 100-170 ms
-    here), can land inside a pass and is then the loop's longest stall, whatever the cache does.
-    """
-    gc.collect()
-    gc.freeze()
-    done = anyio.Event()
-    worst = 0.0
-
-    async def ticker() -> None:
-        nonlocal worst
-        while not done.is_set():
-            t = time.perf_counter()
-            await anyio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - t - 0.001)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.sleep(0.005)  # let the ticker settle
-        start = time.perf_counter()
-        pages = await run()
-        seconds = time.perf_counter() - start
-        done.set()
-    gc.unfreeze()  # the next pass's collection must reach what this one left behind
-    return Timed(seconds, worst * 1000, pages)
+    """Time `run()` (which returns the pages it loaded) and the loop's longest stall (see
+    `run_with_ticker`: garbage is collected and the survivors frozen first)."""
+    pages, seconds, stall_ms = await run_with_ticker(run)
+    return Timed(seconds, stall_ms, pages)
 
 
 def sequences(n_pages: int, count: int) -> list[torch.Tensor]:

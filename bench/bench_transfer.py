@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import torch
+from _loop_timing import run_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, WritePolicy
 from hicache.memory import KVPool, copy_pages_async, make_device_pool, make_host_pool
@@ -147,26 +148,9 @@ def raw_copy(src: KVPool, dst: KVPool, nbytes: int) -> float:
 
 
 async def timed_with_ticker(run: Callable[[], Awaitable[None]]) -> tuple[float, float]:
-    """Seconds `run()` takes, and the loop's longest stall (ms) meanwhile, from a ticker's own lateness."""
-    gc.collect()
-    done = anyio.Event()
-    worst = 0.0
-
-    async def ticker() -> None:
-        nonlocal worst
-        while not done.is_set():
-            t = time.perf_counter()
-            await anyio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - t - 0.001)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(ticker)
-        await anyio.sleep(0.005)  # let the ticker settle
-        start = time.perf_counter()
-        await run()
-        seconds = time.perf_counter() - start
-        done.set()
-    return seconds, worst * 1000
+    """Seconds `run()` takes, and the loop's longest stall (ms) meanwhile (see `run_with_ticker`)."""
+    _, seconds, stall_ms = await run_with_ticker(run)
+    return seconds, stall_ms
 
 
 def tokens_of(pool: KVPool, pages: torch.Tensor) -> torch.Tensor:

@@ -176,6 +176,18 @@ class KVPool:
 
     # -- zero-copy page access ------------------------------------------------------------------------
 
+    def byte_view(self) -> memoryview:
+        """A writable, zero-copy, flat byte view of the whole buffer (CPU pools only).
+
+        Raises:
+            ValueError: when the pool is not on the CPU.
+            CacheClosed: after `close`.
+        """
+        self._check_open()
+        if self._bytes is None:
+            raise ValueError(f"byte_view: pool {self._name!r} is on {self._device}, not the CPU")
+        return self._bytes
+
     def page_view(self, page_id: int) -> memoryview:
         """A writable, zero-copy byte view of page `page_id` (CPU pools only).
 

@@ -1,19 +1,18 @@
 """Page copies between pools: synchronous, and awaitable without blocking the event loop.
 
 Indices are validated token indices of whole, aligned pages; the copy works on the page dimension of the
-page-first buffers. Three cases:
+page-first buffers. Four cases:
 
-* both pools on one CUDA device, or on the CPU with runs of under `_MIN_RUN_BYTES`: one indexed gather
-  (``index_select``) and one scatter (``index_copy_``);
+* both pools on one CUDA device: one indexed gather (``index_select``) and one scatter (``index_copy_``);
+* both pools on the CPU: one plain memory copy per run of pages consecutive on both sides, through the
+  pools' byte views (see `_copy_runs_in_memory` for why not a torch op);
 * between a CUDA device and host memory: the pages are cut into runs consecutive on the host side. A run
   consecutive on the device too is one direct ``copy_`` between contiguous slices; a run whose device
   pages are scattered goes through a device staging buffer (a gather or scatter kernel plus one
   ``copy_``), so scattered device pages do not cost one small copy each. Copies are ``non_blocking``
   when the host side is pinned. The host side is never staged, so an asynchronous D2H copy can never be
   scattered on the host before it has landed;
-* otherwise (two CPU pools with larger runs, two CUDA devices): one ``copy_`` per run consecutive on both
-  sides. On the CPU a gather into a temporary the size of the whole transfer ran at ~1 GB/s where run
-  copies reach ~5-10 GB/s (`bench/bench_transfer.py`, 2 MiB pages).
+* two CUDA devices: one ``copy_`` per run consecutive on both sides.
 
 Launching a copy costs a few microseconds, so a plan of more than `_INLINE_RUNS` operations is enqueued
 from a worker thread: 32k launches on the event loop would stall it for a good part of a second.
@@ -21,6 +20,7 @@ from a worker thread: 32k launches on the event loop would stall it for a good p
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import anyio
@@ -38,9 +38,6 @@ _INLINE_RUNS = 64
 """The most run copies `copy_pages_async` enqueues on the event loop itself (well under a millisecond)."""
 _STAGE_BYTES = 64 << 20
 """The largest device staging buffer a copy of scattered device pages uses at once."""
-_MIN_RUN_BYTES = 8 << 10
-"""Between CPU pools, the average run size from which per-run copies beat one gather and scatter
-(measured: 16 KiB pages 2.6 vs 0.6 GB/s; 512-byte pages 0.06 vs 0.17 GB/s)."""
 
 
 def _check_compatible(src: KVPool, dst: KVPool) -> None:
@@ -164,14 +161,28 @@ def _copy_page_ids(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages:
         _copy_plan(src, dst, _plan(src, src_pages, dst, dst_pages))
         return
     if src.device.type == "cpu":
-        runs = _runs(src_pages, dst_pages)
-        # Per-run copies win once a run carries a few KiB; below that the call overhead dominates.
-        if src.layout.page_nbytes * src_pages.numel() >= _MIN_RUN_BYTES * len(runs):
-            _copy_runs(src, dst, runs)
-            return
+        _copy_runs_in_memory(src, dst, _runs(src_pages, dst_pages))
+        return
     sp = src_pages.to(src.device)
     dp = dst_pages.to(dst.device)
     dst.buffer.index_copy_(0, dp, src.buffer.index_select(0, sp))
+
+
+def _copy_runs_in_memory(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> None:
+    """Two CPU pools: one plain `memmove` per run, with the GIL released.
+
+    Not a torch op: a torch copy of a page of 64k+ elements is an OpenMP parallel region, and one run
+    from a worker thread starts a second thread team that spins against the first for the cores
+    (measured on 2 cores: 128 KiB pages at 13 GB/s from the main thread fell to 2-3 GB/s on both
+    threads once a copy had run in a worker thread). Not a memoryview assignment either: that holds the
+    GIL for the whole copy, and the event loop stalled 10-30 ms behind it (`bench/bench_transfer.py`).
+    `ctypes.memmove` releases the GIL; the page ids were validated, and both buffers stay referenced.
+    """
+    src_buf, dst_buf = src.buffer, dst.buffer
+    src_base, dst_base = src_buf.data_ptr(), dst_buf.data_ptr()
+    size = src.layout.page_nbytes
+    for s, d, k in runs:
+        ctypes.memmove(dst_base + d * size, src_base + s * size, k * size)
 
 
 def _copy_runs(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> None:

@@ -193,12 +193,12 @@ async def test_cancelled_cuda_copy_completes_before_returning() -> None:
 
 
 BIG_PAGES = KVLayout(num_layers=2, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16, page_size=4)
-"""16 KiB pages: copies between CPU pools go run by run (above `_MIN_RUN_BYTES`)."""
+"""16 KiB pages, beside the 512-byte pages of LAYOUT."""
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, BIG_PAGES], ids=["gather-scatter", "runs"])
+@pytest.mark.parametrize("layout", [LAYOUT, BIG_PAGES], ids=["512B-pages", "16KiB-pages"])
 async def test_scattered_cpu_copies_are_bitwise_on_both_paths(layout: KVLayout) -> None:
-    """Both CPU strategies (one gather + scatter for small pages, one copy per run for larger ones)."""
+    """Scattered pages between CPU pools, small and larger pages, async and sync: bitwise."""
     src, dst = pool(64, "src", layout), pool(64, "dst", layout)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
     s_idx = scattered_pages(src, order[:40])

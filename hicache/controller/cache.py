@@ -829,6 +829,7 @@ class HiCache:
                 self._skip("storage_error")
                 return None
             self._check_open("prefetch")
+            self._forget_stored(page_keys[hit_pages:])
             hit = hit_pages * page
             if anchor_end + hit - matched < self.config.prefetch_threshold:
                 self.tree.unlock_host(anchor)
@@ -954,6 +955,13 @@ class HiCache:
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:
             self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
+            self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
+
+    def _forget_stored(self, keys: Sequence[str]) -> None:
+        """Storage lacks the first of `keys` (a probe or a read found it so): the writer must not take any
+        of them as stored, so the next write-through of their path checks and puts them back."""
+        if keys and self._storage_writer is not None:
+            self._storage_writer.known.discard(keys)
 
     def get_prefetch(self, request_id: str) -> Prefetch:
         """The prefetch in flight for `request_id`; raises `UnknownRequest` if there is none."""

@@ -21,8 +21,9 @@ __all__ = ["KnownPages", "StorageWriter"]
 class KnownPages:
     """A bounded LRU set of page keys known to be in storage (written by us or seen by `exists`).
 
-    It spares a storage round trip per page already stored when a longer path is written through; a
-    page deleted behind our back is written again once it falls out of the set.
+    It spares a storage round trip per page already stored when a longer path is written through. A page
+    a prefetch could not read (deleted or damaged behind our back) is forgotten (`discard`), so the next
+    write-through of its path checks storage again and writes it back if it is gone.
     """
 
     def __init__(self, capacity: int = 1 << 16) -> None:
@@ -46,6 +47,11 @@ class KnownPages:
             self._keys.move_to_end(key)
             n += 1
         return n
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Forget `keys`: storage no longer holds them (as far as we know)."""
+        for key in keys:
+            self._keys.pop(key, None)
 
     def add(self, keys: Iterable[str]) -> None:
         """Remember `keys` as stored, dropping the least recently used beyond the capacity."""
@@ -88,6 +94,7 @@ class StorageWriter:
             values.append(node.host_value)
         if not hashes:
             return
+        page = cache.page_size
         tree.lock_host(target)
         try:
             keys = [h.hex() for h in hashes]
@@ -99,7 +106,7 @@ class StorageWriter:
                 await self._store_components(path[: len(values)], target)
             if stored >= len(keys):
                 return
-            views = cache.host_pool.page_views(torch.cat(values)[stored * cache.page_size :])
+            views = cache.host_pool.page_views(_tokens_from(values, stored * page))
             await self._put(keys[stored:], views)
         finally:
             tree.unlock_host(target)
@@ -145,3 +152,14 @@ class StorageWriter:
                 self.known.add(keys)
                 continue
             await self._put(keys, views)
+
+
+def _tokens_from(values: Sequence[torch.Tensor], start: int) -> torch.Tensor:
+    """The concatenation of `values` from token `start` on, joining only the nodes it reaches."""
+    for i, value in enumerate(values):
+        n = int(value.numel())
+        if start < n:
+            rest = [value[start:], *values[i + 1 :]]
+            return rest[0] if len(rest) == 1 else torch.cat(rest)
+        start -= n
+    return torch.empty(0, dtype=torch.int64)

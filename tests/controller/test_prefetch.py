@@ -21,7 +21,7 @@ from controller_helpers import (
 
 from hicache import HiCache, PrefetchState, UnknownRequest
 from hicache.controller.release import ComponentTransfer
-from hicache.keys import as_key_bytes
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.memory import MemoryBackend
 
 
@@ -451,6 +451,35 @@ async def test_concurrent_batches_count_only_the_verified_prefix(backend: Memory
         host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
         assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq[:16])))
         await cache.release_queue.drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
+async def test_a_page_deleted_behind_the_caches_back_is_written_again(backend: MemoryBackend) -> None:
+    """The writer remembers pages it stored; a prefetch that finds one gone (here its probe) makes it forget
+    them, so the next write-through of that path puts the page back (it would otherwise be skipped as
+    known). The read-failure path is covered by the missed-hole test in test_storage_probe.py."""
+    cache = await open_cache(backend, prefetch_stop_policy="wait_complete")
+    seq = tokens(500, 36)  # 9 pages
+    keys = [h.hex() for h in chained_page_hashes(as_key_bytes(seq), PAGE, cache.config.namespace, ROOT_HASH)]
+    try:
+        await insert_device_chain(cache, seq)
+        await cache.wait_idle()
+        assert await backend.exists(keys) == 9
+        await backend.delete([keys[5]])
+        # Forget the sequence: device copies go (they are backed up), then the host copies.
+        everything = await cache.alloc_device(cache.device_pool.statistics().capacity_pages * PAGE)
+        assert everything is not None
+        cache.device_pool.free(everything)
+        cache.host_pool.free(cache.tree.evict_host(len(seq)).freed_host)
+        assert cache.match(seq).host_len == 0
+        assert await cache.prefetch("again", seq) is not None
+        outcome = await cache.commit_prefetch("again")
+        assert (outcome.completed_tokens, outcome.failed_pages) == (5 * PAGE, 0)
+        await insert_device_chain(cache, seq)  # serves it again: pages 5-8 are backed up and written
+        await cache.wait_idle()
+        assert await backend.exists(keys) == 9
         assert_accounting(cache)
     finally:
         await cache.aclose()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
+import anyio
+import anyio.lowlevel
 import pytest
 from controller_helpers import PAGE, PassThroughBackend, make_config, page_payload, store_sequence, tokens
 
@@ -112,3 +114,52 @@ async def test_a_prefetch_over_a_missed_hole_stops_there_and_releases_the_rest(
         cache.sanity_check()
         stats = cache.statistics()
         assert stats.host_pool.used_pages == 150
+
+
+class HeldProbe(PassThroughBackend):
+    """`exists` calls after the first wait for `release`, then deliver any cancellation, as `to_thread` does."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        super().__init__(inner)
+        self.calls = 0
+        self.second_call = anyio.Event()
+        self.release = anyio.Event()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        self.calls += 1
+        if self.calls >= 2:
+            self.second_call.set()
+            with anyio.CancelScope(shield=True):
+                await self.release.wait()
+            await anyio.lowlevel.checkpoint()  # a cancellation lands when the call returns, as with a thread
+        return await super().exists(keys)
+
+
+async def test_cancelling_a_prefetch_in_the_probes_second_call_leaves_nothing_behind(
+    backend: MemoryBackend,
+) -> None:
+    """The probe's refining call is an await point of its own: cancelled there, the prefetch leaves no
+    host page taken, no prefetch in flight and no anchor lock."""
+    held = HeldProbe(backend)
+    async with HiCache(
+        make_config(host_pages=256, prefetch_capacity_tokens=256 * PAGE), storage=held
+    ) as cache:
+        seq = tokens(7000, 200 * PAGE)
+        keys = await store_sequence(backend, cache, seq)
+        await backend.delete(keys[120:])  # a partial hit: the probe must refine the bracket
+        free_before = cache.host_pool.statistics().free_pages
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.prefetch, "r", seq)
+            await held.second_call.wait()
+            tg.cancel_scope.cancel()
+            held.release.set()
+        assert held.calls == 2
+        assert cache.statistics().prefetches_in_flight == 0
+        assert cache.host_pool.statistics().free_pages == free_before
+        cache.sanity_check()
+        # And the cache still serves the same request afterwards.
+        held.calls = 0
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        assert prefetch.num_tokens == 120 * PAGE
+        assert (await cache.commit_prefetch("r")).loaded_tokens == 120 * PAGE

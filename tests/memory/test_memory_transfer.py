@@ -253,6 +253,8 @@ async def test_a_cancelled_threaded_cuda_copy_completes_before_returning() -> No
 class _FakePool:
     """What `_plan` reads of a pool: its device and page size."""
 
+    pinned = False  # no mapped view: plans stay copies
+
     def __init__(self, device: str, layout: KVLayout = BIG_PAGES) -> None:
         self.device = torch.device(device)
         self.layout = layout
@@ -320,4 +322,30 @@ async def test_scattered_device_pages_under_host_runs_are_staged_bitwise(
     await copy_pages_async(host, h_idx, device, d2)
     assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
     copy_pages(device, d2, host, h_idx)  # the synchronous path plans the same way
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pages", [300, 1500])
+async def test_pages_scattered_on_both_sides_go_through_the_mapped_host_view_bitwise(pages: int) -> None:
+    """Single pages scattered on both sides: gather/scatter kernels through the pinned pool's mapped view
+    (where the platform maps pinned memory), in chunks; bitwise both ways, async and sync."""
+    device = opened(make_device_pool(BIG_PAGES, pages))
+    host = opened(KVPool(BIG_PAGES, pages, pin_memory=True, name="host"))
+    g = torch.Generator().manual_seed(pages)
+    d_idx = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
+    h_idx = scattered_pages(host, torch.randperm(pages, generator=g).tolist())
+    plan = transfer_module._plan(device, device.page_ids(d_idx), host, host.page_ids(h_idx))
+    assert plan.mapped == (transfer_module._mapped_host_view(host, device.device) is not None)
+    kv = torch.randn(BIG_PAGES.tokens_shape(pages * BIG_PAGES.page_size), generator=g).to(BIG_PAGES.dtype)
+    device.write_tokens(d_idx, kv.cuda())
+    await copy_pages_async(device, d_idx, host, h_idx)
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+    device.buffer.zero_()
+    d2 = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
+    await copy_pages_async(host, h_idx, device, d2)
+    assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
+    host.buffer.zero_()
+    copy_pages(device, d2, host, h_idx)
     assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))

@@ -28,7 +28,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 import anyio.lowlevel
@@ -232,6 +234,12 @@ def _plan(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages: torch.Te
     return _Plan(direct, staged, device_pages if staged else None)
 
 
+def _upload_index(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page ids on `device`, pinned and non-blocking: a pageable upload would wait for the stream, on the
+    caller's thread."""
+    return pages.pin_memory().to(device, non_blocking=True)
+
+
 def _copy_plan(src: KVPool, dst: KVPool, plan: _Plan) -> None:
     """Enqueue (on the current stream) or run a `_Plan`."""
     _copy_runs(src, dst, plan.direct)
@@ -239,8 +247,7 @@ def _copy_plan(src: KVPool, dst: KVPool, plan: _Plan) -> None:
         return
     assert plan.device_pages is not None
     device_pool = src if src.device.type == "cuda" else dst
-    # Pinned and non-blocking: a pageable upload would wait for the stream, on the caller's thread.
-    index = plan.device_pages.pin_memory().to(device_pool.device, non_blocking=True)
+    index = _upload_index(plan.device_pages, device_pool.device)
     if plan.mapped:
         _copy_mapped(src, dst, plan, device_pool, index)
         return
@@ -267,7 +274,7 @@ def _copy_mapped(
     host_pool.buffer  # noqa: B018 - raises CacheClosed once the pool is closed: the view would dangle
     view = _mapped_views.get(host_pool)
     assert view is not None
-    host_index = plan.host_pages.pin_memory().to(device_pool.device, non_blocking=True)
+    host_index = _upload_index(plan.host_pages, device_pool.device)
     n, step = int(host_index.numel()), plan.chunk_pages
     for c in range(0, n, step):
         hi, di = host_index[c : c + step], device_index[c : c + step]
@@ -287,9 +294,11 @@ def _copy_page_ids(src: KVPool, src_pages: torch.Tensor, dst: KVPool, dst_pages:
     if src.device.type == "cpu":
         _copy_runs_in_memory(src, dst, _runs(src_pages, dst_pages))
         return
-    sp = src_pages.to(src.device)
-    dp = dst_pages.to(dst.device)
-    dst.buffer.index_copy_(0, dp, src.buffer.index_select(0, sp))
+    dst.buffer.index_copy_(
+        0,
+        _upload_index(dst_pages, dst.device),
+        src.buffer.index_select(0, _upload_index(src_pages, src.device)),
+    )
 
 
 def _copy_runs_in_memory(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> None:
@@ -319,13 +328,10 @@ def _copy_runs(src: KVPool, dst: KVPool, runs: list[tuple[int, int, int]]) -> No
 
 
 def _enqueue_on_side_stream(
-    src: KVPool,
-    dst: KVPool,
-    plan: _Plan,
-    device: torch.device,
-    after: torch.cuda.Stream,
+    enqueue: Callable[[], None], device: torch.device, after: torch.cuda.Stream
 ) -> torch.cuda.Event:
-    """Enqueue a plan on a new side stream that first waits for `after`; return its end event.
+    """Run `enqueue` (which enqueues copies on the current stream) with a new side stream current, that
+    side stream first waiting for `after`; return an event recorded after the copies.
 
     Safe to call from a worker thread: the side stream is made current only inside this call, and `after`
     (the caller's current stream, captured on its own thread) orders the copy after the caller's work.
@@ -333,7 +339,7 @@ def _enqueue_on_side_stream(
     stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
     stream.wait_stream(after)
     with torch.cuda.stream(stream):
-        _copy_plan(src, dst, plan)
+        enqueue()
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
     return event
@@ -406,25 +412,20 @@ async def copy_pages_async(
         # The copy is complete; a cancellation that arrived meanwhile is raised here rather than later.
         await anyio.lowlevel.checkpoint_if_cancelled()
         return
-    plan = _plan(src, src_pages, dst, dst_pages) if src.device != dst.device else _Plan([])
-    if src.device == dst.device:  # one CUDA device: a gather and a scatter, enqueued inline
-        stream = torch.cuda.Stream(device=cuda)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(cuda))
-        with torch.cuda.stream(stream):
-            _copy_page_ids(src, src_pages, dst, dst_pages)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        await _wait_event_safely(event)
-        return
     after = torch.cuda.current_stream(cuda)
-    if plan.operations <= _INLINE_RUNS:
-        event = _enqueue_on_side_stream(src, dst, plan, cuda, after)
+    if src.device == dst.device:  # one CUDA device: a gather and a scatter
+        enqueue, operations = partial(_copy_page_ids, src, src_pages, dst, dst_pages), 2
+    else:
+        plan = _plan(src, src_pages, dst, dst_pages)
+        enqueue, operations = partial(_copy_plan, src, dst, plan), plan.operations
+    if operations <= _INLINE_RUNS:
+        event = _enqueue_on_side_stream(enqueue, cuda, after)
     else:
         # Waits for the thread even when cancelled: once it returns, every copy is enqueued and the
         # event below covers them all.
         with anyio.CancelScope(shield=True):
             event = await anyio.to_thread.run_sync(
-                _enqueue_on_side_stream, src, dst, plan, cuda, after, limiter=limiter
+                _enqueue_on_side_stream, enqueue, cuda, after, limiter=limiter
             )
     await _wait_event_safely(event)
 

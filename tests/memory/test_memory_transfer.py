@@ -298,6 +298,25 @@ def test_a_cross_device_plan_moves_every_page_exactly_once(seed: int, host_is_sr
     assert plan.operations < n  # fewer operations than one copy per page
 
 
+async def round_trip(
+    device: KVPool, d_idx: torch.Tensor, host: KVPool, h_idx: torch.Tensor, g: torch.Generator
+) -> None:
+    """Random KV at `d_idx`: back up to `h_idx` (async), load back into other scattered device pages
+    (async), copy back to host (sync), checking every byte after each leg."""
+    pages = d_idx.numel() // device.page_size
+    kv = torch.randn(device.layout.tokens_shape(d_idx.numel()), generator=g).to(device.layout.dtype)
+    device.write_tokens(d_idx, kv.cuda())
+    await copy_pages_async(device, d_idx, host, h_idx)
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+    device.buffer.zero_()
+    d2 = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
+    await copy_pages_async(host, h_idx, device, d2)
+    assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
+    host.buffer.zero_()
+    copy_pages(device, d2, host, h_idx)  # the synchronous path plans the same way
+    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("stage_pages", [7, 1024])
@@ -313,16 +332,7 @@ async def test_scattered_device_pages_under_host_runs_are_staged_bitwise(
     g = torch.Generator().manual_seed(21)
     d_idx = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
     h_idx = alloc(host, pages * BIG_PAGES.page_size)  # consecutive
-    kv = torch.randn(BIG_PAGES.tokens_shape(pages * BIG_PAGES.page_size), generator=g).to(BIG_PAGES.dtype)
-    device.write_tokens(d_idx, kv.cuda())
-    await copy_pages_async(device, d_idx, host, h_idx)
-    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
-    device.buffer.zero_()
-    d2 = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
-    await copy_pages_async(host, h_idx, device, d2)
-    assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
-    copy_pages(device, d2, host, h_idx)  # the synchronous path plans the same way
-    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+    await round_trip(device, d_idx, host, h_idx, g)
 
 
 @pytest.mark.cuda
@@ -338,14 +348,4 @@ async def test_pages_scattered_on_both_sides_go_through_the_mapped_host_view_bit
     h_idx = scattered_pages(host, torch.randperm(pages, generator=g).tolist())
     plan = transfer_module._plan(device, device.page_ids(d_idx), host, host.page_ids(h_idx))
     assert plan.mapped == (transfer_module._mapped_host_view(host, device.device) is not None)
-    kv = torch.randn(BIG_PAGES.tokens_shape(pages * BIG_PAGES.page_size), generator=g).to(BIG_PAGES.dtype)
-    device.write_tokens(d_idx, kv.cuda())
-    await copy_pages_async(device, d_idx, host, h_idx)
-    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
-    device.buffer.zero_()
-    d2 = scattered_pages(device, torch.randperm(pages, generator=g).tolist())
-    await copy_pages_async(host, h_idx, device, d2)
-    assert torch.equal(device.read_tokens(d2).cpu().view(torch.int16), kv.view(torch.int16))
-    host.buffer.zero_()
-    copy_pages(device, d2, host, h_idx)
-    assert torch.equal(host.read_tokens(h_idx).view(torch.int16), kv.view(torch.int16))
+    await round_trip(device, d_idx, host, h_idx, g)

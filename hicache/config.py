@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,13 @@ def _non_negative_float(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be >= 0, got {value}")
 
 
+def _positive_seconds(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected a number of seconds, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class HiCacheConfig:
     """Everything a `HiCache` needs to know, validated on construction.
@@ -59,6 +67,15 @@ class HiCacheConfig:
             thread hops or requests).
         storage_concurrency: `get` batches in flight at once per prefetch.
         release_batch_pages: pages the release queue returns to the host pool per step.
+        storage_read_timeout_s: the most one storage read (an `exists` lookup or a `get` batch) may take;
+            a read that takes longer fails its pages (counted as `storage_page_failures{reason="timeout"}`)
+            and its worker threads are abandoned, their buffers quarantined until they return.
+        storage_write_timeout_s: the most one storage write (a `put` batch) of write-through may take; a
+            write that takes longer fails its pages (`reason="write_timeout"`), and the host pages it
+            reads stay locked until its threads return.
+        close_timeout_s: the most `aclose()` waits for background work, stuck I/O and copies; what is left
+            then is logged and finishes in the background (pools a stuck thread may touch stay open
+            until it returns).
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
     """
@@ -82,6 +99,9 @@ class HiCacheConfig:
     storage_batch_pages: int | None = None
     storage_concurrency: int = 4
     release_batch_pages: int = 256
+    storage_read_timeout_s: float = 5.0
+    storage_write_timeout_s: float = 30.0
+    close_timeout_s: float = 5.0
     components: tuple[Component, ...] = ()
 
     def __post_init__(self) -> None:
@@ -99,6 +119,8 @@ class HiCacheConfig:
             _positive_int("prefetch_capacity_tokens", self.prefetch_capacity_tokens, minimum=0)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max"):
             _non_negative_float(name, getattr(self, name))
+        for name in ("storage_read_timeout_s", "storage_write_timeout_s", "close_timeout_s"):
+            _positive_seconds(name, getattr(self, name))
         object.__setattr__(self, "write_policy", parse_policy(WritePolicy, self.write_policy, "write_policy"))
         object.__setattr__(
             self, "eviction_policy", parse_policy(EvictionPolicy, self.eviction_policy, "eviction_policy")

@@ -19,6 +19,8 @@ from typing import TypeVar, TypeVarTuple, Unpack, cast
 import anyio
 import anyio.to_thread
 
+from storage_backends.threads import stray_threads
+
 __all__ = [
     "CORRUPT",
     "ERROR",
@@ -56,8 +58,9 @@ async def gather_bounded(funcs: Sequence[Callable[[], Awaitable[T]]], limit: int
     """Await every `funcs[i]()` with at most `limit` running at once; results in the order of `funcs`.
 
     On the first exception the remaining calls are cancelled (and those not started never start), every
-    sibling is awaited, then that first exception is re-raised as itself (not wrapped in a group), so a
-    caller's buffers are quiet when this returns. Cancellation from outside propagates untouched.
+    sibling is awaited, then that first exception is re-raised as itself (not wrapped in a group). A
+    sibling cancelled while its worker thread ran leaves that thread registered in `stray_threads` (see
+    `run_in_thread`). Cancellation from outside propagates untouched.
 
     `min(limit, len(funcs))` worker tasks pull the next call from a shared cursor, instead of one task per
     call queueing on a `CapacityLimiter`: same bound, but a batch of 16k pages costs 16 tasks, not 16k.
@@ -166,16 +169,31 @@ def group_slices(
     return out
 
 
-async def run_in_thread(func: Callable[[Unpack[Ts]], T], *args: *Ts, limiter: anyio.CapacityLimiter) -> T:
-    """Run `func(*args)` in a worker thread under `limiter`, waiting for the thread even when cancelled.
+async def run_in_thread(
+    func: Callable[[Unpack[Ts]], T],
+    *args: *Ts,
+    limiter: anyio.CapacityLimiter | None,
+    touches: Sequence[object] = (),
+) -> T:
+    """Run `func(*args)` in a worker thread under `limiter`; a cancellation returns at once.
 
-    anyio's `to_thread.run_sync` delivers a cancellation only after the thread returns. That is what keeps
-    the buffers safe: once `get` returns, normally or cancelled, no thread still writes into them. aiofiles
-    (and a bare `loop.run_in_executor`) would not do: a cancelled `await` there abandons the executor
-    future while its thread keeps reading into the caller's buffer, possibly after the caller has handed
-    that host-pool page to another request.
+    A cancelled caller does not wait for the thread (a read stuck on a hung mount would hang it): the thread
+    is abandoned and, while it still runs, registered in `stray_threads` with the buffers it `touches`, so
+    the caller can keep them out of use until it returns (see `storage_backends.threads`). A call
+    cancelled before its thread started never starts. Returning normally or raising, the thread is done.
+
+    An abandoned thread no longer holds a `limiter` token: a backend stuck on a dead mount may run more
+    threads than its limit; the controller's circuit breaker and timeouts bound how many it starts.
     """
-    return await anyio.to_thread.run_sync(func, *args, limiter=limiter)
+    call = stray_threads.call(touches)
+    try:
+        result = await anyio.to_thread.run_sync(
+            partial(call.run, func, *args), limiter=limiter, abandon_on_cancel=True
+        )
+    except BaseException:
+        call.abandon()  # no-op when the thread already returned (it raised)
+        raise
+    return cast("T", result)
 
 
 async def gather_page_groups(
@@ -193,7 +211,8 @@ async def gather_page_groups(
     The batch is spread over as many groups as `limiter` has threads that `pending` (the backend's
     count of groups in flight, when given) leaves unclaimed (see `group_slices`), and at
     most `limiter.total_tokens` groups run at once, each in a thread of `limiter` (see
-    `run_in_thread`: no thread outlives the call); the first failure cancels the rest (`gather_bounded`).
+    `run_in_thread`: a thread outlives the call only when the call is cancelled, and is then registered with
+    its group's buffers in `stray_threads`); the first failure cancels the rest (`gather_bounded`).
 
     Returns:
         The per-page outcome codes `func` returned, flattened, in batch order.
@@ -209,7 +228,11 @@ async def gather_page_groups(
         pending.groups += len(groups)
     try:
         outcomes = await gather_bounded(
-            [partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter) for g in groups], limit
+            [
+                partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter, touches=buffers[g])
+                for g in groups
+            ],
+            limit,
         )
     finally:
         if pending is not None:

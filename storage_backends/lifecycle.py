@@ -5,6 +5,12 @@ A backend is an async context manager with an idempotent `aclose()`. Closing ref
 backend holds; calls return only after their worker threads stopped touching the caller's buffers, so a
 caller whose `aclose()` returned may free them. A backend garbage-collected while still open warns with
 `ResourceWarning`.
+
+Worker threads are never waited for once their call is cancelled: a read stuck on a hung NFS or FUSE
+mount must not hang its caller. A call that is cancelled while its worker thread runs abandons the thread
+and registers it in `storage_backends.threads.stray_threads`, together with the buffers it may still read or
+write, until the thread returns. A caller must not reuse such a buffer (free it, hand it out, overwrite it)
+while `stray_threads.busy(...)` reports it; every other buffer is quiet as soon as the call returns.
 """
 
 from __future__ import annotations

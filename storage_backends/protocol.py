@@ -21,10 +21,19 @@ class StorageBackend(Protocol):
     Contract (checked by `tests/storage/contract.py` for every backend):
       * `exists(keys)` returns the length of the longest prefix of `keys` that is fully stored.
       * `get(keys, buffers)` fills `buffers[i]` with page `keys[i]` and returns one bool per page; a page that
-        is missing, torn, truncated or fails its checksum is `False` and is never reported as loaded. When
-        the call returns (normally, with an error, or cancelled) no I/O may still write into any buffer.
+        is missing, torn, truncated or fails its checksum is `False` and is never reported as loaded.
       * `put(keys, buffers)` stores each page atomically: a reader sees the whole page or none of it.
         Returns one bool per page.
+      * Cancellation is honoured promptly (within a few event-loop turns, never after a stuck I/O): a
+        cancelled `get` or `put` does not wait for its worker threads. Buffers and threads:
+          - when a call returns normally, no I/O touches any of its buffers any more;
+          - when it raises (cancelled, or failed after cancelling its siblings), a worker thread may still
+            read or write some of them; each such thread is registered, with exactly the buffers it may
+            touch, in `storage_backends.threads.stray_threads` until it returns, and a caller must not
+            reuse a buffer while `stray_threads.busy([buffer])` is true. Backends start their worker
+            threads through `storage_backends.batching.run_in_thread(..., touches=buffers)`, which does it.
+        A thread that never returns keeps its buffers out of use forever: that is the price of a caller
+        that is never hung.
       * `delete(keys)` removes pages; absent keys are ignored.
       * `aclose()` is idempotent; any call made after it began raises `hicache.errors.CacheClosed`, and it
         returns only once the calls already in flight have returned (`storage_backends.lifecycle`).

@@ -37,7 +37,6 @@ from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import anyio
-import anyio.to_thread
 import obstore
 from obstore.exceptions import (
     InvalidPathError,
@@ -55,6 +54,7 @@ from storage_backends.batching import (
     check_batch,
     check_keys,
     gather_bounded,
+    run_in_thread,
 )
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
@@ -90,7 +90,16 @@ _EXIT_GRACE_S: Final = 0.02
 """How long the interpreter releases the GIL at exit so obstore's threads can leave Python first."""
 
 _INT_OPTIONS: Final = frozenset({"max_concurrency"})
-_FLOAT_OPTIONS: Final = frozenset({"deadline_s", "attempt_timeout_s", "backoff_initial_s", "backoff_max_s"})
+_FLOAT_OPTIONS: Final = frozenset(
+    {
+        "deadline_s",
+        "read_deadline_s",
+        "write_deadline_s",
+        "attempt_timeout_s",
+        "backoff_initial_s",
+        "backoff_max_s",
+    }
+)
 _BOOL_OPTIONS: Final = frozenset({"allow_http"})
 _STR_OPTIONS: Final = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
 
@@ -155,7 +164,11 @@ class S3Backend(BackendLifecycle):
         allow_http: allow a plain-http endpoint; default True only for loopback endpoints.
         max_concurrency: the most requests in flight at once, across all calls (the connection bound).
         deadline_s: the total time one page's request may take, retries and backoff included.
-        attempt_timeout_s: the most one attempt may take.
+        read_deadline_s: `deadline_s` for reads (GET, HEAD); default `deadline_s`. A `HiCache` opening
+            this backend from its URL passes its `storage_read_timeout_s` here.
+        write_deadline_s: `deadline_s` for writes (PUT, DELETE); default `deadline_s`. A `HiCache` passes
+            its `storage_write_timeout_s`.
+        attempt_timeout_s: the most one attempt may take (never more than the request's deadline).
         backoff_initial_s: the first backoff delay; doubles per retry.
         backoff_max_s: the cap of the backoff delay.
 
@@ -177,6 +190,8 @@ class S3Backend(BackendLifecycle):
         allow_http: bool | None = None,
         max_concurrency: int = 32,
         deadline_s: float = 30.0,
+        read_deadline_s: float | None = None,
+        write_deadline_s: float | None = None,
         attempt_timeout_s: float = 10.0,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
@@ -191,8 +206,12 @@ class S3Backend(BackendLifecycle):
             raise ValueError(f"prefix: empty, '.' or '..' path segments are not allowed, got {prefix!r}")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
+        read_deadline_s = deadline_s if read_deadline_s is None else read_deadline_s
+        write_deadline_s = deadline_s if write_deadline_s is None else write_deadline_s
         for name, value in (
             ("deadline_s", deadline_s),
+            ("read_deadline_s", read_deadline_s),
+            ("write_deadline_s", write_deadline_s),
             ("attempt_timeout_s", attempt_timeout_s),
             ("backoff_initial_s", backoff_initial_s),
             ("backoff_max_s", backoff_max_s),
@@ -243,7 +262,11 @@ class S3Backend(BackendLifecycle):
         self._max_concurrency = max_concurrency
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._deadline_s = float(deadline_s)
-        self._attempt_timeout_s = float(attempt_timeout_s)
+        self._read_deadline_s = float(read_deadline_s)
+        self._write_deadline_s = float(write_deadline_s)
+        self._attempt_timeout_s = min(
+            float(attempt_timeout_s), max(self._read_deadline_s, self._write_deadline_s)
+        )
         self._backoff_initial_s = float(backoff_initial_s)
         self._backoff_max_s = float(backoff_max_s)
         try:
@@ -272,7 +295,8 @@ class S3Backend(BackendLifecycle):
 
         Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `max_concurrency`, `deadline_s`,
-        `attempt_timeout_s`, `backoff_initial_s`, `backoff_max_s`); keyword options win over the query.
+        `read_deadline_s`, `write_deadline_s`, `attempt_timeout_s`, `backoff_initial_s`, `backoff_max_s`);
+        keyword options win over the query.
 
         Raises:
             ValueError: for another scheme, a missing bucket, an unknown or repeated query parameter, or a
@@ -451,8 +475,9 @@ class S3Backend(BackendLifecycle):
         verify = partial(_verify_and_copy, body, buf, self._namespace_digest)
         try:
             if buf.nbytes >= _THREAD_THRESHOLD:
-                # to_thread waits for the thread even when cancelled: it never writes into `buf` afterwards.
-                await anyio.to_thread.run_sync(verify)
+                # A cancelled caller does not wait; the thread is registered as a stray with `buf` until
+                # it returns (`run_in_thread`), so the caller keeps `buf` out of use meanwhile.
+                await run_in_thread(verify, limiter=None, touches=(buf,))
             else:
                 verify()
         except ChecksumMismatch as exc:
@@ -466,7 +491,10 @@ class S3Backend(BackendLifecycle):
     async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
         path = self.object_path(key)
         encode = partial(_encode_body, buf, self._namespace_digest)
-        body = await anyio.to_thread.run_sync(encode) if buf.nbytes >= _THREAD_THRESHOLD else encode()
+        if buf.nbytes >= _THREAD_THRESHOLD:
+            body = await run_in_thread(encode, limiter=None, touches=(buf,))
+        else:
+            body = encode()
         try:
             await self._call(
                 partial(obstore.put_async, store, path, body, use_multipart=False), batch, "PUT", path
@@ -503,7 +531,8 @@ class S3Backend(BackendLifecycle):
             raise StorageUnavailable(
                 f"{method} {path}: skipped, the server was unreachable earlier in this batch"
             )
-        deadline = anyio.current_time() + self._deadline_s
+        limit_s = self._read_deadline_s if method in ("GET", "HEAD") else self._write_deadline_s
+        deadline = anyio.current_time() + limit_s
         attempt = 0
         while True:
             attempt += 1
@@ -528,8 +557,7 @@ class S3Backend(BackendLifecycle):
                 if batch.unavailable or anyio.current_time() + delay >= deadline:
                     batch.unavailable = True
                     raise StorageUnavailable(
-                        f"{method} {path} failed after {attempt} attempt(s) "
-                        f"within {self._deadline_s}s: {reason}"
+                        f"{method} {path} failed after {attempt} attempt(s) within {limit_s}s: {reason}"
                     ) from None
                 self._retries += 1
                 logger.debug(

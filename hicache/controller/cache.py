@@ -3,17 +3,24 @@
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
 streams. Every method that changes the tree does so synchronously between awaits, so the tree is always
-consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe (the
-copy or read it waits for is finished before the buffer can be released).
+consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe: a
+device <-> host copy is waited for even when the caller is cancelled (a copy is short and cannot be
+abandoned), and a storage read is abandoned at once, its buffers quarantined until its thread returns.
+
+Deadlines: every awaitable public method honours the caller's cancellation, from anyio cancel scopes and
+asyncio timeouts alike, and returns within a few event-loop turns of it, plus at most the device <-> host
+copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclose()` returns within
+`config.close_timeout_s`. Storage calls run under `storage_read_timeout_s` / `storage_write_timeout_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
@@ -35,10 +42,19 @@ from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
 from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
 from storage_backends.protocol import StorageBackend
 from storage_backends.registry import open_backend
+from storage_backends.threads import stray_threads
 
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 logger = logging.getLogger("hicache.cache")
+
+_STOP_GRACE_S = 1.0
+"""How long `cancel_prefetch` waits for a stream to stop before resolving it detached. A stream stops
+within a few event-loop turns (a cancelled read abandons its threads); this only bounds a backend that
+does not honour cancellation."""
+
+_QUARANTINE_POLL_S = 0.02
+"""How often a closing cache checks whether the stray threads under its quarantined pages returned."""
 
 
 @dataclass
@@ -83,6 +99,11 @@ class CacheStatistics:
     backups_queued: int
     storage_writes_queued: int
     closed: bool
+    quarantined_pages: int = 0
+    """Host pages held out of use because a stray storage thread may still write into them (released
+    through the release queue once it returns)."""
+    detached_prefetches: int = 0
+    """Cancelled prefetches whose stream is still stopping; their pages go back when it has."""
 
 
 class HiCache:
@@ -170,8 +191,12 @@ class HiCache:
         self._storage_writes: WorkQueue[TreeNode] = WorkQueue("storage write-through", self._store)
         self._storage_writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
-        self._stack: AsyncExitStack | None = None
+        self._detached: set[Prefetch] = set()
+        """Cancelled prefetches whose stream had not stopped yet: `_stream` releases them when it does."""
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._stopping = anyio.Event()
+        self._shut_down = anyio.Event()
         self._started = False
         self._closed = False
         self._copies = 0
@@ -192,72 +217,152 @@ class HiCache:
         await self.aclose()
 
     async def start(self) -> None:
-        """Open the storage backend (if configured) and start the background workers."""
+        """Open the storage backend (if configured) and start the background workers.
+
+        If starting fails (the backend cannot be opened, or the caller is cancelled), everything made so
+        far (storage, pools) is closed before the error propagates, and the cache is closed.
+        """
         if self._closed:
             raise CacheClosed("start: this HiCache was closed")
         if self._started:
             return
-        if self.storage is None and self.config.storage_url is not None:
-            self.storage = open_backend(
-                self.config.storage_url,
-                namespace_digest=self.config.namespace.digest,
-                **dict(self.config.storage_options),
+        try:
+            if self.storage is None and self.config.storage_url is not None:
+                self.storage = open_backend(
+                    self.config.storage_url,
+                    namespace_digest=self.config.namespace.digest,
+                    **self._backend_options(self.config.storage_url),
+                )
+            if self.storage is not None:
+                self._storage_writer = StorageWriter(self, self.storage)
+            if self.device_pool.device.type == "cuda":
+                # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
+                # thousands of page copies from their own threads fight over the GIL (on an H200, 16
+                # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
+                self._copy_limiter = anyio.CapacityLimiter(1)
+            # The workers live in a task of their own, not on the caller's cancel-scope stack: `aclose()`
+            # may then be called from any scope (inside `move_on_after`, `asyncio.wait_for`) and return
+            # within its bound while the rest of the shutdown finishes in that task.
+            ready = anyio.Event()
+            self._runner = asyncio.get_running_loop().create_task(
+                self._run(ready), name=f"hicache-workers-{id(self):x}"
             )
-        if self.storage is not None:
-            self._storage_writer = StorageWriter(self, self.storage)
-        if self.device_pool.device.type == "cuda":
-            # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
-            # thousands of page copies from their own threads fight over the GIL (on an H200, 16
-            # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
-            self._copy_limiter = anyio.CapacityLimiter(1)
-        stack = AsyncExitStack()
-        self._task_group = await stack.enter_async_context(anyio.create_task_group())
-        self._stack = stack
-        self._task_group.start_soon(self.release_queue.run)
-        self._task_group.start_soon(self._backups.run)
-        self._task_group.start_soon(self._storage_writes.run)
+            await ready.wait()
+        except BaseException:
+            await self._abort_start()
+            raise
         self._started = True
 
-    async def aclose(self) -> None:
-        """Cancel prefetches (waiting for their I/O), stop the workers, free everything, close storage.
+    def _backend_options(self, url: str) -> dict[str, object]:
+        """The backend's options: `storage_options`, plus the cache's timeouts for a client that has its
+        own (S3: per-request read and write deadlines), unless the options set them."""
+        options = dict(self.config.storage_options)
+        if url.startswith("s3://"):
+            options.setdefault("read_deadline_s", self.config.storage_read_timeout_s)
+            options.setdefault("write_deadline_s", self.config.storage_write_timeout_s)
+        return options
 
-        Idempotent. Buffers are released only after every read or copy that may write into them stopped.
-        The pools the cache made are closed last; pools passed to the constructor stay open (the caller's).
-        """
-        if self._closed:
-            return
+    async def _abort_start(self) -> None:
+        """A failed `start()`: close what it opened and the pools; the cache stays closed."""
         self._closed = True
+        if self._runner is not None:
+            self._stopping.set()
+            return  # the runner closes storage and pools on its way out
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.close_timeout_s):
+            await self._close_storage()
+        self._close_pools()
+
+    async def _run(self, ready: anyio.Event) -> None:
+        """The workers' task: runs them until `aclose()`, then shuts down, however long stuck I/O takes."""
         try:
-            with anyio.CancelScope(shield=True):
-                for request_id in list(self._prefetches):
-                    await self._cancel(request_id)
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                tg.start_soon(self.release_queue.run)
+                tg.start_soon(self._backups.run)
+                tg.start_soon(self._storage_writes.run)
+                ready.set()
+                await self._stopping.wait()
+                tg.cancel_scope.cancel()
+            await self._shutdown()
+        except BaseException:
+            # Cancelled by the event loop's own shutdown: nothing left to run the rest; a pool still in
+            # use by a stray thread is kept alive by that thread's buffer references.
+            logger.warning("%r: shutdown interrupted", self)
+            raise
         finally:
-            try:
-                # The task group was entered by `start()`; it is exited here, outside any newer cancel
-                # scope. Exiting waits for every worker, so no backup, store or stream touches a pool after.
-                if self._stack is not None:
-                    assert self._task_group is not None
-                    self._task_group.cancel_scope.cancel()
-                    await self._stack.aclose()
-            finally:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self._wait_for_copies()
-                        self.release_queue.flush()
-                        if self.storage is not None and self._owns_storage:
-                            await self.storage.aclose()
-                    finally:
-                        for pool in self._owned_pools:
-                            pool.close()
+            self._task_group = None
+            self._shut_down.set()
+
+    async def _shutdown(self) -> None:
+        """After the workers stopped: release what is left, close storage, wait for copies and stray reads
+        (quarantined pages), then close the pools the cache made."""
+        self._backups.close()
+        self._storage_writes.close()
+        for prefetch in list(self._detached):  # streams that never ran: nothing can write into them
+            self._finish_detached(prefetch)
+        self.release_queue.flush()
+        await self._close_storage()
+        await self._wait_for_copies()
+        while self.release_queue.statistics().quarantined_calls:
+            await anyio.sleep(_QUARANTINE_POLL_S)
+            self.release_queue.flush()
+        self.release_queue.flush()
+        self._close_pools()
+
+    async def _close_storage(self) -> None:
+        if self.storage is not None and self._owns_storage:
+            await self.storage.aclose()
+
+    def _close_pools(self) -> None:
+        for pool in self._owned_pools:
+            pool.close()
+
+    async def aclose(self) -> None:
+        """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
+
+        Idempotent, and bounded: returns within `config.close_timeout_s` (or the caller's own deadline,
+        whichever is first). What is left then (a stuck storage thread, pages it may still write into) is
+        logged and finishes in the background: buffers are released, and the pools the cache made are
+        closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
+        """
+        if not self._closed:
+            self._closed = True
+            for prefetch in list(self._prefetches.values()):
+                self._cancel_now(prefetch)
+            self._backups.close()
+            self._storage_writes.close()
+            self.release_queue.flush()
+            if self._runner is None:  # never started: nothing runs, nothing reads
+                self._close_pools()
+                return
+            self._stopping.set()
+        if self._runner is None:
+            return
+        with anyio.move_on_after(self.config.close_timeout_s):
+            await self._shut_down.wait()
+        if not self._shut_down.is_set():
+            stats = self.release_queue.statistics()
+            logger.warning(
+                "%r: aclose gave up waiting after %.3gs; left to finish in the background: "
+                "%d quarantined host tokens, %d stray storage threads, %d copies in flight",
+                self,
+                self.config.close_timeout_s,
+                stats.quarantined_tokens,
+                stray_threads.count,
+                self._copies,
+            )
 
     async def _copy(
         self, src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor
     ) -> None:
-        """`copy_pages_async`, counted: `aclose` closes no pool while a copy may still write into it,
-        including load-backs running in the caller's own tasks."""
+        """`copy_pages_async`, counted (`aclose` closes no pool while a copy may still write into it,
+        including load-backs running in the caller's own tasks) and never abandoned: a cancellation,
+        anyio's or asyncio's own, is re-raised only once the copy has landed."""
         self._copies += 1
         try:
-            await copy_pages_async(src, src_indices, dst, dst_indices, limiter=self._copy_limiter)
+            await _wait_uncancelled(
+                copy_pages_async(src, src_indices, dst, dst_indices, limiter=self._copy_limiter)
+            )
         finally:
             self._copies -= 1
             if not self._copies and self._copies_idle is not None:
@@ -293,6 +398,8 @@ class HiCache:
             backups_queued=len(self._backups),
             storage_writes_queued=len(self._storage_writes),
             closed=self._closed,
+            quarantined_pages=self.release_queue.statistics().quarantined_tokens // self.page_size,
+            detached_prefetches=len(self._detached),
         )
 
     def __repr__(self) -> str:
@@ -303,7 +410,9 @@ class HiCache:
         return (
             f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
             f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
-            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetches)} storage={storage}>"
+            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetches)} "
+            f"quarantined={self.release_queue.statistics().quarantined_tokens // self.page_size} pages "
+            f"storage={storage}>"
         )
 
     def sanity_check(
@@ -330,16 +439,19 @@ class HiCache:
                 f"device pool: {device_used} tokens used != tree {t.device_tokens} + held {held_device_tokens}"
             )
         host_used = self.host_pool.statistics().used_pages * self.page_size
+        releases = self.release_queue.statistics()
         host_owned = (
             t.host_tokens
             + t.pending_backup_tokens
-            + sum(p.num_tokens for p in self._prefetches.values())
-            + self.release_queue.statistics().pending_tokens
+            + sum(p.num_tokens for p in (*self._prefetches.values(), *self._detached))
+            + releases.pending_tokens
+            + releases.quarantined_tokens
         )
         if host_used != host_owned:
             violations.append(
                 f"host pool: {host_used} tokens used != tree {t.host_tokens} + pending backups "
-                f"{t.pending_backup_tokens} + prefetches + pending releases = {host_owned}"
+                f"{t.pending_backup_tokens} + prefetches (detached ones included) + pending and "
+                f"quarantined releases = {host_owned}"
             )
         for name, stats in self.tree.component_statistics().items():
             device_pool, host_pool = self.component_pools[name]
@@ -351,7 +463,7 @@ class HiCache:
             used = host_pool.statistics().used_pages * host_pool.page_size
             staged = sum(
                 int(t.indices.numel())
-                for p in self._prefetches.values()
+                for p in (*self._prefetches.values(), *self._detached)
                 for t in p.staged
                 if t.pool is host_pool
             )
@@ -371,11 +483,17 @@ class HiCache:
             raise InvariantViolation(violations)
 
     async def wait_idle(self) -> None:
-        """Wait until no backup, storage write or release is queued or running."""
+        """Wait until no backup, storage write or release is queued or running.
+
+        Returns at once when the cache is closed or closing (queued work is dropped then). Quarantined
+        pages are not waited for: a stuck read may never return.
+        """
         # A backup queues a storage write and both free pages: wait until all three are quiet at once.
-        while True:
+        while not self._closed:
             await self._backups.wait_idle()
             await self._storage_writes.wait_idle()
+            if self._closed:
+                return
             await self.release_queue.drain()
             if self._backups.idle and self._storage_writes.idle:
                 return
@@ -406,11 +524,11 @@ class HiCache:
                 try:
                     outcome = await self.commit_prefetch(request_id)
                 except BaseException:
-                    # Cancelled (or failed) while waiting: stop the reads, then release every page.
-                    with anyio.CancelScope(shield=True):
-                        if self._prefetches.get(request_id) is prefetch:
-                            await self._cancel(request_id)
+                    # Cancelled (or failed) while waiting: stop the reads and give every page back.
+                    if self._prefetches.get(request_id) is prefetch:
+                        await self._stop_and_cancel(prefetch)
                     raise
+            self._check_open("acquire")
         # Match again after any await: eviction may have changed the tree meanwhile.
         match = self.tree.match_prefix(key) if self.storage is not None else first
         match = await self.load_back(match)
@@ -817,14 +935,17 @@ class HiCache:
             )
             page_keys = [h.hex() for h in hashes]
             hit_pages: int | None = None
+            lookup = anyio.CancelScope()
             try:
-                # A hung lookup must not hang the request: it gets the same budget as a stream.
-                with anyio.move_on_after(self.config.prefetch_timeout(remainder)):
+                # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
+                budget = min(self.config.prefetch_timeout(remainder), self.config.storage_read_timeout_s)
+                with anyio.move_on_after(budget) as lookup:
                     hit_pages = await probe_hit_pages(storage, page_keys)
             except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
                 logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
             if hit_pages is None:
-                self.metrics.storage_page_failures.labels(reason="exists").inc()
+                reason = "timeout" if lookup.cancelled_caught else "exists"
+                self.metrics.storage_page_failures.labels(reason=reason).inc()
                 self.tree.unlock_host(anchor)
                 self._skip("storage_error")
                 return None
@@ -924,7 +1045,10 @@ class HiCache:
             for comp in self.components:
                 k = min(len(hashes), comp.prefix_pages(num_tokens, self.page_size))
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
-                if not keys or await storage.exists(keys) < len(keys):
+                present = 0
+                with anyio.move_on_after(self.config.storage_read_timeout_s):
+                    present = await storage.exists(keys) if keys else 0
+                if not keys or present < len(keys):
                     reason = "component_miss"
                     break
                 host_pool = self.component_pools[comp.name][1]
@@ -949,12 +1073,27 @@ class HiCache:
         return None
 
     async def _stream(self, prefetch: Prefetch, storage: StorageBackend) -> None:
-        views = self.host_pool.page_views(prefetch.host_indices)
-        await prefetch.stream(storage, views, self.config.batch_pages, self.config.storage_concurrency)
+        try:
+            views = self.host_pool.page_views(prefetch.host_indices)
+            await prefetch.stream(
+                storage,
+                views,
+                self.config.batch_pages,
+                self.config.storage_concurrency,
+                read_timeout_s=self.config.storage_read_timeout_s,
+            )
+        finally:
+            if prefetch in self._detached:  # cancelled meanwhile: its pages go back now
+                self._finish_detached(prefetch)
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
+        if prefetch.timed_out_reads:
+            self.metrics.storage_page_failures.labels(reason="timeout").inc(prefetch.timed_out_reads)
+        if prefetch.failed_pages > prefetch.timed_out_reads:
+            self.metrics.storage_page_failures.labels(reason="read").inc(
+                prefetch.failed_pages - prefetch.timed_out_reads
+            )
         if prefetch.failed_pages:
-            self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
 
     def _forget_stored(self, keys: Sequence[str]) -> None:
@@ -964,11 +1103,60 @@ class HiCache:
             self._storage_writer.known.discard(keys)
 
     def get_prefetch(self, request_id: str) -> Prefetch:
-        """The prefetch in flight for `request_id`; raises `UnknownRequest` if there is none."""
+        """The prefetch in flight for `request_id`.
+
+        Raises:
+            CacheClosed: if there is none and the cache is closed (closing resolved every prefetch).
+            UnknownRequest: if there is none.
+        """
         try:
             return self._prefetches[request_id]
         except KeyError:
+            if self._closed:
+                raise CacheClosed(
+                    f"request_id: the cache was closed; no prefetch for {request_id!r}"
+                ) from None
             raise UnknownRequest(f"request_id: no prefetch in flight for {request_id!r}") from None
+
+    def _check_still_in_flight(self, request_id: str, prefetch: Prefetch) -> None:
+        """After an await: the prefetch may have been resolved meanwhile (by `aclose` or another call)."""
+        if self._prefetches.get(request_id) is not prefetch:
+            if self._closed:
+                raise CacheClosed(f"request_id: the cache was closed while {request_id!r} was prefetching")
+            raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
+
+    def _release_prefetch_pages(
+        self, prefetch: Prefetch, quiet: torch.Tensor, tail_page: int, transfers: Sequence[ComponentTransfer]
+    ) -> tuple[int, int]:
+        """Release `quiet` host indices, the prefetch's host pages from page `tail_page` on, and `transfers`
+        in one release call; pages and staged transfers a stray read may still write into are quarantined
+        instead (released once its thread returns). Returns (tokens released, of which quarantined)."""
+        page = self.page_size
+        tail = prefetch.host_indices[tail_page * page :]
+        staged_views = {
+            id(t): views for t, views in zip(prefetch.staged, prefetch.staged_views(), strict=True)
+        }
+        held = [t for t in transfers if stray_threads.busy(staged_views.get(id(t), ()))]
+        free = [t for t in transfers if all(t is not h for h in held)]
+        busy = prefetch.busy_pages(tail_page)
+        if any(busy):
+            mask = torch.tensor(busy, dtype=torch.bool).repeat_interleave(page)
+            held_pages, tail = tail[mask], tail[~mask]
+            held_views = [v for v, b in zip(prefetch.views[tail_page:], busy, strict=True) if b]
+        else:
+            held_pages, held_views = tail[:0], []
+        released = torch.cat([quiet, tail]) if quiet.numel() else tail
+        batch = self.release_queue.release(released, free)
+        if held_pages.numel() or held:
+            views = held_views + [v for t in held for v in staged_views[id(t)]]
+            self.release_queue.quarantine(held_pages, held, views=views)
+            logger.warning(
+                "prefetch %s: %d host pages quarantined until a stuck storage read returns",
+                prefetch.request_id,
+                held_pages.numel() // page,
+            )
+        quarantined = int(held_pages.numel())
+        return batch.num_tokens + quarantined, quarantined
 
     async def commit_prefetch(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch (after its stop policy), wait for its I/O, then attach or drop its pages.
@@ -983,9 +1171,8 @@ class HiCache:
         prefetch = self.get_prefetch(request_id)
         await prefetch.wait_for_stop_policy()
         prefetch.request_stop()
-        await prefetch.wait_stopped()
-        if self._prefetches.get(request_id) is not prefetch:
-            raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
+        await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
+        self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
         self._inflight_tokens -= prefetch.num_tokens
@@ -996,7 +1183,7 @@ class HiCache:
         host = prefetch.host_indices
         dropped = False
         drop_reason = "anchor_not_backed_up"
-        loaded = present = 0
+        loaded = present = quarantined = 0
         node: TreeNode | None = prefetch.anchor
         if prefetch.staged and (completed < prefetch.num_tokens or not prefetch.components_complete):
             # All or nothing: a partial window or a missing state makes every page useless.
@@ -1015,15 +1202,16 @@ class HiCache:
             node = result.node
         if dropped:
             # One release call: the host pages and every component transfer, in a stable order.
-            batch = self.release_queue.release(host, prefetch.transfers)
+            released, quarantined = self._release_prefetch_pages(prefetch, host[:0], 0, prefetch.transfers)
             prefetch.state = PrefetchState.DROPPED
             self.metrics.prefetch_dropped_tokens.labels(reason=drop_reason).inc(completed)
         else:
             loaded = completed - present
-            released = torch.cat([host[:present], host[completed:]]) if present else host[completed:]
             # The tree took the staged component buffers (what it did not keep is freed below).
             caller_transfers = prefetch.transfers[: len(prefetch.transfers) - len(prefetch.staged)]
-            batch = self.release_queue.release(released, caller_transfers)
+            released, quarantined = self._release_prefetch_pages(
+                prefetch, host[:present], completed // page, caller_transfers
+            )
             self._free_component_garbage()
             prefetch.state = PrefetchState.COMMITTED
             self.metrics.prefetch_committed.inc()
@@ -1036,9 +1224,10 @@ class HiCache:
             completed_tokens=completed,
             matched_tokens=prefetch.num_tokens,
             loaded_tokens=loaded,
-            released_tokens=batch.num_tokens,
+            released_tokens=released,
             failed_pages=prefetch.failed_pages,
             node=node,
+            quarantined_tokens=quarantined,
         )
         logger.info(
             "prefetch %s request=%s completed=%d matched=%d loaded=%d released=%d",
@@ -1052,28 +1241,66 @@ class HiCache:
         return outcome
 
     async def cancel_prefetch(self, request_id: str) -> PrefetchOutcome:
-        """Stop the prefetch, wait until no read can write into its pages, then release everything."""
-        self.get_prefetch(request_id)
-        return await self._cancel(request_id)
+        """Stop the prefetch and give its pages back.
 
-    async def _cancel(self, request_id: str) -> PrefetchOutcome:
+        Waits (briefly, cancellably) for its stream to stop; pages a stuck read may still write into are
+        quarantined, the rest released. If the stream has not stopped when this returns (or the caller
+        is cancelled while waiting), the prefetch is resolved all the same: its pages go back as soon as
+        the stream stops (`statistics().detached_prefetches` counts those), and the outcome then reports
+        every page as released, none quarantined yet.
+        """
         prefetch = self.get_prefetch(request_id)
         prefetch.request_stop()
-        await prefetch.wait_stopped()
-        if self._prefetches.get(request_id) is not prefetch:
-            raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
+        try:
+            with anyio.move_on_after(_STOP_GRACE_S):
+                await prefetch.wait_stopped()
+        except BaseException:
+            if self._prefetches.get(request_id) is prefetch:
+                self._cancel_now(prefetch)  # the caller's deadline passed: resolve it detached
+            raise
+        self._check_still_in_flight(request_id, prefetch)
+        return self._cancel_now(prefetch)
+
+    async def _stop_and_cancel(self, prefetch: Prefetch) -> None:
+        """Cleanup of a caller already cancelled: stop the stream, wait (shielded, at most `_STOP_GRACE_S`;
+        a stream stops within a few loop turns) so its pages go back before the caller's error
+        propagates, then resolve it; if it has not stopped by then, it is resolved detached."""
+        prefetch.request_stop()
+        # A second asyncio cancellation (anyio's shield does not stop those) ends the wait: detached.
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(_STOP_GRACE_S),
+            contextlib.suppress(asyncio.CancelledError),
+        ):
+            await prefetch.wait_stopped()
+        if self._prefetches.get(prefetch.request_id) is prefetch:
+            self._cancel_now(prefetch)
+
+    def _cancel_now(self, prefetch: Prefetch) -> PrefetchOutcome:
+        """Resolve `prefetch` as cancelled without awaiting: its pages go back now if its stream has
+        stopped, otherwise when it stops (`_finish_detached`)."""
+        request_id = prefetch.request_id
+        prefetch.request_stop()
         del self._prefetches[request_id]
         self._inflight_tokens -= prefetch.num_tokens
-        batch = self.release_queue.release(prefetch.host_indices, prefetch.transfers)
         prefetch.state = PrefetchState.CANCELLED
         self.tree.unlock_host(prefetch.anchor)
         self.metrics.prefetch_cancelled.inc()
+        if prefetch.done:
+            released, quarantined = self._release_prefetch_pages(
+                prefetch, prefetch.host_indices[:0], 0, prefetch.transfers
+            )
+        else:
+            self._detached.add(prefetch)
+            released, quarantined = prefetch.num_tokens, 0
         logger.info(
-            "prefetch cancelled request=%s completed=%d matched=%d loaded=0 released=%d",
+            "prefetch cancelled request=%s completed=%d matched=%d loaded=0 released=%d quarantined=%d%s",
             request_id,
             prefetch.completed_tokens,
             prefetch.num_tokens,
-            batch.num_tokens,
+            released,
+            quarantined,
+            "" if prefetch.done else " (once its stream stops)",
         )
         return PrefetchOutcome(
             request_id=request_id,
@@ -1081,10 +1308,41 @@ class HiCache:
             completed_tokens=prefetch.completed_tokens,
             matched_tokens=prefetch.num_tokens,
             loaded_tokens=0,
-            released_tokens=batch.num_tokens,
+            released_tokens=released,
             failed_pages=prefetch.failed_pages,
             node=prefetch.anchor,
+            quarantined_tokens=quarantined,
         )
+
+    def _finish_detached(self, prefetch: Prefetch) -> None:
+        """The stream of a cancelled prefetch stopped (or will never run): give its pages back."""
+        self._detached.discard(prefetch)
+        self._release_prefetch_pages(prefetch, prefetch.host_indices[:0], 0, prefetch.transfers)
+
+
+async def _wait_uncancelled(work: Awaitable[None]) -> None:
+    """Await `work` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
+
+    anyio's shielded scopes do not stop asyncio's own cancellation (`asyncio.timeout`, `wait_for`,
+    `Task.cancel`), so the work runs in a task of its own and a cancellation of the caller only ends the
+    caller's wait once the work is done. For short work that must never be abandoned (a copy into a
+    buffer the caller frees on its way out).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        # Cancelled (or the work failed): wait for the work; anyio's re-deliveries are shielded, a second
+        # asyncio cancellation is absorbed, the first exception is what propagates.
+        with anyio.CancelScope(shield=True):
+            while not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    continue
+        if not task.cancelled():
+            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
+        raise
 
 
 def _depth(node: TreeNode) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from hicache.controller.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tree import TreeNode
 from storage_backends.protocol import StorageBackend
+from storage_backends.threads import stray_threads
 
 __all__ = ["Prefetch", "PrefetchOutcome", "PrefetchState"]
 
@@ -31,7 +33,8 @@ class PrefetchState(enum.Enum):
     STREAMING = "streaming"
     """Pages are being read from storage into its host pages."""
     TERMINATED = "terminated"
-    """Streaming has stopped (complete, failed, timed out or asked to stop); no I/O is in flight."""
+    """Streaming has stopped (complete, failed, timed out or asked to stop); no read is awaited any more
+    (a stray thread of an abandoned read may still write into some pages: see `Prefetch.busy_pages`)."""
     COMMITTED = "committed"
     """Its pages were attached to the tree."""
     DROPPED = "dropped"
@@ -50,8 +53,11 @@ class PrefetchOutcome:
         completed_tokens: tokens fully read and verified when streaming stopped.
         matched_tokens: tokens storage reported as present (the prefetch's size).
         loaded_tokens: tokens newly attached to the tree (completed minus those the tree already held).
-        released_tokens: host tokens handed back (duplicates, unfetched tail, or everything on drop).
-        failed_pages: pages that failed to read (missing, corrupt or an I/O error).
+        released_tokens: host tokens handed back (duplicates, unfetched tail, or everything on drop),
+            quarantined ones included.
+        failed_pages: pages that failed to read (missing, corrupt, an I/O error or a timeout).
+        quarantined_tokens: of `released_tokens`, those a stray read may still write into: held out of
+            use and released once its thread returns.
         node: the tree node covering the loaded pages (the anchor when nothing was attached).
     """
 
@@ -63,6 +69,7 @@ class PrefetchOutcome:
     released_tokens: int
     failed_pages: int
     node: TreeNode | None = field(repr=False, default=None)
+    quarantined_tokens: int = 0
 
 
 class Prefetch:
@@ -108,6 +115,10 @@ class Prefetch:
         self.state = PrefetchState.STREAMING
         self.completed_pages = 0
         self.failed_pages = 0
+        self.timed_out_reads = 0
+        """Storage reads that did not return within the read timeout (their pages failed)."""
+        self.views: Sequence[memoryview] = ()
+        """The host page buffers the stream reads into (set by `stream`)."""
         self.timed_out = False
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
@@ -143,15 +154,18 @@ class Prefetch:
         views: Sequence[memoryview],
         batch_pages: int,
         concurrency: int = 1,
+        read_timeout_s: float = math.inf,
     ) -> None:
         """Read pages in batches, up to `concurrency` batches at once, until all are read or one fails.
 
         A page counts only once fully written and verified, and only after every page before it:
         `completed_pages` is always an exact prefix, however the batches finish. The first failed
-        page ends the stream there (batches behind it are cancelled). When this returns (normally, or
-        cancelled through `request_stop`) no read is still writing into `views`: the backends' `get`
-        waits for its worker threads even when cancelled.
+        page ends the stream there (batches behind it are cancelled); so does a batch whose `get` does
+        not return within `read_timeout_s` (counted in `timed_out_reads`). This returns promptly when
+        cancelled through `request_stop`, even while a read is stuck: a backend's cancelled `get` abandons
+        its worker threads, and `busy_pages()` then names the pages a stray thread may still write into.
         """
+        self.views = views
         total = len(self.page_keys)
         bounds = [(s, min(total, s + batch_pages)) for s in range(0, total, batch_pages)]
         finished: dict[int, int] = {}  # batch -> leading verified pages (-1: the read raised)
@@ -174,8 +188,20 @@ class Prefetch:
         async def read(index: int, tg: anyio.abc.TaskGroup, slots: anyio.Semaphore) -> None:
             start, stop = bounds[index]
             try:
-                ok = await backend.get(self.page_keys[start:stop], views[start:stop])
-                good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+                with anyio.move_on_after(read_timeout_s) as deadline:
+                    ok = await backend.get(self.page_keys[start:stop], views[start:stop])
+                if deadline.cancelled_caught:
+                    logger.warning(
+                        "prefetch %s: storage read of pages %d-%d timed out after %.3gs",
+                        self.request_id,
+                        start,
+                        stop - 1,
+                        read_timeout_s,
+                    )
+                    self.timed_out_reads += 1
+                    good = -1
+                else:
+                    good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
@@ -200,7 +226,7 @@ class Prefetch:
                             break
                         tg.start_soon(read, index, tg, slots)
                 if self.completed_pages == total and self._staged_reads:
-                    await self._read_components(backend)
+                    await self._read_components(backend, read_timeout_s)
         finally:
             self._stream_scope = None
             if self.state is PrefetchState.STREAMING:
@@ -208,11 +234,17 @@ class Prefetch:
             self._finished.set()
             self._notify_progress()
 
-    async def _read_components(self, backend: StorageBackend) -> None:
+    async def _read_components(self, backend: StorageBackend, read_timeout_s: float) -> None:
         """Read the staged component pages; complete only if every one of them arrives."""
         for keys, views in self._staged_reads:
             try:
-                ok = await backend.get(keys, views)
+                with anyio.move_on_after(read_timeout_s) as deadline:
+                    ok = await backend.get(keys, views)
+                if deadline.cancelled_caught:
+                    logger.warning("prefetch %s: component read timed out", self.request_id)
+                    self.timed_out_reads += 1
+                    self.failed_pages += 1
+                    return
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # as for pages: a storage error ends the prefetch, never the loop
@@ -223,6 +255,14 @@ class Prefetch:
                 self.failed_pages += sum(1 for flag in ok if not flag)
                 return
         self.components_complete = True
+
+    def busy_pages(self, start: int = 0) -> list[bool]:
+        """One flag per host page from page `start` on: may a stray read still write into it."""
+        return stray_threads.busy_flags(self.views[start:])
+
+    def staged_views(self) -> list[Sequence[memoryview]]:
+        """The buffers of each staged component transfer (aligned with `staged`)."""
+        return [views for _, views in self._staged_reads]
 
     def request_stop(self) -> None:
         """Ask the stream to stop now; pages already verified stay counted."""

@@ -1,16 +1,23 @@
-"""The release queue: host buffers handed back asynchronously, in batches, once no I/O can touch them."""
+"""The release queue: host buffers handed back asynchronously, in batches, once no I/O can touch them.
+
+Buffers a stray storage thread may still touch (a read abandoned by a cancelled or timed-out call, see
+`storage_backends.threads.stray_threads`) are quarantined first: held, never reused, and released
+through the queue once the thread returns.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import anyio
 import anyio.lowlevel
 import torch
+
+from storage_backends.threads import stray_threads
 
 __all__ = ["ComponentTransfer", "IndexPool", "ReleaseBatch", "ReleaseQueue", "ReleaseStatistics"]
 
@@ -61,6 +68,19 @@ class ReleaseStatistics:
     pending_tokens: int
     released_calls: int
     released_tokens: int
+    quarantined_calls: int = 0
+    """Release calls held back because a stray storage thread may still touch their buffers."""
+    quarantined_tokens: int = 0
+    """Host tokens of those calls (not yet pending, not reusable)."""
+
+
+@dataclass
+class _Quarantined:
+    """Buffers held until no stray thread touches `views`; then `batch` is released and `on_quiet` runs."""
+
+    batch: ReleaseBatch
+    views: Sequence[memoryview]
+    on_quiet: Callable[[], None] | None = field(default=None)
 
 
 class ReleaseQueue:
@@ -69,9 +89,11 @@ class ReleaseQueue:
     `release()` never awaits: the caller enqueues and goes on; a worker started with `run()` frees the
     buffers between event-loop turns so a large release never stalls the serving loop. `drain()` waits
     until everything enqueued has been freed; `flush()` frees everything now (used when closing).
+    `quarantine()` holds buffers a stray storage thread may still touch; the worker (or `flush()`) checks
+    them every `poll_s` seconds and releases each once its thread returned.
     """
 
-    def __init__(self, host_pool: IndexPool, *, batch_tokens: int) -> None:
+    def __init__(self, host_pool: IndexPool, *, batch_tokens: int, poll_s: float = 0.02) -> None:
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens: must be >= 1, got {batch_tokens}")
         self._host_pool = host_pool
@@ -80,6 +102,9 @@ class ReleaseQueue:
         self._pending_tokens = 0
         self._released_calls = 0
         self._released_tokens = 0
+        self._quarantined: list[_Quarantined] = []
+        self._quarantined_tokens = 0
+        self._poll_s = poll_s
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -102,33 +127,92 @@ class ReleaseQueue:
         self._wakeup.set()
         return batch
 
+    def quarantine(
+        self,
+        host_indices: torch.Tensor,
+        transfers: Sequence[ComponentTransfer] = (),
+        *,
+        views: Sequence[memoryview],
+        on_quiet: Callable[[], None] | None = None,
+    ) -> bool:
+        """Release `host_indices` and `transfers` once no stray thread touches any of `views`.
+
+        `views` are the buffers the caller passed to the abandoned storage call (pages of `host_indices`
+        and of the transfers). When none is busy the release happens now, as `release()`. `on_quiet` runs
+        (on the event loop) at that moment too: e.g. unlocking tree pages a stray write still reads.
+
+        Returns:
+            Whether the buffers were quarantined (False: released now).
+        """
+        batch = ReleaseBatch(host_indices, tuple(transfers))
+        if not stray_threads.busy(views):
+            self._settle(_Quarantined(batch, views, on_quiet))
+            return False
+        self._quarantined.append(_Quarantined(batch, tuple(views), on_quiet))
+        self._quarantined_tokens += batch.num_tokens
+        self._wakeup.set()
+        return True
+
+    def quarantined_host_indices(self) -> list[torch.Tensor]:
+        """The host indices held in quarantine, one tensor per call (for exact page accounting)."""
+        return [held.batch.host_indices for held in self._quarantined]
+
     def pending_transfer_slots(self, pool: IndexPool) -> int:
-        """Indices of component transfers into `pool` still waiting to be freed."""
-        return sum(
-            int(t.indices.numel()) for batch in self._pending for t in batch.transfers if t.pool is pool
-        )
+        """Indices of component transfers into `pool` still waiting to be freed (quarantined included)."""
+        batches = [*self._pending, *(q.batch for q in self._quarantined)]
+        return sum(int(t.indices.numel()) for batch in batches for t in batch.transfers if t.pool is pool)
 
     def statistics(self) -> ReleaseStatistics:
-        """Pending and released calls and tokens."""
+        """Pending, quarantined and released calls and tokens."""
         return ReleaseStatistics(
             pending_calls=len(self._pending),
             pending_tokens=self._pending_tokens,
             released_calls=self._released_calls,
             released_tokens=self._released_tokens,
+            quarantined_calls=len(self._quarantined),
+            quarantined_tokens=self._quarantined_tokens,
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
         return (
             f"<ReleaseQueue pending={s.pending_calls} calls/{s.pending_tokens} tokens "
+            f"quarantined={s.quarantined_calls} calls/{s.quarantined_tokens} tokens "
             f"released={s.released_calls} calls/{s.released_tokens} tokens>"
         )
 
+    def settle_quarantine(self) -> int:
+        """Move every quarantined call whose stray threads returned to the pending releases; count them."""
+        if not self._quarantined:
+            return 0
+        still: list[_Quarantined] = []
+        settled = 0
+        for held in self._quarantined:
+            if stray_threads.busy(held.views):
+                still.append(held)
+                continue
+            self._quarantined_tokens -= held.batch.num_tokens
+            self._settle(held)
+            settled += 1
+        self._quarantined = still
+        return settled
+
+    def _settle(self, held: _Quarantined) -> None:
+        if held.batch.num_tokens or held.batch.transfers:
+            self.release(held.batch.host_indices, held.batch.transfers)
+        if held.on_quiet is not None:
+            held.on_quiet()
+
     async def run(self) -> None:
-        """The worker: frees pending batches step by step until cancelled."""
+        """The worker: frees pending batches step by step, and settles the quarantine, until cancelled."""
         while True:
-            await self._wakeup.wait()
+            if self._quarantined:
+                with anyio.move_on_after(self._poll_s):
+                    await self._wakeup.wait()
+            else:
+                await self._wakeup.wait()
             self._wakeup = anyio.Event()
+            self.settle_quarantine()
             while self._pending:
                 self._step()
                 await anyio.lowlevel.checkpoint()
@@ -139,7 +223,8 @@ class ReleaseQueue:
         await self._idle.wait()
 
     def flush(self) -> None:
-        """Free everything pending right now, synchronously."""
+        """Free everything pending (and every quarantined call whose threads returned) right now."""
+        self.settle_quarantine()
         while self._pending:
             self._step()
         self._idle.set()

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
+import anyio
 import torch
 
 from hicache.components import component_storage_key
 from hicache.tree import TreeNode
 from storage_backends.protocol import StorageBackend
+from storage_backends.threads import stray_threads
 
 if TYPE_CHECKING:
     from hicache.controller.cache import HiCache
 
 __all__ = ["KnownPages", "StorageWriter"]
+
+logger = logging.getLogger("hicache.storage_writer")
 
 
 class KnownPages:
@@ -65,13 +71,17 @@ class KnownPages:
 class StorageWriter:
     """Writes the backed-up pages on a node's path (and its components' pages) that storage lacks.
 
-    Runs as the job of a `WorkQueue`; the node's path stays host-locked while its pages are read.
+    Runs as the job of a `WorkQueue`; the node's path stays host-locked while its pages are read, and
+    beyond: a `put` that times out (`storage_write_timeout_s`) abandons its worker threads, and the lock is
+    let go only once none of them reads the host pages any more.
     """
 
     def __init__(self, cache: HiCache, storage: StorageBackend) -> None:
         self._cache = cache
         self._storage = storage
         self.known = KnownPages()
+        self._touched: list[memoryview] = []
+        """Host page buffers handed to `put` by the job running now."""
 
     async def store(self, target: TreeNode) -> None:
         """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
@@ -96,11 +106,15 @@ class StorageWriter:
             return
         page = cache.page_size
         tree.lock_host(target)
+        self._touched = []
         try:
             keys = [h.hex() for h in hashes]
             stored = self.known.known_prefix(keys)
             if stored < len(keys):
-                stored += await self._storage.exists(keys[stored:])
+                found = await self._exists(keys[stored:])
+                if found is None:
+                    return
+                stored += found
             self.known.add(keys[:stored])
             if cache.components:
                 await self._store_components(path[: len(values)], target)
@@ -109,15 +123,40 @@ class StorageWriter:
             views = cache.host_pool.page_views(_tokens_from(values, stored * page))
             await self._put(keys[stored:], views)
         finally:
-            tree.unlock_host(target)
+            touched, self._touched = self._touched, []
+            if stray_threads.busy(touched):
+                # A stray write thread still reads these host pages: keep them locked until it returns.
+                cache.release_queue.quarantine(
+                    torch.empty(0, dtype=torch.int64),
+                    views=touched,
+                    on_quiet=partial(tree.unlock_host, target),
+                )
+            else:
+                tree.unlock_host(target)
+
+    async def _exists(self, keys: list[str]) -> int | None:
+        """`storage.exists` under the read timeout; None (counted) when it timed out."""
+        with anyio.move_on_after(self._cache.config.storage_read_timeout_s) as deadline:
+            return await self._storage.exists(keys)
+        assert deadline.cancelled_caught
+        self._cache.metrics.storage_page_failures.labels(reason="timeout").inc()
+        logger.warning("write-through: storage lookup of %d pages timed out", len(keys))
+        return None
 
     async def _put(self, keys: list[str], views: list[memoryview]) -> None:
         metrics = self._cache.metrics
+        self._touched.extend(views)
+        timeout = self._cache.config.storage_write_timeout_s
         try:
-            ok = await self._storage.put(keys, views)
+            with anyio.move_on_after(timeout) as deadline:
+                ok = await self._storage.put(keys, views)
         except Exception:
             metrics.storage_page_failures.labels(reason="write").inc(len(views))
             raise
+        if deadline.cancelled_caught:
+            metrics.storage_page_failures.labels(reason="write_timeout").inc(len(views))
+            logger.warning("write-through: a put of %d pages timed out after %.3gs", len(views), timeout)
+            return
         metrics.storage_bytes_written.inc(sum(len(v) for v, good in zip(views, ok, strict=True) if good))
         self.known.add(key for key, good in zip(keys, ok, strict=True) if good)
         if not all(ok):
@@ -148,7 +187,10 @@ class StorageWriter:
                 views.extend(host_pool.page_views(value))
             if not keys or all(key in self.known for key in keys):
                 continue
-            if await self._storage.exists(keys) >= len(keys):
+            found = await self._exists(keys)
+            if found is None:
+                return
+            if found >= len(keys):
                 self.known.add(keys)
                 continue
             await self._put(keys, views)

@@ -32,6 +32,7 @@ class WorkQueue(Generic[T]):
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._items)
@@ -44,8 +45,22 @@ class WorkQueue(Generic[T]):
         """No job is queued or running."""
         return self._unfinished == 0
 
+    def close(self) -> int:
+        """Drop every queued job and refuse new ones; `wait_idle` returns from now on. Returns the dropped
+        count. A job already running finishes (or is cancelled) in its worker."""
+        dropped = len(self._items)
+        self._items.clear()
+        self._unfinished -= dropped
+        self._closed = True
+        self._idle.set()
+        if dropped:
+            logger.info("%s: %d queued job(s) dropped on close", self.name, dropped)
+        return dropped
+
     def put(self, items: Iterable[T]) -> None:
-        """Queue jobs; never awaits."""
+        """Queue jobs; never awaits. Ignored once closed."""
+        if self._closed:
+            return
         before = len(self._items)
         self._items.extend(items)
         added = len(self._items) - before
@@ -73,5 +88,5 @@ class WorkQueue(Generic[T]):
                     logger.exception("%s job failed for %r", self.name, item)
                 finally:
                     self._unfinished -= 1
-                    if self._unfinished == 0:
+                    if self._unfinished == 0 or self._closed:
                         self._idle.set()

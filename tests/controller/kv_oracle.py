@@ -169,7 +169,8 @@ def check_pools_exact(
     """Index-level accounting (call with the release queue drained): every used page has one owner.
 
     Device owners: the tree and `held_device` (the test's allocated, not inserted pages). Host owners:
-    the tree (pending backups included) and `prefetch_host` (host pages of prefetches in flight).
+    the tree (pending backups included), `prefetch_host` (host pages of prefetches in flight) and the
+    release queue's quarantine (pages a stray storage thread may still write into).
     """
     assert cache.release_queue.statistics().pending_calls == 0, "drain the release queue first"
     page = cache.page_size
@@ -182,7 +183,7 @@ def check_pools_exact(
     )
     _assert_owned_once(
         "host pool",
-        [cache.tree.host_tokens_owned(), *prefetch_host],
+        [cache.tree.host_tokens_owned(), *prefetch_host, *cache.release_queue.quarantined_host_indices()],
         cache.host_pool.statistics().used_pages,
         page,
         cache.host_pool.allocator.is_free,

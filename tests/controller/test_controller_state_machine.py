@@ -260,6 +260,9 @@ class ControllerMachine(RuleBasedStateMachine):
             prefetch_stop_policy=stop,
             storage_batch_pages=2,
             release_batch_pages=2,
+            # Gated reads are this machine's stuck reads; the test releases them, never a timeout.
+            storage_read_timeout_s=3600.0,
+            storage_write_timeout_s=3600.0,
         )
 
     async def store_prefill(self, key: bytes, index: int) -> None:
@@ -338,6 +341,10 @@ class ControllerMachine(RuleBasedStateMachine):
     async def check(self) -> None:
         cache = self.c
         await cache.release_queue.drain()
+        # No stray threads here (reads run on the loop): a cancelled call leaves nothing behind.
+        stats = cache.statistics()
+        assert stats.detached_prefetches == 0, stats
+        assert stats.release_queue.quarantined_calls == 0, stats
         held = [h.computed for h in self.leases.values() if h.computed is not None]
         cache.sanity_check(
             held_device_tokens=sum(int(t.numel()) for t in held),

@@ -36,6 +36,7 @@ import pytest
 
 from hicache.errors import CacheClosed
 from storage_backends import StorageBackend, page_key
+from storage_backends.threads import stray_threads
 
 __all__ = ["BackendContract", "Corrupt", "ReadGate", "Reopen", "empty_pages", "make_keys", "make_pages"]
 
@@ -92,7 +93,8 @@ class ReadGate:
 
         async def held(*args: P.args, **kwargs: P.kwargs) -> T:
             self._held.set()
-            await anyio.to_thread.run_sync(self._open.wait, _GATE_TIMEOUT_S)
+            # The waiting thread touches no buffer: a cancelled caller may leave it behind.
+            await anyio.to_thread.run_sync(self._open.wait, _GATE_TIMEOUT_S, abandon_on_cancel=True)
             return await func(*args, **kwargs)
 
         return held
@@ -375,13 +377,14 @@ class BackendContract:
         assert seen, "no read succeeded"
         assert seen <= {b"\xaa", b"\xbb"}, f"torn page: byte values {seen}"
 
-    async def test_cancelled_get_leaves_no_writer_behind(
+    async def test_cancelled_get_leaves_no_writer_behind_its_quiet_buffers(
         self, backend: StorageBackend, page_bytes: int
     ) -> None:
-        """After a cancelled get returns, nothing writes into its buffers any more.
+        """After a cancelled get returns, nothing writes into its buffers except those `stray_threads`
+        reports busy, and those only until their threads return.
 
         Guards against executor-style reads (aiofiles, bare run_in_executor) that abandon a thread which
-        then keeps filling a buffer the caller has already given to someone else.
+        then keeps filling a buffer the caller has already given to someone else, unannounced.
         """
         n = 64
         keys, pages = make_keys(n), make_pages(n, page_bytes)
@@ -392,9 +395,47 @@ class BackendContract:
                 tg.start_soon(backend.get, keys, out)
                 await anyio.wait_all_tasks_blocked()
                 scope.cancel()
-        for buf in out:
+        busy = stray_threads.busy_flags(out)
+        quiet = [buf for buf, flag in zip(out, busy, strict=True) if not flag]
+        for buf in quiet:
             buf[:] = b"\x5a" * page_bytes
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(out)
         # A full round of further work drains any thread a careless backend would have left running.
         assert await backend.get(keys, empty_pages(n, page_bytes)) == [True] * n
         assert await backend.put(keys, pages) == [True] * n
-        assert all(bytes(buf) == b"\x5a" * page_bytes for buf in out)
+        assert all(bytes(buf) == b"\x5a" * page_bytes for buf in quiet)
+
+    async def test_cancelled_get_returns_while_its_read_is_stuck(
+        self, backend: StorageBackend, hold_reads: ReadGate | None, page_bytes: int
+    ) -> None:
+        """A get whose read hangs (held at the gate) returns promptly when cancelled; a buffer a stuck
+        thread may still fill is reported busy until the read is let go, then quiet and whole.
+
+        Guards against a caller hung by a dead mount: the shielded wait for the thread that used to be
+        the contract.
+        """
+        if hold_reads is None:
+            pytest.skip("this backend provides no `hold_reads` hook")
+        n = 4
+        keys, pages = make_keys(n), make_pages(n, page_bytes)
+        assert await backend.put(keys, pages) == [True] * n
+        out = empty_pages(n, page_bytes)
+        try:
+            with anyio.fail_after(10):  # generous: returning takes a few event-loop turns
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(backend.get, keys, out)
+                        await hold_reads.wait_held()
+                        scope.cancel()
+            assert scope.cancelled_caught
+            busy = stray_threads.busy_flags(out)
+            for buf, flag in zip(out, busy, strict=True):
+                if not flag:
+                    assert bytes(buf) == b"\0" * page_bytes, "a quiet buffer was written after cancel"
+        finally:
+            hold_reads.open()
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(out)
+        assert await backend.get(keys, out) == [True] * n
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages]

@@ -24,6 +24,7 @@ from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, ma
 
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.threads import stray_threads
 
 NS = bytes(range(16))
 
@@ -197,13 +198,14 @@ async def test_another_process_reads_the_pages_bitwise(backend: FileBackend) -> 
     assert digests == [xxhash.xxh3_64_hexdigest(p) for p in pages]
 
 
-async def test_cancelled_get_waits_for_its_worker_thread(
+async def test_cancelled_get_returns_at_once_and_registers_its_stray_thread(
     backend: FileBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cancelled get does not return while its thread is still reading into the caller's buffer.
+    """A cancelled get returns while its thread is stuck, and the buffer stays busy until the thread returns.
 
-    The read is held at a gate inside the worker thread; the get is cancelled; it must stay pending
-    until the gate opens and the thread finishes, so the buffer is final once get returns.
+    The read is held at a gate inside the worker thread (a hung mount); the get is cancelled; it returns
+    at once, `stray_threads` reports the caller's buffer busy (and no other), and once the gate opens and
+    the thread finishes, the buffer is quiet again and holds what the thread wrote.
     """
     keys, pages = make_keys(1), make_pages(1, 4096)
     await backend.put(keys, pages)
@@ -217,26 +219,24 @@ async def test_cancelled_get_waits_for_its_worker_thread(
 
     monkeypatch.setattr(backend, "_read_one", gated_read_one)
     out = empty_pages(1, 4096)
-    returned = anyio.Event()
-    scope = anyio.CancelScope()
-
-    async def reader() -> None:
-        with scope:
-            await backend.get(keys, out)
-        returned.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(reader)
-        await anyio.to_thread.run_sync(entered.wait)
-        scope.cancel()
-        await anyio.wait_all_tasks_blocked()
-        assert not returned.is_set(), "get returned while its thread was still reading"
-        assert bytes(out[0]) == b"\x00" * 4096
+    other = empty_pages(1, 4096)
+    strays = stray_threads.count
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(backend.get, keys, out)
+                await anyio.to_thread.run_sync(entered.wait)
+                scope.cancel()
+        assert scope.cancelled_caught
+        assert stray_threads.busy(out), "the stuck thread's buffer is not reported busy"
+        assert not stray_threads.busy(other)
+        assert stray_threads.count == strays + 1
+    finally:
         gate.set()
-        await returned.wait()
-    # The get may finish normally (the thread completed its work) or raise the cancellation; either way
-    # the thread's write landed before get returned.
-    assert bytes(out[0]) == bytes(pages[0]), "the thread finished its write before get returned"
+    with anyio.fail_after(30):
+        await stray_threads.wait_quiet(out)
+    assert stray_threads.count == strays
+    assert bytes(out[0]) == bytes(pages[0]), "the thread's write landed before its buffer was quiet"
 
 
 async def test_statistics_and_repr(backend: FileBackend) -> None:

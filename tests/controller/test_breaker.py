@@ -84,7 +84,8 @@ def test_half_open_lets_exactly_one_probe_through() -> None:
     open_breaker(breaker)
     clock.advance(1.0)
     probe = breaker.begin()
-    assert probe is not None and probe.probe
+    assert probe is not None
+    assert probe.probe
     assert breaker.state is BreakerState.HALF_OPEN
     clock.advance(100.0)
     assert not breaker.allows()
@@ -127,7 +128,8 @@ def test_failed_probes_double_the_backoff_up_to_the_cap() -> None:
         assert breaker.begin() is None, "no probe before the backoff has passed"
         clock.advance(0.01)
         probe = breaker.begin()
-        assert probe is not None and probe.probe
+        assert probe is not None
+        assert probe.probe
         breaker.failure(probe)
         assert breaker.state is BreakerState.OPEN
     assert waits == pytest.approx([1.0, 2.0, 4.0, 5.0, 5.0])
@@ -159,7 +161,8 @@ def test_late_answers_from_before_the_opening_are_ignored() -> None:
     breaker = make_breaker(clock)
     early = [breaker.begin() for _ in range(2)]
     open_breaker(breaker)
-    assert early[0] is not None and early[1] is not None
+    assert early[0] is not None
+    assert early[1] is not None
     breaker.success(early[0])
     assert breaker.state is BreakerState.OPEN
     clock.advance(1.0)
@@ -196,7 +199,8 @@ def test_each_state_change_is_logged_once(caplog: pytest.LogCaptureFixture) -> N
     breaker.success(probe)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2, warnings
-    assert "unavailable" in warnings[0] and "3 consecutive errors" in warnings[0]
+    assert "unavailable" in warnings[0]
+    assert "3 consecutive errors" in warnings[0]
     assert "recovered" in warnings[1]
     changes = [r.getMessage() for r in caplog.records]
     assert len(changes) == 3, changes  # open, half-open, closed

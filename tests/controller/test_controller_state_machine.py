@@ -381,7 +381,13 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.leases[request_id] = Held(lease, tokens)
                 assert lease.cached_len == int(lease.device_indices.numel())
                 assert lease.cached_len <= len(tokens) // self.page_size * self.page_size
-                if lease.hit_tokens_by_tier["storage"]:
+                hits = lease.hit_tokens_by_tier
+                assert sum(hits.values()) == lease.cached_len
+                # A storage hit is a token this request's own prefetch loaded, never one that another
+                # request put in the tree meanwhile.
+                own = lease.prefetch.loaded_tokens if lease.prefetch is not None else 0
+                assert hits["storage"] <= own, (hits, lease.prefetch)
+                if hits["storage"]:
                     event("acquire hit storage")
                 if lease.prefetch is not None:
                     event(f"acquire prefetch {lease.prefetch.status}")

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Self
 
 import anyio
+import numpy as np
 import torch
 
 from hicache.components import Component, component_storage_key
@@ -581,13 +582,13 @@ class HiCache:
         ):
             raise ValueError("tokens: must start with the lease's cached prefix")
         cached = lease.cached_len
-        if not torch.equal(device_indices[:cached], lease.device_indices[:cached]):
-            raise ValueError(
-                f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
-            )
         # The rest must be pages the caller got from `alloc_device` (and components' slots from
         # `alloc_component`) and still holds: anything else would let two owners share a page.
         self._caller_claims(device_indices[cached:], components)
+        if not np.array_equal(device_indices[:cached].numpy(), lease.device_indices.numpy()):
+            raise ValueError(
+                f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
+            )
         aligned = n // page * page
         if components:
             result = self.tree.insert(key, device_indices[:n], components)

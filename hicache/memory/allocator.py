@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.errors import PoolError
@@ -67,6 +69,16 @@ def check_token_indices(indices: object, *, name: str = "indices") -> torch.Tens
     return indices
 
 
+def _repeats(pages: npt.NDArray[np.int64]) -> bool:
+    """Whether a page id appears more than once."""
+    if pages.size < 2:
+        return False
+    if (pages[1:] > pages[:-1]).all():  # ascending, as fresh allocations are: no repeat, no sort
+        return False
+    ordered = np.sort(pages)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class PageAllocator:
     """Hands out and takes back whole pages as token-granular index tensors.
 
@@ -94,6 +106,10 @@ class PageAllocator:
             else torch.empty(0, dtype=torch.uint8)
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        # The same tags and offsets as numpy arrays: checks of a few pages cost a microsecond or two in
+        # numpy where each small torch op costs several (validation runs on every insert and free).
+        self._tags: npt.NDArray[np.uint8] = np.frombuffer(self._state, dtype=np.uint8)
+        self._offsets_np = np.arange(page_size, dtype=np.int64)
 
     @property
     def page_size(self) -> int:
@@ -151,9 +167,9 @@ class PageAllocator:
         pages = self._free_stack[-n_pages:]
         del self._free_stack[-n_pages:]
         pages.reverse()
-        page_t = torch.tensor(pages, dtype=torch.int64)
-        self._state_view[page_t] = int(owner)
-        return self.pages_to_tokens(page_t)
+        page_a = np.array(pages, dtype=np.int64)
+        self._tags[page_a] = int(owner)
+        return torch.from_numpy((page_a[:, None] * self._page_size + self._offsets_np).reshape(-1))
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back token indices previously returned by `alloc` (any whole pages of them).
@@ -168,16 +184,16 @@ class PageAllocator:
             PoolError: when `indices` is misaligned, foreign (out of range), repeats a page, or names a page
                 that is already free (a double free).
         """
-        pages = self.page_ids(indices)
-        if pages.numel() == 0:
+        pages = self._pages(indices, "indices")
+        if pages.size == 0:
             return
-        if torch.unique(pages).numel() != pages.numel():
+        if _repeats(pages):
             raise PoolError("indices: the same page appears more than once (a double free)")
-        already_free = self._state_view[pages] == int(_FREE)
-        if bool(already_free.any()):
+        already_free = self._tags[pages] == int(_FREE)
+        if already_free.any():
             bad = pages[already_free][:8].tolist()
             raise PoolError(f"indices: double free of page(s) {bad} (already free)")
-        self._state_view[pages] = int(_FREE)
+        self._tags[pages] = int(_FREE)
         self._free_stack.extend(reversed(pages.tolist()))
 
     def page_ids(self, indices: torch.Tensor, *, name: str = "indices") -> torch.Tensor:
@@ -195,22 +211,27 @@ class PageAllocator:
             TypeError: when `indices` is not a 1-D int64 CPU tensor.
             PoolError: when `indices` is misaligned or out of range (foreign).
         """
-        check_token_indices(indices, name=name)
+        return torch.from_numpy(self._pages(indices, name))
+
+    def _pages(self, indices: object, name: str) -> npt.NDArray[np.int64]:
+        """`page_ids` as a numpy array (see there)."""
+        tokens = check_token_indices(indices, name=name).numpy()
         size = self._page_size
-        n = indices.numel()
+        n = tokens.size
         if n % size:
             raise PoolError(f"{name}: length {n} is not a multiple of page_size={size}")
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        runs = indices.view(-1, size)
-        starts = runs[:, 0]
-        if bool((starts % size != 0).any()) or not torch.equal(runs, starts[:, None] + self._offsets):
+            return np.empty(0, dtype=np.int64)
+        runs = tokens.reshape(-1, size)
+        pages: npt.NDArray[np.int64] = runs[:, 0] // size
+        # Whole runs [p * P, p * P + P): a misaligned start fails too (p * P is not the start then).
+        if not (runs == (pages * size)[:, None] + self._offsets_np).all():
             raise PoolError(f"{name}: not made of page-aligned runs of {size} consecutive token indices")
-        if int(starts.min()) < 0 or int(starts.max()) >= self.capacity_tokens:
+        if not (pages.view(np.uint64) < self._num_pages).all():  # a negative page wraps to a huge one
             raise PoolError(
                 f"{name}: indices outside this pool's {self.capacity_tokens} token slots (foreign indices)"
             )
-        return starts // size
+        return pages
 
     def pages_to_tokens(self, pages: torch.Tensor) -> torch.Tensor:
         """Expand page ids into the token indices they cover (no validation).
@@ -245,7 +266,7 @@ class PageAllocator:
         if owner is Owner.FREE:
             raise ValueError("owner: use `free` to give pages back")
         if indices.numel():
-            self._state_view[indices // self._page_size] = int(owner)
+            self._tags[indices.numpy() // self._page_size] = int(owner)
 
     def check_owned(self, indices: object, owner: Owner, *, name: str = "indices") -> torch.Tensor:
         """Validate that `indices` are whole, distinct pages all tagged `owner`; return their page ids.
@@ -262,20 +283,16 @@ class PageAllocator:
             PoolError: when `indices` is misaligned, out of range, repeats a page, or names a page not
                 tagged `owner` (free, or held by someone else).
         """
-        pages = self.page_ids(check_token_indices(indices, name=name), name=name)
-        if pages.numel() == 0:
-            return pages
-        if pages.numel() > 1:
-            ordered = torch.sort(pages).values
-            if bool((ordered[1:] == ordered[:-1]).any()):
-                raise PoolError(f"{name}: the same page appears more than once")
-        tags = self._state_view[pages]
+        pages = self._pages(indices, name)
+        if _repeats(pages):
+            raise PoolError(f"{name}: the same page appears more than once")
+        tags = self._tags[pages]
         wrong = tags != int(owner)
-        if bool(wrong.any()):
+        if wrong.any():
             bad = pages[wrong][:8].tolist()
             held = sorted({_HELD_BY[Owner(int(t))] for t in tags[wrong][:8].tolist()})
             raise PoolError(f"{name}: page(s) {bad} are not {_HELD_BY[owner]}; they are {'; '.join(held)}")
-        return pages
+        return torch.from_numpy(pages)
 
     def __repr__(self) -> str:
         return f"<PageAllocator pages={self.used_pages}/{self._num_pages} used, page_size={self._page_size}>"

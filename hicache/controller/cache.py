@@ -24,12 +24,14 @@ import torch
 
 from hicache.components import Component, component_storage_key
 from hicache.config import HiCacheConfig
+from hicache.controller.breaker import BreakerStatistics, CircuitBreaker
+from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseBatch, ReleaseQueue, ReleaseStatistics
 from hicache.controller.storage_probe import probe_hit_pages
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.work_queue import WorkQueue
-from hicache.errors import CacheClosed, InvariantViolation, UnknownRequest
+from hicache.errors import CacheClosed, InvariantViolation, StorageCircuitOpen, UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
 from hicache.memory import KVPool, Owner, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
 from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
@@ -40,6 +42,10 @@ from storage_backends.registry import open_backend
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 logger = logging.getLogger("hicache.cache")
+
+_MAX_BATCH = 64
+"""Most queued backups (or storage writes) one background job takes: one device->host copy (or one storage
+`put`) then serves every request that queued work meanwhile, so a saturated loop still drains the queues."""
 
 
 @dataclass
@@ -84,6 +90,12 @@ class CacheStatistics:
     backups_queued: int
     storage_writes_queued: int
     closed: bool
+    backups_queued_max: int = 0
+    """The most backups ever queued at once (never above `config.backup_queue_limit`)."""
+    storage_writes_queued_max: int = 0
+    """The most storage writes ever queued at once (never above `config.storage_write_queue_limit`)."""
+    storage_breaker: BreakerStatistics | None = None
+    """The storage tier's circuit breaker (None without a storage tier)."""
 
 
 class HiCache:
@@ -103,6 +115,8 @@ class HiCache:
         device_pool: a device pool to use instead of creating one (must match the layout).
         host_pool: a host pool to use instead of creating one (must match the layout).
         metrics: a registry to record into (default: a private one).
+        storage_breaker: the circuit breaker that guards the storage tier (default: one built from the
+            config's `storage_breaker_*` fields); tests pass one with a fake clock.
     """
 
     def __init__(
@@ -113,6 +127,7 @@ class HiCache:
         device_pool: KVPool | None = None,
         host_pool: KVPool | None = None,
         metrics: MetricsRegistry | None = None,
+        storage_breaker: CircuitBreaker | None = None,
     ) -> None:
         if not isinstance(config, HiCacheConfig):
             raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
@@ -167,8 +182,27 @@ class HiCache:
         )
         self._prefetches: dict[str, Prefetch] = {}
         self._inflight_tokens = 0
-        self._backups: WorkQueue[TreeNode] = WorkQueue("backup", self._backup)
-        self._storage_writes: WorkQueue[TreeNode] = WorkQueue("storage write-through", self._store)
+        self.storage_breaker = (
+            storage_breaker
+            if storage_breaker is not None
+            else CircuitBreaker(
+                "storage",
+                threshold=config.storage_breaker_threshold,
+                backoff_initial_s=config.storage_breaker_backoff_s,
+                backoff_max_s=config.storage_breaker_backoff_max_s,
+            )
+        )
+        breaker_gauge = self.metrics.storage_breaker_state.labels(tier=self.storage_breaker.tier)
+        breaker_gauge.set(self.storage_breaker.state)
+        self.storage_breaker.listeners.append(lambda old, new: breaker_gauge.set(new))
+        self._guarded: GuardedStorage | None = None
+        """The storage backend behind the breaker: what prefetch and write-through call."""
+        self._backups: WorkQueue[TreeNode] = WorkQueue(
+            "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
+        )
+        self._storage_writes: WorkQueue[TreeNode] = WorkQueue(
+            "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
+        )
         self._storage_writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
         self._stack: AsyncExitStack | None = None
@@ -207,7 +241,8 @@ class HiCache:
                 **dict(self.config.storage_options),
             )
         if self.storage is not None:
-            self._storage_writer = StorageWriter(self, self.storage)
+            self._guarded = GuardedStorage(self.storage, self.storage_breaker, self.metrics.storage_errors)
+            self._storage_writer = StorageWriter(self, self._guarded)
         if self.device_pool.device.type == "cuda":
             # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
             # thousands of page copies from their own threads fight over the GIL (on an H200, 16
@@ -296,6 +331,9 @@ class HiCache:
             backups_queued=len(self._backups),
             storage_writes_queued=len(self._storage_writes),
             closed=self._closed,
+            backups_queued_max=self._backups.max_queued,
+            storage_writes_queued_max=self._storage_writes.max_queued,
+            storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
         )
 
     def __repr__(self) -> str:
@@ -830,48 +868,84 @@ class HiCache:
             self.component_pools[name][0].free(copy)
 
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
-        self._backups.put(targets)
+        shed = self._backups.put(targets)
+        if shed:
+            self.metrics.writes_shed.inc(len(shed), tier="host", reason="queue_full")
+
+    async def _backup_batch(self, targets: list[TreeNode]) -> None:
+        await self._backup_many(targets)
 
     async def _backup(self, target: TreeNode) -> bool:
         """Back `target` up to host with its un-backed ancestors, root first. True when committed."""
+        return await self._backup_many([target]) > 0
+
+    async def _backup_many(self, targets: Sequence[TreeNode]) -> int:
+        """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
+        copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
+        were committed (those backed up already, pending or without host room are not)."""
         async with self._backup_lock:
-            chain = self.tree.backup_chain(target)
-            if not chain:
-                return False
-            sizes = [node.num_tokens for node in chain]
-            host_indices = self._alloc_host(sum(sizes), owner=Owner.COPY)
-            if host_indices is None:
-                self.metrics.backup_skipped.inc()
-                return False
-            device_values = torch.cat([node.device_value for node in chain if node.device_value is not None])
-            comp_copies = self._stage_component_backup(chain) if self.components else {}
-            offset = 0
-            for node, size in zip(chain, sizes, strict=True):
-                staged = {name: host for (n, name), (_, host) in comp_copies.items() if n is node}
-                self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
-                offset += size
+            chains: list[tuple[TreeNode, list[TreeNode]]] = []
+            nodes: list[TreeNode] = []
+            host_parts: list[torch.Tensor] = []
+            comp_copies: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
-                await self._copy(self.device_pool, device_values, self.host_pool, host_indices)
+                for target in targets:
+                    # Computed after the earlier chains began: a shared ancestor is pending by now and
+                    # ends this chain, so every node is copied once and committed after its parent.
+                    chain = self.tree.backup_chain(target)
+                    if not chain:
+                        continue
+                    sizes = [node.num_tokens for node in chain]
+                    host_indices = self._alloc_host(sum(sizes), owner=Owner.COPY)
+                    if host_indices is None:
+                        self.metrics.backup_skipped.inc()
+                        continue
+                    staged_comps = self._stage_component_backup(chain) if self.components else {}
+                    comp_copies.update(staged_comps)
+                    offset = 0
+                    for node, size in zip(chain, sizes, strict=True):
+                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n is node}
+                        self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
+                        nodes.append(node)
+                        offset += size
+                    host_parts.append(host_indices)
+                    chains.append((target, chain))
+                if not chains:
+                    return 0
+                device_values = torch.cat(
+                    [node.device_value for node in nodes if node.device_value is not None]
+                )
+                await self._copy(self.device_pool, device_values, self.host_pool, torch.cat(host_parts))
                 for (_, name), (device, host) in comp_copies.items():
                     device_pool, host_pool = self.component_pools[name]
                     await self._copy(device_pool, device, host_pool, host)
             except BaseException:
-                for node in reversed(chain):
+                for node in reversed(nodes):
                     self.host_pool.free(self.tree.abort_backup(node))
                 self._free_component_garbage()
                 raise
             # Root first. A node split while copying is committed together with its split-off upper part.
-            for node in chain:
+            for node in nodes:
                 self.tree.commit_backup(node)
             # The host copies now belong to the tree (before freeing what it let go of among them).
-            self.host_pool.set_owner(host_indices, Owner.TREE)
+            for part in host_parts:
+                self.host_pool.set_owner(part, Owner.TREE)
             for (_, name), (_, host) in comp_copies.items():
                 self.component_pools[name][1].set_owner(host, Owner.TREE)
             self._free_component_garbage()
-            self.metrics.backup_tokens.inc(sum(sizes))
+            self.metrics.backup_tokens.inc(sum(node.num_tokens for node in nodes))
         if self._storage_writer is not None and self.config.backup_to_storage:
-            self._storage_writes.put([target])
-        return True
+            self._queue_storage_writes([target for target, _ in chains])
+        return len(chains)
+
+    def _queue_storage_writes(self, targets: list[TreeNode]) -> None:
+        """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
+        if not self.storage_breaker.allows():
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+            return
+        shed = self._storage_writes.put(targets)
+        if shed:
+            self.metrics.writes_shed.inc(len(shed), tier="storage", reason="queue_full")
 
     def _stage_component_backup(
         self, chain: Sequence[TreeNode]
@@ -893,9 +967,18 @@ class HiCache:
 
     # ------------------------------------------------------------------ host -> storage
 
-    async def _store(self, target: TreeNode) -> None:
-        if self._storage_writer is not None:
-            await self._storage_writer.store(target)
+    async def _store(self, targets: list[TreeNode]) -> None:
+        if self._storage_writer is None:
+            return
+        if not self.storage_breaker.allows():
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+            return
+        try:
+            await self._storage_writer.store_many(targets)
+        except StorageCircuitOpen:
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+        except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
+            logger.warning("storage write-through of %d node(s) failed: %r", len(targets), exc)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -934,7 +1017,7 @@ class HiCache:
         self.metrics.prefetch_requested.inc()
         matched = match.device_len + match.host_len
         remainder = aligned - matched
-        storage = self.storage
+        storage = self._guarded
         if storage is None:
             self._skip("no_storage")
             return None
@@ -943,6 +1026,9 @@ class HiCache:
             return None
         if self._inflight_tokens + remainder > self.config.capacity_tokens:
             self._skip("capacity")
+            return None
+        if not self.storage_breaker.allows():  # storage is down and no probe is due: no I/O at all
+            self._skip("storage_unavailable")
             return None
         anchor = match.last_host_node
         anchor_end = _depth(anchor)
@@ -953,16 +1039,22 @@ class HiCache:
             )
             page_keys = [h.hex() for h in hashes]
             hit_pages: int | None = None
+            skip = "storage_error"
             try:
                 # A hung lookup must not hang the request: it gets the same budget as a stream.
-                with anyio.move_on_after(self.config.prefetch_timeout(remainder)):
+                with anyio.move_on_after(self.config.prefetch_timeout(remainder)) as lookup:
                     hit_pages = await probe_hit_pages(storage, page_keys)
+                if lookup.cancelled_caught:
+                    storage.record_timeout("exists")
+            except StorageCircuitOpen:  # another request holds the probe, or the breaker just opened
+                skip = "storage_unavailable"
             except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
                 logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
             if hit_pages is None:
-                self.metrics.storage_page_failures.labels(reason="exists").inc()
+                if skip == "storage_error":
+                    self.metrics.storage_page_failures.labels(reason="exists").inc()
                 self.tree.unlock_host(anchor)
-                self._skip("storage_error")
+                self._skip(skip)
                 return None
             self._check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
@@ -1063,7 +1155,16 @@ class HiCache:
             for comp in self.components:
                 k = min(len(hashes), comp.prefix_pages(num_tokens, self.page_size))
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
-                if not keys or await storage.exists(keys) < len(keys):
+                try:
+                    present = await storage.exists(keys) if keys else 0
+                except StorageCircuitOpen:
+                    reason = "storage_unavailable"
+                    break
+                except OSError as exc:  # a storage error (counted by the guard), never the caller's
+                    logger.warning("prefetch: component lookup failed: %r", exc)
+                    reason = "storage_error"
+                    break
+                if not keys or present < len(keys):
                     reason = "component_miss"
                     break
                 host_pool = self.component_pools[comp.name][1]

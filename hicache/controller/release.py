@@ -162,6 +162,14 @@ class ReleaseQueue:
         batches = [*self._pending, *(q.batch for q in self._quarantined)]
         return sum(int(t.indices.numel()) for batch in batches for t in batch.transfers if t.pool is pool)
 
+    def pending_indices(self, pool: object) -> list[torch.Tensor]:
+        """Every index into `pool` still waiting to be freed (the host pages and component transfers),
+        quarantined ones included."""
+        batches = [*self._pending, *(q.batch for q in self._quarantined)]
+        out = [batch.host_indices for batch in batches] if pool is self._host_pool else []
+        out.extend(t.indices for batch in batches for t in batch.transfers if t.pool is pool)
+        return out
+
     def statistics(self) -> ReleaseStatistics:
         """Pending, quarantined and released calls and tokens."""
         return ReleaseStatistics(

@@ -13,8 +13,12 @@ Two parts, each against a baseline measured in the same run:
   pages inserted (goal >= 0.9), the queues' high-water marks against their limits, work shed, and the
   soak's rate against the same soak on a cache without storage; the soak is repeated on the memory
   backend to separate the controller's cost from the file backend's I/O.
+- **stuck read**: a file backend with one page replaced by a FIFO (a read that never returns, as on a hung
+  NFS or FUSE mount). `acquire` runs under a deadline that passes once the read is stuck; reported: how long
+  after the deadline it returns (`stuck_read_acquire_return_ms`, the worst of `--stuck-rounds`; goal
+  < 50 ms), and that the stuck pages were quarantined and came back once the read was let go.
 
-Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8]
+Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
 Ends with one JSON line.
 """
 
@@ -28,12 +32,14 @@ import random
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import torch
 from _loop_timing import run_with_ticker
 
@@ -237,6 +243,116 @@ async def soak(requests: list[list[int]], workers: int, storage_url: str | None)
     )
 
 
+# --------------------------------------------------------------------------- stuck read
+
+STUCK_READ_GOAL_MS = 50.0
+STUCK_PAGES = 32
+STUCK_AT = 20
+"""The page replaced by a FIFO: its batch's read blocks in `open` until the FIFO gets a writer."""
+
+
+@dataclass
+class StuckResult:
+    return_ms: list[float]
+    """Per round: from the deadline passing to `acquire` returning (raising the cancellation)."""
+    quarantined_pages: list[int]
+    """Per round: host pages quarantined when acquire returned."""
+    settled: bool
+    """Every quarantined page came back once the reads were let go, and the accounting was exact."""
+
+
+class _StuckFileBackend(FileBackend):
+    """A file backend that signals `entered` when a worker thread starts reading `stuck_key`."""
+
+    def __init__(self, root: str, *, namespace_digest: bytes) -> None:
+        super().__init__(root, namespace_digest=namespace_digest)
+        self.stuck_key = ""
+        self.entered = threading.Event()
+
+    def _read_one(self, key: str, buf: memoryview, flags: int = 0, fd: int = -1) -> int:
+        if key == self.stuck_key:
+            self.entered.set()
+        return super()._read_one(key, buf, flags, fd)
+
+
+def _release_fifo(path: str) -> None:
+    """Wake every reader blocked opening the FIFO (opening it read-write never blocks and is a writer)."""
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    os.close(fd)
+
+
+async def stuck_read(rounds: int) -> StuckResult:
+    """`rounds` acquires, each with a fresh prompt whose page STUCK_AT is a FIFO, cancelled once the read
+    of that page has started; how long each takes to return after its deadline."""
+    return_ms: list[float] = []
+    quarantined: list[int] = []
+    quiet = [logging.getLogger(name) for name in ("storage_backends.file", "hicache.prefetch")]
+    levels = [log.level for log in quiet]
+    for log in quiet:  # one line per stuck or failed page otherwise
+        log.setLevel(logging.ERROR)
+    try:
+        return await _stuck_rounds(rounds, return_ms, quarantined)
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
+
+
+async def _stuck_rounds(rounds: int, return_ms: list[float], quarantined: list[int]) -> StuckResult:
+    settled = True
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-stuck-") as root:
+        async with _StuckFileBackend(root, namespace_digest=NAMESPACE.digest) as backend:
+            config = HiCacheConfig(
+                layout=LAYOUT,
+                device_pages=4 * STUCK_PAGES,
+                host_pages=4 * STUCK_PAGES,
+                namespace=NAMESPACE,
+                prefetch_threshold=PAGE,
+                prefetch_stop_policy="wait_complete",
+                storage_batch_pages=4,
+                backup_to_storage=False,
+            )
+            async with HiCache(config, storage=backend) as cache:
+                for round_ in range(rounds):
+                    tokens = [round_ * 1_000_003 + i for i in range(STUCK_PAGES * PAGE)]
+                    key = as_key_bytes(tokens)
+                    hashes = chained_page_hashes(key, PAGE, NAMESPACE, ROOT_HASH)
+                    pages = [memoryview(bytearray(LAYOUT.page_nbytes)) for _ in hashes]
+                    assert all(await backend.put([h.hex() for h in hashes], pages))
+                    backend.stuck_key = hashes[STUCK_AT].hex()
+                    backend.entered.clear()
+                    fifo = str(backend.path_of(backend.stuck_key))
+                    os.unlink(fifo)
+                    os.mkfifo(fifo)
+                    try:
+                        deadline_at: list[float] = []
+                        with anyio.CancelScope() as deadline:
+                            async with anyio.create_task_group() as tg:
+
+                                async def deadline_once_stuck(
+                                    scope: anyio.CancelScope = deadline, at: list[float] = deadline_at
+                                ) -> None:
+                                    await anyio.to_thread.run_sync(backend.entered.wait, 30)
+                                    at.append(time.perf_counter())
+                                    scope.cancel()
+
+                                tg.start_soon(deadline_once_stuck)
+                                await cache.acquire(f"stuck-{round_}", tokens)
+                        return_ms.append((time.perf_counter() - deadline_at[0]) * 1000)
+                        quarantined.append(cache.statistics().quarantined_pages)
+                    finally:
+                        _release_fifo(fifo)
+                        os.unlink(fifo)
+                    with anyio.fail_after(30):
+                        while cache.statistics().quarantined_pages:  # noqa: ASYNC110 - threads can't wake it
+                            await anyio.sleep(0.005)
+                    await cache.wait_idle()
+                    try:
+                        cache.sanity_check()
+                    except AssertionError:
+                        settled = False
+    return StuckResult(return_ms, quarantined, settled)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -257,6 +373,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "as storage_unavailable)"
     )
     print(f"  overhead p99 {overhead_p99:.3f} ms (goal < {OVERHEAD_GOAL_MS} ms)")
+
+    stuck = await stuck_read(args.stuck_rounds)
+    stuck_worst = max(stuck.return_ms)
+    print(f"stuck read (a FIFO at a page's path), {len(stuck.return_ms)} acquires cancelled once stuck:")
+    print(
+        f"  returned after the deadline: median {statistics.median(stuck.return_ms):.2f} ms, worst "
+        f"{stuck_worst:.2f} ms (goal < {STUCK_READ_GOAL_MS} ms); quarantined pages per round "
+        f"{sorted(set(stuck.quarantined_pages))}; all came back, accounting exact: {stuck.settled}"
+    )
 
     requests = soak_requests(args.requests, seed=3)
     base = await soak(requests, args.workers, None)
@@ -305,7 +430,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "backup_queue_limit": limits.backup_queue_limit,
         "storage_write_queue_limit": limits.storage_write_queue_limit,
         "writes_shed": wt.shed,
+        "stuck_read_acquire_return_ms": round(stuck_worst, 3),
+        "stuck_read_acquire_return_ms_median": round(statistics.median(stuck.return_ms), 3),
+        "stuck_read_quarantined_pages": max(stuck.quarantined_pages),
+        "stuck_read_settled": stuck.settled,
         "goals_met": overhead_p99 < OVERHEAD_GOAL_MS
+        and stuck_worst < STUCK_READ_GOAL_MS
+        and stuck.settled
         and fraction >= WRITE_FRACTION_GOAL
         and wt.max_backup_queue <= limits.backup_queue_limit
         and wt.max_storage_queue <= limits.storage_write_queue_limit,
@@ -322,5 +453,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=4, help="alternating passes in the storage-down part")
     parser.add_argument("--requests", type=int, default=4000, help="requests in the soak")
     parser.add_argument("--workers", type=int, default=8, help="serving tasks in the soak")
+    parser.add_argument("--stuck-rounds", type=int, default=20, help="acquires in the stuck-read part")
     summary = anyio.run(main, parser.parse_args())
     print(json.dumps(summary))

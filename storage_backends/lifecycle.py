@@ -2,9 +2,8 @@
 
 A backend is an async context manager with an idempotent `aclose()`. Closing refuses new calls at once
 (`CacheClosed`), waits until every call already in flight has returned, and only then releases what the
-backend holds; calls return only after their worker threads stopped touching the caller's buffers, so a
-caller whose `aclose()` returned may free them. A backend garbage-collected while still open warns with
-`ResourceWarning`.
+backend holds. A call that returned normally left no worker thread touching the caller's buffers. A
+backend garbage-collected while still open warns with `ResourceWarning`.
 
 Worker threads are never waited for once their call is cancelled: a read stuck on a hung NFS or FUSE
 mount must not hang its caller. A call that is cancelled while its worker thread runs abandons the thread

@@ -403,3 +403,68 @@ async def test_aclose_under_asyncio_wait_for_with_a_thread_stuck_on_an_event(
         await cache.aclose()
     assert cache.host_pool.closed
     assert cache.statistics().quarantined_pages == 0
+
+
+# ------------------------------------------------------------------------------------- write-through
+
+
+class StuckWrites(MemoryBackend):
+    """A memory backend whose worker thread, for every `put`, waits on `release` first."""
+
+    def __init__(self) -> None:
+        super().__init__(namespace_digest=NAMESPACE.digest)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+        self.entered.set()
+        self.release.wait(60)
+        return super()._write_group(keys, buffers)
+
+
+async def test_a_write_past_the_write_timeout_keeps_its_pages_locked_until_the_thread_returns() -> None:
+    """A write-through `put` stuck past `storage_write_timeout_s` is counted (`write_timeout`) and
+    abandoned; the host pages its thread still reads stay locked (not evictable) until it returns."""
+    backend = StuckWrites()
+    try:
+        cfg = config(backup_to_storage=True, storage_write_timeout_s=0.2)
+        async with HiCache(cfg, storage=backend) as cache:
+            lease = await cache.acquire("r", SEQ)
+            new = await cache.alloc_device(len(SEQ))
+            assert new is not None
+            await cache.insert(lease, SEQ, new)
+            with anyio.fail_after(0.2 + BOUND_S):
+                await cache.wait_idle()
+            assert backend.entered.is_set()
+            assert failures(cache) == {"write_timeout": N_PAGES}
+            node = cache.match(SEQ).last_host_node
+            assert node.host_lock > 0, "pages a stray write reads were unlocked"
+            assert cache.statistics().release_queue.quarantined_calls == 1
+            assert cache.statistics().quarantined_pages == 0  # still the tree's pages, only locked
+            await assert_exact(cache)
+            backend.release.set()
+            with anyio.fail_after(30):
+                while cache.statistics().release_queue.quarantined_calls:  # noqa: ASYNC110 - a thread
+                    await anyio.sleep(0.01)
+            assert node.host_lock == 0
+            await assert_exact(cache)
+    finally:
+        backend.release.set()
+        await backend.aclose()
+
+
+async def test_an_s3_tier_opened_from_its_url_gets_the_cache_timeouts_as_its_deadlines() -> None:
+    """`storage_url="s3://..."` opens the S3 backend with the cache's read and write timeouts as its
+    per-request deadlines (the client gives up by itself, not only when cancelled)."""
+    pytest.importorskip("obstore")
+    cfg = config(
+        storage_url="s3://bucket/prefix?endpoint=http://127.0.0.1:9&region=us-east-1",
+        storage_options={"access_key_id": "test", "secret_access_key": "test"},
+        storage_read_timeout_s=0.75,
+        storage_write_timeout_s=1.5,
+    )
+    async with HiCache(cfg) as cache:
+        storage = cache.storage
+        assert storage is not None
+        assert storage._read_deadline_s == 0.75  # type: ignore[attr-defined]
+        assert storage._write_deadline_s == 1.5  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ PAGE = 4
 N_PAGES = 12
 BATCH = 3
 LAYOUT = layout_for(PAGE)
-NAMESPACE = Namespace(model="faults")
+NAMESPACE = Namespace(model_id="faults")
 SEQ = [1000 + 7 * i for i in range(N_PAGES * PAGE)]
 KEY = as_key_bytes(SEQ)
 

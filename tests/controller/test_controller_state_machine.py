@@ -92,7 +92,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.inner: InlineMemoryBackend
         self.page_size = 1
         self.stop_policy = StopPolicy.WAIT_COMPLETE
-        self.namespace = Namespace(model="state-machine")
+        self.namespace = Namespace(model_id="state-machine")
         self.leases: dict[str, Held] = {}
         self.prefetches: dict[str, Prefetch] = {}
         self.expected_pages: dict[str, bytes] = {}

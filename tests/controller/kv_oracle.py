@@ -20,7 +20,7 @@ from hicache.errors import StorageError
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree import TreeNode
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
@@ -209,7 +209,7 @@ class FaultyBackend(PassThroughBackend):
 
     Faults are set per page key in `faults`:
       * ``"error"``: a `get` whose batch contains the page raises `StorageError`;
-      * ``"false"``: the page is reported unread (`False`), its buffer untouched;
+      * ``"false"``: the page is reported unread (`PageStatus.MISS`), its buffer untouched;
       * ``"hang"``: the read of the page waits until cancelled (a storage timeout).
     `exists_error` makes `exists` raise. When `gated`, each page read waits for a credit from `allow()`.
     The wrapper counts reads started and finished so a test can check none is left in flight.
@@ -248,11 +248,11 @@ class FaultyBackend(PassThroughBackend):
             raise StorageError("injected: exists failed")
         return await self.inner.exists(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         if any(self.faults.get(k) == "error" for k in keys):
             self.errors_raised += 1
             raise StorageError("injected: get failed")
-        results: list[bool] = []
+        results: list[PageStatus] = []
         for key, buf in zip(keys, buffers, strict=True):
             while self.gated and self._credits == 0:
                 await self._changed.wait()
@@ -264,7 +264,7 @@ class FaultyBackend(PassThroughBackend):
                 if fault == "hang":
                     await anyio.sleep_forever()
                 if fault == "false":
-                    results.append(False)
+                    results.append(PageStatus.MISS)
                 else:
                     results.extend(await self.inner.get([key], [buf]))
             finally:

@@ -44,6 +44,7 @@ from kv_oracle import (
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.policy import StopPolicy, WritePolicy
+from storage_backends.protocol import PageStatus
 
 T = TypeVar("T")
 
@@ -209,6 +210,8 @@ class ControllerMachine(RuleBasedStateMachine):
         self, write: WritePolicy, stop: StopPolicy, gated: bool, prefill: list[tuple[list[int], int]]
     ) -> None:
         layout = layout_for(self.page_size)
+        # The cache's effective namespace (its config adds the page layout): keys and oracle bytes use it.
+        self.namespace = self.cache_config(layout, write, stop).namespace
         self.inner = InlineMemoryBackend(namespace_digest=self.namespace.digest)
         self.backend = FaultyBackend(self.inner, gated=gated)
         # Another instance served these before: their pages are in storage.
@@ -359,7 +362,7 @@ class ControllerMachine(RuleBasedStateMachine):
                 continue
             buf = bytearray(len(data))
             ok = await self.inner.get([key], [memoryview(buf)])
-            assert ok == [True], key
+            assert ok == [PageStatus.HIT], key
             assert bytes(buf) == data, f"stored page {key} holds the wrong bytes"
 
     # ------------------------------------------------------------------ rules

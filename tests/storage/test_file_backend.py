@@ -24,6 +24,7 @@ from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, ma
 
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 
 NS = bytes(range(16))
 
@@ -118,7 +119,7 @@ async def test_truncated_files_are_misses_and_counted(
     keys, pages = make_keys(2), make_pages(2, 4096)
     await backend.put(keys, pages)
     os.truncate(backend.path_of(keys[0]), length)
-    assert await backend.get(keys, empty_pages(2, 4096)) == [False, True]
+    assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.CORRUPT, PageStatus.HIT]
     stats = backend.statistics()
     assert stats.checksum_failures == 1
     assert stats.pages_read == 1
@@ -138,10 +139,10 @@ async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) ->
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
     out = empty_pages(n, page_bytes)
-    assert await backend.get(keys, out) == [i not in damaged for i in range(n)]
+    assert [bool(s) for s in await backend.get(keys, out)] == [i not in damaged for i in range(n)]
     assert all(bytes(out[i]) == bytes(pages[i]) for i in range(n) if i not in damaged)
     stats = backend.statistics()
-    assert stats.checksum_failures == len(damaged)
+    assert stats.checksum_failures + stats.foreign_pages + stats.old_format_pages == len(damaged)
     assert stats.pages_read == n - len(damaged)
     assert stats.misses == 0
 
@@ -171,7 +172,7 @@ async def test_failed_rename_reports_false_and_cleans_up(
     assert backend.statistics().errors == 3
     assert [p.name for p in files_under(backend.root)] == [f"{keys[0]}.kvp"]
     out = empty_pages(1, 512)
-    assert await backend.get(keys[:1], out) == [True]
+    assert await backend.get(keys[:1], out) == [PageStatus.HIT]
     assert bytes(out[0]) == bytes(pages[0]), "the old version survives a failed overwrite"
     assert "cannot write page" in caplog.text
 
@@ -188,7 +189,7 @@ async def test_another_process_reads_the_pages_bitwise(backend: FileBackend) -> 
         "    bufs = [memoryview(bytearray(65536)) for _ in keys]\n"
         "    async with FileBackend(sys.argv[1], namespace_digest=bytes(range(16))) as b:\n"
         "        ok = await b.get(keys, bufs)\n"
-        "    print(ok.count(True), *(xxhash.xxh3_64_hexdigest(buf) for buf in bufs))\n"
+        "    print(sum(map(bool, ok)), *(xxhash.xxh3_64_hexdigest(buf) for buf in bufs))\n"
         "anyio.run(main)\n"
     )
     result = await anyio.run_process([sys.executable, "-c", script, str(backend.root), *keys])
@@ -261,7 +262,7 @@ async def test_buffers_of_any_format_round_trip(backend: FileBackend) -> None:
     dst = torch.zeros_like(src)
     keys = make_keys(1)
     assert await backend.put(keys, [src.numpy().data]) == [True]
-    assert await backend.get(keys, [dst.numpy().data]) == [True]
+    assert await backend.get(keys, [dst.numpy().data]) == [PageStatus.HIT]
     assert torch.equal(src, dst)
 
 
@@ -348,7 +349,7 @@ async def test_a_cold_page_reads_the_rest_of_its_group_ahead(
         monkeypatch.setattr(os, "posix_fadvise", fadvise)
         out = empty_pages(8, 4096)
         flags = await b.get(keys, out)
-        assert flags == [True] * 5 + [False, True, False]
+        assert flags == [PageStatus.HIT] * 5 + [PageStatus.MISS, PageStatus.HIT, PageStatus.CORRUPT]
         assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
         assert bytes(out[6]) == bytes(pages[6])
         # pages 0-1 hot; page 2 would block, so pages 2..7 are opened (5 is absent) and advised
@@ -378,9 +379,9 @@ async def test_a_filesystem_without_nowait_reads_plainly(
 
         monkeypatch.setattr(os, "preadv", preadv)
         out = empty_pages(4, 1024)
-        assert await b.get(keys, out) == [True] * 4
+        assert await b.get(keys, out) == [PageStatus.HIT] * 4
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
-        assert await b.get(keys, empty_pages(4, 1024)) == [True] * 4
+        assert await b.get(keys, empty_pages(4, 1024)) == [PageStatus.HIT] * 4
         assert calls[0] == os.RWF_NOWAIT
         # the refused page is read again plainly, with the rest of its group; then never a probe again
         assert calls[1:] == [0] * 8, "after the first refusal no read asks for RWF_NOWAIT again"
@@ -400,7 +401,7 @@ async def test_readahead_off_never_probes(tmp_path: Path, monkeypatch: pytest.Mo
 
         monkeypatch.setattr(os, "preadv", preadv)
         out = empty_pages(6, 1024)
-        assert await b.get(keys, out) == [True] * 6
+        assert await b.get(keys, out) == [PageStatus.HIT] * 6
         assert calls == [0] * 6
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
 
@@ -430,5 +431,5 @@ async def test_small_batches_take_one_thread_hop(
         return real_read_group(keys, buffers)
 
     monkeypatch.setattr(backend, "_read_group", counting_read_group)
-    assert await backend.get(keys, empty_pages(8, 4096)) == [True] * 8
+    assert await backend.get(keys, empty_pages(8, 4096)) == [PageStatus.HIT] * 8
     assert groups == [8]

@@ -12,6 +12,7 @@ from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, ma
 
 from storage_backends.memory import MemoryBackend, drop_named_store
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 
 NS = bytes(range(16))
 
@@ -81,13 +82,13 @@ async def test_damaged_pages_are_misses_and_counted(damage: str, caplog: pytest.
         if damage == "flip_payload":
             b.corrupt(keys[0], offset=HEADER_SIZE + 17)
         elif damage == "flip_header":
-            b.corrupt(keys[0], offset=30)
+            b.corrupt(keys[0], offset=50)  # the checksum field
         elif damage == "truncate_payload":
             b.corrupt(keys[0], truncate=HEADER_SIZE + 100)
         else:
             b.corrupt(keys[0], truncate=HEADER_SIZE - 1)
         out = empty_pages(2, 1024, fill=7)
-        assert await b.get(keys, out) == [False, True]
+        assert await b.get(keys, out) == [PageStatus.CORRUPT, PageStatus.HIT]
         assert bytes(out[0]) == b"\x07" * 1024, "a bad page must not be copied into the buffer"
         stats = b.statistics()
         assert stats.checksum_failures == 1

@@ -21,6 +21,7 @@ import anyio.to_thread
 import pytest
 import xxhash
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
+from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
 
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
@@ -34,7 +35,7 @@ def files_under(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
-class TestFileBackend(BackendContract):
+class TestFileBackend(BackendContract, HostileStorage):
     @pytest.fixture
     async def backend(self, namespace_digest: bytes, tmp_path: Path) -> AsyncIterator[FileBackend]:
         async with FileBackend(tmp_path / "pages", namespace_digest=namespace_digest) as b:
@@ -56,6 +57,19 @@ class TestFileBackend(BackendContract):
             path.write_bytes(bytes(data))
 
         return flip_last_byte
+
+    @pytest.fixture
+    def raw_store(self, backend: FileBackend) -> RawStore:
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return backend.path_of(key).read_bytes()
+
+            async def write(self, key: str, data: bytes) -> None:
+                path = backend.path_of(key)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+
+        return Raw()
 
     @pytest.fixture
     def hold_reads(self, backend: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
@@ -433,3 +447,42 @@ async def test_small_batches_take_one_thread_hop(
     monkeypatch.setattr(backend, "_read_group", counting_read_group)
     assert await backend.get(keys, empty_pages(8, 4096)) == [PageStatus.HIT] * 8
     assert groups == [8]
+
+
+@pytest.mark.parametrize(
+    "target", ["same_root_other_key", "other_root_same_key_other_namespace", "old_format"]
+)
+async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, target: str) -> None:
+    """A page file replaced by a symlink to a valid page elsewhere (another key's file, the same key in
+    another cache's root, a version 1 file) is followed, then refused by its header: counted, not loaded."""
+    config = base_config()
+    size = config.layout.page_nbytes
+    keys, pages = make_keys(2, salt=7), make_pages(2, size, seed=6)
+    elsewhere = tmp_path / "elsewhere"
+    async with FileBackend(tmp_path / "pages", namespace_digest=config.namespace.digest) as backend:
+        assert await backend.put(keys, pages) == [True, True]
+        if target == "same_root_other_key":
+            source = backend.path_of(keys[1])
+        elif target == "other_root_same_key_other_namespace":
+            other = VARIANTS["model_id"].namespace.digest
+            async with FileBackend(elsewhere, namespace_digest=other) as foreign:
+                assert await foreign.put(keys[:1], make_pages(1, size, seed=7)) == [True]
+                source = foreign.path_of(keys[0])
+        else:
+            elsewhere.mkdir()
+            source = elsewhere / "v1.kvp"
+            source.write_bytes(v1_page(bytes(make_pages(1, size, seed=8)[0]), config.namespace.digest))
+        link = backend.path_of(keys[0])
+        link.unlink()
+        link.symlink_to(source)
+        assert await backend.exists(keys) == 2
+        expected = PageStatus.OLD_FORMAT if target == "old_format" else PageStatus.FOREIGN
+        out = empty_pages(2, size)
+        assert await backend.get(keys, out) == [expected, PageStatus.HIT]
+        assert bytes(out[1]) == bytes(pages[1])
+        s = backend.statistics()
+        assert (s.pages_read, s.foreign_pages, s.old_format_pages) == (
+            1,
+            int(expected is PageStatus.FOREIGN),
+            int(expected is PageStatus.OLD_FORMAT),
+        )

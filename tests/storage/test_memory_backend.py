@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
+from hostile import HostileStorage, RawStore
 
 from storage_backends.memory import MemoryBackend, drop_named_store
 from storage_backends.page_format import HEADER_SIZE
@@ -25,7 +26,7 @@ def store_name() -> Iterator[str]:
     drop_named_store(name)
 
 
-class TestMemoryBackend(BackendContract):
+class TestMemoryBackend(BackendContract, HostileStorage):
     @pytest.fixture
     async def backend(self, namespace_digest: bytes, store_name: str) -> AsyncIterator[MemoryBackend]:
         async with MemoryBackend.from_url(f"memory://{store_name}", namespace_digest=namespace_digest) as b:
@@ -41,6 +42,19 @@ class TestMemoryBackend(BackendContract):
     @pytest.fixture
     def corrupt_page(self, backend: MemoryBackend) -> Corrupt:
         return backend.corrupt
+
+    @pytest.fixture
+    def raw_store(self, backend: MemoryBackend) -> RawStore:
+        pages = backend._pages  # the named store every `reopen` shares
+
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return pages[key]
+
+            async def write(self, key: str, data: bytes) -> None:
+                pages[key] = data
+
+        return Raw()
 
     @pytest.fixture
     def hold_reads(self, backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:

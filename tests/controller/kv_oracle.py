@@ -7,12 +7,14 @@ page swapped with another, or a stale buffer therefore never matches, even when 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import TypeVar, TypeVarTuple, Unpack
 
 import anyio
 import anyio.lowlevel
 import torch
+import xxhash
 from controller_helpers import PassThroughBackend
 
 from hicache import HiCache, KVLayout
@@ -38,6 +40,7 @@ __all__ = [
     "path_key",
     "read_tokens_kv",
     "store_chain",
+    "v1_page",
 ]
 
 
@@ -94,6 +97,14 @@ async def store_chain(
     ok = await backend.put(keys, views)
     assert all(ok), ok
     return keys
+
+
+def v1_page(payload: bytes, namespace_digest: bytes) -> bytes:
+    """A stored page as page format version 1 wrote it (a 40-byte header without the key digest)."""
+    header = struct.pack(
+        "<4sBBH16sQQ", b"HKVP", 1, 0, 0, namespace_digest, len(payload), xxhash.xxh3_64_intdigest(payload)
+    )
+    return header + payload
 
 
 def path_key(node: TreeNode) -> bytes:

@@ -720,11 +720,9 @@ class HiCache:
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
-            backed_up = 0
-            for chain in result.backups:
-                # Root-first chains, each starting below the previous ones: each backup commits before
-                # the next chain's is asked for, so `backup_chain` finds exactly the planned chain.
-                backed_up += await self._backup(chain[-1])
+            # Root-first chains, each below the earlier ones: one batch begins them in order, so
+            # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
+            backed_up = await self._backup_many(result.backup_first) if result.backups else 0
             if result.freed_device.numel() or backed_up:
                 continue
             if not result.backups:

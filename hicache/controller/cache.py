@@ -20,6 +20,7 @@ from typing import Self
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.components import Component, component_storage_key
@@ -33,7 +34,15 @@ from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.work_queue import WorkQueue
 from hicache.errors import CacheClosed, InvariantViolation, StorageCircuitOpen, UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
-from hicache.memory import KVPool, Owner, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
+from hicache.memory import (
+    KVPool,
+    Owner,
+    PoolStatistics,
+    check_token_indices,
+    copy_pages_async,
+    make_device_pool,
+    make_host_pool,
+)
 from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
 from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
 from storage_backends.protocol import StorageBackend
@@ -44,6 +53,8 @@ __all__ = ["CacheStatistics", "HiCache", "Lease"]
 logger = logging.getLogger("hicache.cache")
 
 _MAX_BATCH = 64
+_BACKPRESSURE_WAIT_S = 0.005
+"""The most one `insert` waits for a background queue above half its limit to drain below it."""
 """Most queued backups (or storage writes) one background job takes: one device->host copy (or one storage
 `put`) then serves every request that queued work meanwhile, so a saturated loop still drains the queues."""
 
@@ -551,7 +562,9 @@ class HiCache:
             pool.free(indices)
 
     def _caller_claims(
-        self, device_indices: torch.Tensor | None, components: Mapping[str, torch.Tensor] | None
+        self,
+        device_indices: torch.Tensor | npt.NDArray[np.int64] | None,
+        components: Mapping[str, torch.Tensor] | None,
     ) -> list[tuple[KVPool, torch.Tensor]]:
         """Check that `device_indices` and `components` are pages the caller holds (from `alloc_device`,
         `alloc_component`, not inserted, no page twice); return them with their pools. Changes nothing.
@@ -559,7 +572,8 @@ class HiCache:
         out: list[tuple[KVPool, torch.Tensor]] = []
         if device_indices is not None:
             self.device_pool.check_owned(device_indices, Owner.LEASE, name="device_indices")
-            out.append((self.device_pool, device_indices))
+            if isinstance(device_indices, torch.Tensor):  # `insert` checks a numpy view and frees nothing
+                out.append((self.device_pool, device_indices))
         if components:
             if not isinstance(components, Mapping):
                 raise TypeError(f"components: expected a mapping of name to indices, got {components!r:.80}")
@@ -591,6 +605,11 @@ class HiCache:
                 after the last token); the cache owns them from here on and frees what the tree
                 does not keep.
 
+        Backpressure: while backups or storage writes are queued, `insert` first gives their workers a
+        turn of the event loop, and while a queue is above half its limit it waits (at most 5 ms) for it
+        to drain below; a serving loop that never suspends otherwise starves them. Cancelled during that
+        wait, nothing was inserted and the lease is still held.
+
         Raises:
             TypeError: when `device_indices` is not an int64 tensor.
             ValueError, PoolError: naming `device_indices` when it has the wrong length, does not start
@@ -600,6 +619,7 @@ class HiCache:
                 released lease or tokens not extending its prefix. Nothing changes then: the pools,
                 the tree and the lease stay as they were.
         """
+        await self._give_workers_a_turn()
         self._check_open("insert")
         if not lease.active:
             raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
@@ -620,10 +640,12 @@ class HiCache:
         ):
             raise ValueError("tokens: must start with the lease's cached prefix")
         cached = lease.cached_len
+        # One numpy view for the checks below: each costs a microsecond or two there.
+        index_array = check_token_indices(device_indices, name="device_indices").numpy()
         # The rest must be pages the caller got from `alloc_device` (and components' slots from
         # `alloc_component`) and still holds: anything else would let two owners share a page.
-        self._caller_claims(device_indices[cached:], components)
-        if not np.array_equal(device_indices[:cached].numpy(), lease.device_indices.numpy()):
+        self._caller_claims(index_array[cached:], components)
+        if not (index_array[:cached] == lease.device_indices.numpy()).all():
             raise ValueError(
                 f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
             )
@@ -634,7 +656,7 @@ class HiCache:
             result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
         # The tree owns what it took; the rest is freed below (duplicates, the partial tail, components
         # it did not keep).
-        self.device_pool.set_owner(device_indices[cached:], Owner.TREE)
+        self.device_pool.set_owner(index_array[cached:], Owner.TREE)
         for name, indices in (components or {}).items():
             self.component_pools[name][0].set_owner(indices, Owner.TREE)
         if result.prefix_len > lease.cached_len:
@@ -879,6 +901,18 @@ class HiCache:
         for (_, name), (_, copy) in pending.items():  # copies of nodes not attached here
             self.component_pools[name][0].free(copy)
 
+    async def _give_workers_a_turn(self) -> None:
+        """Backpressure on the serving loop: yield to the backup and storage-write workers when they have
+        work, and wait (bounded) for a queue above half its limit."""
+        if self._backups.idle and self._storage_writes.idle:
+            return
+        await anyio.lowlevel.checkpoint()
+        for queue in (self._backups, self._storage_writes):
+            watermark = (queue.limit or 0) // 2
+            if queue.limit is not None and len(queue) > watermark:
+                with anyio.move_on_after(_BACKPRESSURE_WAIT_S):
+                    await queue.wait_below(watermark)
+
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
         shed = self._backups.put(targets)
         if shed:
@@ -1013,13 +1047,19 @@ class HiCache:
             request_id: unique among prefetches in flight.
             tokens: the request's tokens.
             match: the request's match (computed here when omitted).
-            transfers: component buffers staged with this prefetch; they are released with it.
+            transfers: component buffers staged with this prefetch; they are released with it. Their
+                indices into a `KVPool` must be pages the caller holds (allocated, not handed over).
+
+        Raises:
+            ValueError: naming `request_id` when it is empty or already has a prefetch in flight.
+            PoolError: naming `transfers` when one holds an index the caller does not hold.
         """
         self._check_open("prefetch")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
+        self._check_transfers(transfers)
         key = as_key_bytes(tokens, name="tokens")
         page = self.page_size
         aligned = len(key) // TOKEN_BYTES // page * page
@@ -1308,6 +1348,15 @@ class HiCache:
             outcome.released_tokens,
         )
         return outcome
+
+    def _check_transfers(self, transfers: Sequence[ComponentTransfer]) -> None:
+        """Refuse caller transfers holding pages the caller does not hold (a page twice included)."""
+        by_pool: dict[int, tuple[KVPool, list[torch.Tensor]]] = {}
+        for transfer in transfers:
+            if isinstance(transfer.pool, KVPool):
+                by_pool.setdefault(id(transfer.pool), (transfer.pool, []))[1].append(transfer.indices)
+        for pool, parts in by_pool.values():
+            pool.check_owned(torch.cat(parts), Owner.LEASE, name="transfers")
 
     def _release_buffers(
         self, host_indices: torch.Tensor, transfers: Sequence[ComponentTransfer]

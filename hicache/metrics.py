@@ -500,8 +500,9 @@ class CacheMetrics:
     """Labelled by ``op`` (exists, get, put) and ``kind`` (unavailable, timeout, auth, other): storage calls
     that failed with an error, never a miss."""
     writes_shed: Counter
-    """Labelled by ``tier`` (host, storage) and ``reason`` (queue_full, storage_unavailable): backups and
-    storage writes dropped instead of queued."""
+    """Labelled by ``tier`` (host, storage) and ``reason``: backups and storage writes dropped instead of
+    done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open;
+    ``evicted``: the node left host memory while its storage write was still queued)."""
     storage_breaker_state: Gauge
     """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.breaker`)."""
 

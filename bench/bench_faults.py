@@ -52,7 +52,7 @@ from storage_backends.memory import MemoryBackend
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
 """8 KiB pages."""
-NAMESPACE = Namespace(model="bench-faults")
+NAMESPACE = Namespace(model_id="bench-faults")
 OVERHEAD_GOAL_MS = 1.0
 WRITE_FRACTION_GOAL = 0.9
 
@@ -299,57 +299,60 @@ async def stuck_read(rounds: int) -> StuckResult:
 
 async def _stuck_rounds(rounds: int, return_ms: list[float], quarantined: list[int]) -> StuckResult:
     settled = True
+    config = HiCacheConfig(
+        layout=LAYOUT,
+        device_pages=4 * STUCK_PAGES,
+        host_pages=4 * STUCK_PAGES,
+        namespace=NAMESPACE,
+        prefetch_threshold=PAGE,
+        prefetch_stop_policy="wait_complete",
+        storage_batch_pages=4,
+        backup_to_storage=False,
+    )
+    namespace = config.namespace  # the effective one: the config adds the layout
     with tempfile.TemporaryDirectory(prefix="hicache-bench-stuck-") as root:
-        async with _StuckFileBackend(root, namespace_digest=NAMESPACE.digest) as backend:
-            config = HiCacheConfig(
-                layout=LAYOUT,
-                device_pages=4 * STUCK_PAGES,
-                host_pages=4 * STUCK_PAGES,
-                namespace=NAMESPACE,
-                prefetch_threshold=PAGE,
-                prefetch_stop_policy="wait_complete",
-                storage_batch_pages=4,
-                backup_to_storage=False,
-            )
-            async with HiCache(config, storage=backend) as cache:
-                for round_ in range(rounds):
-                    tokens = [round_ * 1_000_003 + i for i in range(STUCK_PAGES * PAGE)]
-                    key = as_key_bytes(tokens)
-                    hashes = chained_page_hashes(key, PAGE, NAMESPACE, ROOT_HASH)
-                    pages = [memoryview(bytearray(LAYOUT.page_nbytes)) for _ in hashes]
-                    assert all(await backend.put([h.hex() for h in hashes], pages))
-                    backend.stuck_key = hashes[STUCK_AT].hex()
-                    backend.entered.clear()
-                    fifo = str(backend.path_of(backend.stuck_key))
+        async with (
+            _StuckFileBackend(root, namespace_digest=namespace.digest) as backend,
+            HiCache(config, storage=backend) as cache,
+        ):
+            for round_ in range(rounds):
+                tokens = [round_ * 1_000_003 + i for i in range(STUCK_PAGES * PAGE)]
+                key = as_key_bytes(tokens)
+                hashes = chained_page_hashes(key, PAGE, namespace, ROOT_HASH)
+                pages = [memoryview(bytearray(LAYOUT.page_nbytes)) for _ in hashes]
+                assert all(await backend.put([h.hex() for h in hashes], pages))
+                backend.stuck_key = hashes[STUCK_AT].hex()
+                backend.entered.clear()
+                fifo = str(backend.path_of(backend.stuck_key))
+                os.unlink(fifo)
+                os.mkfifo(fifo)
+                try:
+                    deadline_at: list[float] = []
+                    with anyio.CancelScope() as deadline:
+                        async with anyio.create_task_group() as tg:
+
+                            async def deadline_once_stuck(
+                                scope: anyio.CancelScope = deadline, at: list[float] = deadline_at
+                            ) -> None:
+                                await anyio.to_thread.run_sync(backend.entered.wait, 30)
+                                at.append(time.perf_counter())
+                                scope.cancel()
+
+                            tg.start_soon(deadline_once_stuck)
+                            await cache.acquire(f"stuck-{round_}", tokens)
+                    return_ms.append((time.perf_counter() - deadline_at[0]) * 1000)
+                    quarantined.append(cache.statistics().quarantined_pages)
+                finally:
+                    _release_fifo(fifo)
                     os.unlink(fifo)
-                    os.mkfifo(fifo)
-                    try:
-                        deadline_at: list[float] = []
-                        with anyio.CancelScope() as deadline:
-                            async with anyio.create_task_group() as tg:
-
-                                async def deadline_once_stuck(
-                                    scope: anyio.CancelScope = deadline, at: list[float] = deadline_at
-                                ) -> None:
-                                    await anyio.to_thread.run_sync(backend.entered.wait, 30)
-                                    at.append(time.perf_counter())
-                                    scope.cancel()
-
-                                tg.start_soon(deadline_once_stuck)
-                                await cache.acquire(f"stuck-{round_}", tokens)
-                        return_ms.append((time.perf_counter() - deadline_at[0]) * 1000)
-                        quarantined.append(cache.statistics().quarantined_pages)
-                    finally:
-                        _release_fifo(fifo)
-                        os.unlink(fifo)
-                    with anyio.fail_after(30):
-                        while cache.statistics().quarantined_pages:  # noqa: ASYNC110 - threads can't wake it
-                            await anyio.sleep(0.005)
-                    await cache.wait_idle()
-                    try:
-                        cache.sanity_check()
-                    except AssertionError:
-                        settled = False
+                with anyio.fail_after(30):
+                    while cache.statistics().quarantined_pages:  # noqa: ASYNC110 - threads can't wake it
+                        await anyio.sleep(0.005)
+                await cache.wait_idle()
+                try:
+                    cache.sanity_check()
+                except AssertionError:
+                    settled = False
     return StuckResult(return_ms, quarantined, settled)
 
 

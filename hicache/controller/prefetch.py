@@ -19,12 +19,17 @@ import torch
 from hicache.controller.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tree import TreeNode
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
 
 __all__ = ["Prefetch", "PrefetchOutcome", "PrefetchState"]
 
 logger = logging.getLogger("hicache.prefetch")
+
+
+def _reason(status: object) -> str:
+    """The metric reason of a page `get` did not load (`"read"` from a backend that reports no status)."""
+    return status.value if isinstance(status, PageStatus) else "read"
 
 
 class PrefetchState(enum.Enum):
@@ -119,6 +124,9 @@ class Prefetch:
         """Storage reads that did not return within the read timeout (their pages failed)."""
         self.views: Sequence[memoryview] = ()
         """The host page buffers the stream reads into (set by `stream`)."""
+        self.failure_reasons: dict[str, int] = {}
+        """`failed_pages` by reason: a failed page's `PageStatus` value (`"miss"`, `"corrupt"`,
+        `"foreign_page"`, `"old_format"`, `"error"`), or `"error"` for a `get` that raised."""
         self.timed_out = False
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
@@ -168,18 +176,19 @@ class Prefetch:
         self.views = views
         total = len(self.page_keys)
         bounds = [(s, min(total, s + batch_pages)) for s in range(0, total, batch_pages)]
-        finished: dict[int, int] = {}  # batch -> leading verified pages (-1: the read raised)
+        # batch -> (leading verified pages, -1 when the read raised; the first failed page's reason)
+        finished: dict[int, tuple[int, str]] = {}
         next_batch = 0
 
         def settle(tg: anyio.abc.TaskGroup) -> None:
             nonlocal next_batch
             while next_batch in finished:
                 start, stop = bounds[next_batch]
-                good = finished.pop(next_batch)
+                good, reason = finished.pop(next_batch)
                 self.completed_pages = start + max(good, 0)
                 self._notify_progress()
                 if good < stop - start:
-                    self.failed_pages += 1
+                    self._count_failures(reason, 1)
                     tg.cancel_scope.cancel()  # the pages behind a failure are useless
                     next_batch = len(bounds)
                     return
@@ -187,6 +196,7 @@ class Prefetch:
 
         async def read(index: int, tg: anyio.abc.TaskGroup, slots: anyio.Semaphore) -> None:
             start, stop = bounds[index]
+            reason = "error"
             try:
                 with anyio.move_on_after(read_timeout_s) as deadline:
                     ok = await backend.get(self.page_keys[start:stop], views[start:stop])
@@ -199,9 +209,11 @@ class Prefetch:
                         read_timeout_s,
                     )
                     self.timed_out_reads += 1
-                    good = -1
+                    good, reason = -1, "timeout"
                 else:
                     good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+                    if good < len(ok):
+                        reason = _reason(ok[good])
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
@@ -209,7 +221,7 @@ class Prefetch:
                 good = -1
             finally:
                 slots.release()
-            finished[index] = good
+            finished[index] = (good, reason)
             settle(tg)
 
         try:
@@ -243,16 +255,18 @@ class Prefetch:
                 if deadline.cancelled_caught:
                     logger.warning("prefetch %s: component read timed out", self.request_id)
                     self.timed_out_reads += 1
-                    self.failed_pages += 1
+                    self._count_failures("timeout", 1)
                     return
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # as for pages: a storage error ends the prefetch, never the loop
                 logger.warning("prefetch %s: component read failed: %r", self.request_id, exc)
-                self.failed_pages += 1
+                self._count_failures("error", 1)
                 return
             if not all(ok):
-                self.failed_pages += sum(1 for flag in ok if not flag)
+                for status in ok:
+                    if not status:
+                        self._count_failures(_reason(status), 1)
                 return
         self.components_complete = True
 
@@ -263,6 +277,10 @@ class Prefetch:
     def staged_views(self) -> list[Sequence[memoryview]]:
         """The buffers of each staged component transfer (aligned with `staged`)."""
         return [views for _, views in self._staged_reads]
+
+    def _count_failures(self, reason: str, pages: int) -> None:
+        self.failed_pages += pages
+        self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + pages
 
     def request_stop(self) -> None:
         """Ask the stream to stop now; pages already verified stay counted."""

@@ -140,7 +140,7 @@ class HybridOracle:
             raise ValueError(f"page_size: expected >= 1, got {page_size}")
         self.model = model
         self.page_size = page_size
-        self._namespace = Namespace(model="demo-hybrid-oracle")
+        self._namespace = Namespace(model_id="demo-hybrid-oracle")
         self._full: dict[bytes, list[_Pairs]] = {}
         self._swa: dict[bytes, list[_Pairs]] = {}
         self._states: dict[bytes, list[_Pairs]] = {}
@@ -334,11 +334,8 @@ class _HybridRunner(ServingLoop[HybridModel]):
                 components, owned = owned, {}
                 await cache.insert(lease, seq[:aligned], indices, components or None)
         finally:
-            cache.release(lease)
-            if new_indices is not None:
-                cache.device_pool.free(new_indices)
-            for name, slots in owned.items():
-                cache.component_pools[name][0].free(slots)
+            # With the pages and component slots it allocated but did not insert, if any.
+            cache.release(lease, new_indices, owned or None)
         return Served(reused, inserted, ttft, reply, decoded.logits)
 
     async def _stage_components(

@@ -464,9 +464,7 @@ class _Runner(ServingLoop[DemoModel]):
                 new_indices = None  # owned by the tree from here on
                 await cache.insert(lease, seq, indices)
         finally:
-            cache.release(lease)
-            if new_indices is not None:
-                cache.device_pool.free(new_indices)
+            cache.release(lease, new_indices)  # and the pages it allocated but did not insert, if any
         return Served(reused, inserted, ttft, reply, decoded.logits, restored_kv=restored)
 
     # ------------------------------------------------------------------ checks 1 and 2
@@ -583,7 +581,7 @@ def demo_cache_config(
         storage_options=config.storage_options,
         # A fresh namespace per run: pages a previous run left in a shared store are not this run's
         # model output as far as the oracle knows, so they must never match.
-        namespace=Namespace(model=model_name, extra=uuid.uuid4().hex),
+        namespace=Namespace(model_id=model_name, extra=uuid.uuid4().hex),
         prefetch_threshold=config.prefetch_threshold,
         components=components,
     )

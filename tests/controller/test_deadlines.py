@@ -44,7 +44,10 @@ BATCH = 3
 STUCK_PAGE = 4
 """The stuck page's batch is pages 3-5: pages 0-2 read fine, pages 3-5 are under the stuck thread."""
 LAYOUT = layout_for(PAGE)
-NAMESPACE = Namespace(model="deadlines")
+NAMESPACE = HiCacheConfig(
+    layout=LAYOUT, device_pages=1, host_pages=1, namespace=Namespace(model_id="deadlines")
+).namespace
+"""The effective namespace of every cache here (its config adds the layout to the model id)."""
 SEQ = [3000 + 11 * i for i in range(N_PAGES * PAGE)]
 KEY = as_key_bytes(SEQ)
 BOUND_S = 5.0

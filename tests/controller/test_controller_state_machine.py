@@ -349,10 +349,14 @@ class ControllerMachine(RuleBasedStateMachine):
         # Pages pending release are owned too: the partition holds before the queue drains as well.
         cache.sanity_check(held_device=held, held_components=self.held_component_slots())
         await cache.release_queue.drain()
-        # No stray threads here (reads run on the loop): a cancelled call leaves nothing behind.
-        stats = cache.statistics()
-        assert stats.detached_prefetches == 0, stats
-        assert stats.release_queue.quarantined_calls == 0, stats
+        # A read cancelled while its (healthy) worker thread ran leaves its pages quarantined until the
+        # thread returns, a moment later; a cancelled stream gives its pages back once it stopped.
+        with anyio.fail_after(30):
+            while (
+                cache.statistics().detached_prefetches or cache.release_queue.statistics().quarantined_calls
+            ):  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+        await cache.release_queue.drain()
         # Every page of every pool has exactly one owner, checked page by page: the test's own
         # allocations are the only caller-held pages.
         cache.sanity_check(held_device=held, held_components=self.held_component_slots())

@@ -492,6 +492,9 @@ class CacheMetrics:
     """Labelled by ``reason``."""
     backup_tokens: Counter
     backup_skipped: Counter
+    evict_dropped_tokens: Counter
+    """Device tokens evicted without a host copy: un-backed nodes deleted (write-through) or dropped
+    because their un-backed chain did not fit in the host (write-back)."""
     load_back_tokens: Counter
     prefetch_latency: Histogram
     storage_errors: Counter
@@ -538,6 +541,9 @@ def default_cache_metrics(registry: MetricsRegistry, *, prefix: str = "") -> Cac
         ),
         backup_tokens=counter("backup_tokens", "Tokens backed up from device to host or storage."),
         backup_skipped=counter("backup_skipped", "Backups not started (no host or storage room)."),
+        evict_dropped_tokens=counter(
+            "evict_dropped_tokens", "Device tokens evicted without a host copy (un-backed nodes deleted)."
+        ),
         load_back_tokens=counter("load_back_tokens", "Tokens loaded back from host to device."),
         prefetch_latency=registry.histogram(
             f"{prefix}prefetch_latency_seconds",

@@ -742,6 +742,8 @@ class HiCache:
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
+            if result.dropped_tokens:
+                self.metrics.evict_dropped_tokens.inc(result.dropped_tokens)
             # Root-first chains, each below the earlier ones: one batch begins them in order, so
             # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
             backed_up = await self._backup_many(result.backup_first) if result.backups else 0

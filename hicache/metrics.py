@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import anyio
 import anyio.abc
 
+from storage_backends.redact import redact_value
+
 __all__ = [
     "DEFAULT_BUCKETS",
     "LATENCY_BUCKETS",
@@ -81,8 +83,13 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def _shown_label(name: str, value: str) -> str:
+    """A label value as rendered: never a credential (a URL's secrets or a secret-named label's value)."""
+    return str(redact_value(name, value))
+
+
 def _format_labels(pairs: Iterable[tuple[str, str]]) -> str:
-    body = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in pairs)
+    body = ",".join(f'{k}="{_escape_label_value(_shown_label(k, v))}"' for k, v in pairs)
     return f"{{{body}}}" if body else ""
 
 
@@ -132,7 +139,7 @@ class Metric:
         return key
 
     def _label_dict(self, key: LabelKey) -> dict[str, str]:
-        return dict(zip(self.labelnames, key, strict=True))
+        return {n: _shown_label(n, v) for n, v in zip(self.labelnames, key, strict=True)}
 
     def _header(self) -> list[str]:
         return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]

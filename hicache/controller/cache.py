@@ -397,6 +397,7 @@ class HiCache:
             A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
         """
         self._check_open("acquire")
+        _check_request_id(request_id)
         key = as_key_bytes(tokens, name="tokens")
         first = self.tree.match_prefix(key)
         outcome: PrefetchOutcome | None = None
@@ -785,8 +786,7 @@ class HiCache:
             transfers: component buffers staged with this prefetch; they are released with it.
         """
         self._check_open("prefetch")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+        _check_request_id(request_id)
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         key = as_key_bytes(tokens, name="tokens")
@@ -1085,6 +1085,16 @@ class HiCache:
             failed_pages=prefetch.failed_pages,
             node=prefetch.anchor,
         )
+
+
+def _check_request_id(request_id: object) -> None:
+    """Refuse a request id that is not a non-empty str (naming `request_id`), with or without storage."""
+    if not isinstance(request_id, str):
+        raise TypeError(
+            f"request_id: expected a non-empty str, got {type(request_id).__name__} {request_id!r}"
+        )
+    if not request_id:
+        raise ValueError("request_id: expected a non-empty str, got ''")
 
 
 def _depth(node: TreeNode) -> int:

@@ -12,7 +12,7 @@ from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
-from storage_backends.redact import redact_url, redacted_repr, remember_secrets, secret_values
+from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
 
 __all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig"]
 
@@ -119,7 +119,7 @@ class HiCacheConfig:
         if self.storage_url is not None:
             if not isinstance(self.storage_url, str) or "://" not in self.storage_url:
                 raise ValueError(
-                    f"storage_url: expected a URL such as 'file:///path', got {redact_url(self.storage_url)!r}"
+                    f"storage_url: expected a URL such as 'file:///path', got {redact_text(str(self.storage_url))!r}"
                 )
             try:
                 check_url_names(self.storage_url)

@@ -23,7 +23,7 @@ import re
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
-from urllib.parse import parse_qsl, unquote, unquote_plus, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, unquote_plus, urlsplit, urlunsplit
 
 __all__ = [
     "LOGGERS",
@@ -105,6 +105,17 @@ def _redact_pairs(text: str) -> str:
     return "".join(pieces)
 
 
+def _misparsed_userinfo(parts: SplitResult) -> str | None:
+    """User info that `urlsplit` cut at a raw `/` (`s3://user:pa/ss@host/p`), or None.
+
+    Such a URL is malformed, but a hand-written one is common: `urlsplit` then puts `user:pa` in the
+    netloc and `ss@host` in the path, and the password would be shown as part of the path.
+    """
+    if "@" in parts.netloc or ":" not in parts.netloc or "@" not in parts.path:
+        return None
+    return f"{parts.netloc}{parts.path.rpartition('@')[0]}"
+
+
 def redact_url(url: object) -> str:
     """`url` with its user info and the secret values of its query and fragment replaced by `***`.
 
@@ -118,11 +129,14 @@ def redact_url(url: object) -> str:
     text = url if isinstance(url, str) else repr(url)
     try:
         parts = urlsplit(text)
-        netloc = parts.netloc
+        netloc, path = parts.netloc, parts.path
         if "@" in netloc:
             netloc = f"{REDACTED}@{netloc.rpartition('@')[2]}"
+        elif _misparsed_userinfo(parts) is not None:
+            host, slash, path = path.rpartition("@")[2].partition("/")
+            netloc, path = f"{REDACTED}@{host}", slash + path
         return urlunsplit(
-            (parts.scheme, netloc, parts.path, _redact_pairs(parts.query), _redact_pairs(parts.fragment))
+            (parts.scheme, netloc, path, _redact_pairs(parts.query), _redact_pairs(parts.fragment))
         )
     except ValueError:
         head = re.split(r"[?#]", text, maxsplit=1)[0]
@@ -194,7 +208,8 @@ def secret_values(url: object = None, options: Mapping[Any, Any] | None = None) 
             parts = None
         if parts is not None:
             userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
-            found.extend(unquote(p) for p in userinfo.split(":") if p)
+            userinfo = _misparsed_userinfo(parts) or userinfo
+            found.extend(p for part in userinfo.split(":", 1) if part for p in {part, unquote(part)})
             for text in (parts.query, parts.fragment):
                 for name, value in parse_qsl(text, keep_blank_values=True):
                     if is_secret_name(name) and value:

@@ -183,7 +183,12 @@ class HiCache:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Self:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(

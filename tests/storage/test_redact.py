@@ -69,7 +69,10 @@ def test_redact_url_hides_user_info_and_secret_query_values_and_keeps_the_rest()
         f"&access_key_id={REDACTED}&secret_access_key={REDACTED}&max_concurrency=3"
     )
     assert redact_url(f"s3://user:{SECRET}@bucket/p") == f"s3://{REDACTED}@bucket/p"
-    assert redact_url(f"s3://b/p?endpoint=http://u:{SECRET}@host:9") == f"s3://b/p?endpoint=http://{REDACTED}@host:9"
+    assert (
+        redact_url(f"s3://b/p?endpoint=http://u:{SECRET}@host:9")
+        == f"s3://b/p?endpoint=http://{REDACTED}@host:9"
+    )
     assert redact_url("file:///var/cache/kv") == "file:///var/cache/kv"
 
 
@@ -113,12 +116,19 @@ def test_redact_text_scrubs_urls_assignments_mapping_reprs_and_known_values(
 
 
 def test_environment_secrets_are_the_values_of_secret_named_variables() -> None:
-    env = {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "eu-west-1", "AWS_SESSION_TOKEN": "abc", "HOME": "/x"}
+    env = {
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_REGION": "eu-west-1",
+        "AWS_SESSION_TOKEN": "abc",
+        "HOME": "/x",
+    }
     assert environment_secrets(env) == [SECRET]  # a 3-character value would mangle text: left out
 
 
 def test_secret_values_come_from_user_info_query_and_options() -> None:
-    found = secret_values(f"s3://user:{SECRET}-u@b/p?secret_access_key={SECRET}-q&region=r", {"token": f"{SECRET}-o"})
+    found = secret_values(
+        f"s3://user:{SECRET}-u@b/p?secret_access_key={SECRET}-q&region=r", {"token": f"{SECRET}-o"}
+    )
     assert {f"{SECRET}-u", f"{SECRET}-q", f"{SECRET}-o"} <= set(found)
     assert "r" not in found
 

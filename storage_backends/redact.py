@@ -292,6 +292,8 @@ class RedactingFilter(logging.Filter):
 
 
 LOGGERS: Final = (
+    "hicache",
+    "storage_backends",
     "hicache.cache",
     "hicache.prefetch",
     "hicache.release",

@@ -116,6 +116,20 @@ def _demo(args: argparse.Namespace) -> int:
             flag = name.replace("_", "-")
             print(f"hicache demo: --{flag} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.backend is not None:
+        from storage_backends.names import check_url_names
+        from storage_backends.redact import redact_url
+
+        if "://" not in args.backend:
+            print(
+                f"hicache demo: --backend: expected a URL, got {redact_url(args.backend)!r}", file=sys.stderr
+            )
+            return 2
+        try:
+            check_url_names(args.backend)
+        except ValueError as exc:
+            print(f"hicache demo: --backend: {exc}", file=sys.stderr)
+            return 2
     overrides: dict[str, Any] = {}
     if args.device_pages is not None:
         overrides["device_pages"] = args.device_pages

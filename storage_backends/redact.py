@@ -4,11 +4,12 @@ Everything hicache prints about storage (config `repr`/`str`, log records, excep
 table and JSON, `hicache inspect`, metric labels, a backend's `repr`) goes through these helpers, so a
 credential given in a URL query, in user info, in keyword options or in the environment is never shown.
 
-What counts as secret is decided by the option's *name*: a name containing `secret`, `password`, `passwd`,
-`token`, `key`, `credential`, `session`, `signature`, `auth`, `cookie` or `private`, or one that is exactly
-`sig`, `pwd`, `pass` or `sas` (any case, any separator). Values under other names (`bucket`, `endpoint`,
-`region`, `max_concurrency`, ...) stay visible, except that a value that is itself a URL is redacted in
-turn. User info (`user:password@`) is always replaced.
+What counts as secret is decided by the option's *name*, word by word (words split at any separator, any
+case): a word containing `secret`, `password`, `passwd`, `token`, `key`, `credential`, `session`,
+`signature`, `auth`, `cookie` or `private`, or one that is exactly `sig`, `pwd`, `pass` or `sas`; the
+plain words `tokens`, `keys` and `tokenizer` name counts and lists and are not secret. Values under other
+names (`bucket`, `endpoint`, `region`, `max_concurrency`, ...) stay visible, except that a value that is
+itself a URL is redacted in turn. User info (`user:password@`) is always replaced.
 
 This module lives in `storage_backends` (and imports nothing from `hicache`) so that backends and the
 controller can both use it while imports stay one-way.
@@ -57,6 +58,8 @@ _SECRET_PARTS: Final = (
     "private",
 )
 _SECRET_WORDS: Final = frozenset({"sig", "pwd", "pass", "sas"})
+_NOT_SECRET_WORDS: Final = frozenset({"tokens", "keys", "tokenizer"})
+"""Whole words that name counts and lists, not credentials (`num_tokens`, `keys`): a log of them stays readable."""
 _WORD_SPLIT: Final = re.compile(r"[^a-z0-9]+")
 
 _URL_IN_TEXT: Final = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
@@ -80,10 +83,12 @@ def is_secret_name(name: object) -> bool:
     """Whether an option or query parameter called `name` holds a secret (see the module docstring)."""
     if not isinstance(name, str):
         return False
-    lowered = name.lower()
-    if any(part in lowered for part in _SECRET_PARTS):
-        return True
-    return any(word in _SECRET_WORDS for word in _WORD_SPLIT.split(lowered))
+    for word in _WORD_SPLIT.split(name.lower()):
+        if word in _NOT_SECRET_WORDS:
+            continue
+        if word in _SECRET_WORDS or any(part in word for part in _SECRET_PARTS):
+            return True
+    return False
 
 
 def _redact_pairs(text: str) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hicache import HiCacheConfig, KVLayout
+from hicache.cli import main
 from storage_backends.file import FileBackend
 from storage_backends.names import (
     check_url_names,
@@ -186,3 +187,20 @@ def test_check_url_names_leaves_other_schemes_to_their_backends() -> None:
     check_url_names("custom://Any_Thing/../x")
     with pytest.raises(ValueError, match=r"^bucket: "):
         check_url_names("s3://../x")
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("s3://../x?secret_access_key=hidden-value", "bucket"),
+        ("s3://b-1/%2e%2e/x", "prefix"),
+        ("file:///a/../b", "root"),
+    ],
+)
+def test_the_demo_refuses_a_bad_backend_url_as_a_usage_error(
+    url: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--backend", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hicache demo: --backend: {named}: ")
+    assert "hidden-value" not in err

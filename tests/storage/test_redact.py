@@ -51,7 +51,18 @@ def test_secret_names_are_recognised(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["bucket", "endpoint", "region", "max_concurrency", "deadline_s", "allow_http", "prefix"]
+    "name",
+    [
+        "bucket",
+        "endpoint",
+        "region",
+        "max_concurrency",
+        "deadline_s",
+        "allow_http",
+        "prefix",
+        "num_tokens",
+        "keys",
+    ],
 )
 def test_locating_names_stay_visible(name: str) -> None:
     assert not is_secret_name(name)

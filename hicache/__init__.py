@@ -8,7 +8,9 @@ from __future__ import annotations
 from hicache.components import MambaState, SlidingWindow
 from hicache.config import HiCacheConfig
 from hicache.controller import (
+    BreakerState,
     CacheStatistics,
+    CircuitBreaker,
     ComponentTransfer,
     HiCache,
     Lease,
@@ -25,6 +27,7 @@ from hicache.errors import (
     PoolError,
     PrefetchError,
     PrefetchFailed,
+    StorageAuthError,
     StorageError,
     StorageUnavailable,
     UnknownRequest,
@@ -35,9 +38,11 @@ from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
 from hicache.tree import RadixTree
 
 __all__ = [
+    "BreakerState",
     "CacheClosed",
     "CacheStatistics",
     "ChecksumMismatch",
+    "CircuitBreaker",
     "ComponentTransfer",
     "EvictionPolicy",
     "HiCache",
@@ -59,6 +64,7 @@ __all__ = [
     "RadixTree",
     "SlidingWindow",
     "StopPolicy",
+    "StorageAuthError",
     "StorageError",
     "StorageUnavailable",
     "UnknownRequest",

@@ -67,6 +67,15 @@ class HiCacheConfig:
             thread hops or requests).
         storage_concurrency: `get` batches in flight at once per prefetch.
         release_batch_pages: pages the release queue returns to the host pool per step.
+        storage_breaker_threshold: consecutive storage errors (unreachable, timed out, 5xx, refused
+            credentials) that open the storage tier's circuit breaker; while open, prefetch and
+            write-through skip storage without I/O.
+        storage_breaker_backoff_s: seconds after opening before one call probes storage again.
+        storage_breaker_backoff_max_s: cap of the probe backoff, which doubles after each failed probe.
+        backup_queue_limit: most device->host backups queued; more are shed and counted in
+            `writes_shed_total{tier="host"}`.
+        storage_write_queue_limit: most host->storage writes queued; more are shed and counted in
+            `writes_shed_total{tier="storage"}`.
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
     """
@@ -90,6 +99,11 @@ class HiCacheConfig:
     storage_batch_pages: int | None = None
     storage_concurrency: int = 4
     release_batch_pages: int = 256
+    storage_breaker_threshold: int = 5
+    storage_breaker_backoff_s: float = 1.0
+    storage_breaker_backoff_max_s: float = 30.0
+    backup_queue_limit: int = 1024
+    storage_write_queue_limit: int = 1024
     components: tuple[Component, ...] = ()
 
     def __post_init__(self) -> None:
@@ -103,6 +117,18 @@ class HiCacheConfig:
             _positive_int("storage_batch_pages", self.storage_batch_pages)
         _positive_int("storage_concurrency", self.storage_concurrency)
         _positive_int("release_batch_pages", self.release_batch_pages)
+        _positive_int("storage_breaker_threshold", self.storage_breaker_threshold)
+        _positive_int("backup_queue_limit", self.backup_queue_limit)
+        _positive_int("storage_write_queue_limit", self.storage_write_queue_limit)
+        _non_negative_float("storage_breaker_backoff_s", self.storage_breaker_backoff_s)
+        if not self.storage_breaker_backoff_s > 0:
+            raise ValueError(f"storage_breaker_backoff_s: must be > 0, got {self.storage_breaker_backoff_s}")
+        _non_negative_float("storage_breaker_backoff_max_s", self.storage_breaker_backoff_max_s)
+        if self.storage_breaker_backoff_max_s < self.storage_breaker_backoff_s:
+            raise ValueError(
+                f"storage_breaker_backoff_max_s: must be >= storage_breaker_backoff_s "
+                f"({self.storage_breaker_backoff_s}), got {self.storage_breaker_backoff_max_s}"
+            )
         if self.prefetch_capacity_tokens is not None:
             _positive_int("prefetch_capacity_tokens", self.prefetch_capacity_tokens, minimum=0)
         for name in ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max"):

@@ -11,6 +11,8 @@ __all__ = [
     "PoolError",
     "PrefetchError",
     "PrefetchFailed",
+    "StorageAuthError",
+    "StorageCircuitOpen",
     "StorageError",
     "StorageUnavailable",
     "UnknownRequest",
@@ -64,3 +66,13 @@ class ChecksumMismatch(StorageError):
 
 class StorageUnavailable(StorageError, ConnectionError):
     """Raised when the storage service cannot be reached after retries within the deadline."""
+
+
+class StorageAuthError(StorageError, PermissionError):
+    """Raised when the storage service refuses our credentials or permissions (HTTP 401/403): an outage
+    for this cache as much as a dead endpoint, not a miss."""
+
+
+class StorageCircuitOpen(StorageUnavailable):
+    """Raised without any I/O when a storage tier's circuit breaker is open: storage was found down and
+    the next probe of it is not due yet (see `hicache.controller.breaker`)."""

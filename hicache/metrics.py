@@ -501,6 +501,14 @@ class CacheMetrics:
     backup_skipped: Counter
     load_back_tokens: Counter
     prefetch_latency: Histogram
+    storage_errors: Counter
+    """Labelled by ``op`` (exists, get, put) and ``kind`` (unavailable, timeout, auth, other): storage calls
+    that failed with an error, never a miss."""
+    writes_shed: Counter
+    """Labelled by ``tier`` (host, storage) and ``reason`` (queue_full, storage_unavailable): backups and
+    storage writes dropped instead of queued."""
+    storage_breaker_state: Gauge
+    """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.breaker`)."""
 
 
 def default_cache_metrics(registry: MetricsRegistry, *, prefix: str = "") -> CacheMetrics:
@@ -542,6 +550,21 @@ def default_cache_metrics(registry: MetricsRegistry, *, prefix: str = "") -> Cac
             f"{prefix}prefetch_latency_seconds",
             "Seconds from prefetch start to commit.",
             buckets=LATENCY_BUCKETS,
+        ),
+        storage_errors=counter(
+            "storage_errors",
+            "Storage calls that failed with an error (not a miss), by op and kind.",
+            ["op", "kind"],
+        ),
+        writes_shed=counter(
+            "writes_shed",
+            "Backups and storage writes dropped instead of queued, by tier and reason.",
+            ["tier", "reason"],
+        ),
+        storage_breaker_state=registry.gauge(
+            f"{prefix}storage_breaker_state",
+            "Storage circuit breaker: 0 closed, 1 open, 2 half-open.",
+            ["tier"],
         ),
     )
 

@@ -299,6 +299,7 @@ class RedactingFilter(logging.Filter):
 LOGGERS: Final = (
     "hicache",
     "storage_backends",
+    "hicache.breaker",
     "hicache.cache",
     "hicache.prefetch",
     "hicache.release",

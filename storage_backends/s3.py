@@ -10,10 +10,18 @@ object that is truncated or overlong cannot be mistaken for a page. A page is co
 buffer into the caller's, after its header and xxh3 checksum verify; large pages verify and copy in a worker
 thread that is always waited for, so no thread writes into a buffer after `get` returns.
 
-Every request runs under capped exponential backoff with jitter inside a per-request deadline; obstore's own
-retries are disabled so the counts in `statistics()` are exact. A request that still fails fails only its own
-page (`get` → False for it), and once one request of a batch has given up on an unreachable server the
-pages of that batch not yet started fail at once instead of each waiting out its own deadline.
+Every request runs under capped exponential backoff with jitter, at most `max_retries` retries inside a
+per-request deadline; obstore's own retries are disabled so the counts in `statistics()` are exact. The
+bounds are small by default (3 retries, a 2 s connect timeout) so a dead endpoint fails in well under a
+second and the controller's circuit breaker sees it quickly. A request that still fails fails only its
+own page (`get` → False for it), and once one request of a batch has given up on an unreachable server
+(or the server refused our credentials) the pages of that batch not yet started fail at once instead of
+each waiting out its own deadline.
+
+Outages are errors, never misses: `exists` raises when a HEAD fails (it cannot answer how many pages are
+stored), and `get` and `put` raise `StorageUnavailable` (or `StorageAuthError` for HTTP 401/403) when not
+one page of the call succeeded because the server was unreachable or refused us. A call in which some
+pages succeeded returns its per-page flags.
 
 Credentials come from keyword options, the URL query, or the standard AWS environment variables, in that
 order; they never appear in `repr`, log records or error messages.
@@ -48,7 +56,7 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from hicache.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
+from hicache.errors import ChecksumMismatch, PageNotFound, StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.batching import (
     BackendStatistics,
     StatisticsRecorder,
@@ -77,22 +85,18 @@ T = TypeVar("T")
 _THREAD_THRESHOLD: Final = 64 * 1024
 """Pages at least this large are hashed and copied in a worker thread; smaller ones inline."""
 
-_NON_RETRYABLE: Final = (
-    InvalidPathError,
-    NotSupportedError,
-    PermissionDeniedError,
-    UnauthenticatedError,
-    UnknownConfigurationKeyError,
-    ValueError,
-)
+_NON_RETRYABLE: Final = (InvalidPathError, NotSupportedError, UnknownConfigurationKeyError, ValueError)
+_AUTH_ERRORS: Final = (PermissionDeniedError, UnauthenticatedError)
 
 _STATUS_RE: Final = re.compile(r"status code: (\d{3})")
 
 _EXIT_GRACE_S: Final = 0.02
 """How long the interpreter releases the GIL at exit so obstore's threads can leave Python first."""
 
-_INT_OPTIONS: Final = frozenset({"max_concurrency"})
-_FLOAT_OPTIONS: Final = frozenset({"deadline_s", "attempt_timeout_s", "backoff_initial_s", "backoff_max_s"})
+_INT_OPTIONS: Final = frozenset({"max_concurrency", "max_retries"})
+_FLOAT_OPTIONS: Final = frozenset(
+    {"deadline_s", "attempt_timeout_s", "connect_timeout_s", "backoff_initial_s", "backoff_max_s"}
+)
 _BOOL_OPTIONS: Final = frozenset({"allow_http"})
 _STR_OPTIONS: Final = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
 
@@ -113,12 +117,26 @@ class S3Statistics(BackendStatistics):
 
 
 class _Batch:
-    """Per-call state shared by the requests of one batch: the fuse that trips when the server is gone."""
+    """Per-call state shared by the requests of one batch: the fuse that trips when the server is gone
+    (`unavailable`) or refuses our credentials (`auth`), with the first such error."""
 
-    __slots__ = ("unavailable",)
+    __slots__ = ("auth", "error", "unavailable")
 
     def __init__(self) -> None:
         self.unavailable = False
+        self.auth = False
+        self.error: StorageError | None = None
+
+    def fail(self, exc: StorageError) -> StorageError:
+        """Remember the first outage error of the batch; returns `exc` for raising."""
+        if self.error is None:
+            self.error = exc
+        return exc
+
+    def raise_if_all_failed(self, flags: Sequence[bool]) -> None:
+        """Raise the batch's outage error when not one page succeeded: an outage, not missing pages."""
+        if self.error is not None and not any(flags):
+            raise self.error
 
 
 def _is_loopback(host: str) -> bool:
@@ -161,6 +179,8 @@ class S3Backend(BackendLifecycle):
         max_concurrency: the most requests in flight at once, across all calls (the connection bound).
         deadline_s: the total time one page's request may take, retries and backoff included.
         attempt_timeout_s: the most one attempt may take.
+        connect_timeout_s: the most connecting may take (at most `attempt_timeout_s`).
+        max_retries: the most retries of one request after transient failures (0: none).
         backoff_initial_s: the first backoff delay; doubles per retry.
         backoff_max_s: the cap of the backoff delay.
 
@@ -184,6 +204,8 @@ class S3Backend(BackendLifecycle):
         max_concurrency: int = 32,
         deadline_s: float = 30.0,
         attempt_timeout_s: float = 10.0,
+        connect_timeout_s: float = 2.0,
+        max_retries: int = 3,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
     ) -> None:
@@ -192,9 +214,12 @@ class S3Backend(BackendLifecycle):
         prefix = validate_prefix(prefix)
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries: expected an int >= 0, got {max_retries!r}")
         for name, value in (
             ("deadline_s", deadline_s),
             ("attempt_timeout_s", attempt_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
             ("backoff_initial_s", backoff_initial_s),
             ("backoff_max_s", backoff_max_s),
         ):
@@ -246,6 +271,7 @@ class S3Backend(BackendLifecycle):
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._deadline_s = float(deadline_s)
         self._attempt_timeout_s = float(attempt_timeout_s)
+        self._max_retries = max_retries
         self._backoff_initial_s = float(backoff_initial_s)
         self._backoff_max_s = float(backoff_max_s)
         try:
@@ -254,7 +280,9 @@ class S3Backend(BackendLifecycle):
                 config=config,  # type: ignore[arg-type]
                 client_options={
                     "allow_http": bool(allow_http),
-                    "connect_timeout": timedelta(seconds=min(self._attempt_timeout_s, 5.0)),
+                    "connect_timeout": timedelta(
+                        seconds=min(self._attempt_timeout_s, float(connect_timeout_s))
+                    ),
                     "timeout": timedelta(seconds=self._attempt_timeout_s),
                 },
                 # Retries happen here, in Python, so they are counted and share one deadline with backoff.
@@ -274,9 +302,9 @@ class S3Backend(BackendLifecycle):
 
         Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `max_concurrency`, `deadline_s`,
-        `attempt_timeout_s`, `backoff_initial_s`, `backoff_max_s`); keyword options win over the query.
-        The URL's path is percent-decoded once into the prefix; an encoded `/` (`%2F`) or a `%` left after
-        decoding is refused, and so is everything the constructor refuses.
+        `attempt_timeout_s`, `connect_timeout_s`, `max_retries`, `backoff_initial_s`, `backoff_max_s`); keyword
+        options win over the query. The URL's path is percent-decoded once into the prefix; an encoded `/`
+        (`%2F`) or a `%` left after decoding is refused, and so is everything the constructor refuses.
 
         Raises:
             ValueError: for another scheme, a bucket the S3 naming rules refuse (naming `bucket`), a bad
@@ -344,7 +372,12 @@ class S3Backend(BackendLifecycle):
         """Length of the longest prefix of `keys` whose pages are all stored.
 
         HEADs run concurrently in windows of `max_concurrency` keys; the scan stops at the first window with a
-        missing page. A page whose HEAD fails after retries counts as not stored.
+        missing page.
+
+        Raises:
+            StorageUnavailable: a HEAD failed after retries (the server is unreachable or failing).
+            StorageAuthError: the server refused our credentials.
+            StorageError: another failure; a failed HEAD is never taken for a missing page.
         """
         store = self._open_store()
         check_keys(keys)
@@ -369,6 +402,8 @@ class S3Backend(BackendLifecycle):
             CacheClosed: after `aclose()`.
             ValueError: for mismatched lengths, a bad key, a read-only or non-contiguous buffer, or a
                 buffer whose size differs from the stored page's (named `buffers[i]`).
+            StorageUnavailable, StorageAuthError: no page was read because the server was unreachable or
+                refused our credentials.
         """
         store = self._open_store()
         check_batch(keys, buffers)
@@ -377,13 +412,15 @@ class S3Backend(BackendLifecycle):
             if buf.readonly:
                 raise ValueError(f"buffers[{i}]: expected a writable memoryview")
         batch = _Batch()
-        return await gather_bounded(
+        flags = await gather_bounded(
             [
                 partial(self._get_one, store, i, key, buf, batch)
                 for i, (key, buf) in enumerate(zip(keys, buffers, strict=True))
             ],
             self._max_concurrency,
         )
+        batch.raise_if_all_failed(flags)
+        return flags
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Store pages from caller buffers, one atomic PUT each; one flag per page.
@@ -391,15 +428,19 @@ class S3Backend(BackendLifecycle):
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: for mismatched lengths, a bad key or a non-contiguous buffer.
+            StorageUnavailable, StorageAuthError: no page was written because the server was unreachable
+                or refused our credentials.
         """
         store = self._open_store()
         check_batch(keys, buffers)
         validate_keys(keys)
         batch = _Batch()
-        return await gather_bounded(
+        flags = await gather_bounded(
             [partial(self._put_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
             self._max_concurrency,
         )
+        batch.raise_if_all_failed(flags)
+        return flags
 
     async def delete(self, keys: Sequence[str]) -> None:
         """Remove pages; absent keys are ignored.
@@ -429,7 +470,7 @@ class S3Backend(BackendLifecycle):
             return False
         except StorageError:
             self._stats.errors += 1
-            return False
+            raise  # not a miss: `exists` cannot say how many pages are stored
         return True
 
     async def _get_one(self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch) -> bool:
@@ -507,6 +548,10 @@ class S3Backend(BackendLifecycle):
             StorageError: a non-retryable failure (permissions, bad configuration).
             StorageUnavailable: transient failures lasted past the deadline, or the batch already gave up.
         """
+        if batch.auth:
+            raise StorageAuthError(
+                f"{method} {path}: skipped, the server refused our credentials in this batch"
+            )
         if batch.unavailable:
             raise StorageUnavailable(
                 f"{method} {path}: skipped, the server was unreachable earlier in this batch"
@@ -523,21 +568,35 @@ class S3Backend(BackendLifecycle):
                         return await op()
             except FileNotFoundError:
                 raise PageNotFound(f"{method} {path}: no such object") from None
+            except _AUTH_ERRORS as exc:
+                batch.auth = True
+                raise batch.fail(StorageAuthError(f"{method} {path} refused: {self._redact(exc)}")) from None
             except _NON_RETRYABLE as exc:
                 raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
             except Exception as exc:
                 status = _http_status(exc)
+                if status in {401, 403}:
+                    batch.auth = True
+                    raise batch.fail(
+                        StorageAuthError(f"{method} {path} refused: {self._redact(exc)}")
+                    ) from None
                 if status is not None and 400 <= status < 500 and status not in {408, 429}:
                     raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
                 # Three cases left: 5xx and throttling, connection errors, and our attempt timeout.
                 reason = "attempt timed out" if isinstance(exc, TimeoutError) else self._redact(exc)
                 delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** (attempt - 1))
                 delay *= 0.5 + random.random() / 2  # jitter: spread retries of a batch apart
-                if batch.unavailable or anyio.current_time() + delay >= deadline:
+                if (
+                    batch.unavailable
+                    or attempt > self._max_retries
+                    or anyio.current_time() + delay >= deadline
+                ):
                     batch.unavailable = True
-                    raise StorageUnavailable(
-                        f"{method} {path} failed after {attempt} attempt(s) "
-                        f"within {self._deadline_s}s: {reason}"
+                    raise batch.fail(
+                        StorageUnavailable(
+                            f"{method} {path} failed after {attempt} attempt(s) "
+                            f"within {self._deadline_s}s: {reason}"
+                        )
                     ) from None
                 self._retries += 1
                 logger.debug(

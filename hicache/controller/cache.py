@@ -19,18 +19,21 @@ from types import TracebackType
 from typing import Self
 
 import anyio
+import numpy as np
 import torch
 
 from hicache.components import Component, component_storage_key
 from hicache.config import HiCacheConfig
+from hicache.controller.breaker import BreakerStatistics, CircuitBreaker
+from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
-from hicache.controller.release import ComponentTransfer, ReleaseQueue, ReleaseStatistics
+from hicache.controller.release import ComponentTransfer, ReleaseBatch, ReleaseQueue, ReleaseStatistics
 from hicache.controller.storage_probe import probe_hit_pages
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.work_queue import WorkQueue
-from hicache.errors import CacheClosed, InvariantViolation, UnknownRequest
+from hicache.errors import CacheClosed, InvariantViolation, StorageCircuitOpen, UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
-from hicache.memory import KVPool, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
+from hicache.memory import KVPool, Owner, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
 from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
 from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
 from storage_backends.protocol import StorageBackend
@@ -39,6 +42,10 @@ from storage_backends.registry import open_backend
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 logger = logging.getLogger("hicache.cache")
+
+_MAX_BATCH = 64
+"""Most queued backups (or storage writes) one background job takes: one device->host copy (or one storage
+`put`) then serves every request that queued work meanwhile, so a saturated loop still drains the queues."""
 
 
 @dataclass
@@ -83,6 +90,12 @@ class CacheStatistics:
     backups_queued: int
     storage_writes_queued: int
     closed: bool
+    backups_queued_max: int = 0
+    """The most backups ever queued at once (never above `config.backup_queue_limit`)."""
+    storage_writes_queued_max: int = 0
+    """The most storage writes ever queued at once (never above `config.storage_write_queue_limit`)."""
+    storage_breaker: BreakerStatistics | None = None
+    """The storage tier's circuit breaker (None without a storage tier)."""
 
 
 class HiCache:
@@ -102,6 +115,8 @@ class HiCache:
         device_pool: a device pool to use instead of creating one (must match the layout).
         host_pool: a host pool to use instead of creating one (must match the layout).
         metrics: a registry to record into (default: a private one).
+        storage_breaker: the circuit breaker that guards the storage tier (default: one built from the
+            config's `storage_breaker_*` fields); tests pass one with a fake clock.
     """
 
     def __init__(
@@ -112,6 +127,7 @@ class HiCache:
         device_pool: KVPool | None = None,
         host_pool: KVPool | None = None,
         metrics: MetricsRegistry | None = None,
+        storage_breaker: CircuitBreaker | None = None,
     ) -> None:
         if not isinstance(config, HiCacheConfig):
             raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
@@ -166,8 +182,27 @@ class HiCache:
         )
         self._prefetches: dict[str, Prefetch] = {}
         self._inflight_tokens = 0
-        self._backups: WorkQueue[TreeNode] = WorkQueue("backup", self._backup)
-        self._storage_writes: WorkQueue[TreeNode] = WorkQueue("storage write-through", self._store)
+        self.storage_breaker = (
+            storage_breaker
+            if storage_breaker is not None
+            else CircuitBreaker(
+                "storage",
+                threshold=config.storage_breaker_threshold,
+                backoff_initial_s=config.storage_breaker_backoff_s,
+                backoff_max_s=config.storage_breaker_backoff_max_s,
+            )
+        )
+        breaker_gauge = self.metrics.storage_breaker_state.labels(tier=self.storage_breaker.tier)
+        breaker_gauge.set(self.storage_breaker.state)
+        self.storage_breaker.listeners.append(lambda old, new: breaker_gauge.set(new))
+        self._guarded: GuardedStorage | None = None
+        """The storage backend behind the breaker: what prefetch and write-through call."""
+        self._backups: WorkQueue[TreeNode] = WorkQueue(
+            "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
+        )
+        self._storage_writes: WorkQueue[TreeNode] = WorkQueue(
+            "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
+        )
         self._storage_writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
         self._stack: AsyncExitStack | None = None
@@ -179,6 +214,8 @@ class HiCache:
         self._copies_idle: anyio.Event | None = None
         self._copy_limiter: anyio.CapacityLimiter | None = None
         """Threads that enqueue or run copies (set by `start`; None: anyio's default limiter)."""
+        self._loading: dict[int, tuple[KVPool, torch.Tensor]] = {}
+        """Device pages (base and component) of load-backs in flight, tagged `Owner.COPY`, by tensor id."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -209,7 +246,8 @@ class HiCache:
                 **dict(self.config.storage_options),
             )
         if self.storage is not None:
-            self._storage_writer = StorageWriter(self, self.storage)
+            self._guarded = GuardedStorage(self.storage, self.storage_breaker, self.metrics.storage_errors)
+            self._storage_writer = StorageWriter(self, self._guarded)
         if self.device_pool.device.type == "cuda":
             # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
             # thousands of page copies from their own threads fight over the GIL (on an H200, 16
@@ -298,6 +336,9 @@ class HiCache:
             backups_queued=len(self._backups),
             storage_writes_queued=len(self._storage_writes),
             closed=self._closed,
+            backups_queued_max=self._backups.max_queued,
+            storage_writes_queued_max=self._storage_writes.max_queued,
+            storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
         )
 
     def __repr__(self) -> str:
@@ -312,13 +353,30 @@ class HiCache:
         )
 
     def sanity_check(
-        self, *, held_device_tokens: int = 0, held_component_slots: Mapping[str, int] | None = None
+        self,
+        *,
+        held_device_tokens: int = 0,
+        held_component_slots: Mapping[str, int] | None = None,
+        held_device: Sequence[torch.Tensor] | None = None,
+        held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
     ) -> None:
-        """Check the tree's invariants and exact page accounting of every pool (components' included).
+        """Check the tree's invariants and that every page of every pool has exactly one owner.
+
+        On the device and host pools and on every component pool, each page is in exactly one of: free,
+        held by the tree, held by the caller (allocated, not inserted), the destination of a copy in
+        flight (a load-back, a backup), buffers of a prefetch in flight, pending release. This is checked
+        by identity of pages: every page's owner tag in its pool must match where the page is found (the
+        tree's nodes, the load-backs and backups in flight, the prefetches, the release queue), no page is
+        found in two places, and the pool's free count matches its free tags. Component indices the tree
+        queued for freeing may carry any tag but must be allocated and found nowhere else.
 
         Args:
-            held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted).
-            held_component_slots: per component, device slots the caller holds outside the tree.
+            held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted),
+                checked as a count of caller-held pages; ignored when `held_device` is given.
+            held_component_slots: per component, device slots the caller holds outside the tree (a
+                count); ignored for components named in `held_components`.
+            held_device: the device indices the caller holds, checked page by page.
+            held_components: per component, the device indices the caller holds, checked page by page.
 
         Raises:
             InvariantViolation: listing every violation found.
@@ -328,50 +386,69 @@ class HiCache:
             self.tree.sanity_check()
         except InvariantViolation as exc:
             violations.extend(exc.violations)
-        t = self.tree.statistics()
-        device_used = self.device_pool.statistics().used_pages * self.page_size
-        if device_used != t.device_tokens + held_device_tokens:
-            violations.append(
-                f"device pool: {device_used} tokens used != tree {t.device_tokens} + held {held_device_tokens}"
+        device: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        pending: list[torch.Tensor] = []
+        comp: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for node in self.tree.iter_nodes():
+            for part, out in (
+                (node.device_value, device),
+                (node.host_value, host),
+                (node.backup_pending, pending),
+            ):
+                if part is not None:
+                    out.append(part)
+            for name, data in (node.components or {}).items():
+                for attr in ("device_value", "host_value", "backup_pending"):
+                    value = getattr(data, attr)
+                    if value is not None:
+                        comp.setdefault((name, attr), []).append(value)
+        loose: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for free in self.tree.queued_component_frees():
+            loose.setdefault((free.component, free.tier), []).append(free.indices)
+
+        def in_flight(pool: KVPool) -> dict[Owner, list[torch.Tensor]]:
+            prefetch: list[torch.Tensor] = []
+            for p in self._prefetches.values():
+                if pool is self.host_pool:
+                    prefetch.append(p.host_indices)
+                prefetch.extend(t.indices for t in p.transfers if t.pool is pool)
+            return {
+                Owner.COPY: [indices for (p, indices) in self._loading.values() if p is pool],
+                Owner.PREFETCH: prefetch,
+                Owner.RELEASE: self.release_queue.pending_indices(pool),
+            }
+
+        claims = in_flight(self.device_pool)
+        claims[Owner.TREE] = device
+        if held_device is not None:
+            claims[Owner.LEASE] = list(held_device)
+        _check_owners(self.device_pool, "device pool", claims, [], held_device_tokens, violations)
+        claims = in_flight(self.host_pool)
+        claims[Owner.TREE] = host
+        claims[Owner.COPY] = claims[Owner.COPY] + pending
+        _check_owners(self.host_pool, "host pool", claims, [], 0, violations)
+        for c in self.components:
+            device_pool, host_pool = self.component_pools[c.name]
+            claims = in_flight(device_pool)
+            claims[Owner.TREE] = comp.get((c.name, "device_value"), [])
+            if held_components is not None and c.name in held_components:
+                claims[Owner.LEASE] = list(held_components[c.name])
+            held = held_component_slots.get(c.name, 0) if held_component_slots else 0
+            _check_owners(
+                device_pool,
+                f"{c.name} device pool",
+                claims,
+                loose.get((c.name, "device"), []),
+                held,
+                violations,
             )
-        host_used = self.host_pool.statistics().used_pages * self.page_size
-        host_owned = (
-            t.host_tokens
-            + t.pending_backup_tokens
-            + sum(p.num_tokens for p in self._prefetches.values())
-            + self.release_queue.statistics().pending_tokens
-        )
-        if host_used != host_owned:
-            violations.append(
-                f"host pool: {host_used} tokens used != tree {t.host_tokens} + pending backups "
-                f"{t.pending_backup_tokens} + prefetches + pending releases = {host_owned}"
+            claims = in_flight(host_pool)
+            claims[Owner.TREE] = comp.get((c.name, "host_value"), [])
+            claims[Owner.COPY] = claims[Owner.COPY] + comp.get((c.name, "backup_pending"), [])
+            _check_owners(
+                host_pool, f"{c.name} host pool", claims, loose.get((c.name, "host"), []), 0, violations
             )
-        for name, stats in self.tree.component_statistics().items():
-            device_pool, host_pool = self.component_pools[name]
-            used = device_pool.statistics().used_pages * device_pool.page_size
-            held = held_component_slots.get(name, 0) if held_component_slots else 0
-            owned = stats.device_slots + stats.queued_free_device_slots + held
-            if used != owned:
-                violations.append(f"{name} device pool: {used} slots used != tree and queued {owned}")
-            used = host_pool.statistics().used_pages * host_pool.page_size
-            staged = sum(
-                int(t.indices.numel())
-                for p in self._prefetches.values()
-                for t in p.staged
-                if t.pool is host_pool
-            )
-            owned = (
-                stats.host_slots
-                + stats.pending_backup_slots
-                + stats.queued_free_host_slots
-                + staged
-                + self.release_queue.pending_transfer_slots(host_pool)
-            )
-            if used != owned:
-                violations.append(
-                    f"{name} host pool: {used} slots used != tree, pending backups, queued frees, "
-                    f"staged prefetches and pending releases = {owned}"
-                )
         if violations:
             raise InvariantViolation(violations)
 
@@ -406,9 +483,11 @@ class HiCache:
         key = as_key_bytes(tokens, name="tokens")
         first = self.tree.match_prefix(key)
         outcome: PrefetchOutcome | None = None
+        anchor_end = 0
         if self.storage is not None:
             prefetch = await self.prefetch(request_id, key, first)
             if prefetch is not None:
+                anchor_end = _depth(prefetch.anchor)  # where the prefetch's tokens start
                 try:
                     outcome = await self.commit_prefetch(request_id)
                 except BaseException:
@@ -419,13 +498,22 @@ class HiCache:
                     raise
         # Match again after any await: eviction may have changed the tree meanwhile.
         match = self.tree.match_prefix(key) if self.storage is not None else first
+        # Storage hits are only the tokens this request's prefetch loaded: [start, end) below. Tokens
+        # that other requests inserted or loaded meanwhile count by where this match finds them.
+        loaded_end = loaded_start = 0
+        if outcome is not None and outcome.status == PrefetchState.COMMITTED.value:
+            loaded_end = anchor_end + outcome.completed_tokens
+            loaded_start = loaded_end - outcome.loaded_tokens
+        found_on_device = match.device_len
         match = await self.load_back(match)
         node = match.last_device_node
         self.tree.lock_device(node)
         self._free_component_garbage()
         cached = match.device_len
-        device_hit = min(first.device_len, cached)
-        host_hit = min(first.host_len, cached - device_hit)
+        storage_hit = max(0, min(loaded_end, cached) - loaded_start)
+        on_device = min(found_on_device, cached)
+        device_hit = on_device - max(0, min(loaded_end, on_device) - loaded_start)
+        host_hit = cached - device_hit - storage_hit
         return Lease(
             request_id=request_id,
             key=key,
@@ -435,17 +523,59 @@ class HiCache:
             hit_tokens_by_tier={
                 "device": device_hit,
                 "host": host_hit,
-                "storage": cached - device_hit - host_hit,
+                "storage": storage_hit,
             },
             prefetch=outcome,
             component_indices=self.tree.component_window(node) if self.components else {},
         )
 
-    def release(self, lease: Lease) -> None:
-        """Give up a lease without inserting anything (the request was aborted). Idempotent."""
+    def release(
+        self,
+        lease: Lease,
+        device_indices: torch.Tensor | None = None,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Give up a lease without inserting anything (the request was aborted). Idempotent.
+
+        Args:
+            lease: the request's lease from `acquire`.
+            device_indices: device pages the request got from `alloc_device` and will not insert: they
+                are freed. Not the lease's own prefix (the tree's pages).
+            components: per component, device slots from `alloc_component` the request will not insert:
+                they are freed.
+
+        Raises:
+            PoolError: naming `device_indices` or `components`, when an index is not one the caller holds
+                (out of range, misaligned, repeated, free, held by the tree or in flight); nothing is
+                freed and the lease stays as it was then.
+        """
+        claims = self._caller_claims(device_indices, components)
         if lease.active:
             lease.active = False
             self.tree.unlock_device(lease.node)
+        for pool, indices in claims:
+            pool.free(indices)
+
+    def _caller_claims(
+        self, device_indices: torch.Tensor | None, components: Mapping[str, torch.Tensor] | None
+    ) -> list[tuple[KVPool, torch.Tensor]]:
+        """Check that `device_indices` and `components` are pages the caller holds (from `alloc_device`,
+        `alloc_component`, not inserted, no page twice); return them with their pools. Changes nothing.
+        """
+        out: list[tuple[KVPool, torch.Tensor]] = []
+        if device_indices is not None:
+            self.device_pool.check_owned(device_indices, Owner.LEASE, name="device_indices")
+            out.append((self.device_pool, device_indices))
+        if components:
+            if not isinstance(components, Mapping):
+                raise TypeError(f"components: expected a mapping of name to indices, got {components!r:.80}")
+            for name, indices in components.items():
+                if name not in self.component_pools:
+                    raise ValueError(f"components: unknown component {name!r}")
+                pool = self.component_pools[name][0]
+                pool.check_owned(indices, Owner.LEASE, name=f"components[{name!r}]")
+                out.append((pool, indices))
+        return out
 
     async def insert(
         self,
@@ -466,6 +596,15 @@ class HiCache:
                 for a page-aligned suffix of the page-aligned tokens, a Mamba state's one slot taken
                 after the last token); the cache owns them from here on and frees what the tree
                 does not keep.
+
+        Raises:
+            TypeError: when `device_indices` is not an int64 tensor.
+            ValueError, PoolError: naming `device_indices` when it has the wrong length, does not start
+                with the lease's prefix, or holds a page the caller does not hold (out of range,
+                negative, misaligned, repeated, never allocated, freed, in the tree, in flight);
+                naming `components` likewise for component slots; naming `lease` or `tokens` for a
+                released lease or tokens not extending its prefix. Nothing changes then: the pools,
+                the tree and the lease stay as they were.
         """
         self._check_open("insert")
         if not lease.active:
@@ -486,11 +625,24 @@ class HiCache:
             or key[: lease.cached_len * TOKEN_BYTES] != lease.key[: lease.cached_len * TOKEN_BYTES]
         ):
             raise ValueError("tokens: must start with the lease's cached prefix")
+        cached = lease.cached_len
+        # The rest must be pages the caller got from `alloc_device` (and components' slots from
+        # `alloc_component`) and still holds: anything else would let two owners share a page.
+        self._caller_claims(device_indices[cached:], components)
+        if not np.array_equal(device_indices[:cached].numpy(), lease.device_indices.numpy()):
+            raise ValueError(
+                f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
+            )
         aligned = n // page * page
         if components:
             result = self.tree.insert(key, device_indices[:n], components)
         else:
             result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
+        # The tree owns what it took; the rest is freed below (duplicates, the partial tail, components
+        # it did not keep).
+        self.device_pool.set_owner(device_indices[cached:], Owner.TREE)
+        for name, indices in (components or {}).items():
+            self.component_pools[name][0].set_owner(indices, Owner.TREE)
         if result.prefix_len > lease.cached_len:
             self.device_pool.free(device_indices[lease.cached_len : result.prefix_len])
         if padded > aligned:
@@ -510,11 +662,14 @@ class HiCache:
             device_pool, host_pool = self.component_pools[free.component]
             (device_pool if free.tier == "device" else host_pool).free(free.indices)
 
-    def _alloc_component_slots(self, name: str, tier: str, num_slots: int) -> torch.Tensor | None:
-        """Allocate slots of a component's pool on `tier`, evicting that component's values if needed."""
+    def _alloc_component_slots(
+        self, name: str, tier: str, num_slots: int, *, owner: Owner
+    ) -> torch.Tensor | None:
+        """Allocate slots of a component's pool on `tier` for `owner`, evicting that component's values if
+        needed."""
         device_pool, host_pool = self.component_pools[name]
         pool = device_pool if tier == "device" else host_pool
-        indices = pool.alloc(num_slots)
+        indices = pool.alloc(num_slots, owner)
         if indices is not None:
             return indices
         if tier == "host":
@@ -523,7 +678,7 @@ class HiCache:
         if free < num_slots:
             self.tree.evict_component(name, num_slots - free, tier)
             self._free_component_garbage()
-        return pool.alloc(num_slots)
+        return pool.alloc(num_slots, owner)
 
     def alloc_component(self, name: str, num_slots: int) -> torch.Tensor | None:
         """Allocate device slots of component `name` (whole pages), evicting its unlocked values if needed.
@@ -539,7 +694,7 @@ class HiCache:
         page = self.component_pools[name][0].page_size
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0 or num_slots % page:
             raise ValueError(f"num_slots: expected a non-negative multiple of {page}, got {num_slots!r}")
-        return self._alloc_component_slots(name, "device", num_slots)
+        return self._alloc_component_slots(name, "device", num_slots, owner=Owner.LEASE)
 
     # ------------------------------------------------------------------ device allocation and eviction
 
@@ -578,9 +733,10 @@ class HiCache:
         free = self.host_pool.statistics().free_pages * self.page_size
         return free + self.tree.statistics().evictable_host_tokens
 
-    def _alloc_host(self, num_tokens: int, *, partial: bool = False) -> torch.Tensor | None:
-        """Allocate host pages, evicting host-only leaves if needed; `partial` takes what can be had."""
-        indices = self.host_pool.alloc(num_tokens)
+    def _alloc_host(self, num_tokens: int, *, owner: Owner, partial: bool = False) -> torch.Tensor | None:
+        """Allocate host pages for `owner`, evicting host-only leaves if needed; `partial` takes what can
+        be had."""
+        indices = self.host_pool.alloc(num_tokens, owner)
         if indices is not None:
             return indices
         self.release_queue.flush()
@@ -590,10 +746,10 @@ class HiCache:
             if evicted.freed_host.numel():
                 self.host_pool.free(evicted.freed_host)
             self._free_component_garbage()
-        indices = self.host_pool.alloc(num_tokens)
+        indices = self.host_pool.alloc(num_tokens, owner)
         if indices is None and partial:
             free = self.host_pool.statistics().free_pages * self.page_size
-            indices = self.host_pool.alloc(free) if free > 0 else None
+            indices = self.host_pool.alloc(free, owner) if free > 0 else None
         return indices
 
     # ------------------------------------------------------------------ device <-> host
@@ -619,6 +775,8 @@ class HiCache:
             if device_indices is None:
                 # No room: the device part alone, cut back to where every component is valid.
                 return self.tree.match_prefix(key[: start * TOKEN_BYTES]) if self.components else match
+            self.device_pool.set_owner(device_indices, Owner.COPY)
+            self._loading[id(device_indices)] = (self.device_pool, device_indices)
             loaded: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
                 await self._copy(self.host_pool, host_values, self.device_pool, device_indices)
@@ -627,6 +785,14 @@ class HiCache:
             except BaseException:
                 self.device_pool.free(device_indices)
                 raise
+            finally:
+                self._loading.pop(id(device_indices), None)
+                for _, device in loaded.values():
+                    self._loading.pop(id(device), None)
+            # The copies are the tree's now; `_attach_loaded` frees those no node takes.
+            self.device_pool.set_owner(device_indices, Owner.TREE)
+            for (_, name), (_, device) in loaded.items():
+                self.component_pools[name][0].set_owner(device, Owner.TREE)
             self._attach_loaded(key, start, device_indices, loaded)
             self.metrics.load_back_tokens.inc(length)
         finally:
@@ -648,14 +814,18 @@ class HiCache:
                     host = self.tree.component_value(node, comp.name, "host")
                     if host is None:
                         continue
-                    device = self._alloc_component_slots(comp.name, "device", int(host.numel()))
+                    device = self._alloc_component_slots(
+                        comp.name, "device", int(host.numel()), owner=Owner.COPY
+                    )
                     if device is None:
                         continue
                     loaded[(node, comp.name)] = (host, device)
                     device_pool, host_pool = self.component_pools[comp.name]
+                    self._loading[id(device)] = (device_pool, device)
                     await self._copy(host_pool, host, device_pool, device)
         except BaseException:
             for (_, name), (_, device) in loaded.items():
+                self._loading.pop(id(device), None)
                 self.component_pools[name][0].free(device)
             raise
         return loaded
@@ -704,44 +874,84 @@ class HiCache:
             self.component_pools[name][0].free(copy)
 
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
-        self._backups.put(targets)
+        shed = self._backups.put(targets)
+        if shed:
+            self.metrics.writes_shed.inc(len(shed), tier="host", reason="queue_full")
+
+    async def _backup_batch(self, targets: list[TreeNode]) -> None:
+        await self._backup_many(targets)
 
     async def _backup(self, target: TreeNode) -> bool:
         """Back `target` up to host with its un-backed ancestors, root first. True when committed."""
+        return await self._backup_many([target]) > 0
+
+    async def _backup_many(self, targets: Sequence[TreeNode]) -> int:
+        """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
+        copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
+        were committed (those backed up already, pending or without host room are not)."""
         async with self._backup_lock:
-            chain = self.tree.backup_chain(target)
-            if not chain:
-                return False
-            sizes = [node.num_tokens for node in chain]
-            host_indices = self._alloc_host(sum(sizes))
-            if host_indices is None:
-                self.metrics.backup_skipped.inc()
-                return False
-            device_values = torch.cat([node.device_value for node in chain if node.device_value is not None])
-            comp_copies = self._stage_component_backup(chain) if self.components else {}
-            offset = 0
-            for node, size in zip(chain, sizes, strict=True):
-                staged = {name: host for (n, name), (_, host) in comp_copies.items() if n is node}
-                self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
-                offset += size
+            chains: list[tuple[TreeNode, list[TreeNode]]] = []
+            nodes: list[TreeNode] = []
+            host_parts: list[torch.Tensor] = []
+            comp_copies: dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]] = {}
             try:
-                await self._copy(self.device_pool, device_values, self.host_pool, host_indices)
+                for target in targets:
+                    # Computed after the earlier chains began: a shared ancestor is pending by now and
+                    # ends this chain, so every node is copied once and committed after its parent.
+                    chain = self.tree.backup_chain(target)
+                    if not chain:
+                        continue
+                    sizes = [node.num_tokens for node in chain]
+                    host_indices = self._alloc_host(sum(sizes), owner=Owner.COPY)
+                    if host_indices is None:
+                        self.metrics.backup_skipped.inc()
+                        continue
+                    staged_comps = self._stage_component_backup(chain) if self.components else {}
+                    comp_copies.update(staged_comps)
+                    offset = 0
+                    for node, size in zip(chain, sizes, strict=True):
+                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n is node}
+                        self.tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
+                        nodes.append(node)
+                        offset += size
+                    host_parts.append(host_indices)
+                    chains.append((target, chain))
+                if not chains:
+                    return 0
+                device_values = torch.cat(
+                    [node.device_value for node in nodes if node.device_value is not None]
+                )
+                await self._copy(self.device_pool, device_values, self.host_pool, torch.cat(host_parts))
                 for (_, name), (device, host) in comp_copies.items():
                     device_pool, host_pool = self.component_pools[name]
                     await self._copy(device_pool, device, host_pool, host)
             except BaseException:
-                for node in reversed(chain):
+                for node in reversed(nodes):
                     self.host_pool.free(self.tree.abort_backup(node))
                 self._free_component_garbage()
                 raise
             # Root first. A node split while copying is committed together with its split-off upper part.
-            for node in chain:
+            for node in nodes:
                 self.tree.commit_backup(node)
+            # The host copies now belong to the tree (before freeing what it let go of among them).
+            for part in host_parts:
+                self.host_pool.set_owner(part, Owner.TREE)
+            for (_, name), (_, host) in comp_copies.items():
+                self.component_pools[name][1].set_owner(host, Owner.TREE)
             self._free_component_garbage()
-            self.metrics.backup_tokens.inc(sum(sizes))
+            self.metrics.backup_tokens.inc(sum(node.num_tokens for node in nodes))
         if self._storage_writer is not None and self.config.backup_to_storage:
-            self._storage_writes.put([target])
-        return True
+            self._queue_storage_writes([target for target, _ in chains])
+        return len(chains)
+
+    def _queue_storage_writes(self, targets: list[TreeNode]) -> None:
+        """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
+        if not self.storage_breaker.allows():
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+            return
+        shed = self._storage_writes.put(targets)
+        if shed:
+            self.metrics.writes_shed.inc(len(shed), tier="storage", reason="queue_full")
 
     def _stage_component_backup(
         self, chain: Sequence[TreeNode]
@@ -756,16 +966,25 @@ class HiCache:
                 device = self.tree.component_value(node, comp.name, "device")
                 if device is None:
                     continue
-                host = self._alloc_component_slots(comp.name, "host", int(device.numel()))
+                host = self._alloc_component_slots(comp.name, "host", int(device.numel()), owner=Owner.COPY)
                 if host is not None:
                     out[(node, comp.name)] = (device, host)
         return out
 
     # ------------------------------------------------------------------ host -> storage
 
-    async def _store(self, target: TreeNode) -> None:
-        if self._storage_writer is not None:
-            await self._storage_writer.store(target)
+    async def _store(self, targets: list[TreeNode]) -> None:
+        if self._storage_writer is None:
+            return
+        if not self.storage_breaker.allows():
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+            return
+        try:
+            await self._storage_writer.store_many(targets)
+        except StorageCircuitOpen:
+            self.metrics.writes_shed.inc(len(targets), tier="storage", reason="storage_unavailable")
+        except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
+            logger.warning("storage write-through of %d node(s) failed: %r", len(targets), exc)
 
     # ------------------------------------------------------------------ prefetch
 
@@ -803,7 +1022,7 @@ class HiCache:
         self.metrics.prefetch_requested.inc()
         matched = match.device_len + match.host_len
         remainder = aligned - matched
-        storage = self.storage
+        storage = self._guarded
         if storage is None:
             self._skip("no_storage")
             return None
@@ -812,6 +1031,9 @@ class HiCache:
             return None
         if self._inflight_tokens + remainder > self.config.capacity_tokens:
             self._skip("capacity")
+            return None
+        if not self.storage_breaker.allows():  # storage is down and no probe is due: no I/O at all
+            self._skip("storage_unavailable")
             return None
         anchor = match.last_host_node
         anchor_end = _depth(anchor)
@@ -822,16 +1044,22 @@ class HiCache:
             )
             page_keys = [h.hex() for h in hashes]
             hit_pages: int | None = None
+            skip = "storage_error"
             try:
                 # A hung lookup must not hang the request: it gets the same budget as a stream.
-                with anyio.move_on_after(self.config.prefetch_timeout(remainder)):
+                with anyio.move_on_after(self.config.prefetch_timeout(remainder)) as lookup:
                     hit_pages = await probe_hit_pages(storage, page_keys)
+                if lookup.cancelled_caught:
+                    storage.record_timeout("exists")
+            except StorageCircuitOpen:  # another request holds the probe, or the breaker just opened
+                skip = "storage_unavailable"
             except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
                 logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
             if hit_pages is None:
-                self.metrics.storage_page_failures.labels(reason="exists").inc()
+                if skip == "storage_error":
+                    self.metrics.storage_page_failures.labels(reason="exists").inc()
                 self.tree.unlock_host(anchor)
-                self._skip("storage_error")
+                self._skip(skip)
                 return None
             self._check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
@@ -840,7 +1068,7 @@ class HiCache:
                 self.tree.unlock_host(anchor)
                 self._skip("storage_miss")
                 return None
-            host_indices = self._alloc_host(hit, partial=True)
+            host_indices = self._alloc_host(hit, owner=Owner.PREFETCH, partial=True)
             if (
                 host_indices is None
                 or anchor_end + host_indices.numel() - matched < self.config.prefetch_threshold
@@ -880,6 +1108,9 @@ class HiCache:
             staged=staged,
             staged_reads=reads,
         )
+        for transfer in transfers:  # the caller's buffers travel with the prefetch from here on
+            if isinstance(transfer.pool, KVPool):
+                transfer.pool.set_owner(transfer.indices, Owner.PREFETCH)
         self._prefetches[request_id] = prefetch
         self._inflight_tokens += prefetch.num_tokens
         self.metrics.prefetch_hit_tokens.inc(prefetch.num_tokens)
@@ -929,11 +1160,22 @@ class HiCache:
             for comp in self.components:
                 k = min(len(hashes), comp.prefix_pages(num_tokens, self.page_size))
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
-                if not keys or await storage.exists(keys) < len(keys):
+                try:
+                    present = await storage.exists(keys) if keys else 0
+                except StorageCircuitOpen:
+                    reason = "storage_unavailable"
+                    break
+                except OSError as exc:  # a storage error (counted by the guard), never the caller's
+                    logger.warning("prefetch: component lookup failed: %r", exc)
+                    reason = "storage_error"
+                    break
+                if not keys or present < len(keys):
                     reason = "component_miss"
                     break
                 host_pool = self.component_pools[comp.name][1]
-                indices = self._alloc_component_slots(comp.name, "host", k * host_pool.page_size)
+                indices = self._alloc_component_slots(
+                    comp.name, "host", k * host_pool.page_size, owner=Owner.PREFETCH
+                )
                 if indices is None:
                     reason = "component_host_full"
                     break
@@ -1020,15 +1262,19 @@ class HiCache:
             node = result.node
         if dropped:
             # One release call: the host pages and every component transfer, in a stable order.
-            batch = self.release_queue.release(host, prefetch.transfers)
+            batch = self._release_buffers(host, prefetch.transfers)
             prefetch.state = PrefetchState.DROPPED
             self.metrics.prefetch_dropped_tokens.labels(reason=drop_reason).inc(completed)
         else:
             loaded = completed - present
             released = torch.cat([host[:present], host[completed:]]) if present else host[completed:]
-            # The tree took the staged component buffers (what it did not keep is freed below).
+            # The tree took the loaded pages and the staged component buffers (what it did not keep of
+            # those is freed below).
+            self.host_pool.set_owner(host[present:completed], Owner.TREE)
+            for transfer in prefetch.staged:
+                self.component_pools[transfer.component][1].set_owner(transfer.indices, Owner.TREE)
             caller_transfers = prefetch.transfers[: len(prefetch.transfers) - len(prefetch.staged)]
-            batch = self.release_queue.release(released, caller_transfers)
+            batch = self._release_buffers(released, caller_transfers)
             self._free_component_garbage()
             prefetch.state = PrefetchState.COMMITTED
             self.metrics.prefetch_committed.inc()
@@ -1056,6 +1302,16 @@ class HiCache:
         )
         return outcome
 
+    def _release_buffers(
+        self, host_indices: torch.Tensor, transfers: Sequence[ComponentTransfer]
+    ) -> ReleaseBatch:
+        """Hand host pages and component transfers to the release queue, tagged as pending release."""
+        self.host_pool.set_owner(host_indices, Owner.RELEASE)
+        for transfer in transfers:
+            if isinstance(transfer.pool, KVPool):
+                transfer.pool.set_owner(transfer.indices, Owner.RELEASE)
+        return self.release_queue.release(host_indices, transfers)
+
     async def cancel_prefetch(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch, wait until no read can write into its pages, then release everything."""
         self.get_prefetch(request_id)
@@ -1069,7 +1325,7 @@ class HiCache:
             raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
         del self._prefetches[request_id]
         self._inflight_tokens -= prefetch.num_tokens
-        batch = self.release_queue.release(prefetch.host_indices, prefetch.transfers)
+        batch = self._release_buffers(prefetch.host_indices, prefetch.transfers)
         prefetch.state = PrefetchState.CANCELLED
         self.tree.unlock_host(prefetch.anchor)
         self.metrics.prefetch_cancelled.inc()
@@ -1100,6 +1356,67 @@ def _check_request_id(request_id: object) -> None:
         )
     if not request_id:
         raise ValueError("request_id: expected a non-empty str, got ''")
+
+
+def _check_owners(
+    pool: KVPool,
+    label: str,
+    claims: Mapping[Owner, Sequence[torch.Tensor]],
+    loose: Sequence[torch.Tensor],
+    held_tokens: int,
+    out: list[str],
+) -> None:
+    """Check that `pool`'s owner tags are exactly the partition `claims` describes (see `sanity_check`).
+
+    `claims` maps an owner to the indices found held by it; `loose` indices may carry any tag but must be
+    allocated. Without an `Owner.LEASE` claim, pages tagged LEASE and found nowhere are the caller's:
+    they must hold `held_tokens` indices.
+    """
+    size = pool.page_size
+    tags = pool.owner_tags().to(torch.int64)
+    num_pages = int(tags.numel())
+    expected = torch.zeros(num_pages, dtype=torch.int64)  # Owner.FREE: found nowhere
+    claimed = torch.zeros(num_pages, dtype=torch.int64)
+    claim_sets: list[tuple[str, list[torch.Tensor]]] = [(o.name, list(p)) for o, p in claims.items()]
+    claim_sets.append(("queued free", list(loose)))
+    is_loose = torch.zeros(num_pages, dtype=torch.bool)
+    for name, parts in claim_sets:
+        parts = [p for p in parts if p.numel()]
+        if not parts:
+            continue
+        indices = torch.cat(parts)
+        if int(indices.min()) < 0 or int(indices.max()) >= num_pages * size:
+            out.append(f"{label}: {name} holds indices outside the pool")
+            continue
+        if torch.unique(indices).numel() != indices.numel():
+            out.append(f"{label}: {name} holds the same index more than once")
+        pages = torch.unique(indices // size)
+        claimed[pages] += 1
+        if name == "queued free":
+            is_loose[pages] = True
+        else:
+            expected[pages] = int(Owner[name])
+    twice = (claimed > 1).nonzero().flatten()
+    if twice.numel():
+        out.append(f"{label}: pages {twice[:8].tolist()} are held by more than one owner")
+    free = tags == int(Owner.FREE)
+    claimed_free = (free & (claimed > 0)).nonzero().flatten()
+    if claimed_free.numel():
+        out.append(f"{label}: pages {claimed_free[:8].tolist()} are held but free in the pool")
+    mismatch = (tags != expected) & ~is_loose & ~free
+    if Owner.LEASE not in claims:
+        lease = (tags == int(Owner.LEASE)) & (expected == int(Owner.FREE))
+        mismatch &= ~lease
+        held = int(lease.sum()) * size
+        if held != held_tokens:
+            out.append(f"{label}: the caller holds {held} indices, expected {held_tokens}")
+    for page in mismatch.nonzero().flatten()[:8].tolist():
+        found = Owner(int(expected[page])).name if claimed[page] else "nowhere"
+        out.append(f"{label}: page {page} is tagged {Owner(int(tags[page])).name} but found {found}")
+    if int(free.sum()) != pool.statistics().free_pages:
+        out.append(
+            f"{label}: {int(free.sum())} pages tagged free, the pool counts {pool.statistics().free_pages}"
+        )
 
 
 def _depth(node: TreeNode) -> int:

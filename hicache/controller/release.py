@@ -108,6 +108,12 @@ class ReleaseQueue:
             int(t.indices.numel()) for batch in self._pending for t in batch.transfers if t.pool is pool
         )
 
+    def pending_indices(self, pool: object) -> list[torch.Tensor]:
+        """Every index into `pool` still waiting to be freed (the host pages and component transfers)."""
+        out = [batch.host_indices for batch in self._pending] if pool is self._host_pool else []
+        out.extend(t.indices for batch in self._pending for t in batch.transfers if t.pool is pool)
+        return out
+
     def statistics(self) -> ReleaseStatistics:
         """Pending and released calls and tokens."""
         return ReleaseStatistics(

@@ -75,41 +75,55 @@ class StorageWriter:
 
     async def store(self, target: TreeNode) -> None:
         """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
+        await self.store_many([target])
+
+    async def store_many(self, targets: Sequence[TreeNode]) -> None:
+        """Write the backed-up pages on every target's path that storage lacks, in one `exists` and one
+        `put` call for all of them (pages shared by several paths once).
+
+        The `exists` call asks about the unknown pages of every path in target order; the leading ones it
+        finds are skipped, the rest are put (a page another instance wrote meanwhile may be written
+        again: puts are atomic and idempotent). Each target stays host-locked until its pages are written.
+        """
         cache = self._cache
         tree = cache.tree
-        if target.parent is None or target.host_value is None:
-            return
-        path: list[TreeNode] = []
-        node: TreeNode | None = target
-        while node is not None and node.parent is not None:
-            path.append(node)
-            node = node.parent
-        path.reverse()
-        hashes: list[bytes] = []
-        values: list[torch.Tensor] = []
-        for node in path:
-            if node.host_value is None:  # write-back: pages below an un-backed node cannot be found by prefix
-                break
-            hashes.extend(node.hashes)
-            values.append(node.host_value)
-        if not hashes:
-            return
         page = cache.page_size
-        tree.lock_host(target)
+        locked: list[TreeNode] = []
+        keys: list[str] = []
+        views: list[memoryview] = []
+        seen: set[str] = set()
         try:
-            keys = [h.hex() for h in hashes]
-            stored = self.known.known_prefix(keys)
-            if stored < len(keys):
-                stored += await self._storage.exists(keys[stored:])
-            self.known.add(keys[:stored])
+            paths: list[tuple[TreeNode, list[TreeNode]]] = []
+            for target in targets:
+                if target.parent is None or target.host_value is None:
+                    continue  # evicted or detached meanwhile
+                path, hashes, values = _backed_up_path(target)
+                if not hashes:
+                    continue
+                tree.lock_host(target)
+                locked.append(target)
+                paths.append((target, path[: len(values)]))
+                target_keys = [h.hex() for h in hashes]
+                stored = self.known.known_prefix(target_keys)
+                if stored >= len(target_keys):
+                    continue
+                target_views = cache.host_pool.page_views(_tokens_from(values, stored * page))
+                for key, view in zip(target_keys[stored:], target_views, strict=True):
+                    if key not in seen:
+                        seen.add(key)
+                        keys.append(key)
+                        views.append(view)
+            if keys:
+                stored = await self._storage.exists(keys)
+                self.known.add(keys[:stored])
+                if stored < len(keys):
+                    await self._put(keys[stored:], views[stored:])
             if cache.components:
-                await self._store_components(path[: len(values)], target)
-            if stored >= len(keys):
-                return
-            views = cache.host_pool.page_views(_tokens_from(values, stored * page))
-            await self._put(keys[stored:], views)
+                for target, path in paths:
+                    await self._store_components(path, target)
         finally:
-            tree.unlock_host(target)
+            for target in locked:
+                tree.unlock_host(target)
 
     async def _put(self, keys: list[str], views: list[memoryview]) -> None:
         metrics = self._cache.metrics
@@ -152,6 +166,25 @@ class StorageWriter:
                 self.known.add(keys)
                 continue
             await self._put(keys, views)
+
+
+def _backed_up_path(target: TreeNode) -> tuple[list[TreeNode], list[bytes], list[torch.Tensor]]:
+    """The path from the root's child to `target`, and the page hashes and host values of its leading
+    backed-up nodes (write-back: pages below an un-backed node cannot be found by prefix)."""
+    path: list[TreeNode] = []
+    node: TreeNode | None = target
+    while node is not None and node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    hashes: list[bytes] = []
+    values: list[torch.Tensor] = []
+    for node in path:
+        if node.host_value is None:
+            break
+        hashes.extend(node.hashes)
+        values.append(node.host_value)
+    return path, hashes, values
 
 
 def _tokens_from(values: Sequence[torch.Tensor], start: int) -> torch.Tensor:

@@ -1,4 +1,16 @@
-"""A FIFO of background jobs run one at a time by a worker task, with an idle signal for `wait_idle`."""
+"""A bounded FIFO of background jobs run by one worker task, in batches, with an idle signal for `wait_idle`.
+
+Backpressure: a queue holds at most `limit` items. `put` refuses what does not fit, newest first, and
+returns it for the caller to count (`writes_shed_total`). Newest-first shedding keeps the queue's order:
+work accepted earlier is never dropped for work that came later, so when a chain's root was queued before
+its descendants, the root is written first (a prefetch can only hit a prefix of pages: a descendant stored
+without its root is unreachable). It is also cheap to lose: the next insert that extends the same path
+queues the path again, and backup and write-through both cover a target's whole un-backed path.
+
+Throughput: the worker takes up to `max_batch` items per job call, so one thread hop (a copy, a storage
+put) serves every request that queued work meanwhile; a saturated event loop then still drains the queue
+instead of giving the worker one item per turn.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +33,33 @@ class WorkQueue(Generic[T]):
 
     Args:
         name: what the jobs are, for logs and reprs.
-        job: the coroutine function run once per item.
+        job: the coroutine function run once per batch of items (in queue order).
+        limit: the most items queued at once (None: unbounded).
+        max_batch: the most items handed to one `job` call.
+
+    Raises:
+        ValueError: naming `limit` or `max_batch` when below 1.
     """
 
-    def __init__(self, name: str, job: Callable[[T], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        name: str,
+        job: Callable[[list[T]], Awaitable[object]],
+        *,
+        limit: int | None = None,
+        max_batch: int = 1,
+    ) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit: expected >= 1 or None, got {limit}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch: expected >= 1, got {max_batch}")
         self.name = name
+        self.limit = limit
+        self.max_batch = max_batch
         self._job = job
         self._items: deque[T] = deque()
         self._unfinished = 0
+        self._max_queued = 0
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -37,41 +68,58 @@ class WorkQueue(Generic[T]):
         return len(self._items)
 
     def __repr__(self) -> str:
-        return f"<WorkQueue {self.name} queued={len(self._items)} unfinished={self._unfinished}>"
+        return (
+            f"<WorkQueue {self.name} queued={len(self._items)}/{self.limit} unfinished={self._unfinished} "
+            f"max_queued={self._max_queued}>"
+        )
 
     @property
     def idle(self) -> bool:
         """No job is queued or running."""
         return self._unfinished == 0
 
-    def put(self, items: Iterable[T]) -> None:
-        """Queue jobs; never awaits."""
-        before = len(self._items)
-        self._items.extend(items)
-        added = len(self._items) - before
+    @property
+    def max_queued(self) -> int:
+        """The most items ever queued at once (a high-water mark; never above `limit`)."""
+        return self._max_queued
+
+    def put(self, items: Iterable[T]) -> list[T]:
+        """Queue jobs; never awaits. Returns the items refused because the queue is full (the newest)."""
+        shed: list[T] = []
+        added = 0
+        for item in items:
+            if self.limit is not None and len(self._items) >= self.limit:
+                shed.append(item)
+                continue
+            self._items.append(item)
+            added += 1
         if not added:
-            return
+            return shed
+        self._max_queued = max(self._max_queued, len(self._items))
         if self._unfinished == 0:
             self._idle = anyio.Event()
         self._unfinished += added
         self._wakeup.set()
+        return shed
 
     async def wait_idle(self) -> None:
         """Wait until every queued job has finished."""
         await self._idle.wait()
 
     async def run(self) -> None:
-        """The worker: runs queued jobs one at a time until cancelled."""
+        """The worker: runs queued jobs, up to `max_batch` items per call, until cancelled."""
         while True:
             await self._wakeup.wait()
             self._wakeup = anyio.Event()
             while self._items:
-                item = self._items.popleft()
+                batch = [self._items.popleft() for _ in range(min(self.max_batch, len(self._items)))]
                 try:
-                    await self._job(item)
+                    await self._job(batch)
                 except Exception:
-                    logger.exception("%s job failed for %r", self.name, item)
+                    logger.exception(
+                        "%s job failed for %d item(s), first %r", self.name, len(batch), batch[0]
+                    )
                 finally:
-                    self._unfinished -= 1
+                    self._unfinished -= len(batch)
                     if self._unfinished == 0:
                         self._idle.set()

@@ -2,19 +2,50 @@
 
 Indices are int64 CPU tensors of token slots: page ``p`` covers tokens ``[p * P, p * P + P)`` where ``P`` is
 the page size. Allocation and freeing cost O(1) per page: free pages live on a stack, and a ``bytearray`` of
-page states (viewed as a tensor, so checks are vectorised) detects double frees.
+per-page owner tags (viewed as a tensor, so checks are vectorised) says who holds each page: free, the
+caller (a lease), the tree, an in-flight copy, a prefetch or the release queue. The tags detect double
+frees, and let the cache refuse a caller's index that is not the caller's to give.
 """
 
 from __future__ import annotations
 
+import enum
+
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.errors import PoolError
 
-__all__ = ["PageAllocator", "check_token_indices"]
+__all__ = ["Owner", "PageAllocator", "check_token_indices"]
 
-_FREE = 1
-_USED = 0
+
+class Owner(enum.IntEnum):
+    """Who holds a page of a pool (one tag per page, kept by the `PageAllocator`)."""
+
+    FREE = 0
+    """Not allocated."""
+    LEASE = 1
+    """Handed to the caller (`alloc_device`, `alloc_component`, a plain `alloc`) and not inserted yet."""
+    TREE = 2
+    """Held by a tree node (or queued by the tree for freeing)."""
+    COPY = 3
+    """The destination of a copy in flight: a load-back's device pages, a backup's host pages."""
+    PREFETCH = 4
+    """Host buffers of a storage prefetch in flight."""
+    RELEASE = 5
+    """Handed to the release queue, freed once no I/O can write into them."""
+
+
+_FREE = Owner.FREE
+_HELD_BY = {
+    Owner.FREE: "free (never allocated, or already freed)",
+    Owner.LEASE: "held by the caller (allocated, not inserted)",
+    Owner.TREE: "held by the tree",
+    Owner.COPY: "the destination of a copy in flight",
+    Owner.PREFETCH: "buffers of a prefetch in flight",
+    Owner.RELEASE: "pending release",
+}
 
 
 def check_token_indices(indices: object, *, name: str = "indices") -> torch.Tensor:
@@ -38,6 +69,16 @@ def check_token_indices(indices: object, *, name: str = "indices") -> torch.Tens
     return indices
 
 
+def _repeats(pages: npt.NDArray[np.int64]) -> bool:
+    """Whether a page id appears more than once."""
+    if pages.size < 2:
+        return False
+    if (pages[1:] > pages[:-1]).all():  # ascending, as fresh allocations are: no repeat, no sort
+        return False
+    ordered = np.sort(pages)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class PageAllocator:
     """Hands out and takes back whole pages as token-granular index tensors.
 
@@ -58,13 +99,17 @@ class PageAllocator:
         self._page_size = page_size
         # Popped from the end, so page 0 is handed out first and fresh allocations are ascending runs.
         self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
-        self._state = bytearray([_FREE]) * num_pages
+        self._state = bytearray(num_pages)  # one `Owner` tag per page, all FREE
         self._state_view = (
             torch.frombuffer(self._state, dtype=torch.uint8)
             if num_pages
             else torch.empty(0, dtype=torch.uint8)
         )
         self._offsets = torch.arange(page_size, dtype=torch.int64)
+        # The same tags and offsets as numpy arrays: checks of a few pages cost a microsecond or two in
+        # numpy where each small torch op costs several (validation runs on every insert and free).
+        self._tags: npt.NDArray[np.uint8] = np.frombuffer(self._state, dtype=np.uint8)
+        self._offsets_np = np.arange(page_size, dtype=np.int64)
 
     @property
     def page_size(self) -> int:
@@ -91,19 +136,22 @@ class PageAllocator:
         """Pages currently handed out."""
         return self._num_pages - len(self._free_stack)
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+    def alloc(self, num_tokens: int, owner: Owner = Owner.LEASE) -> torch.Tensor | None:
         """Allocate `num_tokens` token slots in whole pages.
 
         Args:
             num_tokens: a multiple of the page size, at least 0.
+            owner: the tag the new pages get (default: held by the caller).
 
         Returns:
             A 1-D int64 tensor of `num_tokens` token indices made of aligned page runs, or `None` when not
             enough pages are free (nothing is allocated then).
 
         Raises:
-            ValueError: when `num_tokens` is negative or not a multiple of the page size.
+            ValueError: when `num_tokens` is negative or not a multiple of the page size, or `owner` is FREE.
         """
+        if owner is Owner.FREE:
+            raise ValueError("owner: a page handed out cannot be tagged FREE")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise ValueError(f"num_tokens: expected an int, got {type(num_tokens).__name__}")
         if num_tokens < 0 or num_tokens % self._page_size:
@@ -119,9 +167,9 @@ class PageAllocator:
         pages = self._free_stack[-n_pages:]
         del self._free_stack[-n_pages:]
         pages.reverse()
-        page_t = torch.tensor(pages, dtype=torch.int64)
-        self._state_view[page_t] = _USED
-        return self.pages_to_tokens(page_t)
+        page_a = np.array(pages, dtype=np.int64)
+        self._tags[page_a] = int(owner)
+        return torch.from_numpy((page_a[:, None] * self._page_size + self._offsets_np).reshape(-1))
 
     def free(self, indices: torch.Tensor) -> None:
         """Give back token indices previously returned by `alloc` (any whole pages of them).
@@ -136,16 +184,16 @@ class PageAllocator:
             PoolError: when `indices` is misaligned, foreign (out of range), repeats a page, or names a page
                 that is already free (a double free).
         """
-        pages = self.page_ids(indices)
-        if pages.numel() == 0:
+        pages = self._pages(indices, "indices")
+        if pages.size == 0:
             return
-        if torch.unique(pages).numel() != pages.numel():
+        if _repeats(pages):
             raise PoolError("indices: the same page appears more than once (a double free)")
-        already_free = self._state_view[pages] == _FREE
-        if bool(already_free.any()):
+        already_free = self._tags[pages] == int(_FREE)
+        if already_free.any():
             bad = pages[already_free][:8].tolist()
             raise PoolError(f"indices: double free of page(s) {bad} (already free)")
-        self._state_view[pages] = _FREE
+        self._tags[pages] = int(_FREE)
         self._free_stack.extend(reversed(pages.tolist()))
 
     def page_ids(self, indices: torch.Tensor, *, name: str = "indices") -> torch.Tensor:
@@ -163,22 +211,27 @@ class PageAllocator:
             TypeError: when `indices` is not a 1-D int64 CPU tensor.
             PoolError: when `indices` is misaligned or out of range (foreign).
         """
-        check_token_indices(indices, name=name)
+        return torch.from_numpy(self._pages(indices, name))
+
+    def _pages(self, indices: object, name: str) -> npt.NDArray[np.int64]:
+        """`page_ids` as a numpy array (see there)."""
+        tokens = check_token_indices(indices, name=name).numpy()
         size = self._page_size
-        n = indices.numel()
+        n = tokens.size
         if n % size:
             raise PoolError(f"{name}: length {n} is not a multiple of page_size={size}")
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
-        runs = indices.view(-1, size)
-        starts = runs[:, 0]
-        if bool((starts % size != 0).any()) or not torch.equal(runs, starts[:, None] + self._offsets):
+            return np.empty(0, dtype=np.int64)
+        runs = tokens.reshape(-1, size)
+        pages: npt.NDArray[np.int64] = runs[:, 0] // size
+        # Whole runs [p * P, p * P + P): a misaligned start fails too (p * P is not the start then).
+        if not (runs == (pages * size)[:, None] + self._offsets_np).all():
             raise PoolError(f"{name}: not made of page-aligned runs of {size} consecutive token indices")
-        if int(starts.min()) < 0 or int(starts.max()) >= self.capacity_tokens:
+        if not (pages.view(np.uint64) < self._num_pages).all():  # a negative page wraps to a huge one
             raise PoolError(
                 f"{name}: indices outside this pool's {self.capacity_tokens} token slots (foreign indices)"
             )
-        return starts // size
+        return pages
 
     def pages_to_tokens(self, pages: torch.Tensor) -> torch.Tensor:
         """Expand page ids into the token indices they cover (no validation).
@@ -193,9 +246,53 @@ class PageAllocator:
 
     def is_free(self, page_id: int) -> bool:
         """Whether page `page_id` is currently free."""
+        return self.owner_of(page_id) is Owner.FREE
+
+    def owner_of(self, page_id: int) -> Owner:
+        """Who holds page `page_id`."""
         if not 0 <= page_id < self._num_pages:
             raise ValueError(f"page_id: expected 0 <= page_id < {self._num_pages}, got {page_id}")
-        return self._state[page_id] == _FREE
+        return Owner(self._state[page_id])
+
+    def owner_tags(self) -> torch.Tensor:
+        """A copy of every page's `Owner` tag, as a uint8 tensor indexed by page id."""
+        return self._state_view.clone()
+
+    def set_owner(self, indices: torch.Tensor, owner: Owner) -> None:
+        """Re-tag allocated pages of the token indices `indices` (whole pages; internal, not validated).
+
+        Token indices of a page that is only partly covered re-tag the whole page.
+        """
+        if owner is Owner.FREE:
+            raise ValueError("owner: use `free` to give pages back")
+        if indices.numel():
+            self._tags[indices.numpy() // self._page_size] = int(owner)
+
+    def check_owned(self, indices: object, owner: Owner, *, name: str = "indices") -> torch.Tensor:
+        """Validate that `indices` are whole, distinct pages all tagged `owner`; return their page ids.
+
+        Nothing changes: this only reads the tags.
+
+        Args:
+            indices: a 1-D int64 CPU tensor of token indices made of whole, aligned pages.
+            owner: the tag every page must carry.
+            name: the argument name used in error messages.
+
+        Raises:
+            TypeError: when `indices` is not a 1-D int64 CPU tensor.
+            PoolError: when `indices` is misaligned, out of range, repeats a page, or names a page not
+                tagged `owner` (free, or held by someone else).
+        """
+        pages = self._pages(indices, name)
+        if _repeats(pages):
+            raise PoolError(f"{name}: the same page appears more than once")
+        tags = self._tags[pages]
+        wrong = tags != int(owner)
+        if wrong.any():
+            bad = pages[wrong][:8].tolist()
+            held = sorted({_HELD_BY[Owner(int(t))] for t in tags[wrong][:8].tolist()})
+            raise PoolError(f"{name}: page(s) {bad} are not {_HELD_BY[owner]}; they are {'; '.join(held)}")
+        return torch.from_numpy(pages)
 
     def __repr__(self) -> str:
         return f"<PageAllocator pages={self.used_pages}/{self._num_pages} used, page_size={self._page_size}>"

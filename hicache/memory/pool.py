@@ -17,7 +17,7 @@ from types import TracebackType
 import torch
 
 from hicache.errors import CacheClosed
-from hicache.memory.allocator import PageAllocator, check_token_indices
+from hicache.memory.allocator import Owner, PageAllocator, check_token_indices
 from hicache.memory.layout import KVLayout
 
 __all__ = ["HostPool", "KVPool", "PoolStatistics", "make_device_pool", "make_host_pool"]
@@ -160,10 +160,23 @@ class KVPool:
 
     # -- allocation -----------------------------------------------------------------------------------
 
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Allocate whole pages; see `PageAllocator.alloc`. Returns `None` when not enough pages are free."""
+    def alloc(self, num_tokens: int, owner: Owner = Owner.LEASE) -> torch.Tensor | None:
+        """Allocate whole pages tagged `owner`; see `PageAllocator.alloc`. `None` when not enough are free."""
         self._check_open()
-        return self._allocator.alloc(num_tokens)
+        return self._allocator.alloc(num_tokens, owner)
+
+    def set_owner(self, indices: torch.Tensor, owner: Owner) -> None:
+        """Re-tag allocated pages; see `PageAllocator.set_owner`."""
+        self._allocator.set_owner(indices, owner)
+
+    def owner_tags(self) -> torch.Tensor:
+        """A copy of every page's `Owner` tag (uint8, by page id)."""
+        return self._allocator.owner_tags()
+
+    def check_owned(self, indices: object, owner: Owner, *, name: str = "indices") -> torch.Tensor:
+        """Page ids of `indices` if they are whole, distinct pages tagged `owner`; see
+        `PageAllocator.check_owned`."""
+        return self._allocator.check_owned(indices, owner, name=name)
 
     def free(self, indices: torch.Tensor) -> None:
         """Give pages back; see `PageAllocator.free`. On error nothing is freed."""

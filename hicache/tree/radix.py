@@ -535,6 +535,10 @@ class RadixTree:
         self._garbage = []
         return out
 
+    def queued_component_frees(self) -> tuple[ComponentFree, ...]:
+        """The component indices queued for `take_component_frees`, without taking them (for checks)."""
+        return tuple(self._garbage)
+
     def evict_component(self, name: str, num_slots: int, tier: str = "device") -> int:
         """Free at least `num_slots` slots of component `name` on `tier` while the nodes stay.
 

@@ -4,6 +4,7 @@ pages written as another instance would."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -91,3 +92,34 @@ async def store_hybrid(
     ok = await backend.put(keys, views)
     assert all(ok)
     return keys
+
+
+def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:
+    """Everything a refused call must leave unchanged: statistics, every pool page's owner, every node."""
+
+    def as_list(t: torch.Tensor | None) -> list[int] | None:
+        return None if t is None else t.tolist()
+
+    nodes = sorted(
+        (
+            n.key,
+            as_list(n.device_value),
+            as_list(n.host_value),
+            as_list(n.backup_pending),
+            n.device_lock,
+            n.host_lock,
+            n.hit_count,
+            n.last_access,
+            sorted(
+                (name, as_list(d.device_value), as_list(d.host_value), d.device_lock, d.host_lock)
+                for name, d in (n.components or {}).items()
+            ),
+        )
+        for n in cache.tree.iter_nodes()
+    )
+    pools = [
+        cache.device_pool,
+        cache.host_pool,
+        *(p for pair in cache.component_pools.values() for p in pair),
+    ]
+    return cache.statistics(), nodes, [pool.owner_tags().tolist() for pool in pools]

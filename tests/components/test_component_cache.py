@@ -21,6 +21,7 @@ from component_helpers import (
 from hicache import HiCache, PrefetchState
 from hicache.components import component_storage_key
 from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
+from hicache.memory import Owner
 from storage_backends.memory import MemoryBackend
 
 
@@ -54,7 +55,7 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
     try:
         seq = tokens(500, 32)
         await store_hybrid(backend, cache, seq)
-        device = cache.device_pool.alloc(16)
+        device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
         cache.tree.insert(seq[:16], device)  # full attention only, not backed up yet
         anchor = cache.tree.match_prefix(seq[:16])

@@ -341,9 +341,7 @@ async def host_only_tail(cache: HiCache) -> list[int]:
 
 def assert_every_slot_owned(cache: HiCache, held: dict[str, list[torch.Tensor]] | None = None) -> None:
     held = held or {}
-    cache.sanity_check(
-        held_component_slots={name: sum(int(t.numel()) for t in ts) for name, ts in held.items()}
-    )
+    cache.sanity_check(held_components={name: held.get(name, []) for name in cache.component_pools})
     check_pools_exact(cache)
     check_component_pools_exact(cache, held=held, staged=[])
     check_tree_kv(cache)

@@ -279,12 +279,12 @@ class ControllerMachine(RuleBasedStateMachine):
         held.computed = None
         held.components = {}
 
-    def held_component_slots(self) -> dict[str, int]:
-        """Per component, device slots the test holds outside the tree."""
-        out: dict[str, int] = {}
+    def held_component_slots(self) -> dict[str, list[torch.Tensor]]:
+        """Per component, the device slots the test holds outside the tree."""
+        out: dict[str, list[torch.Tensor]] = {name: [] for name in self.c.component_pools}
         for h in self.leases.values():
             for name, slots in h.components.items():
-                out[name] = out.get(name, 0) + int(slots.numel())
+                out[name].append(slots)
         return out
 
     async def release_everything(self, cache: HiCache) -> None:
@@ -337,12 +337,13 @@ class ControllerMachine(RuleBasedStateMachine):
 
     async def check(self) -> None:
         cache = self.c
-        await cache.release_queue.drain()
         held = [h.computed for h in self.leases.values() if h.computed is not None]
-        cache.sanity_check(
-            held_device_tokens=sum(int(t.numel()) for t in held),
-            held_component_slots=self.held_component_slots(),
-        )
+        # Pages pending release are owned too: the partition holds before the queue drains as well.
+        cache.sanity_check(held_device=held, held_components=self.held_component_slots())
+        await cache.release_queue.drain()
+        # Every page of every pool has exactly one owner, checked page by page: the test's own
+        # allocations are the only caller-held pages.
+        cache.sanity_check(held_device=held, held_components=self.held_component_slots())
         assert cache.statistics().prefetches_in_flight == len(self.prefetches)
         check_pools_exact(
             cache, held_device=held, prefetch_host=[p.host_indices for p in self.prefetches.values()]
@@ -380,7 +381,13 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.leases[request_id] = Held(lease, tokens)
                 assert lease.cached_len == int(lease.device_indices.numel())
                 assert lease.cached_len <= len(tokens) // self.page_size * self.page_size
-                if lease.hit_tokens_by_tier["storage"]:
+                hits = lease.hit_tokens_by_tier
+                assert sum(hits.values()) == lease.cached_len
+                # A storage hit is a token this request's own prefetch loaded, never one that another
+                # request put in the tree meanwhile.
+                own = lease.prefetch.loaded_tokens if lease.prefetch is not None else 0
+                assert hits["storage"] <= own, (hits, lease.prefetch)
+                if hits["storage"]:
                     event("acquire hit storage")
                 if lease.prefetch is not None:
                     event(f"acquire prefetch {lease.prefetch.status}")
@@ -472,8 +479,9 @@ class ControllerMachine(RuleBasedStateMachine):
         held = self.leases.pop(request_id)
 
         async def go() -> None:
-            self.free_held(self.c, held)
-            self.c.release(held.lease)
+            # The request gives back what it computed with its lease; a second release is a no-op.
+            self.c.release(held.lease, held.computed, held.components or None)
+            held.computed, held.components = None, {}
             self.c.release(held.lease)  # idempotent
 
         self.run(go)

@@ -22,6 +22,7 @@ from controller_helpers import (
 from hicache import HiCache, PrefetchState, UnknownRequest
 from hicache.controller.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
+from hicache.memory import Owner
 from storage_backends.memory import MemoryBackend
 
 
@@ -96,7 +97,7 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         seq = tokens(500, 48)
         await store_sequence(backend, cache, seq)
         # A device-only chain for the first 16 tokens whose backup has not run yet.
-        device = cache.device_pool.alloc(16)
+        device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
         cache.tree.insert(seq[:16], device)
         parent = cache.match(seq[:16]).last_device_node
@@ -133,7 +134,7 @@ async def test_write_back_keeps_the_refill_under_a_device_only_parent(backend: M
     try:
         seq = tokens(500, 48)
         await store_sequence(backend, cache, seq)
-        device = cache.device_pool.alloc(16)
+        device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
         cache.tree.insert(seq[:16], device)
         outcome_prefetch = await cache.prefetch("r1", seq)

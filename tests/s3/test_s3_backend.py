@@ -12,7 +12,7 @@ from obstore.store import S3Store
 from s3_helpers import NAMESPACE, open_backend, unique_prefix
 from s3_servers import S3Server
 
-from hicache.errors import CacheClosed, StorageError, StorageUnavailable
+from hicache.errors import CacheClosed, StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.page_format import HEADER_SIZE
 from storage_backends.protocol import StorageBackend
 from storage_backends.registry import open_backend as open_registered
@@ -216,15 +216,22 @@ async def test_registry_opens_s3_urls(moto_server: S3Server) -> None:
 
 
 async def test_wrong_credentials_fail_pages_without_retrying(juicefs_server: S3Server) -> None:
-    """A 403 is not transient: the page fails at once, is counted as an error, and is not retried."""
+    """A 403 is not transient: the call fails at once with `StorageAuthError` (an outage for this cache,
+    never a miss), every page is counted as an error, and nothing is retried. Once a request of a batch
+    was refused, its pages not yet started are not sent."""
     async with open_backend(juicefs_server, secret_access_key="not-the-secret") as backend:
         _, bufs = host_pages(2)
-        assert await backend.put(keys_for(2), bufs) == [False, False]
-        assert await backend.get(keys_for(2), bufs) == [False, False]
+        with pytest.raises(StorageAuthError, match="refused"):
+            await backend.put(keys_for(2), bufs)
+        with pytest.raises(StorageAuthError, match="refused"):
+            await backend.get(keys_for(2), bufs)
+        with pytest.raises(StorageAuthError, match="refused"):
+            await backend.exists(keys_for(2))
         stats = backend.statistics()
-        assert stats.errors == 4
+        assert stats.errors >= 5
+        assert stats.misses == 0
         assert stats.retries == 0
-        assert stats.requests == 4
+        assert 3 <= stats.requests <= 6
 
 
 # --------------------------------------------------------------------------- configuration and redaction
@@ -284,7 +291,9 @@ async def test_credentials_never_appear_in_repr_logs_or_errors(caplog: pytest.Lo
     backend = S3Backend.from_url(url, namespace_digest=NAMESPACE)
     messages.append(repr(backend))
     _, bufs = host_pages(1)
-    assert await backend.get(keys_for(1), bufs) == [False]
+    with pytest.raises(StorageUnavailable) as down:
+        await backend.get(keys_for(1), bufs)
+    messages.append(str(down.value))
     with pytest.raises(StorageUnavailable) as unavailable:
         await backend.delete(keys_for(1))
     messages.append(str(unavailable.value))

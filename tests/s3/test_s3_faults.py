@@ -176,19 +176,36 @@ async def _proxied(server: S3Server) -> AsyncIterator[RangeIgnoringProxy]:
 
 
 async def test_dead_endpoint_fails_every_page_within_the_deadline() -> None:
-    """Against a closed port every page fails (False, or 0 for exists) after retries; nothing escapes."""
+    """Against a closed port every call fails after bounded retries with `StorageUnavailable`: an outage
+    is an error, never a page reported missing (`exists` used to answer 0, which read as an empty cache)."""
     with anyio.fail_after(HANG_GUARD_S):
         async with dead_backend() as backend:
             _, bufs = host_pages(6)
-            assert await backend.get(keys_for(6), bufs) == [False] * 6
-            assert await backend.put(keys_for(6), bufs) == [False] * 6
-            assert await backend.exists(keys_for(6)) == 0
+            with pytest.raises(StorageUnavailable, match="attempt"):
+                await backend.get(keys_for(6), bufs)
+            with pytest.raises(StorageUnavailable):
+                await backend.put(keys_for(6), bufs)
+            with pytest.raises(StorageUnavailable):
+                await backend.exists(keys_for(6))
             with pytest.raises(StorageUnavailable, match="deletes failed"):
                 await backend.delete(keys_for(2))
             stats = backend.statistics()
     assert stats.retries >= 1, "connection errors are retried"
-    assert stats.errors >= 12
+    assert stats.errors >= 13
+    assert stats.misses == 0, "an unreachable server is not a miss"
     assert stats.pages_read == stats.pages_written == 0
+
+
+async def test_retries_of_a_dead_endpoint_are_bounded_by_max_retries() -> None:
+    """However long the deadline, a refused connection is retried `max_retries` times, then given up:
+    the controller's breaker must learn of a dead endpoint quickly, not after a 30 s deadline."""
+    with anyio.fail_after(HANG_GUARD_S):
+        async with dead_backend(max_concurrency=1, max_retries=2, deadline_s=600.0) as backend:
+            with pytest.raises(StorageUnavailable, match="after 3 attempt"):
+                await backend.exists(keys_for(1))
+            stats = backend.statistics()
+    assert stats.requests == 3
+    assert stats.retries == 2
 
 
 async def test_a_batch_gives_up_once_the_server_is_known_unreachable() -> None:
@@ -199,14 +216,15 @@ async def test_a_batch_gives_up_once_the_server_is_known_unreachable() -> None:
     with anyio.fail_after(HANG_GUARD_S):
         async with dead_backend(max_concurrency=1) as backend:
             _, bufs = host_pages(20)
-            assert await backend.get(keys_for(20), bufs) == [False] * 20
+            with pytest.raises(StorageUnavailable):
+                await backend.get(keys_for(20), bufs)
             stats = backend.statistics()
     assert stats.errors == 20
     assert stats.requests == stats.retries + 1, "only the first page made requests: its attempts"
 
 
 async def test_a_server_that_never_answers_times_out_each_attempt() -> None:
-    """A silent server (accepts, never responds) costs attempt timeouts, then a False page."""
+    """A silent server (accepts, never responds) costs attempt timeouts, then `StorageUnavailable`."""
     with anyio.fail_after(HANG_GUARD_S):
         async with Blackhole() as hole:
             backend = S3Backend(
@@ -215,8 +233,10 @@ async def test_a_server_that_never_answers_times_out_each_attempt() -> None:
             )  # fmt: skip
             async with backend:
                 _, bufs = host_pages(3)
-                assert await backend.get(keys_for(3), bufs) == [False] * 3
-                assert await backend.exists(keys_for(3)) == 0
+                with pytest.raises(StorageUnavailable, match="timed out"):
+                    await backend.get(keys_for(3), bufs)
+                with pytest.raises(StorageUnavailable, match="timed out"):
+                    await backend.exists(keys_for(3))
                 stats = backend.statistics()
     assert stats.errors >= 3
     assert stats.retries >= 1

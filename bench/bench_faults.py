@@ -1,0 +1,314 @@
+"""What storage faults and overload cost a serving loop: an S3 outage, and write-through on a saturated loop.
+
+Two parts, each against a baseline measured in the same run:
+
+- **storage down**: a cache whose S3 tier points at a dead endpoint (a closed loopback port). The first
+  requests fail their lookups (bounded retries) until the circuit breaker opens; from then on every
+  `acquire` skips storage without I/O. Baseline: the same acquires on a cache without a storage tier,
+  alternating passes. Reported: the per-acquire p50/p99 of both, and the overhead (goal: p99 < 1 ms),
+  plus what the failing lookups cost before the breaker opened.
+- **saturated soak**: `--workers` tasks serve `--requests` requests back to back (acquire, allocate,
+  write KV, insert; never pausing, so the event loop is never idle) on a cache with write-through to the
+  file backend and bounded queues. Reported: pages written to storage by the end of the soak over unique
+  pages inserted (goal >= 0.9), the queues' high-water marks against their limits, work shed, and the
+  soak's rate against the same soak on a cache without storage.
+
+Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8]
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+from _loop_timing import run_with_ticker
+
+from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
+from hicache.controller.breaker import BreakerState
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
+from storage_backends.file import FileBackend
+
+PAGE = 16
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
+"""8 KiB pages."""
+NAMESPACE = Namespace(model="bench-faults")
+OVERHEAD_GOAL_MS = 1.0
+WRITE_FRACTION_GOAL = 0.9
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# --------------------------------------------------------------------------- storage down
+
+
+def prompts(n: int, pages: int, seed: int) -> list[list[int]]:
+    """`n` distinct prompts of `pages` whole pages, never cached (every acquire is a full miss)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1 << 30) for _ in range(pages * PAGE)] for _ in range(n)]
+
+
+async def acquire_pass(cache: HiCache, batch: Sequence[list[int]], tag: str) -> list[float]:
+    """Acquire and release each prompt; the acquire latencies in ms."""
+    times: list[float] = []
+    for i, tokens in enumerate(batch):
+        start = time.perf_counter()
+        lease = await cache.acquire(f"{tag}-{i}", tokens)
+        times.append((time.perf_counter() - start) * 1000)
+        cache.release(lease)
+    return times
+
+
+@dataclass
+class DownResult:
+    base_ms: list[float]
+    down_ms: list[float]
+    opening_ms: list[float]
+    probes: int
+    skipped: float
+
+
+async def storage_down(acquires: int, rounds: int) -> DownResult:
+    """Alternating passes of acquires on a cache without storage and on one whose S3 endpoint is dead."""
+    url = (
+        f"s3://bucket/p?endpoint=http://127.0.0.1:{closed_port()}&access_key_id=bench-key-id"
+        "&secret_access_key=bench-secret-value"
+        "&region=us-east-1"
+    )
+    common: dict[str, Any] = {
+        "layout": LAYOUT,
+        "device_pages": 256,
+        "host_pages": 512,
+        "namespace": NAMESPACE,
+        "prefetch_threshold": PAGE,
+    }
+    batch = prompts(acquires // rounds, 8, seed=1)
+    base_ms: list[float] = []
+    down_ms: list[float] = []
+    async with (
+        HiCache(HiCacheConfig(**common)) as base,
+        HiCache(HiCacheConfig(**common, storage_url=url)) as down,
+    ):
+        # The outage as a serving loop meets it: lookups fail (fast: bounded retries) until it opens.
+        opening_ms: list[float] = []
+        while down.storage_breaker.state is not BreakerState.OPEN:
+            opening_ms.extend(await acquire_pass(down, batch[:1], f"open{len(opening_ms)}"))
+        await acquire_pass(base, batch[:50], "warm")
+        await acquire_pass(down, batch[:50], "warm")
+        for r in range(rounds):
+            times, _, _ = await run_with_ticker(lambda r=r: acquire_pass(base, batch, f"b{r}"))  # type: ignore[misc]
+            base_ms.extend(times)
+            times, _, _ = await run_with_ticker(lambda r=r: acquire_pass(down, batch, f"d{r}"))  # type: ignore[misc]
+            down_ms.extend(times)
+        probes = down.storage_breaker.statistics().probes
+        skipped = down.metrics.prefetch_skipped.value(reason="storage_unavailable")
+    return DownResult(base_ms, down_ms, opening_ms, probes, skipped)
+
+
+# --------------------------------------------------------------------------- saturated soak
+
+
+@dataclass
+class SoakResult:
+    seconds: float
+    served: int
+    unique_pages: int
+    pages_written: int
+    pages_written_after_drain: int
+    max_backup_queue: int
+    max_storage_queue: int
+    shed: dict[str, float]
+    later_hit_fraction: float
+
+
+def soak_requests(n: int, seed: int) -> list[list[int]]:
+    """Requests as a chat service sees them: one of 8 system prompts (4 pages), one of 200 documents
+    (2-10 pages), and a request-specific question (0-3 pages, plus a partial page)."""
+    rng = random.Random(seed)
+    systems = [list(range(10**6 * (s + 1), 10**6 * (s + 1) + 4 * PAGE)) for s in range(8)]
+    docs = [
+        list(range(10**8 + 10**4 * d, 10**8 + 10**4 * d + PAGE * rng.randrange(2, 11))) for d in range(200)
+    ]
+    out = []
+    for i in range(n):
+        question = list(range(10**9 + 1000 * i, 10**9 + 1000 * i + rng.randrange(0, 4 * PAGE)))
+        out.append(systems[i % 8] + docs[rng.randrange(200)] + question)
+    return out
+
+
+async def soak(requests: list[list[int]], workers: int, storage_root: str | None) -> SoakResult:
+    """Serve `requests` from `workers` tasks with no pause; with `storage_root`, write through to files."""
+    config = HiCacheConfig(
+        layout=LAYOUT,
+        device_pages=1024,
+        host_pages=4096,
+        namespace=NAMESPACE,
+        storage_url=None if storage_root is None else f"file://{storage_root}",
+        prefetch_threshold=4 * PAGE,
+    )
+    unique: set[bytes] = set()
+    served = 0
+    async with HiCache(config) as cache:
+        cursor = iter(enumerate(requests))
+
+        async def worker() -> None:
+            nonlocal served
+            for i, tokens in cursor:
+                lease = await cache.acquire(f"soak-{i}", tokens)
+                need = -(-len(tokens) // PAGE) * PAGE - lease.cached_len
+                new = await cache.alloc_device(need)
+                if new is None:
+                    cache.release(lease)
+                    continue
+                await cache.insert(lease, tokens, torch.cat([lease.device_indices, new]))
+                served += 1
+                key = as_key_bytes(tokens)
+                unique.update(chained_page_hashes(key, PAGE, NAMESPACE, ROOT_HASH))
+
+        async def run() -> None:
+            async with anyio.create_task_group() as tg:
+                for _ in range(workers):
+                    tg.start_soon(worker)
+
+        _, seconds, _ = await run_with_ticker(run)
+        stats = cache.statistics()
+        written = written_after = 0
+        if isinstance(cache.storage, FileBackend):
+            written = cache.storage.statistics().pages_written
+            await cache.wait_idle()
+            written_after = cache.storage.statistics().pages_written
+        shed = {
+            f"{s['labels']['tier']}/{s['labels']['reason']}": s["value"]
+            for s in cache.registry.snapshot()["writes_shed_total"]["samples"]
+        }
+        later = 0.0
+    if storage_root is not None:
+        # A fresh instance on the same storage: how much of the first 200 requests' prefix it can prefetch.
+        later_config = HiCacheConfig(
+            layout=LAYOUT,
+            device_pages=4096,
+            host_pages=4096,
+            namespace=NAMESPACE,
+            storage_url=f"file://{storage_root}",
+            prefetch_threshold=PAGE,
+        )
+        async with HiCache(later_config) as reader:
+            hit = total = 0
+            for i, tokens in enumerate(requests[:200]):
+                lease = await reader.acquire(f"later-{i}", tokens)
+                hit += lease.cached_len
+                total += len(tokens) // PAGE * PAGE
+                reader.release(lease)
+            later = hit / total
+    return SoakResult(
+        seconds=seconds,
+        served=served,
+        unique_pages=len(unique),
+        pages_written=written,
+        pages_written_after_drain=written_after,
+        max_backup_queue=stats.backups_queued_max,
+        max_storage_queue=stats.storage_writes_queued_max,
+        shed=shed,
+        later_hit_fraction=later,
+    )
+
+
+# --------------------------------------------------------------------------- main
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    down = await storage_down(args.acquires, args.rounds)
+    base_p50, base_p99 = quantile(down.base_ms, 0.5), quantile(down.base_ms, 0.99)
+    down_p50, down_p99 = quantile(down.down_ms, 0.5), quantile(down.down_ms, 0.99)
+    overhead_p99 = down_p99 - base_p99
+    print(f"storage down (S3 endpoint refused), {len(down.down_ms)} acquires of 8-page misses per cache:")
+    print(
+        f"  before the breaker opened: {len(down.opening_ms)} acquires, "
+        f"median {statistics.median(down.opening_ms):.1f} ms (bounded retries of a refused connection)"
+    )
+    print(f"  no storage tier (baseline): p50 {base_p50:.3f} ms  p99 {base_p99:.3f} ms")
+    print(
+        f"  breaker open:               p50 {down_p50:.3f} ms  p99 {down_p99:.3f} ms  "
+        f"(ratio p99 {down_p99 / base_p99:.2f}; {down.probes} probes, {down.skipped:.0f} prefetches skipped "
+        "as storage_unavailable)"
+    )
+    print(f"  overhead p99 {overhead_p99:.3f} ms (goal < {OVERHEAD_GOAL_MS} ms)")
+
+    requests = soak_requests(args.requests, seed=3)
+    base = await soak(requests, args.workers, None)
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-faults-") as root:
+        wt = await soak(requests, args.workers, root)
+    limits = HiCacheConfig(layout=LAYOUT, device_pages=1, host_pages=1)
+    fraction = wt.pages_written / wt.unique_pages
+    print(
+        f"saturated soak: {args.requests} requests, {args.workers} workers, no pause "
+        f"(file backend, write-through):"
+    )
+    print(
+        f"  requests/s: no storage {base.served / base.seconds:.0f}, write-through "
+        f"{wt.served / wt.seconds:.0f} (ratio {(wt.served / wt.seconds) / (base.served / base.seconds):.2f})"
+    )
+    print(
+        f"  pages written by the end of the soak {wt.pages_written} / unique pages inserted "
+        f"{wt.unique_pages} = {fraction:.3f} (goal >= {WRITE_FRACTION_GOAL}); after draining "
+        f"{wt.pages_written_after_drain}"
+    )
+    print(
+        f"  max backup queue {wt.max_backup_queue} (limit {limits.backup_queue_limit}), max storage queue "
+        f"{wt.max_storage_queue} (limit {limits.storage_write_queue_limit}); shed {wt.shed or 'nothing'}"
+    )
+    print(f"  a fresh instance then hits {wt.later_hit_fraction:.3f} of the first 200 requests' pages")
+    return {
+        "bench": "faults",
+        "acquire_overhead_ms_p99_storage_down": round(overhead_p99, 4),
+        "acquire_ms_p99_no_storage": round(base_p99, 4),
+        "acquire_ms_p99_storage_down": round(down_p99, 4),
+        "acquire_ms_median_before_breaker_opened": round(statistics.median(down.opening_ms), 2),
+        "soak_storage_write_fraction": round(fraction, 4),
+        "soak_later_hit_fraction": round(wt.later_hit_fraction, 4),
+        "soak_rate_ratio_vs_no_storage": round((wt.served / wt.seconds) / (base.served / base.seconds), 3),
+        "max_backup_queue": wt.max_backup_queue,
+        "max_storage_queue": wt.max_storage_queue,
+        "backup_queue_limit": limits.backup_queue_limit,
+        "storage_write_queue_limit": limits.storage_write_queue_limit,
+        "writes_shed": wt.shed,
+        "goals_met": overhead_p99 < OVERHEAD_GOAL_MS
+        and fraction >= WRITE_FRACTION_GOAL
+        and wt.max_backup_queue <= limits.backup_queue_limit
+        and wt.max_storage_queue <= limits.storage_write_queue_limit,
+    }
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="  log %(name)s: %(message)s")
+    logging.getLogger("hicache.cache").setLevel(logging.ERROR)  # one line per failed lookup otherwise
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--acquires", type=int, default=2000, help="acquires per cache in the storage-down part"
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="alternating passes in the storage-down part")
+    parser.add_argument("--requests", type=int, default=4000, help="requests in the soak")
+    parser.add_argument("--workers", type=int, default=8, help="serving tasks in the soak")
+    summary = anyio.run(main, parser.parse_args())
+    print(json.dumps(summary))

@@ -11,7 +11,8 @@ Two parts, each against a baseline measured in the same run:
   write KV, insert; never pausing, so the event loop is never idle) on a cache with write-through to the
   file backend and bounded queues. Reported: pages written to storage by the end of the soak over unique
   pages inserted (goal >= 0.9), the queues' high-water marks against their limits, work shed, and the
-  soak's rate against the same soak on a cache without storage.
+  soak's rate against the same soak on a cache without storage; the soak is repeated on the memory
+  backend to separate the controller's cost from the file backend's I/O.
 
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8]
 Ends with one JSON line.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import socket
 import statistics
@@ -39,6 +41,7 @@ from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.controller.breaker import BreakerState
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.file import FileBackend
+from storage_backends.memory import MemoryBackend
 
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
@@ -157,14 +160,14 @@ def soak_requests(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-async def soak(requests: list[list[int]], workers: int, storage_root: str | None) -> SoakResult:
-    """Serve `requests` from `workers` tasks with no pause; with `storage_root`, write through to files."""
+async def soak(requests: list[list[int]], workers: int, storage_url: str | None) -> SoakResult:
+    """Serve `requests` from `workers` tasks with no pause; with `storage_url`, write through to it."""
     config = HiCacheConfig(
         layout=LAYOUT,
         device_pages=1024,
         host_pages=4096,
         namespace=NAMESPACE,
-        storage_url=None if storage_root is None else f"file://{storage_root}",
+        storage_url=storage_url,
         prefetch_threshold=4 * PAGE,
     )
     unique: set[bytes] = set()
@@ -194,7 +197,7 @@ async def soak(requests: list[list[int]], workers: int, storage_root: str | None
         _, seconds, _ = await run_with_ticker(run)
         stats = cache.statistics()
         written = written_after = 0
-        if isinstance(cache.storage, FileBackend):
+        if isinstance(cache.storage, FileBackend | MemoryBackend):
             written = cache.storage.statistics().pages_written
             await cache.wait_idle()
             written_after = cache.storage.statistics().pages_written
@@ -203,14 +206,14 @@ async def soak(requests: list[list[int]], workers: int, storage_root: str | None
             for s in cache.registry.snapshot()["writes_shed_total"]["samples"]
         }
         later = 0.0
-    if storage_root is not None:
+    if storage_url is not None:
         # A fresh instance on the same storage: how much of the first 200 requests' prefix it can prefetch.
         later_config = HiCacheConfig(
             layout=LAYOUT,
             device_pages=4096,
             host_pages=4096,
             namespace=NAMESPACE,
-            storage_url=f"file://{storage_root}",
+            storage_url=storage_url,
             prefetch_threshold=PAGE,
         )
         async with HiCache(later_config) as reader:
@@ -258,7 +261,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     requests = soak_requests(args.requests, seed=3)
     base = await soak(requests, args.workers, None)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-faults-") as root:
-        wt = await soak(requests, args.workers, root)
+        wt = await soak(requests, args.workers, f"file://{root}")
+    mem = await soak(requests, args.workers, f"memory://bench-faults-{os.getpid()}")
     limits = HiCacheConfig(layout=LAYOUT, device_pages=1, host_pages=1)
     fraction = wt.pages_written / wt.unique_pages
     print(
@@ -279,6 +283,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         f"{wt.max_storage_queue} (limit {limits.storage_write_queue_limit}); shed {wt.shed or 'nothing'}"
     )
     print(f"  a fresh instance then hits {wt.later_hit_fraction:.3f} of the first 200 requests' pages")
+    mem_ratio = (mem.served / mem.seconds) / (base.served / base.seconds)
+    print(
+        f"  the same soak writing through to the memory backend (the controller's share, no file I/O): "
+        f"{mem.served / mem.seconds:.0f} requests/s (ratio {mem_ratio:.2f}), write fraction "
+        f"{mem.pages_written / mem.unique_pages:.3f}, max queues {mem.max_backup_queue}/{mem.max_storage_queue}"
+    )
     return {
         "bench": "faults",
         "acquire_overhead_ms_p99_storage_down": round(overhead_p99, 4),
@@ -288,6 +298,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "soak_storage_write_fraction": round(fraction, 4),
         "soak_later_hit_fraction": round(wt.later_hit_fraction, 4),
         "soak_rate_ratio_vs_no_storage": round((wt.served / wt.seconds) / (base.served / base.seconds), 3),
+        "soak_rate_ratio_memory_backend_vs_no_storage": round(mem_ratio, 3),
+        "soak_storage_write_fraction_memory_backend": round(mem.pages_written / mem.unique_pages, 4),
         "max_backup_queue": wt.max_backup_queue,
         "max_storage_queue": wt.max_storage_queue,
         "backup_queue_limit": limits.backup_queue_limit,

@@ -44,6 +44,8 @@ __all__ = ["CacheStatistics", "HiCache", "Lease"]
 logger = logging.getLogger("hicache.cache")
 
 _MAX_BATCH = 64
+_BACKPRESSURE_WAIT_S = 0.005
+"""The most one `insert` waits for a background queue above half its limit to drain below it."""
 """Most queued backups (or storage writes) one background job takes: one device->host copy (or one storage
 `put`) then serves every request that queued work meanwhile, so a saturated loop still drains the queues."""
 
@@ -597,6 +599,11 @@ class HiCache:
                 after the last token); the cache owns them from here on and frees what the tree
                 does not keep.
 
+        Backpressure: while backups or storage writes are queued, `insert` first gives their workers a
+        turn of the event loop, and while a queue is above half its limit it waits (at most 5 ms) for it
+        to drain below; a serving loop that never suspends otherwise starves them. Cancelled during that
+        wait, nothing was inserted and the lease is still held.
+
         Raises:
             TypeError: when `device_indices` is not an int64 tensor.
             ValueError, PoolError: naming `device_indices` when it has the wrong length, does not start
@@ -606,6 +613,7 @@ class HiCache:
                 released lease or tokens not extending its prefix. Nothing changes then: the pools,
                 the tree and the lease stay as they were.
         """
+        await self._give_workers_a_turn()
         self._check_open("insert")
         if not lease.active:
             raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
@@ -872,6 +880,18 @@ class HiCache:
             self.device_pool.free(device_indices[max(offset, start) - start :])
         for (_, name), (_, copy) in pending.items():  # copies of nodes not attached here
             self.component_pools[name][0].free(copy)
+
+    async def _give_workers_a_turn(self) -> None:
+        """Backpressure on the serving loop: yield to the backup and storage-write workers when they have
+        work, and wait (bounded) for a queue above half its limit."""
+        if self._backups.idle and self._storage_writes.idle:
+            return
+        await anyio.lowlevel.checkpoint()
+        for queue in (self._backups, self._storage_writes):
+            watermark = (queue.limit or 0) // 2
+            if queue.limit is not None and len(queue) > watermark:
+                with anyio.move_on_after(_BACKPRESSURE_WAIT_S):
+                    await queue.wait_below(watermark)
 
     def _schedule_backups(self, targets: Sequence[TreeNode]) -> None:
         shed = self._backups.put(targets)

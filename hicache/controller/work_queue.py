@@ -9,7 +9,8 @@ queues the path again, and backup and write-through both cover a target's whole 
 
 Throughput: the worker takes up to `max_batch` items per job call, so one thread hop (a copy, a storage
 put) serves every request that queued work meanwhile; a saturated event loop then still drains the queue
-instead of giving the worker one item per turn.
+instead of giving the worker one item per turn. The producer gives the worker its turns (`wait_below`;
+see `HiCache.insert`): a serving task that never suspends would otherwise never let it run at all.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class WorkQueue(Generic[T]):
         self._unfinished = 0
         self._max_queued = 0
         self._wakeup = anyio.Event()
+        self._taken = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -106,6 +108,13 @@ class WorkQueue(Generic[T]):
         """Wait until every queued job has finished."""
         await self._idle.wait()
 
+    async def wait_below(self, n: int) -> None:
+        """Wait until at most `n` items are queued (the worker took the rest)."""
+        while len(self._items) > n:
+            if self._taken.is_set():
+                self._taken = anyio.Event()
+            await self._taken.wait()
+
     async def run(self) -> None:
         """The worker: runs queued jobs, up to `max_batch` items per call, until cancelled."""
         while True:
@@ -113,6 +122,7 @@ class WorkQueue(Generic[T]):
             self._wakeup = anyio.Event()
             while self._items:
                 batch = [self._items.popleft() for _ in range(min(self.max_batch, len(self._items)))]
+                self._taken.set()
                 try:
                     await self._job(batch)
                 except Exception:

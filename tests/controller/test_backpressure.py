@@ -94,18 +94,23 @@ async def test_storage_writes_beyond_the_limit_are_shed_newest_first_and_counted
             assert reader.metrics.prefetch_skipped.value(reason="storage_miss") == 1
 
 
-async def test_saturated_soak_keeps_queues_bounded_and_storage_writes_flowing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["file", "memory"])
+async def test_saturated_soak_keeps_queues_bounded_and_storage_writes_flowing(
+    backend: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Eight workers serve requests back to back, never pausing (the loop is never idle): both queues
     stay within their limits, pages reach storage during the soak, and a later cache hits them.
 
     Guards against write-through that only progressed when the loop was idle: on a saturated loop the
-    backup queue grew without bound and almost nothing reached storage.
+    backup queue grew without bound and almost nothing reached storage. On the memory backend a request
+    never suspends at all, so the workers run only because `insert` gives them their turn.
     """
+    url = f"file://{tmp_path}" if backend == "file" else f"memory://soak-{id(request)}"
     backup_limit, storage_limit = 8, 4
     config = make_config(
         device_pages=256,
         host_pages=1024,
-        storage_url=f"file://{tmp_path}",
+        storage_url=url,
         backup_queue_limit=backup_limit,
         storage_write_queue_limit=storage_limit,
         prefetch_threshold=4 * PAGE,
@@ -132,9 +137,9 @@ async def test_saturated_soak_keeps_queues_bounded_and_storage_writes_flowing(tm
         async with anyio.create_task_group() as tg:
             for _ in range(8):
                 tg.start_soon(worker)
-        file_backend = cache.storage
-        assert isinstance(file_backend, FileBackend)
-        written_during_soak = file_backend.statistics().pages_written
+        storage = cache.storage
+        assert isinstance(storage, FileBackend | MemoryBackend)
+        written_during_soak = storage.statistics().pages_written
         stats = cache.statistics()
         assert stats.backups_queued_max <= backup_limit
         assert stats.storage_writes_queued_max <= storage_limit
@@ -142,7 +147,7 @@ async def test_saturated_soak_keeps_queues_bounded_and_storage_writes_flowing(tm
         await cache.wait_idle()
         cache.sanity_check()
 
-    async with HiCache(make_config(storage_url=f"file://{tmp_path}", prefetch_threshold=4 * PAGE)) as reader:
+    async with HiCache(make_config(storage_url=url, prefetch_threshold=4 * PAGE)) as reader:
         hits = 0
         for s, system in enumerate(systems):
             lease = await reader.acquire(f"later-{s}", system)

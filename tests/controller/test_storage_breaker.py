@@ -1,0 +1,150 @@
+"""The storage breaker inside the cache: lookups that hang or fail open it, and then prefetch and
+write-through skip storage without calling it. Fake clock; storage answers (or not) at gates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+from controller_helpers import (
+    PAGE,
+    PassThroughBackend,
+    insert_device_chain,
+    make_config,
+    store_sequence,
+    tokens,
+)
+
+from hicache import BreakerState, CircuitBreaker, HiCache, HiCacheConfig, StorageUnavailable
+from storage_backends.memory import MemoryBackend
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Flaky(PassThroughBackend):
+    """A memory backend that hangs (`hang`) or fails (`down`) every call while told to; counts calls."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        super().__init__(inner)
+        self.hang = False
+        self.down = False
+        self.calls = 0
+
+    async def _enter(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise StorageUnavailable("the test took storage down")
+        if self.hang:
+            await anyio.sleep_forever()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        await self._enter()
+        return await self.inner.exists(keys)
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        await self._enter()
+        return await self.inner.put(keys, buffers)
+
+
+def counter(cache: HiCache, name: str, **labels: str) -> float:
+    metric = cache.registry.get(name)
+    assert metric is not None, name
+    return float(metric.value(**labels))  # type: ignore[attr-defined]
+
+
+async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage() -> None:
+    """A storage that hangs: each lookup is cut by the prefetch deadline and counted as a `timeout`
+    error (not a miss); after the threshold the breaker is open and lookups are not even started."""
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    storage = Flaky(inner)
+    clock = FakeClock()
+    breaker = CircuitBreaker(threshold=2, backoff_initial_s=5.0, clock=clock)
+    config = make_config(
+        prefetch_timeout_base=0.01, prefetch_timeout_per_1k_tokens=0.0, backup_to_storage=False
+    )
+    async with inner, HiCache(config, storage=storage, storage_breaker=breaker) as cache:
+        await store_sequence(inner, cache, tokens(0, 8 * PAGE))
+        storage.hang = True
+        for i in range(2):
+            lease = await cache.acquire(f"hung-{i}", tokens(0, 8 * PAGE))
+            assert lease.cached_len == 0
+            cache.release(lease)
+        assert breaker.state is BreakerState.OPEN
+        assert counter(cache, "storage_errors_total", op="exists", kind="timeout") == 2
+        assert counter(cache, "prefetch_skipped_total", reason="storage_error") == 2
+        calls = storage.calls
+        for i in range(5):
+            lease = await cache.acquire(f"open-{i}", tokens(0, 8 * PAGE))
+            cache.release(lease)
+        assert storage.calls == calls
+        assert counter(cache, "prefetch_skipped_total", reason="storage_unavailable") == 5
+        assert counter(cache, "prefetch_skipped_total", reason="storage_miss") == 0
+        stats = cache.statistics().storage_breaker
+        assert stats is not None
+        assert stats.state is BreakerState.OPEN
+        assert stats.opened == 1
+
+        # The probe hangs too: it is cut by the deadline, counted as failed, and the backoff doubles.
+        clock.now += 5.0
+        lease = await cache.acquire("probe-1", tokens(0, 8 * PAGE))
+        cache.release(lease)
+        assert breaker.state is BreakerState.OPEN
+        assert breaker.statistics().backoff_s == 10.0
+
+        # Storage answers again: the next due probe closes the breaker and the prefetch loads the pages.
+        storage.hang = False
+        clock.now += 10.0
+        lease = await cache.acquire("probe-2", tokens(0, 8 * PAGE))
+        assert breaker.state is BreakerState.CLOSED
+        assert lease.hit_tokens_by_tier["storage"] == 8 * PAGE
+        cache.release(lease)
+        await cache.wait_idle()
+        cache.sanity_check()
+
+
+async def test_write_through_is_shed_while_storage_is_down() -> None:
+    """Backups still go to host, but their storage writes are shed (counted), not attempted, while the
+    breaker is open; `exists`/`put` failures are `unavailable` errors."""
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    storage = Flaky(inner)
+    breaker = CircuitBreaker(threshold=1, backoff_initial_s=20.0, clock=FakeClock())
+    async with inner, HiCache(make_config(), storage=storage, storage_breaker=breaker) as cache:
+        storage.down = True
+        await insert_device_chain(cache, tokens(0, 4 * PAGE))
+        await cache.wait_idle()
+        assert breaker.state is BreakerState.OPEN
+        assert counter(cache, "storage_errors_total", op="exists", kind="unavailable") == 1
+        calls = storage.calls
+        for i in range(1, 4):
+            await insert_device_chain(cache, tokens(1000 * i, 4 * PAGE))
+        await cache.wait_idle()
+        assert storage.calls == calls
+        # The first request's lookup opened the breaker, so its write-through was shed as well.
+        assert counter(cache, "writes_shed_total", tier="storage", reason="storage_unavailable") == 4
+        assert counter(cache, "storage_breaker_state", tier="storage") == BreakerState.OPEN
+        assert cache.statistics().tree.host_tokens == 16 * PAGE, "backups to host went on"
+        cache.sanity_check()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("storage_breaker_threshold", 0, ValueError),
+        ("storage_breaker_backoff_s", 0.0, ValueError),
+        ("storage_breaker_backoff_max_s", 0.5, ValueError),
+        ("backup_queue_limit", 0, ValueError),
+        ("storage_write_queue_limit", "many", TypeError),
+    ],
+)
+def test_bad_breaker_and_queue_settings_name_the_field(
+    field: str, value: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=field):
+        HiCacheConfig(**{**make_config().__dict__, field: value})

@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 
 FUZZ_ROUNDS ?= 20
 PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py \
-	tests/controller/test_controller_components_machine.py tests/memory/test_memory_allocator.py
+	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
+	tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults gpu-check venv clean
+.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +37,7 @@ check: $(STAMP)
 	$(BIN)/ruff format --check hicache storage_backends tests bench examples
 	$(BIN)/mypy
 
-bench: bench-tree bench-io bench-s3 bench-transfer bench-faults
+bench: bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership
 
 bench-tree: $(STAMP)
 	$(BIN)/python bench/bench_tree.py
@@ -52,6 +53,9 @@ bench-transfer: $(STAMP)
 
 bench-faults: $(STAMP)
 	$(BIN)/python bench/bench_faults.py
+
+bench-ownership: $(STAMP)
+	$(BIN)/python bench/bench_ownership.py
 
 # On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
 gpu-check:

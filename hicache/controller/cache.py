@@ -20,6 +20,7 @@ from typing import Self
 
 import anyio
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.components import Component, component_storage_key
@@ -33,7 +34,15 @@ from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.work_queue import WorkQueue
 from hicache.errors import CacheClosed, InvariantViolation, StorageCircuitOpen, UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_hashes
-from hicache.memory import KVPool, Owner, PoolStatistics, copy_pages_async, make_device_pool, make_host_pool
+from hicache.memory import (
+    KVPool,
+    Owner,
+    PoolStatistics,
+    check_token_indices,
+    copy_pages_async,
+    make_device_pool,
+    make_host_pool,
+)
 from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
 from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
 from storage_backends.protocol import StorageBackend
@@ -559,7 +568,9 @@ class HiCache:
             pool.free(indices)
 
     def _caller_claims(
-        self, device_indices: torch.Tensor | None, components: Mapping[str, torch.Tensor] | None
+        self,
+        device_indices: torch.Tensor | npt.NDArray[np.int64] | None,
+        components: Mapping[str, torch.Tensor] | None,
     ) -> list[tuple[KVPool, torch.Tensor]]:
         """Check that `device_indices` and `components` are pages the caller holds (from `alloc_device`,
         `alloc_component`, not inserted, no page twice); return them with their pools. Changes nothing.
@@ -567,7 +578,8 @@ class HiCache:
         out: list[tuple[KVPool, torch.Tensor]] = []
         if device_indices is not None:
             self.device_pool.check_owned(device_indices, Owner.LEASE, name="device_indices")
-            out.append((self.device_pool, device_indices))
+            if isinstance(device_indices, torch.Tensor):  # `insert` checks a numpy view and frees nothing
+                out.append((self.device_pool, device_indices))
         if components:
             if not isinstance(components, Mapping):
                 raise TypeError(f"components: expected a mapping of name to indices, got {components!r:.80}")
@@ -634,10 +646,12 @@ class HiCache:
         ):
             raise ValueError("tokens: must start with the lease's cached prefix")
         cached = lease.cached_len
+        # One numpy view for the checks below: each costs a microsecond or two there.
+        index_array = check_token_indices(device_indices, name="device_indices").numpy()
         # The rest must be pages the caller got from `alloc_device` (and components' slots from
         # `alloc_component`) and still holds: anything else would let two owners share a page.
-        self._caller_claims(device_indices[cached:], components)
-        if not np.array_equal(device_indices[:cached].numpy(), lease.device_indices.numpy()):
+        self._caller_claims(index_array[cached:], components)
+        if not (index_array[:cached] == lease.device_indices.numpy()).all():
             raise ValueError(
                 f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
             )
@@ -648,7 +662,7 @@ class HiCache:
             result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
         # The tree owns what it took; the rest is freed below (duplicates, the partial tail, components
         # it did not keep).
-        self.device_pool.set_owner(device_indices[cached:], Owner.TREE)
+        self.device_pool.set_owner(index_array[cached:], Owner.TREE)
         for name, indices in (components or {}).items():
             self.component_pools[name][0].set_owner(indices, Owner.TREE)
         if result.prefix_len > lease.cached_len:
@@ -709,8 +723,10 @@ class HiCache:
     async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for `num_tokens` (a multiple of the page size), evicting as needed.
 
-        Under write-back, evicted nodes are backed up to host first. Returns None when not enough can be
-        evicted (running out is a value, not an error).
+        Succeeds whenever free device pages and the device pages of nodes without a device or host lock
+        can make room, under every write policy and host size. Under write-back, evicted nodes are backed
+        up to host first while their un-backed chains fit there, and dropped beyond that. Returns None
+        when not enough can be evicted (running out is a value, not an error).
         """
         self._check_open("alloc_device")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -719,27 +735,37 @@ class HiCache:
             raise ValueError(
                 f"num_tokens: expected a non-negative multiple of {self.page_size}, got {num_tokens}"
             )
+        offer_host = True
         while True:
             indices = self.device_pool.alloc(num_tokens)
             if indices is not None:
                 return indices
             need = num_tokens - self.device_pool.statistics().free_pages * self.page_size
-            result = self.tree.evict_device(need, host_free_tokens=self._host_room())
+            # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
+            room = self._host_room() if offer_host else 0
+            result = self.tree.evict_device(need, host_free_tokens=room)
             self.device_pool.free(result.freed_device)
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
-            backed_up = 0
-            for node in result.backup_first:
-                backed_up += await self._backup(node)
-            if result.freed_device.numel() == 0 and not backed_up:
+            # Root-first chains, each below the earlier ones: one batch begins them in order, so
+            # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
+            backed_up = await self._backup_many(result.backup_first) if result.backups else 0
+            if result.freed_device.numel() or backed_up:
+                continue
+            if not result.backups:
                 return None  # nothing could be evicted, nor backed up to make it evictable
+            # The planned backups found no host room after all (taken meanwhile by other work): plan
+            # again without host room, so that un-backed leaves are dropped instead of waited on.
+            offer_host = False
 
     def _host_room(self) -> int:
-        """Host tokens available for backups: free pages plus what host eviction can reclaim."""
+        """Host tokens a backup can have now: free pages plus what `evict_host` can really reclaim (host
+        copies of host-only nodes without a host or device lock; never a device node's copy, a locked
+        one, or an ancestor of a node on the device)."""
         self.release_queue.flush()
         free = self.host_pool.statistics().free_pages * self.page_size
-        return free + self.tree.statistics().evictable_host_tokens
+        return free + self.tree.statistics().reclaimable_host_tokens
 
     def _alloc_host(self, num_tokens: int, *, owner: Owner, partial: bool = False) -> torch.Tensor | None:
         """Allocate host pages for `owner`, evicting host-only leaves if needed; `partial` takes what can
@@ -1027,12 +1053,18 @@ class HiCache:
             request_id: unique among prefetches in flight.
             tokens: the request's tokens.
             match: the request's match (computed here when omitted).
-            transfers: component buffers staged with this prefetch; they are released with it.
+            transfers: component buffers staged with this prefetch; they are released with it. Their
+                indices into a `KVPool` must be pages the caller holds (allocated, not handed over).
+
+        Raises:
+            ValueError: naming `request_id` when it is empty or already has a prefetch in flight.
+            PoolError: naming `transfers` when one holds an index the caller does not hold.
         """
         self._check_open("prefetch")
         _check_request_id(request_id)
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
+        self._check_transfers(transfers)
         key = as_key_bytes(tokens, name="tokens")
         page = self.page_size
         aligned = len(key) // TOKEN_BYTES // page * page
@@ -1321,6 +1353,15 @@ class HiCache:
             outcome.released_tokens,
         )
         return outcome
+
+    def _check_transfers(self, transfers: Sequence[ComponentTransfer]) -> None:
+        """Refuse caller transfers holding pages the caller does not hold (a page twice included)."""
+        by_pool: dict[int, tuple[KVPool, list[torch.Tensor]]] = {}
+        for transfer in transfers:
+            if isinstance(transfer.pool, KVPool):
+                by_pool.setdefault(id(transfer.pool), (transfer.pool, []))[1].append(transfer.indices)
+        for pool, parts in by_pool.values():
+            pool.check_owned(torch.cat(parts), Owner.LEASE, name="transfers")
 
     def _release_buffers(
         self, host_indices: torch.Tensor, transfers: Sequence[ComponentTransfer]

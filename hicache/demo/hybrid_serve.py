@@ -334,11 +334,8 @@ class _HybridRunner(ServingLoop[HybridModel]):
                 components, owned = owned, {}
                 await cache.insert(lease, seq[:aligned], indices, components or None)
         finally:
-            cache.release(lease)
-            if new_indices is not None:
-                cache.device_pool.free(new_indices)
-            for name, slots in owned.items():
-                cache.component_pools[name][0].free(slots)
+            # With the pages and component slots it allocated but did not insert, if any.
+            cache.release(lease, new_indices, owned or None)
         return Served(reused, inserted, ttft, reply, decoded.logits)
 
     async def _stage_components(

@@ -469,9 +469,7 @@ class _Runner(ServingLoop[DemoModel]):
                 new_indices = None  # owned by the tree from here on
                 await cache.insert(lease, seq, indices)
         finally:
-            cache.release(lease)
-            if new_indices is not None:
-                cache.device_pool.free(new_indices)
+            cache.release(lease, new_indices)  # and the pages it allocated but did not insert, if any
         return Served(reused, inserted, ttft, reply, decoded.logits, restored_kv=restored)
 
     # ------------------------------------------------------------------ checks 1 and 2

@@ -214,8 +214,13 @@ class PageAllocator:
         return torch.from_numpy(self._pages(indices, name))
 
     def _pages(self, indices: object, name: str) -> npt.NDArray[np.int64]:
-        """`page_ids` as a numpy array (see there)."""
-        tokens = check_token_indices(indices, name=name).numpy()
+        """`page_ids` as a numpy array (see there); `indices` may also be a 1-D int64 numpy array."""
+        if isinstance(indices, np.ndarray):
+            if indices.dtype != np.int64 or indices.ndim != 1:
+                raise TypeError(f"{name}: expected a 1-D int64 array, got {indices.dtype} {indices.shape}")
+            tokens: npt.NDArray[np.int64] = indices
+        else:
+            tokens = check_token_indices(indices, name=name).numpy()
         size = self._page_size
         n = tokens.size
         if n % size:
@@ -258,15 +263,16 @@ class PageAllocator:
         """A copy of every page's `Owner` tag, as a uint8 tensor indexed by page id."""
         return self._state_view.clone()
 
-    def set_owner(self, indices: torch.Tensor, owner: Owner) -> None:
+    def set_owner(self, indices: torch.Tensor | npt.NDArray[np.int64], owner: Owner) -> None:
         """Re-tag allocated pages of the token indices `indices` (whole pages; internal, not validated).
 
         Token indices of a page that is only partly covered re-tag the whole page.
         """
         if owner is Owner.FREE:
             raise ValueError("owner: use `free` to give pages back")
-        if indices.numel():
-            self._tags[indices.numpy() // self._page_size] = int(owner)
+        tokens = indices if isinstance(indices, np.ndarray) else indices.numpy()
+        if tokens.size:
+            self._tags[tokens // self._page_size] = int(owner)
 
     def check_owned(self, indices: object, owner: Owner, *, name: str = "indices") -> torch.Tensor:
         """Validate that `indices` are whole, distinct pages all tagged `owner`; return their page ids.
@@ -274,7 +280,7 @@ class PageAllocator:
         Nothing changes: this only reads the tags.
 
         Args:
-            indices: a 1-D int64 CPU tensor of token indices made of whole, aligned pages.
+            indices: a 1-D int64 CPU tensor (or numpy array) of token indices made of whole, aligned pages.
             owner: the tag every page must carry.
             name: the argument name used in error messages.
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from hicache.errors import CacheClosed
@@ -165,7 +167,7 @@ class KVPool:
         self._check_open()
         return self._allocator.alloc(num_tokens, owner)
 
-    def set_owner(self, indices: torch.Tensor, owner: Owner) -> None:
+    def set_owner(self, indices: torch.Tensor | npt.NDArray[np.int64], owner: Owner) -> None:
         """Re-tag allocated pages; see `PageAllocator.set_owner`."""
         self._allocator.set_owner(indices, owner)
 

@@ -324,3 +324,82 @@ async def test_tokens_another_request_inserted_during_the_probe_are_not_storage_
             cache.release(lease)
             await cache.wait_idle()
             cache.sanity_check()
+
+
+async def test_storage_hits_are_the_tokens_this_requests_prefetch_loaded() -> None:
+    """Storage holds 64 tokens. Request A's probe (held at a gate) sizes its prefetch at all 64; meanwhile
+    request B acquires the first 32 (its own prefetch, loaded back to the device). A's prefetch then finds
+    those 32 present and loads the other 32: A counts 32 device hits and 32 storage hits (it used to count
+    64 storage hits)."""
+    from controller_helpers import store_sequence
+
+    from hicache.keys import Namespace
+
+    async with MemoryBackend(namespace_digest=Namespace().digest) as inner:
+        backend = FirstProbeGated(inner)
+        cache = HiCache(make_config(prefetch_stop_policy="wait_complete"), storage=backend)  # type: ignore[arg-type]
+        async with cache:
+            seq = tokens(40, 64)
+            await store_sequence(inner, cache, seq)
+            got: list[Any] = []
+            async with anyio.create_task_group() as tg:
+
+                async def acquire_a() -> None:
+                    got.append(await cache.acquire("a", seq))
+
+                tg.start_soon(acquire_a)
+                await backend.probing.wait()
+                b = await cache.acquire("b", seq[:32])  # B: its own prefetch, loaded back to device
+                assert b.hit_tokens_by_tier == {"device": 0, "host": 0, "storage": 32}
+                cache.release(b)
+                backend.gate.set()
+            lease = got[0]
+            assert lease.cached_len == 64
+            assert lease.prefetch is not None
+            assert lease.prefetch.status == "committed"
+            assert lease.prefetch.loaded_tokens == 32
+            assert lease.hit_tokens_by_tier == {"device": 32, "host": 0, "storage": 32}
+            assert_serves(cache, seq, lease.device_indices)
+            cache.release(lease)
+            await cache.wait_idle()
+            cache.sanity_check()
+
+
+async def test_prefetch_refuses_transfers_the_caller_does_not_hold() -> None:
+    """Caller transfers handed to `prefetch` must be pages the caller holds: the tree's host pages, a page
+    given twice and a foreign index are refused naming `transfers`, nothing changes; the real ones travel
+    with the prefetch and are released with it."""
+    from controller_helpers import store_sequence
+
+    from hicache.controller.release import ComponentTransfer
+    from hicache.keys import Namespace
+
+    async with (
+        MemoryBackend(namespace_digest=Namespace().digest) as backend,
+        HiCache(make_config(), storage=backend) as cache,  # type: ignore[arg-type]
+    ):
+        await fill(cache, tokens(0, 4 * PAGE))
+        tree_host = cache.match(tokens(0, 4 * PAGE)).last_device_node.host_value
+        assert tree_host is not None
+        seq = tokens(500, 8 * PAGE)
+        await store_sequence(backend, cache, seq)
+        pool = cache.host_pool
+        spare = pool.alloc(PAGE)
+        assert spare is not None
+        for bad in (
+            [ComponentTransfer("x", pool, tree_host[:PAGE])],
+            [ComponentTransfer("x", pool, spare), ComponentTransfer("y", pool, spare)],
+            [ComponentTransfer("x", pool, run(10**6))],
+        ):
+            before = snapshot(cache)
+            with pytest.raises(PoolError, match="transfers"):
+                await cache.prefetch("r", seq, transfers=bad)
+            assert snapshot(cache) == before
+        prefetch = await cache.prefetch("r", seq, transfers=[ComponentTransfer("x", pool, spare)])
+        assert prefetch is not None
+        assert pool.allocator.owner_of(int(spare[0]) // PAGE) is Owner.PREFETCH
+        outcome = await cache.commit_prefetch("r")
+        assert outcome.status == "committed"
+        await cache.wait_idle()
+        assert pool.allocator.is_free(int(spare[0]) // PAGE)
+        cache.sanity_check()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.errors import PoolError
-from hicache.memory import PageAllocator
+from hicache.memory import Owner, PageAllocator
 
 P = 4
 
@@ -161,3 +161,50 @@ def test_random_alloc_free_never_hands_out_a_page_twice(ops: list[tuple[bool, in
         assert torch.unique(pages).numel() == pages.numel()
         assert alloc.used_pages == pages.numel()
         assert alloc.free_pages + alloc.used_pages == 10
+
+
+def test_owner_tags_follow_alloc_set_owner_and_free() -> None:
+    """Each page carries its holder: the tag `alloc` gave it, a re-tag, then FREE again once freed."""
+    alloc = PageAllocator(num_pages=8, page_size=P)
+    caller = alloc.alloc(2 * P)
+    copy = alloc.alloc(P, Owner.COPY)
+    assert caller is not None
+    assert copy is not None
+    assert [alloc.owner_of(p) for p in range(4)] == [Owner.LEASE, Owner.LEASE, Owner.COPY, Owner.FREE]
+    alloc.set_owner(copy, Owner.TREE)
+    assert alloc.owner_of(2) is Owner.TREE
+    assert alloc.owner_tags().tolist()[:4] == [Owner.LEASE, Owner.LEASE, Owner.TREE, Owner.FREE]
+    alloc.free(copy)
+    assert alloc.is_free(2)
+    with pytest.raises(ValueError, match="owner"):
+        alloc.alloc(P, Owner.FREE)
+    with pytest.raises(ValueError, match="owner"):
+        alloc.set_owner(caller, Owner.FREE)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (torch.arange(3 * P, 4 * P), "free"),  # never allocated
+        (torch.arange(2 * P, 3 * P), "held by the tree"),
+        (torch.cat([torch.arange(0, P), torch.arange(0, P)]), "more than once"),
+        (torch.arange(1, P + 1), "page-aligned runs"),
+        (torch.arange(-P, 0), "outside"),
+        (torch.arange(8 * P, 9 * P), "outside"),
+    ],
+)
+def test_check_owned_refuses_pages_of_another_holder_and_changes_nothing(
+    bad: torch.Tensor, message: str
+) -> None:
+    alloc = PageAllocator(num_pages=8, page_size=P)
+    caller = alloc.alloc(2 * P)
+    tree = alloc.alloc(P, Owner.TREE)
+    assert caller is not None
+    assert tree is not None
+    before = (alloc.owner_tags().tolist(), state(alloc))
+    with pytest.raises(PoolError, match=f"mine: .*{message}"):
+        alloc.check_owned(bad, Owner.LEASE, name="mine")
+    with pytest.raises(PoolError, match=f"mine: .*{message}"):
+        alloc.check_owned(bad.numpy(), Owner.LEASE, name="mine")  # the numpy view takes the same checks
+    assert (alloc.owner_tags().tolist(), state(alloc)) == before
+    assert alloc.check_owned(caller, Owner.LEASE, name="mine").tolist() == [0, 1]

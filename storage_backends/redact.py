@@ -18,6 +18,7 @@ controller can both use it while imports stay one-way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -81,8 +82,12 @@ URLs and `name=value` pairs in the text are still redacted by name."""
 
 def is_secret_name(name: object) -> bool:
     """Whether an option or query parameter called `name` holds a secret (see the module docstring)."""
-    if not isinstance(name, str):
-        return False
+    return isinstance(name, str) and _is_secret_str(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_secret_str(name: str) -> bool:
+    # Cached: the log filter asks about every environment variable's name for every record.
     for word in _WORD_SPLIT.split(name.lower()):
         if word in _NOT_SECRET_WORDS:
             continue

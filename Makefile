@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 
 FUZZ_ROUNDS ?= 20
 PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py \
-	tests/controller/test_controller_components_machine.py tests/memory/test_memory_allocator.py
+	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
+	tests/memory/test_memory_allocator.py
 
 .PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
 

@@ -489,7 +489,9 @@ class CacheMetrics:
     storage_bytes_read: Counter
     storage_bytes_written: Counter
     storage_page_failures: Counter
-    """Labelled by ``reason``."""
+    """Labelled by ``reason``: ``exists`` (a lookup failed), ``write``, ``timeout``, and for reads the
+    failed page's `PageStatus` value: ``miss``, ``corrupt``, ``foreign_page`` (another namespace's or
+    another key's page under this key), ``old_format``, ``error``."""
     backup_tokens: Counter
     backup_skipped: Counter
     load_back_tokens: Counter
@@ -498,8 +500,9 @@ class CacheMetrics:
     """Labelled by ``op`` (exists, get, put) and ``kind`` (unavailable, timeout, auth, other): storage calls
     that failed with an error, never a miss."""
     writes_shed: Counter
-    """Labelled by ``tier`` (host, storage) and ``reason`` (queue_full, storage_unavailable): backups and
-    storage writes dropped instead of queued."""
+    """Labelled by ``tier`` (host, storage) and ``reason``: backups and storage writes dropped instead of
+    done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open;
+    ``evicted``: the node left host memory while its storage write was still queued)."""
     storage_breaker_state: Gauge
     """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.breaker`)."""
 

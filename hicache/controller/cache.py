@@ -256,6 +256,12 @@ class HiCache:
         if self.storage is not None:
             self._guarded = GuardedStorage(self.storage, self.storage_breaker, self.metrics.storage_errors)
             self._storage_writer = StorageWriter(self, self._guarded)
+            if not self.config.namespace.model_id:
+                logger.warning(
+                    "HiCache has a storage tier but namespace.model_id is empty: every cache with the same "
+                    "KV layout and an empty model_id shares pages with this one; pass "
+                    "Namespace(model_id=<model name and revision, or a config hash>)"
+                )
         if self.device_pool.device.type == "cuda":
             # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
             # thousands of page copies from their own threads fight over the GIL (on an H200, 16
@@ -719,8 +725,10 @@ class HiCache:
     async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for `num_tokens` (a multiple of the page size), evicting as needed.
 
-        Under write-back, evicted nodes are backed up to host first. Returns None when not enough can be
-        evicted (running out is a value, not an error).
+        Succeeds whenever free device pages and the device pages of nodes without a device or host lock
+        can make room, under every write policy and host size. Under write-back, evicted nodes are backed
+        up to host first while their un-backed chains fit there, and dropped beyond that. Returns None
+        when not enough can be evicted (running out is a value, not an error).
         """
         self._check_open("alloc_device")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
@@ -729,27 +737,37 @@ class HiCache:
             raise ValueError(
                 f"num_tokens: expected a non-negative multiple of {self.page_size}, got {num_tokens}"
             )
+        offer_host = True
         while True:
             indices = self.device_pool.alloc(num_tokens)
             if indices is not None:
                 return indices
             need = num_tokens - self.device_pool.statistics().free_pages * self.page_size
-            result = self.tree.evict_device(need, host_free_tokens=self._host_room())
+            # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
+            room = self._host_room() if offer_host else 0
+            result = self.tree.evict_device(need, host_free_tokens=room)
             self.device_pool.free(result.freed_device)
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
-            backed_up = 0
-            for node in result.backup_first:
-                backed_up += await self._backup(node)
-            if result.freed_device.numel() == 0 and not backed_up:
+            # Root-first chains, each below the earlier ones: one batch begins them in order, so
+            # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
+            backed_up = await self._backup_many(result.backup_first) if result.backups else 0
+            if result.freed_device.numel() or backed_up:
+                continue
+            if not result.backups:
                 return None  # nothing could be evicted, nor backed up to make it evictable
+            # The planned backups found no host room after all (taken meanwhile by other work): plan
+            # again without host room, so that un-backed leaves are dropped instead of waited on.
+            offer_host = False
 
     def _host_room(self) -> int:
-        """Host tokens available for backups: free pages plus what host eviction can reclaim."""
+        """Host tokens a backup can have now: free pages plus what `evict_host` can really reclaim (host
+        copies of host-only nodes without a host or device lock; never a device node's copy, a locked
+        one, or an ancestor of a node on the device)."""
         self.release_queue.flush()
         free = self.host_pool.statistics().free_pages * self.page_size
-        return free + self.tree.statistics().evictable_host_tokens
+        return free + self.tree.statistics().reclaimable_host_tokens
 
     def _alloc_host(self, num_tokens: int, *, owner: Owner, partial: bool = False) -> torch.Tensor | None:
         """Allocate host pages for `owner`, evicting host-only leaves if needed; `partial` takes what can
@@ -1238,7 +1256,8 @@ class HiCache:
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:
-            self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
+            for reason, pages in prefetch.failure_reasons.items():
+                self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
 
     def _forget_stored(self, keys: Sequence[str]) -> None:

@@ -150,6 +150,7 @@ class RadixTree:
         self._evictable_size = 0
         self._protected_size = 0
         self._evictable_host = 0
+        self._reclaimable_host = 0  # host tokens of host-only nodes without a lock: what evict_host frees
         self._path_cache_tokens = 0  # tokens held by the nodes' cached joined root paths
         self._components: tuple[Component, ...] | None = None
         self._component_index: dict[str, Component] = {}
@@ -178,6 +179,8 @@ class RadixTree:
             self._path_cache_tokens -= cached.numel()
         if delta:
             self._device_tokens += delta * n
+            if node.host_value is not None and not node.host_lock and not node.device_lock:
+                self._reclaimable_host -= delta * n
             if node.device_lock:
                 self._protected_size += delta * n
             else:
@@ -199,6 +202,8 @@ class RadixTree:
             self._host_tokens += delta * n
             if not node.host_lock:
                 self._evictable_host += delta * n
+                if node.device_value is None and not node.device_lock:
+                    self._reclaimable_host += delta * n
         self._refresh(node)
 
     def _remember_path(self, node: TreeNode, vals: tuple[torch.Tensor, ...], joined: torch.Tensor) -> None:
@@ -1282,6 +1287,8 @@ class RadixTree:
                     n = cur.num_tokens
                     self._evictable_size -= n
                     self._protected_size += n
+                elif cur.host_value is not None and not cur.host_lock:
+                    self._reclaimable_host -= cur.num_tokens
                 self._refresh(cur)
         if self._components is not None and path:
             self._lock_components(path, "device", 1)
@@ -1302,6 +1309,8 @@ class RadixTree:
                     n = cur.num_tokens
                     self._evictable_size += n
                     self._protected_size -= n
+                elif cur.host_value is not None and not cur.host_lock:
+                    self._reclaimable_host += cur.num_tokens
                 self._refresh(cur)
         if self._components is not None and path:
             self._lock_components(path, "device", -1)
@@ -1314,6 +1323,8 @@ class RadixTree:
             if cur.host_lock == 1:
                 if cur.host_value is not None:
                     self._evictable_host -= cur.num_tokens
+                    if cur.device_value is None and not cur.device_lock:
+                        self._reclaimable_host -= cur.num_tokens
                 self._refresh(cur)
         if self._components is not None and path:
             self._lock_components(path, "host", 1)
@@ -1332,6 +1343,8 @@ class RadixTree:
             if cur.host_lock == 0:
                 if cur.host_value is not None:
                     self._evictable_host += cur.num_tokens
+                    if cur.device_value is None and not cur.device_lock:
+                        self._reclaimable_host += cur.num_tokens
                 self._refresh(cur)
         if self._components is not None and path:
             self._lock_components(path, "host", -1)
@@ -1363,13 +1376,18 @@ class RadixTree:
     def evict_device(self, num_tokens: int, host_free_tokens: int = 0) -> EvictResult:
         """Free at least `num_tokens` device tokens from evictable device leaves, in policy order.
 
-        Backed-up leaves are demoted; un-backed ones are deleted (write-through), or under write-back
-        returned in `backup_first` while `host_free_tokens` can take them and dropped with their subtree
-        beyond that. Stops early (a value, not an error) when nothing more is evictable.
+        Three cases for each leaf: a backed-up leaf is demoted (its device pages freed); an un-backed
+        one is deleted (write-through: nothing below it is backed up either), or under write-back
+        backed up first when its whole un-backed chain fits in the host room left (`backups`), and
+        dropped with its host-only subtree when it does not, so eviction never waits on a host too
+        small for the backup. A host-locked un-backed leaf can be neither dropped nor deleted: it is
+        backed up when its chain fits (write-back), else kept. Stops early (a value, not an error) when
+        nothing more is evictable.
 
         Args:
             num_tokens: device tokens wanted.
-            host_free_tokens: host tokens free for write-back backups.
+            host_free_tokens: host tokens the caller can provide for write-back backups (free pages plus
+                what `evict_host` can reclaim: `statistics().reclaimable_host_tokens`).
 
         Raises:
             TypeError, ValueError: a count that is not a non-negative int.
@@ -1378,15 +1396,19 @@ class RadixTree:
         room = self._check_count(host_free_tokens, "host_free_tokens")
         leaves = self._device_leaves
         write_back = self.write_policy is _WB
+        root = self.root
         freed_device: list[torch.Tensor] = []
         freed_host: list[torch.Tensor] = []
-        backup_first: list[TreeNode] = []
-        skipped: list[TreeNode] = []
-        got = 0
+        backups: list[tuple[TreeNode, ...]] = []
+        planned: set[TreeNode] = set()  # nodes of the chains in `backups`
+        skipped: dict[TreeNode, None] = {}  # kept (pushed back at the end), in order
+        got = dropped = 0
         while got < num_tokens:
             node = leaves.pop()
             if node is None:
                 break
+            if node in skipped:  # a second heap entry of a node kept earlier in this call
+                continue
             n = len(node.key) >> 3
             dv = node.device_value
             assert dv is not None
@@ -1394,26 +1416,50 @@ class RadixTree:
                 self._set_device(node, None)
                 freed_device.append(dv)
                 got += n
+                continue
+            if write_back:
+                # What the backup really needs: the whole un-backed chain above the leaf, less what an
+                # earlier chain of this plan already backs up.
+                chain: list[TreeNode] = []
+                cost = 0
+                cur = node
+                while (
+                    cur is not root
+                    and cur.host_value is None
+                    and cur.backup_pending is None
+                    and cur not in planned
+                ):
+                    chain.append(cur)
+                    cost += len(cur.key) >> 3
+                    if cost > room:
+                        break
+                    assert cur.parent is not None
+                    cur = cur.parent
+                if cost <= room:
+                    room -= cost
+                    chain.reverse()
+                    planned.update(chain)
+                    backups.append(tuple(chain))
+                    skipped[node] = None
+                    got += n
+                    continue
+            if node.host_lock:  # dropping would take host-locked pages with it
+                skipped[node] = None
             elif write_back:
-                if room >= n:
-                    room -= n
-                    backup_first.append(node)
-                    skipped.append(node)
-                    got += n
-                elif not node.host_lock:
-                    self._drop_subtree(node, freed_device, freed_host)
-                    got += n
-                else:
-                    skipped.append(node)
-            elif not node.children and not node.host_lock:
+                self._drop_subtree(node, freed_device, freed_host)
+                got += n
+                dropped += n
+            elif not node.children:
                 self._detach(node)
                 freed_device.append(dv)
                 got += n
-            else:  # host-locked (children are excluded by the write-through invariant)
-                skipped.append(node)
+                dropped += n
+            else:  # excluded by the write-through invariant (no backed-up child of an un-backed node)
+                skipped[node] = None
         for node in skipped:
             leaves.push(node)
-        return EvictResult(_cat(freed_device), _cat(freed_host), got, tuple(backup_first))
+        backup_tokens = host_free_tokens - room
+        return EvictResult(_cat(freed_device), _cat(freed_host), got, tuple(backups), backup_tokens, dropped)
 
     def _drop_subtree(
         self, node: TreeNode, freed_device: list[torch.Tensor], freed_host: list[torch.Tensor]
@@ -1467,6 +1513,7 @@ class RadixTree:
             evictable_device_tokens=self._evictable_size,
             protected_device_tokens=self._protected_size,
             evictable_host_tokens=self._evictable_host,
+            reclaimable_host_tokens=self._reclaimable_host,
         )
 
     def evictable_size(self) -> int:

@@ -149,19 +149,32 @@ class InsertResult:
 
 @dataclass(frozen=True, slots=True)
 class EvictResult:
-    """What `evict_device` freed.
+    """What `evict_device` freed, and the backups it counts on (the plan the controller carries out).
 
     Attributes:
-        freed_device: device indices the caller returns to the device pool.
+        freed_device: device indices the caller returns to the device pool (demoted nodes, and nodes
+            dropped without a backup).
         freed_host: host indices of dropped subtrees the caller returns to the host pool.
-        evicted_tokens: device tokens freed plus tokens returned in `backup_first`.
-        backup_first: un-backed device leaves (write-back) to back up before they can be demoted.
+        evicted_tokens: device tokens freed plus the tokens of the leaves in `backups`.
+        backups: under write-back, the chains to back up before their leaves can be demoted: each
+            chain root-first (its first node's parent is the root, backed up, pending, or in an earlier
+            chain), ending with an un-backed device leaf; disjoint, in the order to run them.
+        backup_tokens: host tokens the chains in `backups` need together (at most the `host_free_tokens`
+            the plan was given).
+        dropped_tokens: device tokens freed without a backup (un-backed nodes deleted).
     """
 
     freed_device: torch.Tensor
     freed_host: torch.Tensor
     evicted_tokens: int
-    backup_first: tuple[TreeNode, ...] = ()
+    backups: tuple[tuple[TreeNode, ...], ...] = ()
+    backup_tokens: int = 0
+    dropped_tokens: int = 0
+
+    @property
+    def backup_first(self) -> tuple[TreeNode, ...]:
+        """The leaf that ends each chain of `backups` (what `backup_chain` expands to the chain)."""
+        return tuple(chain[-1] for chain in self.backups)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +197,8 @@ class TreeStatistics:
         evictable_device_tokens: device tokens in nodes without a device lock.
         protected_device_tokens: device tokens in device-locked nodes.
         evictable_host_tokens: host tokens in nodes without a host lock.
+        reclaimable_host_tokens: host tokens that `evict_host` can free now: those of host-only nodes
+            without a host or device lock (a device node's host copy, and a locked node's, stay).
     """
 
     num_nodes: int
@@ -193,12 +208,14 @@ class TreeStatistics:
     evictable_device_tokens: int
     protected_device_tokens: int
     evictable_host_tokens: int
+    reclaimable_host_tokens: int
 
     def __repr__(self) -> str:
         return (
             f"TreeStatistics(nodes={self.num_nodes}, device={self.device_tokens} "
             f"[evictable {self.evictable_device_tokens}, protected {self.protected_device_tokens}], "
-            f"host={self.host_tokens} [evictable {self.evictable_host_tokens}], "
+            f"host={self.host_tokens} [evictable {self.evictable_host_tokens}, "
+            f"reclaimable {self.reclaimable_host_tokens}], "
             f"pending_backup={self.pending_backup_tokens})"
         )
 

@@ -44,7 +44,9 @@ def collect_violations(tree: RadixTree) -> list[str]:
 
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
-    num_nodes = device = host = pending = evictable = protected = evictable_host = path_cache = 0
+    num_nodes = device = host = pending = evictable = protected = evictable_host = reclaimable_host = (
+        path_cache
+    ) = 0
     stack = [root]
     while stack:
         node = stack.pop()
@@ -118,6 +120,8 @@ def collect_violations(tree: RadixTree) -> list[str]:
             host += n
             if not node.host_lock:
                 evictable_host += n
+                if dv is None and not node.device_lock:
+                    reclaimable_host += n
         if pv is not None:
             pending += n
         if node._path_indices is not None:
@@ -145,6 +149,7 @@ def collect_violations(tree: RadixTree) -> list[str]:
         ("evictable_device_tokens", stats.evictable_device_tokens, evictable),
         ("protected_device_tokens", stats.protected_device_tokens, protected),
         ("evictable_host_tokens", stats.evictable_host_tokens, evictable_host),
+        ("reclaimable_host_tokens", stats.reclaimable_host_tokens, reclaimable_host),
         ("path_cache_tokens", tree._path_cache_tokens, path_cache),
     ):
         if kept != recomputed:

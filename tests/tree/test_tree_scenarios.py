@@ -424,6 +424,106 @@ def test_write_back_eviction_asks_for_backups_while_host_room_lasts_then_drops()
     tree.sanity_check()
 
 
+def shared_prefix_with_two_children(tree: RadixTree) -> tuple[TreeNode, TreeNode, TreeNode]:
+    """A 4-page parent with two 2-page children (issue 10's repro at page size 4): parent, a, b."""
+    a = insert_device_chain(tree, page_key(0, 4) + page_key(100, 2), 0).node
+    b = insert_device_chain(tree, page_key(0, 4) + page_key(200, 2), 100).node
+    parent = a.parent
+    assert parent is not None
+    assert parent is b.parent
+    return parent, a, b
+
+
+def test_write_back_plan_counts_the_whole_unbacked_chain() -> None:
+    """A backup needs its leaf's un-backed ancestors too: with room for the parent and one child, the
+    first child's chain takes the parent; the second child's chain is then only itself."""
+    tree = RadixTree(P, write_policy="write_back", eviction_policy="lru")
+    parent, a, b = shared_prefix_with_two_children(tree)
+    r = tree.evict_device(16, host_free_tokens=32)
+    assert r.backups == ((parent, a), (b,))
+    assert r.backup_tokens == 32
+    assert r.dropped_tokens == 0
+    assert r.freed_device.numel() == 0
+    tree.sanity_check()
+
+
+def test_write_back_drops_leaves_whose_chain_does_not_fit_then_backs_up_the_parent() -> None:
+    """The reported stall: room for each child alone but not for its chain. The children are dropped,
+    and the parent, a leaf now, fits: it is backed up instead of nothing moving at all."""
+    tree = RadixTree(P, write_policy="write_back")
+    parent, a, b = shared_prefix_with_two_children(tree)
+    r = tree.evict_device(32, host_free_tokens=16)
+    assert r.backups == ((parent,),)
+    assert r.backup_tokens == 16
+    assert r.dropped_tokens == 16
+    assert torch.equal(r.freed_device.sort().values, torch.cat([indices(16, 8), indices(116, 8)]))
+    assert a.parent is None
+    assert b.parent is None
+    assert r.evicted_tokens == 32
+    tree.sanity_check()
+
+
+def test_write_back_plan_never_promises_more_than_the_room() -> None:
+    """Without host room nothing is promised: every un-backed leaf is dropped, the tree emptied."""
+    tree = RadixTree(P, write_policy="write_back")
+    shared_prefix_with_two_children(tree)
+    r = tree.evict_device(1000, host_free_tokens=4)
+    assert r.backups == ()
+    assert r.dropped_tokens == r.evicted_tokens == 32
+    assert tree.statistics().num_nodes == 0
+    tree.sanity_check()
+
+
+def test_write_back_host_locked_leaf_is_backed_up_or_kept_never_dropped() -> None:
+    """Dropping a host-locked leaf would free pages its holder reads: backed up if it fits, else kept."""
+    tree = RadixTree(P, write_policy="write_back")
+    leaf = insert_device_chain(tree, page_key(0, 2)).node
+    tree.lock_host(leaf)
+    r = tree.evict_device(8, host_free_tokens=4)
+    assert r.evicted_tokens == 0
+    assert r.backups == ()
+    r = tree.evict_device(8, host_free_tokens=8)
+    assert r.backups == ((leaf,),)
+    tree.unlock_host(leaf)
+    tree.sanity_check()
+
+
+def test_a_leaf_with_two_heap_entries_is_planned_once() -> None:
+    """A priority change leaves a second heap entry; the plan must not back the leaf up twice."""
+    tree = RadixTree(P, write_policy="write_back")
+    leaf = insert_device_chain(tree, page_key(0, 1)).node
+    tree.set_priority(leaf, 0)
+    r = tree.evict_device(8, host_free_tokens=8)
+    assert r.backups == ((leaf,),)
+    assert r.backup_tokens == 4
+    tree.sanity_check()
+
+
+def test_reclaimable_host_tokens_count_only_what_evict_host_frees() -> None:
+    """Host room for backups: host-only, unlocked nodes. A device node's host copy, a host-locked or a
+    device-locked host-only node's, is host data that `evict_host` cannot free."""
+    tree = RadixTree(P)
+    parent = insert_device_chain(tree, page_key(0, 2)).node
+    back_up(tree, parent)
+    refill = attach_host_child(tree, parent, page_key(300, 1)).node
+    stats = tree.statistics()
+    assert stats.host_tokens == 12
+    assert stats.reclaimable_host_tokens == 4  # the refill; the parent is on the device
+    tree.lock_host(refill)
+    assert tree.statistics().reclaimable_host_tokens == 0
+    assert tree.evict_host(100).evicted_tokens == 0
+    tree.unlock_host(refill)
+    tree.evict_device(8)  # demotes the parent: host-only now
+    assert tree.statistics().reclaimable_host_tokens == 12
+    tree.lock_device(refill)  # (a prefetch anchor on the host) protects the path from host eviction too
+    assert tree.statistics().reclaimable_host_tokens == 0
+    assert tree.evict_host(100).evicted_tokens == 0
+    tree.unlock_device(refill)
+    assert tree.evict_host(100).evicted_tokens == 12
+    assert tree.statistics().reclaimable_host_tokens == 0
+    tree.sanity_check()
+
+
 def test_write_back_drop_frees_host_pages_of_the_subtree() -> None:
     """Dropping an un-backed write-back leaf also frees refills hung below it."""
     tree = RadixTree(P, write_policy="write_back")
@@ -462,8 +562,8 @@ def test_statistics_and_repr_are_informative() -> None:
 
 def test_hashes_chain_from_the_parent_and_the_namespace() -> None:
     """Page hashes name pages in storage: they must chain across nodes and depend on the namespace."""
-    a = RadixTree(P, namespace=Namespace(model="a"))
-    b = RadixTree(P, namespace=Namespace(model="b"))
+    a = RadixTree(P, namespace=Namespace(model_id="a"))
+    b = RadixTree(P, namespace=Namespace(model_id="b"))
     key = page_key(0, 2) + page_key(50, 1)
     for t in (a, b):
         insert_device_chain(t, page_key(0, 2))
@@ -472,7 +572,7 @@ def test_hashes_chain_from_the_parent_and_the_namespace() -> None:
     nb = b.match_prefix(key).last_device_node
     assert na.hashes != nb.hashes
     assert na.parent is not None
-    assert na.parent.hashes + na.hashes == chained_page_hashes(as_key_bytes(key), P, Namespace(model="a"))
+    assert na.parent.hashes + na.hashes == chained_page_hashes(as_key_bytes(key), P, Namespace(model_id="a"))
 
 
 def test_sanity_check_reports_every_violation() -> None:

@@ -8,6 +8,8 @@ has its own device and host pools, accounted for exactly like the base's).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -312,21 +314,85 @@ class TreeMachine(RuleBasedStateMachine):
         else:
             self.tree.unlock_host(node)
 
-    @rule(tokens=st.integers(0, 80), host_free=st.integers(0, 40), back_up=st.booleans())
-    def evict_device(self, tokens: int, host_free: int, back_up: bool) -> None:
+    @rule(
+        tokens=st.integers(0, 80),
+        host_free=st.integers(0, 40),
+        real_room=st.booleans(),
+        back_up=st.booleans(),
+    )
+    def evict_device(self, tokens: int, host_free: int, real_room: bool, back_up: bool) -> None:
+        """Evict, check the plan's shape, and (sometimes) carry out its backups as the controller does.
+
+        With `real_room` the plan gets the host room the controller would offer (free host tokens plus
+        what `evict_host` can reclaim): then every planned backup must find its host pages.
+        """
+        if real_room:
+            host_free = len(self.host.free) + self.tree.statistics().reclaimable_host_tokens
         before = self.tree.statistics().evictable_device_tokens
         r = self.tree.evict_device(tokens, host_free)
         assert r.evicted_tokens >= min(tokens, 1) or r.evicted_tokens == 0
         assert r.freed_device.numel() <= before
+        assert r.dropped_tokens <= r.freed_device.numel()
+        self.check_plan(r.backups, r.backup_tokens, host_free)
+        if r.evicted_tokens < tokens:
+            # Stopped early: every device leaf left is locked, backing up, or kept for a reason.
+            targets = set(r.backup_first)
+            for n in self.tree.iter_nodes():
+                if (
+                    n.device_value is not None
+                    and not n.device_lock
+                    and n.backup_pending is None
+                    and not any(c.device_value is not None for c in n.children.values())
+                ):
+                    assert n.host_lock or n in targets, f"evictable leaf {n} kept"
         event(
             f"evict_device freed={bool(r.freed_device.numel())} host={bool(r.freed_host.numel())} "
-            f"backup_first={bool(r.backup_first)}"
+            f"backups={bool(r.backups)} dropped={r.dropped_tokens > 0} real_room={real_room}"
         )
         self.device.release(r.freed_device)
         self.host.release(r.freed_host)
         if back_up:
-            for node in r.backup_first:
-                self.start_backup(node)
+            for chain in r.backups:
+                self.back_up_chain(chain, must_fit=real_room)
+
+    def check_plan(self, backups: tuple[tuple[TreeNode, ...], ...], backup_tokens: int, room: int) -> None:
+        """Each chain root-first from a backed-up, pending or earlier-planned parent down to an un-backed
+        device leaf; chains disjoint; their tokens counted exactly and within the room given."""
+        root = self.tree.root
+        planned: set[TreeNode] = set()
+        total = 0
+        for chain in backups:
+            assert chain, "an empty backup chain"
+            top = chain[0].parent
+            assert top is not None
+            assert (
+                top is root or top.host_value is not None or top.backup_pending is not None or top in planned
+            )
+            for upper, lower in itertools.pairwise(chain):
+                assert lower.parent is upper
+            for n in chain:
+                assert n.device_value is not None
+                assert n.host_value is None
+                assert n.backup_pending is None
+                assert n not in planned
+                total += n.num_tokens
+            assert not any(c.device_value is not None for c in chain[-1].children.values())
+            planned.update(chain)
+        assert total == backup_tokens <= room
+
+    def back_up_chain(self, chain: tuple[TreeNode, ...], must_fit: bool) -> None:
+        """Begin the backups of a planned chain root-first, reclaiming host pages as the controller does."""
+        need = sum(n.num_tokens for n in chain)
+        if len(self.host.free) < need:
+            freed = self.tree.evict_host(need - len(self.host.free))
+            self.host.release(freed.freed_host)
+            self.drain_component_frees()
+        if len(self.host.free) < need:
+            assert not must_fit, f"planned backup of {need} tokens finds {len(self.host.free)} host tokens"
+            return
+        event("evict_device backup chain")
+        for n in chain:
+            self.start_backup(n)
 
     @rule(tokens=st.integers(0, 80))
     def evict_host(self, tokens: int) -> None:

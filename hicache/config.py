@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,12 +13,29 @@ from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
 
-__all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig"]
+__all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
 STORAGE_BATCH_BYTES = 4 << 20
 """Target payload bytes per storage `get` call of a prefetch when `storage_batch_pages` is not set.
 Measured with `bench/bench_io.py` (2 cores, 16 concurrent prefetches of hot 64 KiB pages from the file
 backend): 1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s."""
+
+
+def layout_signature(layout: KVLayout, components: Sequence[Component] = ()) -> str:
+    """The canonical description of a cache's page bytes, the `layout` field of its `Namespace`.
+
+    Canonical JSON of the KV layout's `signature()` (layers, planes, page size, KV heads, head dim, dtype,
+    page-first layout version) and, per component in order, its name, kind and pool layout. A component's
+    other settings (a sliding window's length) decide which pages exist, not their bytes, and stay out.
+    """
+    described = {
+        "kv": layout.signature(),
+        "components": [
+            {"name": c.name, "kind": type(c).__name__, "pool": c.pool_layout(layout.page_size).signature()}
+            for c in components
+        ],
+    }
+    return json.dumps(described, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
@@ -46,7 +65,11 @@ class HiCacheConfig:
         write_through_threshold: hits before a backup under `write_through_selective`.
         storage_url: `file:///path`, `memory://name`, `s3://bucket/prefix`, or None for no storage tier.
         storage_options: keyword options passed to the backend factory.
-        namespace: what makes pages of this cache distinct from other models' pages in shared storage.
+        namespace: who this cache's pages belong to (`model_id`, tensor-parallel rank and size, `extra`).
+            The configuration derives the effective namespace from it: its `layout` field is always
+            replaced by `layout_signature(layout, components)`, so caches whose pages differ in bytes never
+            share pages, whatever is passed. Two caches share pages exactly when their effective
+            namespaces are equal (see README, "Namespaces and sharing").
         backup_to_storage: write host backups through to storage in the background.
         prefetch_threshold: minimum page-aligned storage remainder (tokens) worth a prefetch.
         prefetch_stop_policy: when a prefetch stops streaming (see `StopPolicy`).
@@ -150,6 +173,9 @@ class HiCacheConfig:
             names.add(comp.name)
             comp.pool_layout(self.page_size)  # raises on a page size mismatch
         object.__setattr__(self, "components", components)
+        signature = layout_signature(self.layout, components)
+        if self.namespace.layout != signature:
+            object.__setattr__(self, "namespace", dataclasses.replace(self.namespace, layout=signature))
 
     @property
     def page_size(self) -> int:

@@ -489,7 +489,9 @@ class CacheMetrics:
     storage_bytes_read: Counter
     storage_bytes_written: Counter
     storage_page_failures: Counter
-    """Labelled by ``reason``."""
+    """Labelled by ``reason``: ``exists`` (a lookup failed), ``write``, ``timeout``, and for reads the
+    failed page's `PageStatus` value: ``miss``, ``corrupt``, ``foreign_page`` (another namespace's or
+    another key's page under this key), ``old_format``, ``error``."""
     backup_tokens: Counter
     backup_skipped: Counter
     load_back_tokens: Counter

@@ -68,11 +68,13 @@ from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
-    decode_header,
+    check_stored_size,
     encode_header,
+    failure_status,
     validate_keys,
     verify_page,
 )
+from storage_backends.protocol import PageStatus
 
 __all__ = ["S3Backend", "S3Statistics"]
 
@@ -131,7 +133,7 @@ class _Batch:
             self.error = exc
         return exc
 
-    def raise_if_all_failed(self, flags: Sequence[bool]) -> None:
+    def raise_if_all_failed(self, flags: Sequence[PageStatus] | Sequence[bool]) -> None:
         """Raise the batch's outage error when not one page succeeded: an outage, not missing pages."""
         if self.error is not None and not any(flags):
             raise self.error
@@ -388,8 +390,12 @@ class S3Backend(BackendLifecycle):
                 found += 1
         return found
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read pages into caller buffers; one flag per page, False for a missing, corrupt or failed page.
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Read pages into caller buffers; one `PageStatus` per page, `HIT` only for a verified page.
+
+        A page of another namespace or key (`FOREIGN`), of an older format (`OLD_FORMAT`), truncated or
+        failing its checksum (`CORRUPT`) is logged at warning level, counted in `statistics()` and never
+        copied into its buffer.
 
         Raises:
             CacheClosed: after `aclose()`.
@@ -466,48 +472,44 @@ class S3Backend(BackendLifecycle):
             raise  # not a miss: `exists` cannot say how many pages are stored
         return True
 
-    async def _get_one(self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch) -> bool:
+    async def _get_one(
+        self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch
+    ) -> PageStatus:
         path = self.object_path(key)
         try:
             body = await self._call(partial(_fetch, store, path), batch, "GET", path)
         except PageNotFound:
             self._stats.misses += 1
-            return False
+            return PageStatus.MISS
         except StorageError:
             self._stats.errors += 1
-            return False
-        expected = HEADER_SIZE + buf.nbytes
-        if len(body) != expected:
-            stored = _well_formed_payload_length(body)
-            if stored is not None:
-                # Three cases: a whole page of another size (the caller's error), a truncated or overlong
-                # object, or garbage; only the first is an exception, the others are misses.
-                raise ValueError(
-                    f"buffers[{index}]: page {key} holds {stored} payload bytes, the buffer has {buf.nbytes}"
-                )
-            self._stats.checksum_failures += 1
-            logger.warning(
-                "s3 page %s has %d bytes, expected %d: treated as a miss", path, len(body), expected
-            )
-            return False
-        verify = partial(_verify_and_copy, body, buf, self._namespace_digest)
+            return PageStatus.ERROR
+        verify = partial(_verify_and_copy, body, buf, self._namespace_digest, key)
         try:
-            if buf.nbytes >= _THREAD_THRESHOLD:
+            if len(body) != HEADER_SIZE + buf.nbytes:
+                # Three cases: a whole page of another size (the caller's error: ValueError), a truncated
+                # or overlong object, or a page of another namespace, key or format; only the first raises.
+                view = memoryview(body)[:HEADER_SIZE]
+                check_stored_size(
+                    view, len(body), buf.nbytes, self._namespace_digest, key, name=f"buffers[{index}]"
+                )
+            elif buf.nbytes >= _THREAD_THRESHOLD:
                 # to_thread waits for the thread even when cancelled: it never writes into `buf` afterwards.
                 await anyio.to_thread.run_sync(verify)
             else:
                 verify()
         except ChecksumMismatch as exc:
-            self._stats.checksum_failures += 1
+            status = failure_status(exc)
+            self._stats.record_failures([status])
             logger.warning("s3 page %s failed verification (%s): treated as a miss", path, exc)
-            return False
+            return status
         self._stats.pages_read += 1
         self._stats.bytes_read += buf.nbytes
-        return True
+        return PageStatus.HIT
 
     async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
         path = self.object_path(key)
-        encode = partial(_encode_body, buf, self._namespace_digest)
+        encode = partial(_encode_body, buf, self._namespace_digest, key)
         body = await anyio.to_thread.run_sync(encode) if buf.nbytes >= _THREAD_THRESHOLD else encode()
         try:
             await self._call(
@@ -616,31 +618,22 @@ def _http_status(exc: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _well_formed_payload_length(body: obstore.Bytes) -> int | None:
-    """The payload length of a body whose header decodes and matches its length, else None."""
-    try:
-        header = decode_header(memoryview(body)[:HEADER_SIZE])
-    except ChecksumMismatch:
-        return None
-    return header.payload_length if header.payload_length == len(body) - HEADER_SIZE else None
-
-
 async def _fetch(store: S3Store, path: str) -> obstore.Bytes:
     result = await obstore.get_async(store, path)
     return await result.bytes_async()
 
 
-def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: bytes) -> None:
+def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: bytes, key: str) -> None:
     view = memoryview(body)
     payload = view[HEADER_SIZE:]
-    verify_page(view[:HEADER_SIZE], payload, namespace_digest)
+    verify_page(view[:HEADER_SIZE], payload, namespace_digest, key)
     dst = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
     dst[:] = payload
 
 
-def _encode_body(buf: memoryview, namespace_digest: bytes) -> bytes:
+def _encode_body(buf: memoryview, namespace_digest: bytes, key: str) -> bytes:
     payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-    return b"".join((encode_header(payload, namespace_digest), payload))
+    return b"".join((encode_header(payload, namespace_digest, key), payload))
 
 
 def _let_client_threads_leave_python() -> None:

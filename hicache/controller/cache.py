@@ -71,7 +71,9 @@ class Lease:
         node: the deepest cached node (device-locked); the root when nothing was cached.
         device_indices: device pool indices of the cached prefix, one per token.
         cached_len: tokens of the prefix available on device.
-        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
+        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`. A storage
+            hit is a token this request's own prefetch loaded; tokens another request put in the tree
+            meanwhile count by the tier this request found them on.
         prefetch: the outcome of the request's storage prefetch, if one ran.
         component_indices: per hybrid component, the device indices the prefix uses (the sliding
             window's KV, the Mamba state's slot); empty without components.
@@ -254,6 +256,12 @@ class HiCache:
         if self.storage is not None:
             self._guarded = GuardedStorage(self.storage, self.storage_breaker, self.metrics.storage_errors)
             self._storage_writer = StorageWriter(self, self._guarded)
+            if not self.config.namespace.model_id:
+                logger.warning(
+                    "HiCache has a storage tier but namespace.model_id is empty: every cache with the same "
+                    "KV layout and an empty model_id shares pages with this one; pass "
+                    "Namespace(model_id=<model name and revision, or a config hash>)"
+                )
         if self.device_pool.device.type == "cuda":
             # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
             # thousands of page copies from their own threads fight over the GIL (on an H200, 16
@@ -1248,7 +1256,8 @@ class HiCache:
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:
-            self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
+            for reason, pages in prefetch.failure_reasons.items():
+                self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
 
     def _forget_stored(self, keys: Sequence[str]) -> None:

@@ -581,7 +581,7 @@ def demo_cache_config(
         storage_options=config.storage_options,
         # A fresh namespace per run: pages a previous run left in a shared store are not this run's
         # model output as far as the oracle knows, so they must never match.
-        namespace=Namespace(model=model_name, extra=uuid.uuid4().hex),
+        namespace=Namespace(model_id=model_name, extra=uuid.uuid4().hex),
         prefetch_threshold=config.prefetch_threshold,
         components=components,
     )

@@ -1259,6 +1259,7 @@ class HiCache:
             for reason, pages in prefetch.failure_reasons.items():
                 self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
+            self._forget_stored(prefetch.unusable_keys)  # removed by the stream; component pages too
 
     def _forget_stored(self, keys: Sequence[str]) -> None:
         """Storage lacks the first of `keys` (a probe or a read found it so): the writer must not take any

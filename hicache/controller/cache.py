@@ -71,7 +71,9 @@ class Lease:
         node: the deepest cached node (device-locked); the root when nothing was cached.
         device_indices: device pool indices of the cached prefix, one per token.
         cached_len: tokens of the prefix available on device.
-        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
+        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`. A storage
+            hit is a token this request's own prefetch loaded; tokens another request put in the tree
+            meanwhile count by the tier this request found them on.
         prefetch: the outcome of the request's storage prefetch, if one ran.
         component_indices: per hybrid component, the device indices the prefix uses (the sliding
             window's KV, the Mamba state's slot); empty without components.
@@ -1262,6 +1264,7 @@ class HiCache:
             for reason, pages in prefetch.failure_reasons.items():
                 self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
+            self._forget_stored(prefetch.unusable_keys)  # removed by the stream; component pages too
 
     def _forget_stored(self, keys: Sequence[str]) -> None:
         """Storage lacks the first of `keys` (a probe or a read found it so): the writer must not take any

@@ -46,7 +46,7 @@ from storage_backends.memory import MemoryBackend
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
 """8 KiB pages."""
-NAMESPACE = Namespace(model="bench-faults")
+NAMESPACE = Namespace(model_id="bench-faults")
 OVERHEAD_GOAL_MS = 1.0
 WRITE_FRACTION_GOAL = 0.9
 

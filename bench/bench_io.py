@@ -47,12 +47,13 @@ from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
 from hicache.keys import ROOT_HASH, chained_page_hashes
 from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 
 GOALS = {1 << 20: 0.9, 64 << 10: 0.7}
 STALL_GOAL_MS = 10.0
 PAGE_TOKENS = 64
 """Tokens per page in the controller pass; bytes per token set the page payload."""
-NAMESPACE = Namespace(model="bench-io", dtype="uint8")
+NAMESPACE = Namespace(model_id="bench-io")
 
 
 @dataclass
@@ -146,11 +147,11 @@ def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
     return [torch.arange(s * 10**9, s * 10**9 + per * PAGE_TOKENS, dtype=torch.int64) for s in range(count)]
 
 
-def storage_keys(seqs: Sequence[torch.Tensor]) -> list[str]:
-    """The storage keys a cache in `NAMESPACE` looks up for `seqs`, in sequence order."""
+def storage_keys(seqs: Sequence[torch.Tensor], namespace: Namespace) -> list[str]:
+    """The storage keys a cache in `namespace` (its config's effective one) looks up for `seqs`, in order."""
     keys: list[str] = []
     for seq in seqs:
-        hashes = chained_page_hashes(seq.numpy().tobytes(), PAGE_TOKENS, NAMESPACE, ROOT_HASH)
+        hashes = chained_page_hashes(seq.numpy().tobytes(), PAGE_TOKENS, namespace, ROOT_HASH)
         keys.extend(h.hex() for h in hashes)
     return keys
 
@@ -205,14 +206,14 @@ async def bench_page_size(
     total = args.total_mib << 20
     n = total // page_bytes
     seqs = sequences(n, args.sequences)
-    keys = storage_keys(seqs)
+    config = controller_config(root, page_bytes, n, args.threads, args.batch_pages)
+    keys = storage_keys(seqs, config.namespace)
     assert len(keys) == n
     views = page_views(pool[: n * page_bytes], page_bytes)
     backend_options: dict[str, Any] = {} if args.threads is None else {"max_concurrency": args.threads}
-    config = controller_config(root, page_bytes, n, args.threads, args.batch_pages)
     raw_threads = [int(t) for t in args.raw_threads.split(",")]
     out: dict[str, dict[str, Any]] = {}
-    async with FileBackend(root, namespace_digest=NAMESPACE.digest, **backend_options) as backend:
+    async with FileBackend(root, namespace_digest=config.namespace.digest, **backend_options) as backend:
         pool.random_(0, 256)
         assert all(await backend.put(keys, views))
         expected = pool[: n * page_bytes].clone()
@@ -221,7 +222,7 @@ async def bench_page_size(
         await backend.get(keys[:64], views[:64])  # start the worker threads outside the timed runs
 
         async def backend_run() -> int:
-            return (await backend.get(keys, views)).count(True)
+            return (await backend.get(keys, views)).count(PageStatus.HIT)
 
         for state in ("hot", "cold"):
             raws = {t: Series() for t in raw_threads}

@@ -51,7 +51,7 @@ def make_config(url: str) -> HiCacheConfig:
         device_pages=64,
         host_pages=64,
         storage_url=url,
-        namespace=Namespace(model="example-model"),
+        namespace=Namespace(model_id="example-model"),
         prefetch_threshold=PAGE,
         prefetch_stop_policy="wait_complete",
     )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,13 +13,32 @@ from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
+from storage_backends.names import check_url_names
+from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
 
-__all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig"]
+__all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
 STORAGE_BATCH_BYTES = 4 << 20
 """Target payload bytes per storage `get` call of a prefetch when `storage_batch_pages` is not set.
 Measured with `bench/bench_io.py` (2 cores, 16 concurrent prefetches of hot 64 KiB pages from the file
 backend): 1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s."""
+
+
+def layout_signature(layout: KVLayout, components: Sequence[Component] = ()) -> str:
+    """The canonical description of a cache's page bytes, the `layout` field of its `Namespace`.
+
+    Canonical JSON of the KV layout's `signature()` (layers, planes, page size, KV heads, head dim, dtype,
+    page-first layout version) and, per component in order, its name, kind and pool layout. A component's
+    other settings (a sliding window's length) decide which pages exist, not their bytes, and stay out.
+    """
+    described = {
+        "kv": layout.signature(),
+        "components": [
+            {"name": c.name, "kind": type(c).__name__, "pool": c.pool_layout(layout.page_size).signature()}
+            for c in components
+        ],
+    }
+    return json.dumps(described, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
@@ -29,6 +51,8 @@ def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
 def _non_negative_float(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number of seconds, got {value}")
     if value < 0:
         raise ValueError(f"{name}: must be >= 0, got {value}")
 
@@ -45,12 +69,19 @@ class HiCacheConfig:
         eviction_policy: which evictable leaf goes first.
         write_through_threshold: hits before a backup under `write_through_selective`.
         storage_url: `file:///path`, `memory://name`, `s3://bucket/prefix`, or None for no storage tier.
-        storage_options: keyword options passed to the backend factory.
-        namespace: what makes pages of this cache distinct from other models' pages in shared storage.
+            An `s3://` bucket must follow the S3 naming rules and the prefix and a `file://` root may
+            hold no `.` or `..` segment, even percent-encoded (`storage_backends.names`).
+        storage_options: keyword options passed to the backend factory. Secrets in it and in the URL
+            (credentials, tokens) are shown as `***` by `repr`/`str`.
+        namespace: who this cache's pages belong to (`model_id`, tensor-parallel rank and size, `extra`).
+            The configuration derives the effective namespace from it: its `layout` field is always
+            replaced by `layout_signature(layout, components)`, so caches whose pages differ in bytes never
+            share pages, whatever is passed. Two caches share pages exactly when their effective
+            namespaces are equal (see README, "Namespaces and sharing").
         backup_to_storage: write host backups through to storage in the background.
         prefetch_threshold: minimum page-aligned storage remainder (tokens) worth a prefetch.
         prefetch_stop_policy: when a prefetch stops streaming (see `StopPolicy`).
-        prefetch_timeout_base: seconds, for the `timeout` policy.
+        prefetch_timeout_base: seconds, for the `timeout` policy (every timeout is finite and >= 0).
         prefetch_timeout_per_1k_tokens: seconds per 1,024 tokens, for the `timeout` policy.
         prefetch_timeout_max: upper bound in seconds, for the `timeout` policy.
         prefetch_capacity_tokens: most tokens in flight across prefetches (default: half the host pool).
@@ -134,10 +165,18 @@ class HiCacheConfig:
             "prefetch_stop_policy",
             parse_policy(StopPolicy, self.prefetch_stop_policy, "prefetch_stop_policy"),
         )
-        if self.storage_url is not None and (
-            not isinstance(self.storage_url, str) or "://" not in self.storage_url
-        ):
-            raise ValueError(f"storage_url: expected a URL such as 'file:///path', got {self.storage_url!r}")
+        if self.storage_url is not None:
+            if not isinstance(self.storage_url, str) or "://" not in self.storage_url:
+                raise ValueError(
+                    f"storage_url: expected a URL such as 'file:///path', got {redact_text(str(self.storage_url))!r}"
+                )
+            try:
+                check_url_names(self.storage_url)
+            except ValueError as exc:
+                raise ValueError(f"storage_url: {exc}") from None
+        if not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"storage_options: expected a mapping, got {type(self.storage_options).__name__}")
+        remember_secrets(secret_values(self.storage_url, self.storage_options))
         if not isinstance(self.namespace, Namespace):
             raise TypeError(f"namespace: expected a Namespace, got {type(self.namespace).__name__}")
         components = tuple(self.components)
@@ -150,6 +189,13 @@ class HiCacheConfig:
             names.add(comp.name)
             comp.pool_layout(self.page_size)  # raises on a page size mismatch
         object.__setattr__(self, "components", components)
+        signature = layout_signature(self.layout, components)
+        if self.namespace.layout != signature:
+            object.__setattr__(self, "namespace", dataclasses.replace(self.namespace, layout=signature))
+
+    def __repr__(self) -> str:
+        """The fields, with secrets in `storage_url` and `storage_options` replaced by `***`."""
+        return redacted_repr(self)
 
     @property
     def page_size(self) -> int:

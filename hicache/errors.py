@@ -5,8 +5,10 @@ from __future__ import annotations
 __all__ = [
     "CacheClosed",
     "ChecksumMismatch",
+    "ForeignPage",
     "HiCacheError",
     "InvariantViolation",
+    "OldPageFormat",
     "PageNotFound",
     "PoolError",
     "PrefetchError",
@@ -62,6 +64,16 @@ class PageNotFound(StorageError, FileNotFoundError):
 
 class ChecksumMismatch(StorageError):
     """Raised when a stored page's header or checksum does not verify: the page is treated as a miss."""
+
+
+class ForeignPage(ChecksumMismatch):
+    """Raised when a stored page's header names another namespace or another key than the one it was read
+    under (a page copied, renamed or symlinked over this key, or written by another cache): a miss."""
+
+
+class OldPageFormat(ChecksumMismatch):
+    """Raised when a stored page was written in a page format version this reader does not read (a
+    version 1 page, from before pages carried their key): a miss."""
 
 
 class StorageUnavailable(StorageError, ConnectionError):

@@ -6,16 +6,18 @@ bytes runs in C, which is what makes matching cost follow the key rather than th
 
 from __future__ import annotations
 
+import json
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import torch
 import xxhash
 
 __all__ = [
+    "NAMESPACE_ENCODING_VERSION",
     "ROOT_HASH",
     "TOKEN_BYTES",
     "KeyLike",
@@ -47,7 +49,8 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
 
     Raises:
         TypeError: for an unsupported type or a non-integer tensor.
-        ValueError: for bytes whose length is not a multiple of 8, or a tensor that is not 1-D.
+        ValueError: for bytes whose length is not a multiple of 8, a tensor that is not 1-D, or a token
+            id outside int64 (-2**63 .. 2**63 - 1).
     """
     if isinstance(tokens, bytes):
         if len(tokens) % TOKEN_BYTES:
@@ -59,7 +62,7 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
         return as_key_bytes(bytes(tokens), name=name)
     if isinstance(tokens, array):
         if tokens.typecode != "q":
-            tokens = array("q", tokens)
+            tokens = _int64_array(tokens, name)
         if not _LITTLE:  # pragma: no cover - big-endian hosts
             tokens = array("q", tokens)
             tokens.byteswap()
@@ -69,18 +72,31 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
             raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got dtype {tokens.dtype}")
+        if tokens.dtype == torch.uint64 and bool((tokens.view(torch.int64) < 0).any()):
+            # A uint64 id >= 2**63 would wrap to a negative int64: another key, silently.
+            raise ValueError(f"{name}: token ids must fit in int64 (< 2**63), got a uint64 id >= 2**63")
         t = tokens.detach().to(device="cpu", dtype=torch.int64).contiguous()
         return t.numpy().tobytes() if _LITTLE else array("q", t.tolist()).tobytes()
     if isinstance(tokens, str):
         raise TypeError(f"{name}: expected token ids, got str")
     if isinstance(tokens, Sequence):
         try:
-            return array("q", tokens).tobytes()
+            return _int64_array(tokens, name).tobytes()
         except TypeError as exc:
             raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}") from exc
     raise TypeError(
         f"{name}: expected bytes, array('q'), a 1-D tensor or a sequence of ints, got {type(tokens)!r}"
     )
+
+
+def _int64_array(tokens: Sequence[int] | array[int], name: str) -> array[int]:
+    """`tokens` as `array('q')`; an id outside int64 raises `ValueError` naming `name`."""
+    try:
+        return array("q", tokens)
+    except OverflowError:
+        low, high = -(1 << 63), (1 << 63) - 1
+        bad = next((t for t in tokens if isinstance(t, int) and not low <= t <= high), None)
+        raise ValueError(f"{name}: token ids must fit in int64 ({low} .. {high}), got {bad}") from None
 
 
 def num_tokens(key: bytes) -> int:
@@ -95,25 +111,82 @@ def key_to_tensor(key: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(key), dtype=torch.int64)
 
 
+NAMESPACE_ENCODING_VERSION = 2
+"""The version written into every namespace encoding (1 was the unescaped, separator-joined form)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything that makes two pages with the same tokens hold different bytes.
 
-    Two caches share pages in storage only when every field matches, so two models never share a page.
+    Two caches share pages in storage only when every field matches: the page hashes (and so the storage
+    keys) chain the namespace's `digest`, and every stored page's header carries it.
+
+    The caller fills the identity fields; `HiCacheConfig` fills `layout` from its KV layout and components
+    (a value passed in is replaced), so two caches with different page bytes never share a namespace, whatever
+    the caller passes.
+
+    Attributes:
+        model_id: the model's identity as the serving engine knows it: its name and revision, or a hash of
+            its config and weights. Empty means unknown (a cache with storage then logs a warning at start).
+        tp_rank: this process's tensor-parallel rank (0 <= tp_rank < tp_size).
+        tp_size: the tensor-parallel world size (>= 1).
+        extra: any further discriminator the caller wants (a run id, a quantisation recipe).
+        layout: the canonical description of the page bytes (`HiCacheConfig.layout_signature`); empty
+            only for namespaces used outside a cache (a bare tree, tests).
+
+    Raises:
+        TypeError, ValueError: naming the field that is out of range or of the wrong type.
     """
 
-    model: str = "default"
-    dtype: str = "float32"
-    layout: str = "page_first"
-    rank: int = 0
-    world_size: int = 1
+    model_id: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
     extra: str = ""
+    layout: str = ""
+    _encoded: bytes = field(default=b"", init=False, repr=False, compare=False)
+    _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "extra", "layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+        for name in ("tp_rank", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size: expected >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank: expected 0 <= tp_rank < tp_size ({self.tp_size}), got {self.tp_rank}")
+        encoded = json.dumps(
+            {
+                "v": NAMESPACE_ENCODING_VERSION,
+                "model_id": self.model_id,
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
+                "extra": self.extra,
+                "layout": self.layout,
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+        ).encode("ascii")
+        object.__setattr__(self, "_encoded", encoded)
+        object.__setattr__(self, "_digest", xxhash.xxh3_128_digest(encoded))
+
+    @property
+    def encoding(self) -> bytes:
+        """The unambiguous, versioned encoding of every field: canonical JSON (sorted keys, no spaces,
+        ASCII only, strings escaped), with `"v"` = `NAMESPACE_ENCODING_VERSION`. Distinct fields give
+        distinct encodings: `json.loads` gives the fields back."""
+        return self._encoded
 
     @property
     def digest(self) -> bytes:
-        """A stable 16-byte digest of the namespace (the same on every process and machine)."""
-        text = f"{self.model}\x1f{self.dtype}\x1f{self.layout}\x1f{self.rank}\x1f{self.world_size}\x1f{self.extra}"
-        return xxhash.xxh3_128_digest(text.encode())
+        """A stable 16-byte digest of `encoding` (xxh3-128: the same on every process and machine)."""
+        return self._digest
 
 
 def chained_page_hashes(

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import anyio
 import anyio.abc
 
+from storage_backends.redact import redact_value
+
 __all__ = [
     "DEFAULT_BUCKETS",
     "LATENCY_BUCKETS",
@@ -81,8 +83,13 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def _shown_label(name: str, value: str) -> str:
+    """A label value as rendered: never a credential (a URL's secrets or a secret-named label's value)."""
+    return str(redact_value(name, value))
+
+
 def _format_labels(pairs: Iterable[tuple[str, str]]) -> str:
-    body = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in pairs)
+    body = ",".join(f'{k}="{_escape_label_value(_shown_label(k, v))}"' for k, v in pairs)
     return f"{{{body}}}" if body else ""
 
 
@@ -132,7 +139,7 @@ class Metric:
         return key
 
     def _label_dict(self, key: LabelKey) -> dict[str, str]:
-        return dict(zip(self.labelnames, key, strict=True))
+        return {n: _shown_label(n, v) for n, v in zip(self.labelnames, key, strict=True)}
 
     def _header(self) -> list[str]:
         return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
@@ -489,7 +496,9 @@ class CacheMetrics:
     storage_bytes_read: Counter
     storage_bytes_written: Counter
     storage_page_failures: Counter
-    """Labelled by ``reason``."""
+    """Labelled by ``reason``: ``exists`` (a lookup failed), ``write``, ``timeout``, and for reads the
+    failed page's `PageStatus` value: ``miss``, ``corrupt``, ``foreign_page`` (another namespace's or
+    another key's page under this key), ``old_format``, ``error``."""
     backup_tokens: Counter
     backup_skipped: Counter
     evict_dropped_tokens: Counter
@@ -501,8 +510,9 @@ class CacheMetrics:
     """Labelled by ``op`` (exists, get, put) and ``kind`` (unavailable, timeout, auth, other): storage calls
     that failed with an error, never a miss."""
     writes_shed: Counter
-    """Labelled by ``tier`` (host, storage) and ``reason`` (queue_full, storage_unavailable): backups and
-    storage writes dropped instead of queued."""
+    """Labelled by ``tier`` (host, storage) and ``reason``: backups and storage writes dropped instead of
+    done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open;
+    ``evicted``: the node left host memory while its storage write was still queued)."""
     storage_breaker_state: Gauge
     """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.breaker`)."""
 

@@ -19,11 +19,15 @@ from typing import TypeVar, TypeVarTuple, Unpack, cast
 import anyio
 import anyio.to_thread
 
+from storage_backends.protocol import PageStatus
+
 __all__ = [
     "CORRUPT",
     "ERROR",
+    "FOREIGN",
     "HIT",
     "MISS",
+    "OLD_FORMAT",
     "BackendStatistics",
     "PendingGroups",
     "StatisticsRecorder",
@@ -39,13 +43,17 @@ __all__ = [
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-HIT = 0
+HIT = PageStatus.HIT
 """Per-page outcome: the page was read (or written) and verified."""
-MISS = 1
+MISS = PageStatus.MISS
 """Per-page outcome: the page is absent."""
-CORRUPT = 2
+CORRUPT = PageStatus.CORRUPT
 """Per-page outcome: the page is truncated, has a bad header or fails its checksum."""
-ERROR = 3
+FOREIGN = PageStatus.FOREIGN
+"""Per-page outcome: the page's header names another namespace or key."""
+OLD_FORMAT = PageStatus.OLD_FORMAT
+"""Per-page outcome: the page is of another page format version."""
+ERROR = PageStatus.ERROR
 """Per-page outcome: the I/O failed for another reason."""
 
 _PENDING = object()
@@ -179,7 +187,7 @@ async def run_in_thread(func: Callable[[Unpack[Ts]], T], *args: *Ts, limiter: an
 
 
 async def gather_page_groups(
-    func: Callable[[Sequence[str], Sequence[memoryview]], list[int]],
+    func: Callable[[Sequence[str], Sequence[memoryview]], list[PageStatus]],
     keys: Sequence[str],
     buffers: Sequence[memoryview],
     *,
@@ -187,7 +195,7 @@ async def gather_page_groups(
     group_bytes: int,
     min_group_bytes: int = 0,
     pending: PendingGroups | None = None,
-) -> list[int]:
+) -> list[PageStatus]:
     """Run `func(keys[g], buffers[g])` in worker threads over the `group_slices` of a batch.
 
     The batch is spread over as many groups as `limiter` has threads that `pending` (the backend's
@@ -242,6 +250,8 @@ class BackendStatistics:
         misses: pages `get` found absent.
         checksum_failures: pages `get` found truncated, with a bad header, or failing their checksum.
         errors: pages whose I/O failed for another reason (permission, disk full, I/O error).
+        foreign_pages: pages `get` found verifying but naming another namespace or key in their header.
+        old_format_pages: pages `get` found in another page format version.
     """
 
     pages_read: int = 0
@@ -251,13 +261,15 @@ class BackendStatistics:
     misses: int = 0
     checksum_failures: int = 0
     errors: int = 0
+    foreign_pages: int = 0
+    old_format_pages: int = 0
 
 
 class StatisticsRecorder:
     """The mutable counters behind `BackendStatistics`; updated on the event loop thread only.
 
-    Worker threads return per-page outcome codes (`HIT`, `MISS`, `CORRUPT`, `ERROR`); the backend tallies
-    them here after the thread call returns, so no lock is needed.
+    Worker threads return per-page `PageStatus` outcomes; the backend tallies them here after the thread
+    call returns, so no lock is needed.
     """
 
     __slots__ = (
@@ -265,7 +277,9 @@ class StatisticsRecorder:
         "bytes_written",
         "checksum_failures",
         "errors",
+        "foreign_pages",
         "misses",
+        "old_format_pages",
         "pages_read",
         "pages_written",
     )
@@ -278,21 +292,30 @@ class StatisticsRecorder:
         self.misses = 0
         self.checksum_failures = 0
         self.errors = 0
+        self.foreign_pages = 0
+        self.old_format_pages = 0
 
-    def record_reads(self, outcomes: list[int], buffers: Sequence[memoryview]) -> list[bool]:
-        """Tally the outcomes of reads into `buffers`; return one success flag per page."""
+    def record_reads(self, outcomes: list[PageStatus], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Tally the outcomes of reads into `buffers`; return them (one `PageStatus` per page)."""
         # Counted with C-level builtins: a 16k-page batch costs well under a millisecond of loop time.
-        flags = [o == HIT for o in outcomes]
-        hits = flags.count(True)
+        hits = outcomes.count(HIT)
         self.pages_read += hits
-        self.bytes_read += sum(map(_NBYTES, compress(buffers, flags)))
-        if hits != len(flags):
-            self.misses += outcomes.count(MISS)
-            self.checksum_failures += outcomes.count(CORRUPT)
-            self.errors += outcomes.count(ERROR)
-        return flags
+        if hits == len(outcomes):
+            self.bytes_read += sum(map(_NBYTES, buffers))
+            return outcomes
+        self.bytes_read += sum(map(_NBYTES, compress(buffers, [o is HIT for o in outcomes])))
+        self.record_failures(outcomes)
+        return outcomes
 
-    def record_writes(self, outcomes: list[int], buffers: Sequence[memoryview]) -> list[bool]:
+    def record_failures(self, outcomes: Sequence[PageStatus]) -> None:
+        """Count the failed reads among `outcomes` by reason (hits are left to the caller)."""
+        self.misses += outcomes.count(MISS)
+        self.checksum_failures += outcomes.count(CORRUPT)
+        self.errors += outcomes.count(ERROR)
+        self.foreign_pages += outcomes.count(FOREIGN)
+        self.old_format_pages += outcomes.count(OLD_FORMAT)
+
+    def record_writes(self, outcomes: list[PageStatus], buffers: Sequence[memoryview]) -> list[bool]:
         """Tally the outcomes of writes from `buffers`; return one success flag per page."""
         flags = [o == HIT for o in outcomes]
         hits = flags.count(True)
@@ -311,6 +334,8 @@ class StatisticsRecorder:
             "misses": self.misses,
             "checksum_failures": self.checksum_failures,
             "errors": self.errors,
+            "foreign_pages": self.foreign_pages,
+            "old_format_pages": self.old_format_pages,
         }
 
     def snapshot(self) -> BackendStatistics:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import anyio
 import xxhash
@@ -40,16 +40,21 @@ from storage_backends.batching import (
     run_in_thread,
 )
 from storage_backends.lifecycle import BackendLifecycle
+from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     check_namespace_digest,
-    decode_header,
+    check_stored_size,
     encode_header,
+    failure_status,
+    key_digest,
     validate_keys,
     verify_page,
 )
+from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_url
 
 __all__ = ["FileBackend", "default_concurrency"]
 
@@ -62,14 +67,14 @@ _TMP_SUFFIX = ".tmp"
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
-_HEADER_FIELDS = struct.Struct("<4sBBH16sQQ")
+_HEADER_FIELDS = struct.Struct("<4sBBH16s16sQQ")
 """The `page_format` header layout, unpacked inline on the read fast path."""
 assert _HEADER_FIELDS.size == HEADER_SIZE
 
 _NOWAIT: int = getattr(os, "RWF_NOWAIT", 0) if hasattr(os, "posix_fadvise") else 0
 """`preadv` flag: fail with EAGAIN instead of waiting for the device (Linux >= 4.14); 0 where absent."""
 _WILLNEED: int = getattr(os, "POSIX_FADV_WILLNEED", 0)
-_WOULD_BLOCK = -1
+_WOULD_BLOCK = None
 """Internal outcome of a `RWF_NOWAIT` read: the page is not (wholly) in the page cache."""
 
 _GROUP_BYTES = 4 << 20
@@ -107,7 +112,8 @@ class FileBackend(BackendLifecycle):
     Safe to share a root between processes: writes are atomic renames and every read is verified.
 
     Args:
-        root: the directory holding the pages; created if missing.
+        root: the directory holding the pages; created if missing. A filesystem path, made absolute and
+            normalised (`os.path.abspath`: `..` is resolved); `from_url` refuses `.` and `..` instead.
         namespace_digest: the 16-byte namespace digest written into, and required from, every page.
         max_concurrency: the most worker threads this backend keeps busy at once, across all calls
             (default: `default_concurrency()`).
@@ -157,17 +163,24 @@ class FileBackend(BackendLifecycle):
     def from_url(cls, url: str, *, namespace_digest: bytes, **options: Any) -> FileBackend:
         """Open a backend from a `file:///absolute/path` URL; `options` go to the constructor.
 
+        The path is percent-decoded once and must be absolute. A `.` or `..` segment, a backslash, a
+        control character, an encoded `/` (`%2F`) or a `%` left after decoding is refused, never
+        resolved; repeated and trailing slashes are collapsed (`storage_backends.names`).
+
         Raises:
-            ValueError: naming `url`, for another scheme, a host part or a relative path.
+            ValueError: naming `url`, for another scheme, a host part, a query or fragment, or a path
+                refused as above.
         """
+        if not isinstance(url, str):
+            raise TypeError(f"url: expected str, got {type(url).__name__}")
         parts = urlsplit(url)
         if parts.scheme != "file":
-            raise ValueError(f"url: expected a file:// URL, got {url!r}")
+            raise ValueError(f"url: expected a file:// URL, got {redact_url(url)!r}")
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"url: file URLs must not name a host, got {url!r}")
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise ValueError(f"url: expected an absolute path (file:///abs/path), got {url!r}")
+            raise ValueError(f"url: file URLs must not name a host, got {redact_url(url)!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"url: file URLs take no query or fragment, got {redact_url(url)!r}")
+        path = file_root_from_url_path(parts.path, argument="url")
         return cls(path, namespace_digest=namespace_digest, **options)
 
     @property
@@ -219,11 +232,12 @@ class FileBackend(BackendLifecycle):
             pos = chunks[-1].stop
         return n
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read pages straight into `buffers`; one flag per page, `False` for a missing or bad page.
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Read pages straight into `buffers`; one `PageStatus` per page, `HIT` only for a verified page.
 
-        A page that is truncated, has a bad header, belongs to another namespace or fails its checksum
-        is logged at warning level, counted in `statistics().checksum_failures` and reported `False`.
+        A page that is truncated, has a bad header or fails its checksum (`CORRUPT`), names another
+        namespace or key in its header (`FOREIGN`: a page copied, renamed or symlinked over this key), or is
+        of an older format (`OLD_FORMAT`) is logged at warning level and counted in `statistics()`.
         When this returns, normally or not, no thread is still writing into any buffer.
 
         Raises:
@@ -271,7 +285,8 @@ class FileBackend(BackendLifecycle):
             f"<FileBackend {state} root={self._root!r} namespace={self._namespace.hex()[:8]}… "
             f"max_concurrency={self._max_concurrency} durable={self._durable} "
             f"read={s.pages_read} written={s.pages_written} misses={s.misses} "
-            f"checksum_failures={s.checksum_failures} errors={s.errors}>"
+            f"checksum_failures={s.checksum_failures} foreign={s.foreign_pages} "
+            f"old_format={s.old_format_pages} errors={s.errors}>"
         )
 
     # -- internals ------------------------------------------------------------------------------------
@@ -281,10 +296,10 @@ class FileBackend(BackendLifecycle):
 
     async def _gather_groups(
         self,
-        func: Callable[[Sequence[str], Sequence[memoryview]], list[int]],
+        func: Callable[[Sequence[str], Sequence[memoryview]], list[PageStatus]],
         keys: Sequence[str],
         buffers: Sequence[memoryview],
-    ) -> list[int]:
+    ) -> list[PageStatus]:
         return await gather_page_groups(
             func,
             keys,
@@ -295,23 +310,23 @@ class FileBackend(BackendLifecycle):
             pending=self._pending,
         )
 
-    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Read and verify a group of pages in a worker thread; one outcome code per page.
 
         Pages are read with `RWF_NOWAIT` while the page cache holds them: one system call each, as fast
         as a plain read. The first page that would wait for the device switches the rest of the group to
         `_read_group_ahead`, which asks the kernel for all of them at once before reading.
         """
-        out: list[int] = []
+        out: list[PageStatus] = []
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
             code = self._read_one(key, buf, self._nowait)
-            if code == _WOULD_BLOCK:
+            if code is None:  # _WOULD_BLOCK
                 out.extend(self._read_group_ahead(keys[i:], buffers[i:]))
                 break
             out.append(code)
         return out
 
-    def _read_group_ahead(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+    def _read_group_ahead(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Open every page, advise the kernel to read them all ahead (`WILLNEED`), then read each.
 
         A cold group then keeps the device busy with the whole group's reads at once instead of one
@@ -329,13 +344,18 @@ class FileBackend(BackendLifecycle):
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, 0, HEADER_SIZE + buf.nbytes, _WILLNEED)
                 fds.append(fd)
-            return [self._read_one(key, buf, 0, fd) for key, buf, fd in zip(keys, buffers, fds, strict=True)]
+            out: list[PageStatus] = []
+            for key, buf, fd in zip(keys, buffers, fds, strict=True):
+                code = self._read_one(key, buf, 0, fd)
+                assert code is not None, "a read without RWF_NOWAIT never reports would-block"
+                out.append(code)
+            return out
         finally:
             for fd in fds:
                 if fd >= 0:
                     os.close(fd)
 
-    def _read_one(self, key: str, buf: memoryview, flags: int = 0, fd: int = -1) -> int:
+    def _read_one(self, key: str, buf: memoryview, flags: int = 0, fd: int = -1) -> PageStatus | None:
         """Read and verify one page in a worker thread; return its outcome code.
 
         With `flags` = `RWF_NOWAIT`, returns `_WOULD_BLOCK` instead of waiting for the device. Reads
@@ -355,7 +375,7 @@ class FileBackend(BackendLifecycle):
         finally:
             os.close(fd)
 
-    def _read_fd(self, key: str, buf: memoryview, fd: int, flags: int) -> int:
+    def _read_fd(self, key: str, buf: memoryview, fd: int, flags: int) -> PageStatus | None:
         header = bytearray(HEADER_SIZE)
         want = HEADER_SIZE + buf.nbytes
         try:
@@ -370,13 +390,16 @@ class FileBackend(BackendLifecycle):
             return ERROR
         if got == want:
             # The common case in one unpack and one hash; anything unusual takes the checked path below.
-            magic, version, page_flags, reserved, digest, length, checksum = _HEADER_FIELDS.unpack(header)
+            magic, version, page_flags, reserved, digest, kdigest, length, checksum = _HEADER_FIELDS.unpack(
+                header
+            )
             if (
                 magic == MAGIC
                 and version == FORMAT_VERSION
                 and not page_flags
                 and not reserved
                 and digest == self._namespace
+                and kdigest == key_digest(key)
                 and length == got - HEADER_SIZE
             ):
                 if xxhash.xxh3_64_intdigest(buf) == checksum:
@@ -389,45 +412,39 @@ class FileBackend(BackendLifecycle):
             return _WOULD_BLOCK  # partly cached, or truncated: the blocking read decides
         return self._read_slow(key, buf, fd, header, got)
 
-    def _read_slow(self, key: str, buf: memoryview, fd: int, header: bytearray, got: int) -> int:
+    def _read_slow(self, key: str, buf: memoryview, fd: int, header: bytearray, got: int) -> PageStatus:
         """Finish a short read and verify the page field by field, naming the first problem."""
         path = self._path(key)
         want = HEADER_SIZE + buf.nbytes
         try:
             if 0 < got < want:
                 got = _finish_read(fd, header, buf, got)
+            size = os.fstat(fd).st_size
         except OSError as exc:
             log.warning("cannot read page %s: %s", path, exc)
             return ERROR
         try:
-            fields = decode_header(memoryview(header)[:got])
-            # A well-formed page of another size: the caller's buffer is wrong, not the page.
-            if (
-                fields.payload_length != buf.nbytes
-                and fields.namespace_digest == self._namespace
-                and os.fstat(fd).st_size == HEADER_SIZE + fields.payload_length
-            ):
-                raise ValueError(
-                    f"buffers: page {key} holds {fields.payload_length} bytes, its buffer has {buf.nbytes}"
-                )
-            if got < want:
-                raise ChecksumMismatch(f"page file is truncated: {got} of {want} bytes")
-            verify_page(header, buf, self._namespace)
+            # Three cases: a page of another size (foreign, truncated, overlong, or the caller's buffer
+            # is wrong: `check_stored_size` tells them apart), or one of the right size that must verify.
+            check_stored_size(
+                memoryview(header)[: min(got, HEADER_SIZE)], size, buf.nbytes, self._namespace, key
+            )
+            verify_page(header, buf, self._namespace, key)
         except ChecksumMismatch as exc:
             log.warning("discarding page %s: %s", path, exc)
-            return CORRUPT
+            return failure_status(exc)
         return HIT
 
-    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         return [self._write_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
-    def _write_one(self, key: str, buf: memoryview) -> int:
+    def _write_one(self, key: str, buf: memoryview) -> PageStatus:
         """Write one page atomically in a worker thread; return its outcome code."""
         directory = f"{self._root}/{key[0:2]}/{key[2:4]}"
         path = f"{directory}/{key}{SUFFIX}"
         tmp = f"{directory}/.{key}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         try:
-            header = encode_header(buf, self._namespace)
+            header = encode_header(buf, self._namespace, key)
             if directory not in self._known_dirs:
                 os.makedirs(directory, exist_ok=True)
                 self._known_dirs.add(directory)

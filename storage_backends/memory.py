@@ -18,7 +18,6 @@ import anyio
 
 from hicache.errors import ChecksumMismatch
 from storage_backends.batching import (
-    CORRUPT,
     HIT,
     MISS,
     BackendStatistics,
@@ -31,11 +30,14 @@ from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
-    decode_header,
+    check_stored_size,
     encode_header,
+    failure_status,
     validate_keys,
     verify_page,
 )
+from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_url
 
 __all__ = ["MemoryBackend", "drop_named_store"]
 
@@ -94,9 +96,11 @@ class MemoryBackend(BackendLifecycle):
         """
         parts = urlsplit(url)
         if parts.scheme != "memory":
-            raise ValueError(f"url: expected a memory:// URL, got {url!r}")
+            raise ValueError(f"url: expected a memory:// URL, got {redact_url(url)!r}")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError(f"url: expected memory://name with nothing after the name, got {url!r}")
+            raise ValueError(
+                f"url: expected memory://name with nothing after the name, got {redact_url(url)!r}"
+            )
         return cls(namespace_digest=namespace_digest, name=parts.netloc or None, **options)
 
     def statistics(self) -> BackendStatistics:
@@ -127,8 +131,8 @@ class MemoryBackend(BackendLifecycle):
                 return i
         return len(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Copy pages into `buffers` and verify them (in worker threads); one flag per page.
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Copy pages into `buffers` and verify them (in worker threads); one `PageStatus` per page.
 
         Raises:
             CacheClosed: after `aclose()`.
@@ -182,41 +186,35 @@ class MemoryBackend(BackendLifecycle):
         return (
             f"<MemoryBackend {state} store={store} pages={len(self._pages)} "
             f"namespace={self._namespace.hex()[:8]}… read={s.pages_read} written={s.pages_written} "
-            f"misses={s.misses} checksum_failures={s.checksum_failures} errors={s.errors}>"
+            f"misses={s.misses} checksum_failures={s.checksum_failures} foreign={s.foreign_pages} "
+            f"old_format={s.old_format_pages} errors={s.errors}>"
         )
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         return [self._read_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
-    def _read_one(self, key: str, buf: memoryview) -> int:
+    def _read_one(self, key: str, buf: memoryview) -> PageStatus:
         data = self._pages.get(key)
         if data is None:
             return MISS
         stored = memoryview(data)
         try:
-            fields = decode_header(stored[:HEADER_SIZE])
-            if (
-                fields.payload_length != buf.nbytes
-                and fields.namespace_digest == self._namespace
-                and len(data) == HEADER_SIZE + fields.payload_length
-            ):
-                raise ValueError(
-                    f"buffers: page {key} holds {fields.payload_length} bytes, its buffer has {buf.nbytes}"
-                )
+            if len(data) != HEADER_SIZE + buf.nbytes:
+                check_stored_size(stored[:HEADER_SIZE], len(data), buf.nbytes, self._namespace, key)
             payload = stored[HEADER_SIZE:]
-            verify_page(stored[:HEADER_SIZE], payload, self._namespace)
+            verify_page(stored[:HEADER_SIZE], payload, self._namespace, key)
         except ChecksumMismatch as exc:
             log.warning("discarding page %s: %s", key, exc)
-            return CORRUPT
+            return failure_status(exc)
         # Copy only verified bytes: a bad page leaves the buffer untouched.
         target = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
         target[:] = payload
         return HIT
 
-    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
+    def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         pages = self._pages
         for key, buf in zip(keys, buffers, strict=True):
-            pages[key] = encode_header(buf, self._namespace) + buf
+            pages[key] = encode_header(buf, self._namespace, key) + buf
         return [HIT] * len(keys)

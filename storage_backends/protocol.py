@@ -8,10 +8,33 @@ writes into them in place (zero-copy where the medium allows), `put` reads from 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["StorageBackend"]
+__all__ = ["PageStatus", "StorageBackend"]
+
+
+class PageStatus(enum.Enum):
+    """What `get` did with one page. Truthy only for `HIT`, so `all(await backend.get(...))` means "all
+    loaded"; a failure's value is the `reason` label of the controller's `storage_page_failures` metric."""
+
+    HIT = "hit"
+    """The page was read into its buffer and verified."""
+    MISS = "miss"
+    """No page is stored under the key."""
+    CORRUPT = "corrupt"
+    """The stored page is truncated, overlong, has a bad header, or fails its checksum."""
+    FOREIGN = "foreign_page"
+    """The stored page verifies but its header names another namespace or another key: a page copied,
+    renamed or symlinked over this key, or written by a differently configured cache."""
+    OLD_FORMAT = "old_format"
+    """The stored page was written in a page format version this reader does not read (version 1)."""
+    ERROR = "error"
+    """The read failed for another reason (permissions, an I/O error, an unreachable server)."""
+
+    def __bool__(self) -> bool:
+        return self is PageStatus.HIT
 
 
 @runtime_checkable
@@ -20,9 +43,11 @@ class StorageBackend(Protocol):
 
     Contract (checked by `tests/storage/contract.py` for every backend):
       * `exists(keys)` returns the length of the longest prefix of `keys` that is fully stored.
-      * `get(keys, buffers)` fills `buffers[i]` with page `keys[i]` and returns one bool per page; a page that
-        is missing, torn, truncated or fails its checksum is `False` and is never reported as loaded. When
-        the call returns (normally, with an error, or cancelled) no I/O may still write into any buffer.
+      * `get(keys, buffers)` fills `buffers[i]` with page `keys[i]` and returns one `PageStatus` per page;
+        only a page whose header names this backend's namespace and `keys[i]` and whose checksum verifies
+        is `HIT`. Anything else is never reported as loaded (its buffer's contents are then unspecified):
+        `MISS`, `CORRUPT`, `FOREIGN`, `OLD_FORMAT` or `ERROR`, saying why. When the call returns
+        (normally, with an error, or cancelled) no I/O may still write into any buffer.
       * `put(keys, buffers)` stores each page atomically: a reader sees the whole page or none of it.
         Returns one bool per page.
       * `delete(keys)` removes pages; absent keys are ignored.
@@ -34,8 +59,8 @@ class StorageBackend(Protocol):
         """Length of the longest prefix of `keys` whose pages are all stored."""
         ...
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read pages into caller buffers; one success flag per page."""
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Read pages into caller buffers; one `PageStatus` per page (`HIT` when loaded and verified)."""
         ...
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:

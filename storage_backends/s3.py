@@ -65,14 +65,18 @@ from storage_backends.batching import (
     gather_bounded,
 )
 from storage_backends.lifecycle import BackendLifecycle
+from storage_backends.names import prefix_from_url_path, validate_bucket, validate_prefix
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
-    decode_header,
+    check_stored_size,
     encode_header,
+    failure_status,
     validate_keys,
     verify_page,
 )
+from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_text, redact_url, remember_secrets
 
 __all__ = ["S3Backend", "S3Statistics"]
 
@@ -131,7 +135,7 @@ class _Batch:
             self.error = exc
         return exc
 
-    def raise_if_all_failed(self, flags: Sequence[bool]) -> None:
+    def raise_if_all_failed(self, flags: Sequence[PageStatus] | Sequence[bool]) -> None:
         """Raise the batch's outage error when not one page succeeded: an outage, not missing pages."""
         if self.error is not None and not any(flags):
             raise self.error
@@ -162,8 +166,11 @@ class S3Backend(BackendLifecycle):
     the constructor, use it as an async context manager or call `aclose()`.
 
     Args:
-        bucket: the bucket name.
-        prefix: the key prefix inside the bucket ("" for the bucket root).
+        bucket: the bucket name, valid by the S3 naming rules (`storage_backends.names.validate_bucket`:
+            3-63 lowercase letters, digits, dots and hyphens, no `..`, not an IP address, ...).
+        prefix: the key prefix inside the bucket ("" for the bucket root), taken literally: leading and
+            trailing `/` are dropped; empty, `.` and `..` segments, backslashes, control characters and
+            `%` are refused.
         namespace_digest: the 16-byte namespace digest written into and checked in every page header.
         endpoint: the S3 endpoint URL; default `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, else AWS.
         region: the signing region; default `AWS_REGION` / `AWS_DEFAULT_REGION`, else "us-east-1".
@@ -181,6 +188,7 @@ class S3Backend(BackendLifecycle):
 
     Raises:
         ValueError: naming the argument, for a bad bucket, prefix, endpoint or a non-positive setting.
+        TypeError: naming the argument, for a bucket or prefix that is not a str.
     """
 
     def __init__(
@@ -204,13 +212,8 @@ class S3Backend(BackendLifecycle):
         backoff_max_s: float = 2.0,
     ) -> None:
         self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
-        if not isinstance(bucket, str) or not bucket or "/" in bucket:
-            raise ValueError(f"bucket: expected a non-empty name without '/', got {bucket!r}")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix: expected str, got {type(prefix).__name__}")
-        prefix = prefix.strip("/")
-        if any(part in {"", ".", ".."} for part in prefix.split("/")) and prefix:
-            raise ValueError(f"prefix: empty, '.' or '..' path segments are not allowed, got {prefix!r}")
+        validate_bucket(bucket)
+        prefix = validate_prefix(prefix)
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
@@ -233,6 +236,7 @@ class S3Backend(BackendLifecycle):
         secret_access_key = secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None
         session_token = session_token or env.get("AWS_SESSION_TOKEN") or None
         self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+        remember_secrets(self._secrets)
 
         # Single-object DELETEs: the JuiceFS (MinIO) gateway answers DeleteObjects in a shape
         # object_store rejects.
@@ -301,11 +305,13 @@ class S3Backend(BackendLifecycle):
         Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `max_concurrency`, `deadline_s`,
         `attempt_timeout_s`, `connect_timeout_s`, `max_retries`, `backoff_initial_s`, `backoff_max_s`); keyword
-        options win over the query.
+        options win over the query. The URL's path is percent-decoded once into the prefix; an encoded `/`
+        (`%2F`) or a `%` left after decoding is refused, and so is everything the constructor refuses.
 
         Raises:
-            ValueError: for another scheme, a missing bucket, an unknown or repeated query parameter, or a
-                value that does not parse (the message never echoes credential values).
+            ValueError: for another scheme, a bucket the S3 naming rules refuse (naming `bucket`), a bad
+                prefix (naming `prefix`), an unknown or repeated query parameter, or a value that does not
+                parse (the message never echoes credential values).
         """
         if not isinstance(url, str):
             raise TypeError(f"url: expected str, got {type(url).__name__}")
@@ -314,6 +320,8 @@ class S3Backend(BackendLifecycle):
             raise ValueError(f"url: expected the s3:// scheme, got {parts.scheme!r}")
         if not parts.netloc or "@" in parts.netloc:
             raise ValueError("url: expected s3://bucket/prefix with a bucket name and no user info")
+        bucket = validate_bucket(parts.netloc)
+        prefix = prefix_from_url_path(parts.path)
         merged: dict[str, Any] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
             if name in merged:
@@ -335,7 +343,7 @@ class S3Backend(BackendLifecycle):
             else:
                 raise ValueError(f"url: unknown query parameter {name!r}")
         merged.update(options)
-        return cls(parts.netloc, parts.path, namespace_digest=namespace_digest, **merged)
+        return cls(bucket, prefix, namespace_digest=namespace_digest, **merged)
 
     # ------------------------------------------------------------------ lifecycle and observability
 
@@ -344,8 +352,9 @@ class S3Backend(BackendLifecycle):
         self._store = None
 
     def __repr__(self) -> str:
+        endpoint = None if self._endpoint is None else redact_url(self._endpoint)
         return (
-            f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={self._endpoint!r}, "
+            f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={endpoint!r}, "
             f"region={self._region!r}, credentials={self._credentials!r}, "
             f"max_concurrency={self._max_concurrency}, closed={self._closed})"
         )
@@ -388,8 +397,12 @@ class S3Backend(BackendLifecycle):
                 found += 1
         return found
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Read pages into caller buffers; one flag per page, False for a missing, corrupt or failed page.
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Read pages into caller buffers; one `PageStatus` per page, `HIT` only for a verified page.
+
+        A page of another namespace or key (`FOREIGN`), of an older format (`OLD_FORMAT`), truncated or
+        failing its checksum (`CORRUPT`) is logged at warning level, counted in `statistics()` and never
+        copied into its buffer.
 
         Raises:
             CacheClosed: after `aclose()`.
@@ -466,48 +479,44 @@ class S3Backend(BackendLifecycle):
             raise  # not a miss: `exists` cannot say how many pages are stored
         return True
 
-    async def _get_one(self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch) -> bool:
+    async def _get_one(
+        self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch
+    ) -> PageStatus:
         path = self.object_path(key)
         try:
             body = await self._call(partial(_fetch, store, path), batch, "GET", path)
         except PageNotFound:
             self._stats.misses += 1
-            return False
+            return PageStatus.MISS
         except StorageError:
             self._stats.errors += 1
-            return False
-        expected = HEADER_SIZE + buf.nbytes
-        if len(body) != expected:
-            stored = _well_formed_payload_length(body)
-            if stored is not None:
-                # Three cases: a whole page of another size (the caller's error), a truncated or overlong
-                # object, or garbage; only the first is an exception, the others are misses.
-                raise ValueError(
-                    f"buffers[{index}]: page {key} holds {stored} payload bytes, the buffer has {buf.nbytes}"
-                )
-            self._stats.checksum_failures += 1
-            logger.warning(
-                "s3 page %s has %d bytes, expected %d: treated as a miss", path, len(body), expected
-            )
-            return False
-        verify = partial(_verify_and_copy, body, buf, self._namespace_digest)
+            return PageStatus.ERROR
+        verify = partial(_verify_and_copy, body, buf, self._namespace_digest, key)
         try:
-            if buf.nbytes >= _THREAD_THRESHOLD:
+            if len(body) != HEADER_SIZE + buf.nbytes:
+                # Three cases: a whole page of another size (the caller's error: ValueError), a truncated
+                # or overlong object, or a page of another namespace, key or format; only the first raises.
+                view = memoryview(body)[:HEADER_SIZE]
+                check_stored_size(
+                    view, len(body), buf.nbytes, self._namespace_digest, key, name=f"buffers[{index}]"
+                )
+            elif buf.nbytes >= _THREAD_THRESHOLD:
                 # to_thread waits for the thread even when cancelled: it never writes into `buf` afterwards.
                 await anyio.to_thread.run_sync(verify)
             else:
                 verify()
         except ChecksumMismatch as exc:
-            self._stats.checksum_failures += 1
+            status = failure_status(exc)
+            self._stats.record_failures([status])
             logger.warning("s3 page %s failed verification (%s): treated as a miss", path, exc)
-            return False
+            return status
         self._stats.pages_read += 1
         self._stats.bytes_read += buf.nbytes
-        return True
+        return PageStatus.HIT
 
     async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
         path = self.object_path(key)
-        encode = partial(_encode_body, buf, self._namespace_digest)
+        encode = partial(_encode_body, buf, self._namespace_digest, key)
         body = await anyio.to_thread.run_sync(encode) if buf.nbytes >= _THREAD_THRESHOLD else encode()
         try:
             await self._call(
@@ -600,9 +609,7 @@ class S3Backend(BackendLifecycle):
     def _redact(self, exc: BaseException) -> str:
         """The first line of a native error, with every credential replaced by `***`."""
         text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return redact_text(text, self._secrets)
 
     def _open_store(self) -> S3Store:
         self._check_open()
@@ -616,31 +623,22 @@ def _http_status(exc: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _well_formed_payload_length(body: obstore.Bytes) -> int | None:
-    """The payload length of a body whose header decodes and matches its length, else None."""
-    try:
-        header = decode_header(memoryview(body)[:HEADER_SIZE])
-    except ChecksumMismatch:
-        return None
-    return header.payload_length if header.payload_length == len(body) - HEADER_SIZE else None
-
-
 async def _fetch(store: S3Store, path: str) -> obstore.Bytes:
     result = await obstore.get_async(store, path)
     return await result.bytes_async()
 
 
-def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: bytes) -> None:
+def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: bytes, key: str) -> None:
     view = memoryview(body)
     payload = view[HEADER_SIZE:]
-    verify_page(view[:HEADER_SIZE], payload, namespace_digest)
+    verify_page(view[:HEADER_SIZE], payload, namespace_digest, key)
     dst = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
     dst[:] = payload
 
 
-def _encode_body(buf: memoryview, namespace_digest: bytes) -> bytes:
+def _encode_body(buf: memoryview, namespace_digest: bytes, key: str) -> bytes:
     payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-    return b"".join((encode_header(payload, namespace_digest), payload))
+    return b"".join((encode_header(payload, namespace_digest, key), payload))
 
 
 def _let_client_threads_leave_python() -> None:

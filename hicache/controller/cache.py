@@ -71,7 +71,9 @@ class Lease:
         node: the deepest cached node (device-locked); the root when nothing was cached.
         device_indices: device pool indices of the cached prefix, one per token.
         cached_len: tokens of the prefix available on device.
-        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
+        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`. A storage
+            hit is a token this request's own prefetch loaded; tokens another request put in the tree
+            meanwhile count by the tier this request found them on.
         prefetch: the outcome of the request's storage prefetch, if one ran.
         component_indices: per hybrid component, the device indices the prefix uses (the sliding
             window's KV, the Mamba state's slot); empty without components.
@@ -231,7 +233,12 @@ class HiCache:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Self:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(
@@ -254,6 +261,12 @@ class HiCache:
         if self.storage is not None:
             self._guarded = GuardedStorage(self.storage, self.storage_breaker, self.metrics.storage_errors)
             self._storage_writer = StorageWriter(self, self._guarded)
+            if not self.config.namespace.model_id:
+                logger.warning(
+                    "HiCache has a storage tier but namespace.model_id is empty: every cache with the same "
+                    "KV layout and an empty model_id shares pages with this one; pass "
+                    "Namespace(model_id=<model name and revision, or a config hash>)"
+                )
         if self.device_pool.device.type == "cuda":
             # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
             # thousands of page copies from their own threads fight over the GIL (on an H200, 16
@@ -485,6 +498,7 @@ class HiCache:
             A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
         """
         self._check_open("acquire")
+        _check_request_id(request_id)
         key = as_key_bytes(tokens, name="tokens")
         first = self.tree.match_prefix(key)
         outcome: PrefetchOutcome | None = None
@@ -1057,8 +1071,7 @@ class HiCache:
             PoolError: naming `transfers` when one holds an index the caller does not hold.
         """
         self._check_open("prefetch")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+        _check_request_id(request_id)
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         self._check_transfers(transfers)
@@ -1250,8 +1263,10 @@ class HiCache:
         page_bytes = len(views[0]) if views else 0
         self.metrics.storage_bytes_read.inc(prefetch.completed_pages * page_bytes)
         if prefetch.failed_pages:
-            self.metrics.storage_page_failures.labels(reason="read").inc(prefetch.failed_pages)
+            for reason, pages in prefetch.failure_reasons.items():
+                self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
+            self._forget_stored(prefetch.unusable_keys)  # removed by the stream; component pages too
 
     def _forget_stored(self, keys: Sequence[str]) -> None:
         """Storage lacks the first of `keys` (a probe or a read found it so): the writer must not take any
@@ -1404,6 +1419,16 @@ class HiCache:
             failed_pages=prefetch.failed_pages,
             node=prefetch.anchor,
         )
+
+
+def _check_request_id(request_id: object) -> None:
+    """Refuse a request id that is not a non-empty str (naming `request_id`), with or without storage."""
+    if not isinstance(request_id, str):
+        raise TypeError(
+            f"request_id: expected a non-empty str, got {type(request_id).__name__} {request_id!r}"
+        )
+    if not request_id:
+        raise ValueError("request_id: expected a non-empty str, got ''")
 
 
 def _check_owners(

@@ -14,7 +14,7 @@ from typing import TypeVar
 from hicache.controller.breaker import CircuitBreaker
 from hicache.errors import ChecksumMismatch, PageNotFound, StorageCircuitOpen
 from hicache.metrics import Counter
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 
 __all__ = ["GuardedStorage", "error_kind"]
 
@@ -53,8 +53,8 @@ class GuardedStorage:
         """`backend.exists`, guarded."""
         return await self._call("exists", lambda: self.backend.exists(keys))
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """`backend.get`, guarded."""
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """`backend.get`, guarded (a foreign or old-format page is an answer, not an outage)."""
         return await self._call("get", lambda: self.backend.get(keys, buffers))
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:

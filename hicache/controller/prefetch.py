@@ -18,11 +18,22 @@ import torch
 from hicache.controller.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tree import TreeNode
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 
 __all__ = ["Prefetch", "PrefetchOutcome", "PrefetchState"]
 
 logger = logging.getLogger("hicache.prefetch")
+
+
+_UNUSABLE = frozenset({PageStatus.CORRUPT, PageStatus.FOREIGN, PageStatus.OLD_FORMAT})
+"""Page statuses that say the stored object under a key can never be loaded by anyone: damaged, another
+namespace's or key's page, or an old format. Our own namespace owns the key, so such an object is ours to
+remove (`unusable_keys`), and the write-through can then put the real page back."""
+
+
+def _reason(status: object) -> str:
+    """The metric reason of a page `get` did not load (`"read"` from a backend that reports no status)."""
+    return status.value if isinstance(status, PageStatus) else "read"
 
 
 class PrefetchState(enum.Enum):
@@ -108,6 +119,11 @@ class Prefetch:
         self.state = PrefetchState.STREAMING
         self.completed_pages = 0
         self.failed_pages = 0
+        self.failure_reasons: dict[str, int] = {}
+        """`failed_pages` by reason: a failed page's `PageStatus` value (`"miss"`, `"corrupt"`,
+        `"foreign_page"`, `"old_format"`, `"error"`), or `"error"` for a `get` that raised."""
+        self.unusable_keys: list[str] = []
+        """Keys whose stored object was read and found corrupt, foreign or of an old format."""
         self.timed_out = False
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
@@ -154,18 +170,19 @@ class Prefetch:
         """
         total = len(self.page_keys)
         bounds = [(s, min(total, s + batch_pages)) for s in range(0, total, batch_pages)]
-        finished: dict[int, int] = {}  # batch -> leading verified pages (-1: the read raised)
+        # batch -> (leading verified pages, -1 when the read raised; the first failed page's reason)
+        finished: dict[int, tuple[int, str]] = {}
         next_batch = 0
 
         def settle(tg: anyio.abc.TaskGroup) -> None:
             nonlocal next_batch
             while next_batch in finished:
                 start, stop = bounds[next_batch]
-                good = finished.pop(next_batch)
+                good, reason = finished.pop(next_batch)
                 self.completed_pages = start + max(good, 0)
                 self._notify_progress()
                 if good < stop - start:
-                    self.failed_pages += 1
+                    self._count_failures(reason, 1)
                     tg.cancel_scope.cancel()  # the pages behind a failure are useless
                     next_batch = len(bounds)
                     return
@@ -173,9 +190,13 @@ class Prefetch:
 
         async def read(index: int, tg: anyio.abc.TaskGroup, slots: anyio.Semaphore) -> None:
             start, stop = bounds[index]
+            reason = "error"
             try:
                 ok = await backend.get(self.page_keys[start:stop], views[start:stop])
                 good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+                if good < len(ok):
+                    reason = _reason(ok[good])
+                    self._note_unusable(self.page_keys[start:stop], ok)
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
@@ -183,7 +204,7 @@ class Prefetch:
                 good = -1
             finally:
                 slots.release()
-            finished[index] = good
+            finished[index] = (good, reason)
             settle(tg)
 
         try:
@@ -201,6 +222,8 @@ class Prefetch:
                         tg.start_soon(read, index, tg, slots)
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend)
+                if self.unusable_keys:
+                    await self._remove_unusable(backend)
         finally:
             self._stream_scope = None
             if self.state is PrefetchState.STREAMING:
@@ -217,12 +240,33 @@ class Prefetch:
                 raise
             except Exception as exc:  # as for pages: a storage error ends the prefetch, never the loop
                 logger.warning("prefetch %s: component read failed: %r", self.request_id, exc)
-                self.failed_pages += 1
+                self._count_failures("error", 1)
                 return
             if not all(ok):
-                self.failed_pages += sum(1 for flag in ok if not flag)
+                for status in ok:
+                    if not status:
+                        self._count_failures(_reason(status), 1)
+                self._note_unusable(keys, ok)
                 return
         self.components_complete = True
+
+    def _note_unusable(self, keys: Sequence[str], statuses: Sequence[object]) -> None:
+        self.unusable_keys.extend(k for k, s in zip(keys, statuses, strict=True) if s in _UNUSABLE)
+
+    async def _remove_unusable(self, backend: StorageBackend) -> None:
+        """Delete the stored objects that can never load under this namespace's keys (`unusable_keys`), so
+        the next write-through of their path puts the real pages back instead of finding the keys taken
+        for good. Part of the stream: a commit waits for it. A failure only leaves them in place."""
+        try:
+            await backend.delete(self.unusable_keys)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            logger.warning("prefetch %s: cannot remove unusable pages: %r", self.request_id, exc)
+
+    def _count_failures(self, reason: str, pages: int) -> None:
+        self.failed_pages += pages
+        self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + pages
 
     def request_stop(self) -> None:
         """Ask the stream to stop now; pages already verified stay counted."""

@@ -94,9 +94,11 @@ class StorageWriter:
         seen: set[str] = set()
         try:
             paths: list[tuple[TreeNode, list[TreeNode]]] = []
+            evicted = 0
             for target in targets:
                 if target.parent is None or target.host_value is None:
-                    continue  # evicted or detached meanwhile
+                    evicted += 1  # evicted from host (or detached) while its write was queued
+                    continue
                 path, hashes, values = _backed_up_path(target)
                 if not hashes:
                     continue
@@ -113,6 +115,8 @@ class StorageWriter:
                         seen.add(key)
                         keys.append(key)
                         views.append(view)
+            if evicted:
+                cache.metrics.writes_shed.inc(evicted, tier="storage", reason="evicted")
             if keys:
                 stored = await self._storage.exists(keys)
                 self.known.add(keys[:stored])

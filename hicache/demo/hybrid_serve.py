@@ -140,7 +140,7 @@ class HybridOracle:
             raise ValueError(f"page_size: expected >= 1, got {page_size}")
         self.model = model
         self.page_size = page_size
-        self._namespace = Namespace(model="demo-hybrid-oracle")
+        self._namespace = Namespace(model_id="demo-hybrid-oracle")
         self._full: dict[bytes, list[_Pairs]] = {}
         self._swa: dict[bytes, list[_Pairs]] = {}
         self._states: dict[bytes, list[_Pairs]] = {}

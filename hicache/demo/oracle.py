@@ -59,7 +59,7 @@ class KVOracle:
         if page_size < 1:
             raise ValueError(f"page_size: expected >= 1, got {page_size}")
         self.page_size = page_size
-        self._namespace = namespace if namespace is not None else Namespace(model="demo-oracle")
+        self._namespace = namespace if namespace is not None else Namespace(model_id="demo-oracle")
         self._pages: dict[bytes, list[_Page]] = {}
 
     def __repr__(self) -> str:

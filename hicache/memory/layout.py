@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVLayout"]
+__all__ = ["PAGE_FIRST_LAYOUT_VERSION", "KVLayout"]
+
+PAGE_FIRST_LAYOUT_VERSION = 1
+"""The version of the page-first byte order of a page (`KVLayout.page_shape`, C order). Part of every
+cache's namespace: bump it when the order of bytes inside a page changes, so old pages stop matching."""
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -87,6 +91,18 @@ class KVLayout:
     def page_nbytes(self) -> int:
         """Bytes one page occupies: one contiguous range in a page-first pool."""
         return self.token_nbytes * self.page_size
+
+    def signature(self) -> dict[str, int | str]:
+        """Every field that decides the bytes of a page, for a namespace (see `hicache.keys.Namespace`)."""
+        return {
+            "num_layers": self.num_layers,
+            "planes": self.planes,
+            "page_size": self.page_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "page_first": PAGE_FIRST_LAYOUT_VERSION,
+        }
 
     def tokens_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
         """The shape of `num_tokens` tokens as read or written: ``(num_layers, planes, n, heads, dim)``."""

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import anyio
 import torch
 
-from hicache import HiCache, HiCacheConfig, KVLayout
+from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
@@ -25,6 +25,7 @@ def make_config(**overrides: object) -> HiCacheConfig:
         "prefetch_threshold": 8,
         "storage_batch_pages": 2,
         "storage_concurrency": 1,  # gated tests count pages batch by batch
+        "namespace": Namespace(model_id="controller-tests"),
     }
     options.update(overrides)
     return HiCacheConfig(**options)  # type: ignore[arg-type]
@@ -86,7 +87,7 @@ class PassThroughBackend:
     async def exists(self, keys: Sequence[str]) -> int:
         return await self.inner.exists(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         return await self.inner.get(keys, buffers)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
@@ -124,8 +125,8 @@ class GatedBackend(PassThroughBackend):
             await self.exists_gate.wait()
         return await self.inner.exists(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        results: list[bool] = []
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        results: list[PageStatus] = []
         for key, buf in zip(keys, buffers, strict=True):
             while self._credits == 0:
                 await self._changed.wait()

@@ -7,12 +7,14 @@ page swapped with another, or a stale buffer therefore never matches, even when 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import TypeVar, TypeVarTuple, Unpack
 
 import anyio
 import anyio.lowlevel
 import torch
+import xxhash
 from controller_helpers import PassThroughBackend
 
 from hicache import HiCache, KVLayout
@@ -20,7 +22,7 @@ from hicache.errors import StorageError
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree import TreeNode
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 
 R = TypeVar("R")
 Ts = TypeVarTuple("Ts")
@@ -38,6 +40,7 @@ __all__ = [
     "path_key",
     "read_tokens_kv",
     "store_chain",
+    "v1_page",
 ]
 
 
@@ -94,6 +97,14 @@ async def store_chain(
     ok = await backend.put(keys, views)
     assert all(ok), ok
     return keys
+
+
+def v1_page(payload: bytes, namespace_digest: bytes) -> bytes:
+    """A stored page as page format version 1 wrote it (a 40-byte header without the key digest)."""
+    header = struct.pack(
+        "<4sBBH16sQQ", b"HKVP", 1, 0, 0, namespace_digest, len(payload), xxhash.xxh3_64_intdigest(payload)
+    )
+    return header + payload
 
 
 def path_key(node: TreeNode) -> bytes:
@@ -209,7 +220,7 @@ class FaultyBackend(PassThroughBackend):
 
     Faults are set per page key in `faults`:
       * ``"error"``: a `get` whose batch contains the page raises `StorageError`;
-      * ``"false"``: the page is reported unread (`False`), its buffer untouched;
+      * ``"false"``: the page is reported unread (`PageStatus.MISS`), its buffer untouched;
       * ``"hang"``: the read of the page waits until cancelled (a storage timeout).
     `exists_error` makes `exists` raise. When `gated`, each page read waits for a credit from `allow()`.
     The wrapper counts reads started and finished so a test can check none is left in flight.
@@ -248,11 +259,11 @@ class FaultyBackend(PassThroughBackend):
             raise StorageError("injected: exists failed")
         return await self.inner.exists(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         if any(self.faults.get(k) == "error" for k in keys):
             self.errors_raised += 1
             raise StorageError("injected: get failed")
-        results: list[bool] = []
+        results: list[PageStatus] = []
         for key, buf in zip(keys, buffers, strict=True):
             while self.gated and self._credits == 0:
                 await self._changed.wait()
@@ -264,7 +275,7 @@ class FaultyBackend(PassThroughBackend):
                 if fault == "hang":
                     await anyio.sleep_forever()
                 if fault == "false":
-                    results.append(False)
+                    results.append(PageStatus.MISS)
                 else:
                     results.extend(await self.inner.get([key], [buf]))
             finally:

@@ -44,6 +44,25 @@ async def test_a_full_work_queue_refuses_the_newest_items_in_order() -> None:
         WorkQueue("bad", job, limit=0)
 
 
+async def test_wait_below_returns_once_the_worker_took_the_items() -> None:
+    """The producer's backpressure wait ends when the worker takes a batch, not when it finishes it."""
+    gate = anyio.Event()
+
+    async def job(batch: list[int]) -> None:
+        await gate.wait()
+
+    queue: WorkQueue[int] = WorkQueue("held", job, limit=8, max_batch=4)
+    queue.put(list(range(6)))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(queue.run)
+        await queue.wait_below(2)
+        assert len(queue) == 2
+        assert not queue.idle
+        gate.set()
+        await queue.wait_idle()
+        tg.cancel_scope.cancel()
+
+
 class GatedPuts(PassThroughBackend):
     """A memory backend whose `put` waits for `gate`; `puts` counts the calls that started."""
 
@@ -154,3 +173,25 @@ async def test_saturated_soak_keeps_queues_bounded_and_storage_writes_flowing(
             hits += lease.hit_tokens_by_tier["storage"]
             reader.release(lease)
         assert hits > 0, "a later prefetch hit what the soak wrote"
+
+
+async def test_a_write_whose_node_left_host_memory_is_counted_as_shed() -> None:
+    """Storage stalls while a small host pool turns over: a node evicted from host before its queued
+    write ran cannot be written any more, and that is counted (`evicted`), not silently lost."""
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    storage = GatedPuts(inner)
+    config = make_config(device_pages=8, host_pages=8, write_policy="write_back", prefetch_threshold=PAGE)
+    prompts = [tokens(1000 * (i + 1), 4 * PAGE) for i in range(5)]
+    async with inner, HiCache(config, storage=storage) as cache:
+        for prompt in prompts:
+            await insert_device_chain(cache, prompt)
+            await anyio.wait_all_tasks_blocked()
+        assert storage.puts == 1, "the writer is held in its first put (that node stays host-locked)"
+        storage.gate.set()
+        await cache.wait_idle()
+        cache.sanity_check()
+        assert shed(cache, "storage", "evicted") >= 1
+        assert shed(cache, "storage", "queue_full") == 0
+        written = inner.statistics().pages_written // 4
+        evicted_writes = int(shed(cache, "storage", "evicted"))
+        assert written + evicted_writes == len(prompts) - 2, "every eviction's write: done or counted"

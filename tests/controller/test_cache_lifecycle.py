@@ -17,6 +17,7 @@ from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
 from hicache.tree import MatchResult
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ class HeldReads(PassThroughBackend):
         self.watched: list[KVPool] = []
         self.closed_at_return: list[bool] = []
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         self.started.set()
         try:
             with anyio.CancelScope(shield=True):

@@ -284,7 +284,7 @@ test_controller_machine_full_swa_and_mamba = HybridControllerMachine.TestCase
 
 def test_the_oracle_tells_prefixes_apart() -> None:
     """The component oracle is prefix-sensitive: equal last pages under different prefixes differ."""
-    ns = Namespace(model="oracle")
+    ns = Namespace(model_id="oracle")
     a = as_key_bytes([1, 2, 3, 4, 9, 9, 9, 9])
     b = as_key_bytes([5, 6, 7, 8, 9, 9, 9, 9])
     assert not torch.equal(swa_payload(a, 4, ns)[:, :, 4:], swa_payload(b, 4, ns)[:, :, 4:])
@@ -304,7 +304,7 @@ def scenario_config(*, state_slots: int = 4) -> HiCacheConfig:
         layout=layout_for(SCENARIO_PAGE),
         device_pages=8,
         host_pages=16,
-        namespace=Namespace(model="scenario"),
+        namespace=Namespace(model_id="scenario"),
         components=make_components(
             ("swa", "mamba"), SCENARIO_PAGE, window=WINDOW, swa_pages=8, state_slots=state_slots
         ),

@@ -29,7 +29,10 @@ PAGE = 4
 N_PAGES = 12
 BATCH = 3
 LAYOUT = layout_for(PAGE)
-NAMESPACE = Namespace(model="faults")
+NAMESPACE = HiCacheConfig(
+    layout=LAYOUT, device_pages=1, host_pages=1, namespace=Namespace(model_id="faults")
+).namespace
+"""The effective namespace of every cache here (its config adds the layout to the model id)."""
 SEQ = [1000 + 7 * i for i in range(N_PAGES * PAGE)]
 KEY = as_key_bytes(SEQ)
 
@@ -237,7 +240,7 @@ async def test_corrupt_pages_are_never_loaded_by_acquire(stored: FileBackend) ->
         kv = cache.device_pool.read_tokens(lease.device_indices)
         assert torch.equal(kv, chain_payload(KEY[: 5 * PAGE * TOKEN_BYTES], LAYOUT, NAMESPACE))
         cache.release(lease)
-        assert failures(cache) == {"read": 1}
+        assert failures(cache) == {"corrupt": 1}
         assert stored.statistics().checksum_failures == 1
         await assert_settled(cache)
 

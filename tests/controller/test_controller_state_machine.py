@@ -39,11 +39,14 @@ from kv_oracle import (
     page_bytes,
     page_keys,
     store_chain,
+    v1_page,
 )
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
-from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
+from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes, key_to_tensor
 from hicache.policy import StopPolicy, WritePolicy
+from storage_backends.page_format import encode_header
+from storage_backends.protocol import PageStatus
 
 T = TypeVar("T")
 
@@ -92,7 +95,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.inner: InlineMemoryBackend
         self.page_size = 1
         self.stop_policy = StopPolicy.WAIT_COMPLETE
-        self.namespace = Namespace(model="state-machine")
+        self.namespace = Namespace(model_id="state-machine")
         self.leases: dict[str, Held] = {}
         self.prefetches: dict[str, Prefetch] = {}
         self.expected_pages: dict[str, bytes] = {}
@@ -209,6 +212,8 @@ class ControllerMachine(RuleBasedStateMachine):
         self, write: WritePolicy, stop: StopPolicy, gated: bool, prefill: list[tuple[list[int], int]]
     ) -> None:
         layout = layout_for(self.page_size)
+        # The cache's effective namespace (its config adds the page layout): keys and oracle bytes use it.
+        self.namespace = self.cache_config(layout, write, stop).namespace
         self.inner = InlineMemoryBackend(namespace_digest=self.namespace.digest)
         self.backend = FaultyBackend(self.inner, gated=gated)
         # Another instance served these before: their pages are in storage.
@@ -226,7 +231,7 @@ class ControllerMachine(RuleBasedStateMachine):
 
         async def own() -> None:
             try:
-                async with HiCache(config, storage=self.backend) as cache:  # type: ignore[arg-type]
+                async with HiCache(config, storage=self.backend) as cache:
                     self.cache = cache
                     started.set()
                     await closing.wait()
@@ -349,6 +354,9 @@ class ControllerMachine(RuleBasedStateMachine):
             cache, held_device=held, prefetch_host=[p.host_indices for p in self.prefetches.values()]
         )
         check_tree_kv(cache)
+        refused = self.inner.statistics()
+        if refused.foreign_pages or refused.old_format_pages:
+            event("a planted page was read and refused")
         for h in self.leases.values():
             assert h.lease.node.parent is None or h.lease.node.device_lock > 0
             check_leased_kv(cache, h.lease.key, h.lease.device_indices)
@@ -360,14 +368,17 @@ class ControllerMachine(RuleBasedStateMachine):
                 continue
             buf = bytearray(len(data))
             ok = await self.inner.get([key], [memoryview(buf)])
-            assert ok == [True], key
+            assert ok == [PageStatus.HIT], key
             assert bytes(buf) == data, f"stored page {key} holds the wrong bytes"
 
     # ------------------------------------------------------------------ rules
 
     @rule(seq=sequences, stored=st.none() | picks, point=cancel_points)
     def acquire(self, seq: tuple[list[int], int], stored: int | None, point: int | None) -> None:
-        tokens = self.pick_tokens(seq, stored)
+        self.acquire_tokens(self.pick_tokens(seq, stored), point)
+
+    def acquire_tokens(self, tokens: list[int], point: int | None) -> None:
+        """The `acquire` rule's body, for any tokens."""
         self.remember(tokens)
         request_id = self.next_id("r")
         opened = self.gate_for_blocking_wait()
@@ -635,6 +646,45 @@ class ControllerMachine(RuleBasedStateMachine):
                 self.backend.faults[target] = mode
 
         self.run(go)
+
+    @rule(
+        pick=picks,
+        page=st.integers(0, 7),
+        source=picks,
+        mode=st.sampled_from(["copy", "namespace", "old_format"]),
+        then_acquire=st.booleans(),
+    )
+    def foreign_writer(self, pick: int, page: int, source: int, mode: str, then_acquire: bool) -> None:
+        """Another writer plants a valid page that is not this key's own under a known key, stored or not:
+        another key's page copied over it, another namespace's page (of wrong bytes) written under it, or a
+        version 1 page; with `then_acquire`, a request for that key follows at once. The content checks
+        after every step must never see one of its bytes loaded."""
+        if not self.known_keys:
+            return
+        layout = layout_for(self.page_size)
+        known = self.known_keys[pick % len(self.known_keys)]
+        keys = page_keys(known, layout, self.namespace)
+        target = keys[page % len(keys)]
+        own = self.expected_pages[target]
+        # A donor page of different bytes: loading it under `target` would show in the content checks.
+        donors = sorted(k for k, data in self.expected_pages.items() if data != own)
+        donor = donors[source % len(donors)] if donors else None
+        wrong = self.expected_pages[donor] if donor is not None else bytes(b ^ 0xFF for b in own)
+        digest = self.namespace.digest
+        if mode == "copy":
+            stored = self.inner._pages.get(donor) if donor is not None else None
+            # A stored donor page copied as is, else a valid page of another key made for the purpose.
+            body = stored or encode_header(memoryview(wrong), digest, donor or "ffff") + wrong
+        elif mode == "namespace":
+            foreign = Namespace(model_id="another-model", layout=self.namespace.layout).digest
+            body = encode_header(memoryview(wrong), foreign, target) + wrong
+        else:
+            body = v1_page(wrong, digest)
+        self.inner._pages[target] = body
+        self.corrupted.add(target)
+        event(f"foreign writer: {mode}")
+        if then_acquire:
+            self.acquire_tokens(key_to_tensor(known).tolist(), None)
 
     @rule(pages=st.integers(1, DEVICE_PAGES))
     def device_pressure(self, pages: int) -> None:

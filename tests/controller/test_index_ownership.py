@@ -30,6 +30,7 @@ from hicache.errors import PoolError
 from hicache.keys import as_key_bytes
 from hicache.memory import KVPool, Owner
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 
 DEVICE_TOKENS = 32 * PAGE  # make_config: 32 device pages, 64 host pages
 
@@ -290,7 +291,7 @@ class FirstProbeGated(PassThroughBackend):
             await self.gate.wait()
         return await self.inner.exists(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         self.page_reads += len(keys)
         return await self.inner.get(keys, buffers)
 

@@ -24,6 +24,7 @@ from hicache.controller.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 
 
 @pytest.fixture
@@ -407,7 +408,7 @@ class BatchGatedBackend(PassThroughBackend):
         self.fail: set[int] = set()
         self.cancelled: list[int] = []
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         index = len(self.gates)
         self.gates.append(anyio.Event())
         try:
@@ -416,7 +417,7 @@ class BatchGatedBackend(PassThroughBackend):
             self.cancelled.append(index)
             raise
         ok = await self.inner.get(keys, buffers)
-        return [False] * len(ok) if index in self.fail else ok
+        return [PageStatus.ERROR] * len(ok) if index in self.fail else ok
 
 
 async def test_concurrent_batches_count_only_the_verified_prefix(backend: MemoryBackend) -> None:

@@ -42,14 +42,14 @@ def make_config(root: str, model: str) -> HiCacheConfig:
         device_pages=64,
         host_pages=64,
         storage_url=f"file://{root}",
-        namespace=Namespace(model=model),
+        namespace=Namespace(model_id=model),
         prefetch_threshold=PAGE,
         prefetch_stop_policy="wait_complete",
     )
 
 
 async def serve(root: str, model: str, out: Path) -> dict[str, Any]:
-    ns = Namespace(model=model)
+    ns = Namespace(model_id=model)
     async with HiCache(make_config(root, model)) as cache:
         for i, tokens in enumerate(PROMPTS):
             lease = await cache.acquire(f"serve-{i}", tokens)
@@ -73,7 +73,7 @@ async def serve(root: str, model: str, out: Path) -> dict[str, Any]:
 
 
 async def load(root: str, model: str, out: Path) -> dict[str, Any]:
-    ns = Namespace(model=model)
+    ns = Namespace(model_id=model)
     results: list[dict[str, Any]] = []
     async with HiCache(make_config(root, model)) as cache:
         for i, tokens in enumerate(PROMPTS):

@@ -70,7 +70,7 @@ def instance_config(url: str, model: str = "llama-test", **overrides: Any) -> Hi
         "device_pages": 64,
         "host_pages": 64,
         "storage_url": url,
-        "namespace": Namespace(model=model),
+        "namespace": Namespace(model_id=model),
         "prefetch_threshold": PAGE,
         "prefetch_stop_policy": "wait_complete",
         "storage_batch_pages": 4,

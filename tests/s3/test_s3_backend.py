@@ -14,11 +14,12 @@ from s3_servers import S3Server
 
 from hicache.errors import CacheClosed, StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.page_format import HEADER_SIZE
-from storage_backends.protocol import StorageBackend
+from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.registry import open_backend as open_registered
 from storage_backends.s3 import S3Backend, S3Statistics
 
 PAGE = 4096
+HIT, MISS = PageStatus.HIT, PageStatus.MISS
 
 
 def keys_for(n: int, salt: str = "") -> list[str]:
@@ -67,7 +68,7 @@ async def test_round_trip_of_float_pages_into_a_host_tensor(backend: S3Backend) 
     keys = keys_for(8)
     assert await backend.put(keys, [memoryview(src[i].numpy()) for i in range(8)]) == [True] * 8
     assert await backend.exists(keys) == 8
-    assert await backend.get(keys, [memoryview(dst[i].numpy()) for i in range(8)]) == [True] * 8
+    assert await backend.get(keys, [memoryview(dst[i].numpy()) for i in range(8)]) == [HIT] * 8
     assert torch.equal(src, dst)
     stats = backend.statistics()
     assert isinstance(stats, S3Statistics)
@@ -107,12 +108,12 @@ async def test_get_reports_each_page_missing_or_loaded(backend: S3Backend) -> No
     _, bufs = host_pages(3)
     await backend.put([keys[0], keys[2]], [bufs[0], bufs[2]])
     _, out = host_pages(3, fill=False)
-    assert await backend.get(keys, out) == [True, False, True]
+    assert await backend.get(keys, out) == [HIT, MISS, HIT]
     assert backend.statistics().misses == 1
 
 
 async def test_page_of_another_namespace_is_a_miss(backend: S3Backend, server: S3Server) -> None:
-    """A stored page never loads into a cache of another namespace: a checksum failure, not an error."""
+    """A stored page never loads into a cache of another namespace: a foreign page, not an error."""
     key = keys_for(1)[0]
     _, bufs = host_pages(1)
     await backend.put([key], bufs)
@@ -121,8 +122,8 @@ async def test_page_of_another_namespace_is_a_miss(backend: S3Backend, server: S
         server.url(prefix), namespace_digest=b"x" * 16, **server.options()
     ) as other:
         _, out = host_pages(1, fill=False)
-        assert await other.get([key], out) == [False]
-        assert other.statistics().checksum_failures == 1
+        assert await other.get([key], out) == [PageStatus.FOREIGN]
+        assert other.statistics().foreign_pages == 1
         assert other.statistics().errors == 0
 
 
@@ -140,7 +141,7 @@ async def test_truncated_overlong_or_garbage_object_is_a_counted_miss(
     damaged = {"truncate": body[:-100], "extend": body + b"\0" * 100, "garbage": b"not a page" * 500}[damage]
     await obstore.put_async(store, path, damaged)
     out_tensor, out = host_pages(2, fill=False)
-    assert await backend.get(keys, out) == [False, True]
+    assert await backend.get(keys, out) == [PageStatus.CORRUPT, HIT]
     assert not out_tensor[0].any()
     assert backend.statistics().checksum_failures == 1
 
@@ -151,7 +152,7 @@ async def test_large_pages_verify_in_a_worker_thread(backend: S3Backend) -> None
     src, bufs = host_pages(2, 1 << 20)
     assert await backend.put(keys, bufs) == [True, True]
     dst, out = host_pages(2, 1 << 20, fill=False)
-    assert await backend.get(keys, out) == [True, True]
+    assert await backend.get(keys, out) == [HIT, HIT]
     assert torch.equal(src, dst)
 
 
@@ -163,7 +164,7 @@ async def test_delete_removes_pages_and_ignores_absent_ones(backend: S3Backend) 
     await backend.delete([keys[1], "deadbeef"])
     assert await backend.exists(keys) == 1
     _, out = host_pages(3, fill=False)
-    assert await backend.get(keys, out) == [True, False, True]
+    assert await backend.get(keys, out) == [HIT, MISS, HIT]
 
 
 async def test_bad_arguments_raise_naming_the_argument(backend: S3Backend) -> None:

@@ -1,4 +1,5 @@
-"""The shared storage-backend contract, run against S3Backend on loopback moto and the JuiceFS gateway."""
+"""The shared storage-backend contract and the hostile-storage suite, run against S3Backend on loopback moto
+and the JuiceFS gateway."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from collections.abc import AsyncIterator, Iterator
 import obstore
 import pytest
 from contract import BackendContract, Corrupt, ReadGate, Reopen
+from hostile import HostileStorage, RawStore
 from obstore.store import S3Store
 from s3_servers import S3Server
 
 from storage_backends.s3 import S3Backend
 
 
-class _S3Contract(BackendContract):
+class _S3Contract(BackendContract, HostileStorage):
     """The contract on one server; subclasses name the server fixture."""
 
     server_fixture = ""
@@ -42,8 +44,9 @@ class _S3Contract(BackendContract):
         return open_again
 
     @pytest.fixture
-    def corrupt_page(self, server: S3Server, backend: S3Backend) -> Corrupt:
-        store = S3Store(
+    def raw(self, server: S3Server) -> S3Store:
+        """A plain client on the server's bucket, to read and write objects behind the backend's back."""
+        return S3Store(
             server.bucket,
             endpoint=server.endpoint,
             region=server.region,
@@ -51,6 +54,21 @@ class _S3Contract(BackendContract):
             secret_access_key=server.secret_access_key,
             client_options={"allow_http": True},
         )
+
+    @pytest.fixture
+    def raw_store(self, raw: S3Store, backend: S3Backend) -> RawStore:
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return bytes(await (await obstore.get_async(raw, backend.object_path(key))).bytes_async())
+
+            async def write(self, key: str, data: bytes) -> None:
+                await obstore.put_async(raw, backend.object_path(key), data)
+
+        return Raw()
+
+    @pytest.fixture
+    def corrupt_page(self, raw: S3Store, backend: S3Backend) -> Corrupt:
+        store = raw
 
         async def flip_last_byte(key: str) -> None:
             path = backend.object_path(key)

@@ -18,7 +18,10 @@ from s3_servers import S3Server, free_port
 
 import storage_backends.s3 as s3_module
 from hicache.errors import StorageUnavailable
+from storage_backends.protocol import PageStatus
 from storage_backends.s3 import S3Backend
+
+HIT, ERROR = PageStatus.HIT, PageStatus.ERROR
 
 PAGE = 4096
 HANG_GUARD_S = 30
@@ -265,14 +268,14 @@ async def test_server_that_ignores_range_still_reads_exact_pages(moto_server: S3
 
         assert await backend.exists(keys) == 4
         dst, out = host_pages(4, fill=False)
-        assert await backend.get(keys, out) == [True] * 4
+        assert await backend.get(keys, out) == [HIT] * 4
         assert torch.equal(src, dst)
 
         store = raw_store(moto_server, proxy.endpoint)
         body = bytes(await (await obstore.get_async(store, path)).bytes_async())
         await obstore.put_async(store, path, body[: len(body) // 2])
         dst.zero_()
-        assert await backend.get(keys, out) == [False, True, True, True]
+        assert await backend.get(keys, out) == [PageStatus.CORRUPT, HIT, HIT, HIT]
         assert not dst[0].any()
         assert backend.statistics().checksum_failures == 1
         assert proxy.requests >= 12
@@ -307,7 +310,7 @@ async def test_server_killed_mid_batch_fails_pages_then_recovers(
 
         monkeypatch.setattr(s3_module, "_fetch", gated_fetch)
         dst, out = host_pages(12, fill=False)
-        results: list[bool] = []
+        results: list[PageStatus] = []
 
         async def prefetch() -> None:
             results.extend(await backend.get(keys, out))
@@ -320,7 +323,7 @@ async def test_server_killed_mid_batch_fails_pages_then_recovers(
                 held.clear()
                 gate.set()
 
-        assert results == [True] * 4 + [False] * 8
+        assert results == [HIT] * 4 + [ERROR] * 8
         assert torch.equal(dst[:4], src[:4])
         stats = backend.statistics()
         assert stats.errors == 8
@@ -330,6 +333,6 @@ async def test_server_killed_mid_batch_fails_pages_then_recovers(
         with anyio.fail_after(HANG_GUARD_S):
             assert await backend.put(keys[:3], bufs[:3]) == [True] * 3
             dst.zero_()
-            assert await backend.get(keys[:3], out[:3]) == [True] * 3
+            assert await backend.get(keys[:3], out[:3]) == [HIT] * 3
             assert await backend.exists(keys) == 3
         assert torch.equal(dst[:3], src[:3])

@@ -36,6 +36,7 @@ import pytest
 
 from hicache.errors import CacheClosed
 from storage_backends import StorageBackend, page_key
+from storage_backends.protocol import PageStatus
 
 __all__ = ["BackendContract", "Corrupt", "ReadGate", "Reopen", "empty_pages", "make_keys", "make_pages"]
 
@@ -44,6 +45,8 @@ Corrupt = Callable[[str], Any]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+HIT, MISS, CORRUPT, FOREIGN = PageStatus.HIT, PageStatus.MISS, PageStatus.CORRUPT, PageStatus.FOREIGN
 
 _GATE_TIMEOUT_S = 60.0
 """A held read gives up waiting after this long, so a failing test cannot leave a thread behind forever."""
@@ -142,7 +145,7 @@ class BackendContract:
         keys, pages = make_keys(9), make_pages(9, page_bytes)
         assert await backend.put(keys, pages) == [True] * 9
         out = empty_pages(9, page_bytes)
-        assert await backend.get(keys, out) == [True] * 9
+        assert await backend.get(keys, out) == [HIT] * 9
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
 
     async def test_overwrite_replaces_the_whole_page(self, backend: StorageBackend, page_bytes: int) -> None:
@@ -152,7 +155,7 @@ class BackendContract:
         newer = make_pages(1, page_bytes, seed=2)
         assert await backend.put([key], newer) == [True]
         out = empty_pages(1, page_bytes)
-        assert await backend.get([key], out) == [True]
+        assert await backend.get([key], out) == [HIT]
         assert bytes(out[0]) == bytes(newer[0])
 
     async def test_get_reports_missing_pages_false(self, backend: StorageBackend, page_bytes: int) -> None:
@@ -160,7 +163,7 @@ class BackendContract:
         keys, pages = make_keys(4), make_pages(4, page_bytes)
         await backend.put([keys[0], keys[2]], [pages[0], pages[2]])
         out = empty_pages(4, page_bytes)
-        assert await backend.get(keys, out) == [True, False, True, False]
+        assert await backend.get(keys, out) == [HIT, MISS, HIT, MISS]
         assert bytes(out[0]) == bytes(pages[0])
         assert bytes(out[2]) == bytes(pages[2])
 
@@ -223,7 +226,7 @@ class BackendContract:
         await backend.delete([keys[1], *make_keys(2, salt=9)])
         await backend.delete([keys[1]])
         assert await backend.exists(keys) == 1
-        assert await backend.get(keys, empty_pages(4, page_bytes)) == [True, False, True, True]
+        assert await backend.get(keys, empty_pages(4, page_bytes)) == [HIT, MISS, HIT, HIT]
 
     # -- closing --------------------------------------------------------------------------------------
 
@@ -258,7 +261,7 @@ class BackendContract:
         assert await backend.put(keys, pages) == [True] * n
         out = empty_pages(n, page_bytes)
         steps: list[str] = []
-        results: list[list[bool]] = []
+        results: list[list[PageStatus]] = []
 
         async def read() -> None:
             results.append(await backend.get(keys, out))
@@ -291,7 +294,7 @@ class BackendContract:
                 hold_reads.open()
         assert steps[:2] == ["gate opened", "read returned"]
         assert sorted(steps[2:]) == ["first aclose returned", "second aclose returned"]
-        assert results == [[True] * n]
+        assert results == [[HIT] * n]
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
         await backend.aclose()  # and a later one returns at once
 
@@ -308,7 +311,7 @@ class BackendContract:
         other = await reopen(namespace_digest)
         try:
             out = empty_pages(3, page_bytes)
-            assert await other.get(keys, out) == [True] * 3
+            assert await other.get(keys, out) == [HIT] * 3
             assert [bytes(o) for o in out] == [bytes(p) for p in pages]
         finally:
             await other.aclose()
@@ -326,7 +329,7 @@ class BackendContract:
             assert await foreign.put(keys, pages) == [True, True]
         finally:
             await foreign.aclose()
-        assert await backend.get(keys, empty_pages(2, page_bytes)) == [False, False]
+        assert await backend.get(keys, empty_pages(2, page_bytes)) == [FOREIGN, FOREIGN]
 
     # -- corruption -----------------------------------------------------------------------------------
 
@@ -342,7 +345,7 @@ class BackendContract:
         if inspect.isawaitable(result):
             await result
         out = empty_pages(3, page_bytes)
-        assert await backend.get(keys, out) == [True, False, True]
+        assert await backend.get(keys, out) == [HIT, CORRUPT, HIT]
         assert bytes(out[0]) == bytes(pages[0])
         assert bytes(out[2]) == bytes(pages[2])
 
@@ -395,6 +398,6 @@ class BackendContract:
         for buf in out:
             buf[:] = b"\x5a" * page_bytes
         # A full round of further work drains any thread a careless backend would have left running.
-        assert await backend.get(keys, empty_pages(n, page_bytes)) == [True] * n
+        assert await backend.get(keys, empty_pages(n, page_bytes)) == [HIT] * n
         assert await backend.put(keys, pages) == [True] * n
         assert all(bytes(buf) == b"\x5a" * page_bytes for buf in out)

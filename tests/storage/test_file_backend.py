@@ -21,9 +21,11 @@ import anyio.to_thread
 import pytest
 import xxhash
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
+from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
 
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 
 NS = bytes(range(16))
 
@@ -33,7 +35,7 @@ def files_under(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
-class TestFileBackend(BackendContract):
+class TestFileBackend(BackendContract, HostileStorage):
     @pytest.fixture
     async def backend(self, namespace_digest: bytes, tmp_path: Path) -> AsyncIterator[FileBackend]:
         async with FileBackend(tmp_path / "pages", namespace_digest=namespace_digest) as b:
@@ -55,6 +57,19 @@ class TestFileBackend(BackendContract):
             path.write_bytes(bytes(data))
 
         return flip_last_byte
+
+    @pytest.fixture
+    def raw_store(self, backend: FileBackend) -> RawStore:
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return backend.path_of(key).read_bytes()
+
+            async def write(self, key: str, data: bytes) -> None:
+                path = backend.path_of(key)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+
+        return Raw()
 
     @pytest.fixture
     def hold_reads(self, backend: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
@@ -118,7 +133,7 @@ async def test_truncated_files_are_misses_and_counted(
     keys, pages = make_keys(2), make_pages(2, 4096)
     await backend.put(keys, pages)
     os.truncate(backend.path_of(keys[0]), length)
-    assert await backend.get(keys, empty_pages(2, 4096)) == [False, True]
+    assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.CORRUPT, PageStatus.HIT]
     stats = backend.statistics()
     assert stats.checksum_failures == 1
     assert stats.pages_read == 1
@@ -138,10 +153,10 @@ async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) ->
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         path.write_bytes(bytes(data))
     out = empty_pages(n, page_bytes)
-    assert await backend.get(keys, out) == [i not in damaged for i in range(n)]
+    assert [bool(s) for s in await backend.get(keys, out)] == [i not in damaged for i in range(n)]
     assert all(bytes(out[i]) == bytes(pages[i]) for i in range(n) if i not in damaged)
     stats = backend.statistics()
-    assert stats.checksum_failures == len(damaged)
+    assert stats.checksum_failures + stats.foreign_pages + stats.old_format_pages == len(damaged)
     assert stats.pages_read == n - len(damaged)
     assert stats.misses == 0
 
@@ -171,7 +186,7 @@ async def test_failed_rename_reports_false_and_cleans_up(
     assert backend.statistics().errors == 3
     assert [p.name for p in files_under(backend.root)] == [f"{keys[0]}.kvp"]
     out = empty_pages(1, 512)
-    assert await backend.get(keys[:1], out) == [True]
+    assert await backend.get(keys[:1], out) == [PageStatus.HIT]
     assert bytes(out[0]) == bytes(pages[0]), "the old version survives a failed overwrite"
     assert "cannot write page" in caplog.text
 
@@ -188,7 +203,7 @@ async def test_another_process_reads_the_pages_bitwise(backend: FileBackend) -> 
         "    bufs = [memoryview(bytearray(65536)) for _ in keys]\n"
         "    async with FileBackend(sys.argv[1], namespace_digest=bytes(range(16))) as b:\n"
         "        ok = await b.get(keys, bufs)\n"
-        "    print(ok.count(True), *(xxhash.xxh3_64_hexdigest(buf) for buf in bufs))\n"
+        "    print(sum(map(bool, ok)), *(xxhash.xxh3_64_hexdigest(buf) for buf in bufs))\n"
         "anyio.run(main)\n"
     )
     result = await anyio.run_process([sys.executable, "-c", script, str(backend.root), *keys])
@@ -261,7 +276,7 @@ async def test_buffers_of_any_format_round_trip(backend: FileBackend) -> None:
     dst = torch.zeros_like(src)
     keys = make_keys(1)
     assert await backend.put(keys, [src.numpy().data]) == [True]
-    assert await backend.get(keys, [dst.numpy().data]) == [True]
+    assert await backend.get(keys, [dst.numpy().data]) == [PageStatus.HIT]
     assert torch.equal(src, dst)
 
 
@@ -348,7 +363,7 @@ async def test_a_cold_page_reads_the_rest_of_its_group_ahead(
         monkeypatch.setattr(os, "posix_fadvise", fadvise)
         out = empty_pages(8, 4096)
         flags = await b.get(keys, out)
-        assert flags == [True] * 5 + [False, True, False]
+        assert flags == [PageStatus.HIT] * 5 + [PageStatus.MISS, PageStatus.HIT, PageStatus.CORRUPT]
         assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
         assert bytes(out[6]) == bytes(pages[6])
         # pages 0-1 hot; page 2 would block, so pages 2..7 are opened (5 is absent) and advised
@@ -378,9 +393,9 @@ async def test_a_filesystem_without_nowait_reads_plainly(
 
         monkeypatch.setattr(os, "preadv", preadv)
         out = empty_pages(4, 1024)
-        assert await b.get(keys, out) == [True] * 4
+        assert await b.get(keys, out) == [PageStatus.HIT] * 4
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
-        assert await b.get(keys, empty_pages(4, 1024)) == [True] * 4
+        assert await b.get(keys, empty_pages(4, 1024)) == [PageStatus.HIT] * 4
         assert calls[0] == os.RWF_NOWAIT
         # the refused page is read again plainly, with the rest of its group; then never a probe again
         assert calls[1:] == [0] * 8, "after the first refusal no read asks for RWF_NOWAIT again"
@@ -400,7 +415,7 @@ async def test_readahead_off_never_probes(tmp_path: Path, monkeypatch: pytest.Mo
 
         monkeypatch.setattr(os, "preadv", preadv)
         out = empty_pages(6, 1024)
-        assert await b.get(keys, out) == [True] * 6
+        assert await b.get(keys, out) == [PageStatus.HIT] * 6
         assert calls == [0] * 6
         assert [bytes(o) for o in out] == [bytes(p) for p in pages]
 
@@ -430,5 +445,44 @@ async def test_small_batches_take_one_thread_hop(
         return real_read_group(keys, buffers)
 
     monkeypatch.setattr(backend, "_read_group", counting_read_group)
-    assert await backend.get(keys, empty_pages(8, 4096)) == [True] * 8
+    assert await backend.get(keys, empty_pages(8, 4096)) == [PageStatus.HIT] * 8
     assert groups == [8]
+
+
+@pytest.mark.parametrize(
+    "target", ["same_root_other_key", "other_root_same_key_other_namespace", "old_format"]
+)
+async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, target: str) -> None:
+    """A page file replaced by a symlink to a valid page elsewhere (another key's file, the same key in
+    another cache's root, a version 1 file) is followed, then refused by its header: counted, not loaded."""
+    config = base_config()
+    size = config.layout.page_nbytes
+    keys, pages = make_keys(2, salt=7), make_pages(2, size, seed=6)
+    elsewhere = tmp_path / "elsewhere"
+    async with FileBackend(tmp_path / "pages", namespace_digest=config.namespace.digest) as backend:
+        assert await backend.put(keys, pages) == [True, True]
+        if target == "same_root_other_key":
+            source = backend.path_of(keys[1])
+        elif target == "other_root_same_key_other_namespace":
+            other = VARIANTS["model_id"].namespace.digest
+            async with FileBackend(elsewhere, namespace_digest=other) as foreign:
+                assert await foreign.put(keys[:1], make_pages(1, size, seed=7)) == [True]
+                source = foreign.path_of(keys[0])
+        else:
+            elsewhere.mkdir()
+            source = elsewhere / "v1.kvp"
+            source.write_bytes(v1_page(bytes(make_pages(1, size, seed=8)[0]), config.namespace.digest))
+        link = backend.path_of(keys[0])
+        link.unlink()
+        link.symlink_to(source)
+        assert await backend.exists(keys) == 2
+        expected = PageStatus.OLD_FORMAT if target == "old_format" else PageStatus.FOREIGN
+        out = empty_pages(2, size)
+        assert await backend.get(keys, out) == [expected, PageStatus.HIT]
+        assert bytes(out[1]) == bytes(pages[1])
+        s = backend.statistics()
+        assert (s.pages_read, s.foreign_pages, s.old_format_pages) == (
+            1,
+            int(expected is PageStatus.FOREIGN),
+            int(expected is PageStatus.OLD_FORMAT),
+        )

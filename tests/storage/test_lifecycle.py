@@ -9,6 +9,7 @@ import pytest
 
 from hicache.errors import CacheClosed
 from storage_backends.lifecycle import BackendLifecycle
+from storage_backends.protocol import PageStatus
 
 
 class ToyBackend(BackendLifecycle):
@@ -25,11 +26,11 @@ class ToyBackend(BackendLifecycle):
         await self.gate.wait()
         return len(keys)
 
-    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         await self.gate.wait()
         if list(keys) == ["boom"]:
             raise ValueError("keys: boom")
-        return [True] * len(keys)
+        return [PageStatus.HIT] * len(keys)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         return [True] * len(keys)

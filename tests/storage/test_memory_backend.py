@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
+from hostile import HostileStorage, RawStore
 
 from storage_backends.memory import MemoryBackend, drop_named_store
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 
 NS = bytes(range(16))
 
@@ -24,7 +26,7 @@ def store_name() -> Iterator[str]:
     drop_named_store(name)
 
 
-class TestMemoryBackend(BackendContract):
+class TestMemoryBackend(BackendContract, HostileStorage):
     @pytest.fixture
     async def backend(self, namespace_digest: bytes, store_name: str) -> AsyncIterator[MemoryBackend]:
         async with MemoryBackend.from_url(f"memory://{store_name}", namespace_digest=namespace_digest) as b:
@@ -40,6 +42,19 @@ class TestMemoryBackend(BackendContract):
     @pytest.fixture
     def corrupt_page(self, backend: MemoryBackend) -> Corrupt:
         return backend.corrupt
+
+    @pytest.fixture
+    def raw_store(self, backend: MemoryBackend) -> RawStore:
+        pages = backend._pages  # the named store every `reopen` shares
+
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return pages[key]
+
+            async def write(self, key: str, data: bytes) -> None:
+                pages[key] = data
+
+        return Raw()
 
     @pytest.fixture
     def hold_reads(self, backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
@@ -81,13 +96,13 @@ async def test_damaged_pages_are_misses_and_counted(damage: str, caplog: pytest.
         if damage == "flip_payload":
             b.corrupt(keys[0], offset=HEADER_SIZE + 17)
         elif damage == "flip_header":
-            b.corrupt(keys[0], offset=30)
+            b.corrupt(keys[0], offset=50)  # the checksum field
         elif damage == "truncate_payload":
             b.corrupt(keys[0], truncate=HEADER_SIZE + 100)
         else:
             b.corrupt(keys[0], truncate=HEADER_SIZE - 1)
         out = empty_pages(2, 1024, fill=7)
-        assert await b.get(keys, out) == [False, True]
+        assert await b.get(keys, out) == [PageStatus.CORRUPT, PageStatus.HIT]
         assert bytes(out[0]) == b"\x07" * 1024, "a bad page must not be copied into the buffer"
         stats = b.statistics()
         assert stats.checksum_failures == 1

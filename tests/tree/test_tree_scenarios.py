@@ -562,8 +562,8 @@ def test_statistics_and_repr_are_informative() -> None:
 
 def test_hashes_chain_from_the_parent_and_the_namespace() -> None:
     """Page hashes name pages in storage: they must chain across nodes and depend on the namespace."""
-    a = RadixTree(P, namespace=Namespace(model="a"))
-    b = RadixTree(P, namespace=Namespace(model="b"))
+    a = RadixTree(P, namespace=Namespace(model_id="a"))
+    b = RadixTree(P, namespace=Namespace(model_id="b"))
     key = page_key(0, 2) + page_key(50, 1)
     for t in (a, b):
         insert_device_chain(t, page_key(0, 2))
@@ -572,7 +572,7 @@ def test_hashes_chain_from_the_parent_and_the_namespace() -> None:
     nb = b.match_prefix(key).last_device_node
     assert na.hashes != nb.hashes
     assert na.parent is not None
-    assert na.parent.hashes + na.hashes == chained_page_hashes(as_key_bytes(key), P, Namespace(model="a"))
+    assert na.parent.hashes + na.hashes == chained_page_hashes(as_key_bytes(key), P, Namespace(model_id="a"))
 
 
 def test_sanity_check_reports_every_violation() -> None:

@@ -116,6 +116,20 @@ def _demo(args: argparse.Namespace) -> int:
             flag = name.replace("_", "-")
             print(f"hicache demo: --{flag} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    if args.backend is not None:
+        from storage_backends.names import check_url_names
+        from storage_backends.redact import redact_url
+
+        if "://" not in args.backend:
+            print(
+                f"hicache demo: --backend: expected a URL, got {redact_url(args.backend)!r}", file=sys.stderr
+            )
+            return 2
+        try:
+            check_url_names(args.backend)
+        except ValueError as exc:
+            print(f"hicache demo: --backend: {exc}", file=sys.stderr)
+            return 2
     overrides: dict[str, Any] = {}
     if args.device_pages is not None:
         overrides["device_pages"] = args.device_pages
@@ -221,6 +235,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if not isinstance(data, dict) or "pools" not in data or "tree" not in data:
         print(f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file", file=sys.stderr)
         return 2
+    data = _redact_snapshot(data)
     if args.json:
         print(json.dumps({k: data.get(k) for k in ("pools", "tree", "top_prefixes", "summary")}, indent=2))
         return 0
@@ -273,6 +288,23 @@ def _inspect(args: argparse.Namespace) -> int:
             f"recompute, backend {summary['backend']}"
         )
     return 0
+
+
+def _redact_snapshot(data: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot with credentials in its storage URLs replaced by `***`.
+
+    Snapshots written by this version already hold redacted URLs; older ones (or edited ones) may not.
+    """
+    from storage_backends.redact import redact_url
+
+    data = dict(data)
+    pools = data.get("pools")
+    if isinstance(pools, dict) and isinstance(pools.get("storage"), dict) and "url" in pools["storage"]:
+        data["pools"] = {**pools, "storage": {**pools["storage"], "url": redact_url(pools["storage"]["url"])}}
+    summary = data.get("summary")
+    if isinstance(summary, dict) and "backend" in summary:
+        data["summary"] = {**summary, "backend": redact_url(summary["backend"])}
+    return data
 
 
 # ---------------------------------------------------------------------- bench

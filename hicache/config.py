@@ -13,6 +13,8 @@ from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
+from storage_backends.names import check_url_names
+from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
 
 __all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
@@ -49,6 +51,8 @@ def _positive_int(name: str, value: object, *, minimum: int = 1) -> None:
 def _non_negative_float(name: str, value: object) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number of seconds, got {value}")
     if value < 0:
         raise ValueError(f"{name}: must be >= 0, got {value}")
 
@@ -72,7 +76,10 @@ class HiCacheConfig:
         eviction_policy: which evictable leaf goes first.
         write_through_threshold: hits before a backup under `write_through_selective`.
         storage_url: `file:///path`, `memory://name`, `s3://bucket/prefix`, or None for no storage tier.
-        storage_options: keyword options passed to the backend factory.
+            An `s3://` bucket must follow the S3 naming rules and the prefix and a `file://` root may
+            hold no `.` or `..` segment, even percent-encoded (`storage_backends.names`).
+        storage_options: keyword options passed to the backend factory. Secrets in it and in the URL
+            (credentials, tokens) are shown as `***` by `repr`/`str`.
         namespace: who this cache's pages belong to (`model_id`, tensor-parallel rank and size, `extra`).
             The configuration derives the effective namespace from it: its `layout` field is always
             replaced by `layout_signature(layout, components)`, so caches whose pages differ in bytes never
@@ -81,7 +88,7 @@ class HiCacheConfig:
         backup_to_storage: write host backups through to storage in the background.
         prefetch_threshold: minimum page-aligned storage remainder (tokens) worth a prefetch.
         prefetch_stop_policy: when a prefetch stops streaming (see `StopPolicy`).
-        prefetch_timeout_base: seconds, for the `timeout` policy.
+        prefetch_timeout_base: seconds, for the `timeout` policy (every timeout is finite and >= 0).
         prefetch_timeout_per_1k_tokens: seconds per 1,024 tokens, for the `timeout` policy.
         prefetch_timeout_max: upper bound in seconds, for the `timeout` policy.
         prefetch_capacity_tokens: most tokens in flight across prefetches (default: half the host pool).
@@ -179,10 +186,18 @@ class HiCacheConfig:
             "prefetch_stop_policy",
             parse_policy(StopPolicy, self.prefetch_stop_policy, "prefetch_stop_policy"),
         )
-        if self.storage_url is not None and (
-            not isinstance(self.storage_url, str) or "://" not in self.storage_url
-        ):
-            raise ValueError(f"storage_url: expected a URL such as 'file:///path', got {self.storage_url!r}")
+        if self.storage_url is not None:
+            if not isinstance(self.storage_url, str) or "://" not in self.storage_url:
+                raise ValueError(
+                    f"storage_url: expected a URL such as 'file:///path', got {redact_text(str(self.storage_url))!r}"
+                )
+            try:
+                check_url_names(self.storage_url)
+            except ValueError as exc:
+                raise ValueError(f"storage_url: {exc}") from None
+        if not isinstance(self.storage_options, Mapping):
+            raise TypeError(f"storage_options: expected a mapping, got {type(self.storage_options).__name__}")
+        remember_secrets(secret_values(self.storage_url, self.storage_options))
         if not isinstance(self.namespace, Namespace):
             raise TypeError(f"namespace: expected a Namespace, got {type(self.namespace).__name__}")
         components = tuple(self.components)
@@ -198,6 +213,10 @@ class HiCacheConfig:
         signature = layout_signature(self.layout, components)
         if self.namespace.layout != signature:
             object.__setattr__(self, "namespace", dataclasses.replace(self.namespace, layout=signature))
+
+    def __repr__(self) -> str:
+        """The fields, with secrets in `storage_url` and `storage_options` replaced by `***`."""
+        return redacted_repr(self)
 
     @property
     def page_size(self) -> int:

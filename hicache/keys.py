@@ -49,7 +49,8 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
 
     Raises:
         TypeError: for an unsupported type or a non-integer tensor.
-        ValueError: for bytes whose length is not a multiple of 8, or a tensor that is not 1-D.
+        ValueError: for bytes whose length is not a multiple of 8, a tensor that is not 1-D, or a token
+            id outside int64 (-2**63 .. 2**63 - 1).
     """
     if isinstance(tokens, bytes):
         if len(tokens) % TOKEN_BYTES:
@@ -61,7 +62,7 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
         return as_key_bytes(bytes(tokens), name=name)
     if isinstance(tokens, array):
         if tokens.typecode != "q":
-            tokens = array("q", tokens)
+            tokens = _int64_array(tokens, name)
         if not _LITTLE:  # pragma: no cover - big-endian hosts
             tokens = array("q", tokens)
             tokens.byteswap()
@@ -71,18 +72,31 @@ def as_key_bytes(tokens: KeyLike, *, name: str = "key") -> bytes:
             raise ValueError(f"{name}: expected a 1-D tensor, got shape {tuple(tokens.shape)}")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got dtype {tokens.dtype}")
+        if tokens.dtype == torch.uint64 and bool((tokens.view(torch.int64) < 0).any()):
+            # A uint64 id >= 2**63 would wrap to a negative int64: another key, silently.
+            raise ValueError(f"{name}: token ids must fit in int64 (< 2**63), got a uint64 id >= 2**63")
         t = tokens.detach().to(device="cpu", dtype=torch.int64).contiguous()
         return t.numpy().tobytes() if _LITTLE else array("q", t.tolist()).tobytes()
     if isinstance(tokens, str):
         raise TypeError(f"{name}: expected token ids, got str")
     if isinstance(tokens, Sequence):
         try:
-            return array("q", tokens).tobytes()
+            return _int64_array(tokens, name).tobytes()
         except TypeError as exc:
             raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}") from exc
     raise TypeError(
         f"{name}: expected bytes, array('q'), a 1-D tensor or a sequence of ints, got {type(tokens)!r}"
     )
+
+
+def _int64_array(tokens: Sequence[int] | array[int], name: str) -> array[int]:
+    """`tokens` as `array('q')`; an id outside int64 raises `ValueError` naming `name`."""
+    try:
+        return array("q", tokens)
+    except OverflowError:
+        low, high = -(1 << 63), (1 << 63) - 1
+        bad = next((t for t in tokens if isinstance(t, int) and not low <= t <= high), None)
+        raise ValueError(f"{name}: token ids must fit in int64 ({low} .. {high}), got {bad}") from None
 
 
 def num_tokens(key: bytes) -> int:

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import anyio
 import anyio.abc
 
+from storage_backends.redact import redact_value
+
 __all__ = [
     "DEFAULT_BUCKETS",
     "LATENCY_BUCKETS",
@@ -81,8 +83,13 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
+def _shown_label(name: str, value: str) -> str:
+    """A label value as rendered: never a credential (a URL's secrets or a secret-named label's value)."""
+    return str(redact_value(name, value))
+
+
 def _format_labels(pairs: Iterable[tuple[str, str]]) -> str:
-    body = ",".join(f'{k}="{_escape_label_value(v)}"' for k, v in pairs)
+    body = ",".join(f'{k}="{_escape_label_value(_shown_label(k, v))}"' for k, v in pairs)
     return f"{{{body}}}" if body else ""
 
 
@@ -132,7 +139,7 @@ class Metric:
         return key
 
     def _label_dict(self, key: LabelKey) -> dict[str, str]:
-        return dict(zip(self.labelnames, key, strict=True))
+        return {n: _shown_label(n, v) for n, v in zip(self.labelnames, key, strict=True)}
 
     def _header(self) -> list[str]:
         return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
@@ -494,6 +501,9 @@ class CacheMetrics:
     another key's page under this key), ``old_format``, ``error``."""
     backup_tokens: Counter
     backup_skipped: Counter
+    evict_dropped_tokens: Counter
+    """Device tokens evicted without a host copy: un-backed nodes deleted (write-through) or dropped
+    because their un-backed chain did not fit in the host (write-back)."""
     load_back_tokens: Counter
     prefetch_latency: Histogram
     storage_errors: Counter
@@ -541,6 +551,9 @@ def default_cache_metrics(registry: MetricsRegistry, *, prefix: str = "") -> Cac
         ),
         backup_tokens=counter("backup_tokens", "Tokens backed up from device to host or storage."),
         backup_skipped=counter("backup_skipped", "Backups not started (no host or storage room)."),
+        evict_dropped_tokens=counter(
+            "evict_dropped_tokens", "Device tokens evicted without a host copy (un-backed nodes deleted)."
+        ),
         load_back_tokens=counter("load_back_tokens", "Tokens loaded back from host to device."),
         prefetch_latency=registry.histogram(
             f"{prefix}prefetch_latency_seconds",

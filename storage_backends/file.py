@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import anyio
 import xxhash
@@ -40,6 +40,7 @@ from storage_backends.batching import (
     run_in_thread,
 )
 from storage_backends.lifecycle import BackendLifecycle
+from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import (
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -53,6 +54,7 @@ from storage_backends.page_format import (
     verify_page,
 )
 from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_url
 
 __all__ = ["FileBackend", "default_concurrency"]
 
@@ -110,7 +112,8 @@ class FileBackend(BackendLifecycle):
     Safe to share a root between processes: writes are atomic renames and every read is verified.
 
     Args:
-        root: the directory holding the pages; created if missing.
+        root: the directory holding the pages; created if missing. A filesystem path, made absolute and
+            normalised (`os.path.abspath`: `..` is resolved); `from_url` refuses `.` and `..` instead.
         namespace_digest: the 16-byte namespace digest written into, and required from, every page.
         max_concurrency: the most worker threads this backend keeps busy at once, across all calls
             (default: `default_concurrency()`).
@@ -160,17 +163,24 @@ class FileBackend(BackendLifecycle):
     def from_url(cls, url: str, *, namespace_digest: bytes, **options: Any) -> FileBackend:
         """Open a backend from a `file:///absolute/path` URL; `options` go to the constructor.
 
+        The path is percent-decoded once and must be absolute. A `.` or `..` segment, a backslash, a
+        control character, an encoded `/` (`%2F`) or a `%` left after decoding is refused, never
+        resolved; repeated and trailing slashes are collapsed (`storage_backends.names`).
+
         Raises:
-            ValueError: naming `url`, for another scheme, a host part or a relative path.
+            ValueError: naming `url`, for another scheme, a host part, a query or fragment, or a path
+                refused as above.
         """
+        if not isinstance(url, str):
+            raise TypeError(f"url: expected str, got {type(url).__name__}")
         parts = urlsplit(url)
         if parts.scheme != "file":
-            raise ValueError(f"url: expected a file:// URL, got {url!r}")
+            raise ValueError(f"url: expected a file:// URL, got {redact_url(url)!r}")
         if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"url: file URLs must not name a host, got {url!r}")
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise ValueError(f"url: expected an absolute path (file:///abs/path), got {url!r}")
+            raise ValueError(f"url: file URLs must not name a host, got {redact_url(url)!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"url: file URLs take no query or fragment, got {redact_url(url)!r}")
+        path = file_root_from_url_path(parts.path, argument="url")
         return cls(path, namespace_digest=namespace_digest, **options)
 
     @property

@@ -37,6 +37,7 @@ from storage_backends.page_format import (
     verify_page,
 )
 from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_url
 
 __all__ = ["MemoryBackend", "drop_named_store"]
 
@@ -95,9 +96,11 @@ class MemoryBackend(BackendLifecycle):
         """
         parts = urlsplit(url)
         if parts.scheme != "memory":
-            raise ValueError(f"url: expected a memory:// URL, got {url!r}")
+            raise ValueError(f"url: expected a memory:// URL, got {redact_url(url)!r}")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ValueError(f"url: expected memory://name with nothing after the name, got {url!r}")
+            raise ValueError(
+                f"url: expected memory://name with nothing after the name, got {redact_url(url)!r}"
+            )
         return cls(namespace_digest=namespace_digest, name=parts.netloc or None, **options)
 
     def statistics(self) -> BackendStatistics:

@@ -13,6 +13,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from storage_backends.protocol import StorageBackend
+from storage_backends.redact import redact_text, redact_url, remember_secrets, secret_values
 
 __all__ = ["open_backend", "register_backend", "registered_schemes", "resolve_factory"]
 
@@ -86,18 +87,33 @@ def open_backend(url: str, *, namespace_digest: bytes, **options: Any) -> Storag
 
     Raises:
         ValueError: naming `url`, if it has no scheme or an unknown one.
+        Exception: what the factory raises, with any credential in its message replaced by `***`.
     """
     if not isinstance(url, str):
         raise TypeError(f"url: expected a str, got {type(url).__name__}")
     scheme = urlsplit(url).scheme.lower()
     if not scheme:
-        raise ValueError(f"url: expected scheme://..., got {url!r}")
+        raise ValueError(f"url: expected scheme://..., got {redact_url(url)!r}")
     with _lock:
         known = scheme in _targets
         schemes = sorted(_targets)
     if not known:
         raise ValueError(
-            f"url: no storage backend registered for scheme {scheme!r} in {url!r}; known: {schemes}"
+            f"url: no storage backend registered for scheme {scheme!r} in {redact_url(url)!r}; known: {schemes}"
         )
+    secrets = secret_values(url, options)
+    remember_secrets(secrets)
     factory = resolve_factory(scheme)
-    return cast("StorageBackend", factory(url, namespace_digest=namespace_digest, **options))
+    try:
+        return cast("StorageBackend", factory(url, namespace_digest=namespace_digest, **options))
+    except Exception as exc:
+        # A factory (ours or a plugin's) may echo the URL or an option in its message: never a secret.
+        message = str(exc)
+        redacted = redact_text(message, secrets)
+        if redacted == message:
+            raise
+        try:
+            clean = type(exc)(redacted)
+        except Exception:
+            clean = ValueError(f"url: opening the storage backend failed: {redacted}")
+        raise clean from None

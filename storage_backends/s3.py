@@ -65,6 +65,7 @@ from storage_backends.batching import (
     run_in_thread,
 )
 from storage_backends.lifecycle import BackendLifecycle
+from storage_backends.names import prefix_from_url_path, validate_bucket, validate_prefix
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
@@ -75,6 +76,7 @@ from storage_backends.page_format import (
     verify_page,
 )
 from storage_backends.protocol import PageStatus
+from storage_backends.redact import redact_text, redact_url, remember_secrets
 
 __all__ = ["S3Backend", "S3Statistics"]
 
@@ -172,8 +174,11 @@ class S3Backend(BackendLifecycle):
     the constructor, use it as an async context manager or call `aclose()`.
 
     Args:
-        bucket: the bucket name.
-        prefix: the key prefix inside the bucket ("" for the bucket root).
+        bucket: the bucket name, valid by the S3 naming rules (`storage_backends.names.validate_bucket`:
+            3-63 lowercase letters, digits, dots and hyphens, no `..`, not an IP address, ...).
+        prefix: the key prefix inside the bucket ("" for the bucket root), taken literally: leading and
+            trailing `/` are dropped; empty, `.` and `..` segments, backslashes, control characters and
+            `%` are refused.
         namespace_digest: the 16-byte namespace digest written into and checked in every page header.
         endpoint: the S3 endpoint URL; default `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`, else AWS.
         region: the signing region; default `AWS_REGION` / `AWS_DEFAULT_REGION`, else "us-east-1".
@@ -195,6 +200,7 @@ class S3Backend(BackendLifecycle):
 
     Raises:
         ValueError: naming the argument, for a bad bucket, prefix, endpoint or a non-positive setting.
+        TypeError: naming the argument, for a bucket or prefix that is not a str.
     """
 
     def __init__(
@@ -220,13 +226,8 @@ class S3Backend(BackendLifecycle):
         backoff_max_s: float = 2.0,
     ) -> None:
         self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
-        if not isinstance(bucket, str) or not bucket or "/" in bucket:
-            raise ValueError(f"bucket: expected a non-empty name without '/', got {bucket!r}")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix: expected str, got {type(prefix).__name__}")
-        prefix = prefix.strip("/")
-        if any(part in {"", ".", ".."} for part in prefix.split("/")) and prefix:
-            raise ValueError(f"prefix: empty, '.' or '..' path segments are not allowed, got {prefix!r}")
+        validate_bucket(bucket)
+        prefix = validate_prefix(prefix)
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
         read_deadline_s = deadline_s if read_deadline_s is None else read_deadline_s
@@ -253,6 +254,7 @@ class S3Backend(BackendLifecycle):
         secret_access_key = secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None
         session_token = session_token or env.get("AWS_SESSION_TOKEN") or None
         self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
+        remember_secrets(self._secrets)
 
         # Single-object DELETEs: the JuiceFS (MinIO) gateway answers DeleteObjects in a shape
         # object_store rejects.
@@ -325,11 +327,14 @@ class S3Backend(BackendLifecycle):
         Query parameters and keyword `options` take the constructor's keyword names (`endpoint`, `region`,
         `access_key_id`, `secret_access_key`, `session_token`, `allow_http`, `max_concurrency`, `deadline_s`,
         `read_deadline_s`, `write_deadline_s`, `attempt_timeout_s`, `connect_timeout_s`, `max_retries`,
-        `backoff_initial_s`, `backoff_max_s`); keyword options win over the query.
+        `backoff_initial_s`, `backoff_max_s`); keyword options win over the query. The URL's path is
+        percent-decoded once into the prefix; an encoded `/` (`%2F`) or a `%` left after decoding is
+        refused, and so is everything the constructor refuses.
 
         Raises:
-            ValueError: for another scheme, a missing bucket, an unknown or repeated query parameter, or a
-                value that does not parse (the message never echoes credential values).
+            ValueError: for another scheme, a bucket the S3 naming rules refuse (naming `bucket`), a bad
+                prefix (naming `prefix`), an unknown or repeated query parameter, or a value that does not
+                parse (the message never echoes credential values).
         """
         if not isinstance(url, str):
             raise TypeError(f"url: expected str, got {type(url).__name__}")
@@ -338,6 +343,8 @@ class S3Backend(BackendLifecycle):
             raise ValueError(f"url: expected the s3:// scheme, got {parts.scheme!r}")
         if not parts.netloc or "@" in parts.netloc:
             raise ValueError("url: expected s3://bucket/prefix with a bucket name and no user info")
+        bucket = validate_bucket(parts.netloc)
+        prefix = prefix_from_url_path(parts.path)
         merged: dict[str, Any] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
             if name in merged:
@@ -359,7 +366,7 @@ class S3Backend(BackendLifecycle):
             else:
                 raise ValueError(f"url: unknown query parameter {name!r}")
         merged.update(options)
-        return cls(parts.netloc, parts.path, namespace_digest=namespace_digest, **merged)
+        return cls(bucket, prefix, namespace_digest=namespace_digest, **merged)
 
     # ------------------------------------------------------------------ lifecycle and observability
 
@@ -368,8 +375,9 @@ class S3Backend(BackendLifecycle):
         self._store = None
 
     def __repr__(self) -> str:
+        endpoint = None if self._endpoint is None else redact_url(self._endpoint)
         return (
-            f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={self._endpoint!r}, "
+            f"S3Backend(bucket={self._bucket!r}, prefix={self._prefix!r}, endpoint={endpoint!r}, "
             f"region={self._region!r}, credentials={self._credentials!r}, "
             f"max_concurrency={self._max_concurrency}, closed={self._closed})"
         )
@@ -628,9 +636,7 @@ class S3Backend(BackendLifecycle):
     def _redact(self, exc: BaseException) -> str:
         """The first line of a native error, with every credential replaced by `***`."""
         text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return redact_text(text, self._secrets)
 
     def _open_store(self) -> S3Store:
         self._check_open()

@@ -181,6 +181,7 @@ def test_default_cache_metrics_registers_the_controller_names() -> None:
         "storage_bytes_written_total",
         "storage_page_failures_total",
         "backup_tokens_total",
+        "evict_dropped_tokens_total",
         "load_back_tokens_total",
         "prefetch_latency_seconds",
     ):

@@ -87,7 +87,9 @@ class Lease:
         node: the deepest cached node (device-locked); the root when nothing was cached.
         device_indices: device pool indices of the cached prefix, one per token.
         cached_len: tokens of the prefix available on device.
-        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`.
+        hit_tokens_by_tier: where the cached tokens came from: `device`, `host`, `storage`. A storage
+            hit is a token this request's own prefetch loaded; tokens another request put in the tree
+            meanwhile count by the tier this request found them on.
         prefetch: the outcome of the request's storage prefetch, if one ran.
         component_indices: per hybrid component, the device indices the prefix uses (the sliding
             window's KV, the Mamba state's slot); empty without components.
@@ -256,7 +258,12 @@ class HiCache:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Self:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(
@@ -608,6 +615,7 @@ class HiCache:
             A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
         """
         self._check_open("acquire")
+        _check_request_id(request_id)
         key = as_key_bytes(tokens, name="tokens")
         first = self.tree.match_prefix(key)
         outcome: PrefetchOutcome | None = None
@@ -865,6 +873,8 @@ class HiCache:
             self._free_component_garbage()
             if result.freed_host.numel():
                 self.host_pool.free(result.freed_host)
+            if result.dropped_tokens:
+                self.metrics.evict_dropped_tokens.inc(result.dropped_tokens)
             # Root-first chains, each below the earlier ones: one batch begins them in order, so
             # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
             backed_up = await self._backup_many(result.backup_first) if result.backups else 0
@@ -1178,8 +1188,7 @@ class HiCache:
             PoolError: naming `transfers` when one holds an index the caller does not hold.
         """
         self._check_open("prefetch")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id: expected a non-empty str, got {request_id!r}")
+        _check_request_id(request_id)
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         self._check_transfers(transfers)
@@ -1391,6 +1400,7 @@ class HiCache:
             for reason, pages in prefetch.failure_reasons.items():
                 self.metrics.storage_page_failures.labels(reason=reason).inc(pages)
             self._forget_stored(prefetch.page_keys[prefetch.completed_pages :])
+            self._forget_stored(prefetch.unusable_keys)  # removed by the stream; component pages too
 
     def _forget_stored(self, keys: Sequence[str]) -> None:
         """Storage lacks the first of `keys` (a probe or a read found it so): the writer must not take any
@@ -1667,6 +1677,16 @@ async def _wait_uncancelled(work: Awaitable[None]) -> None:
         if not task.cancelled():
             task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
         raise
+
+
+def _check_request_id(request_id: object) -> None:
+    """Refuse a request id that is not a non-empty str (naming `request_id`), with or without storage."""
+    if not isinstance(request_id, str):
+        raise TypeError(
+            f"request_id: expected a non-empty str, got {type(request_id).__name__} {request_id!r}"
+        )
+    if not request_id:
+        raise ValueError("request_id: expected a non-empty str, got ''")
 
 
 def _check_owners(

@@ -27,6 +27,12 @@ __all__ = ["Prefetch", "PrefetchOutcome", "PrefetchState"]
 logger = logging.getLogger("hicache.prefetch")
 
 
+_UNUSABLE = frozenset({PageStatus.CORRUPT, PageStatus.FOREIGN, PageStatus.OLD_FORMAT})
+"""Page statuses that say the stored object under a key can never be loaded by anyone: damaged, another
+namespace's or key's page, or an old format. Our own namespace owns the key, so such an object is ours to
+remove (`unusable_keys`), and the write-through can then put the real page back."""
+
+
 def _reason(status: object) -> str:
     """The metric reason of a page `get` did not load (`"read"` from a backend that reports no status)."""
     return status.value if isinstance(status, PageStatus) else "read"
@@ -127,6 +133,8 @@ class Prefetch:
         self.failure_reasons: dict[str, int] = {}
         """`failed_pages` by reason: a failed page's `PageStatus` value (`"miss"`, `"corrupt"`,
         `"foreign_page"`, `"old_format"`, `"error"`), or `"error"` for a `get` that raised."""
+        self.unusable_keys: list[str] = []
+        """Keys whose stored object was read and found corrupt, foreign or of an old format."""
         self.timed_out = False
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
@@ -214,6 +222,7 @@ class Prefetch:
                     good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
                     if good < len(ok):
                         reason = _reason(ok[good])
+                        self._note_unusable(self.page_keys[start:stop], ok)
             except anyio.get_cancelled_exc_class():
                 raise
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
@@ -239,6 +248,8 @@ class Prefetch:
                         tg.start_soon(read, index, tg, slots)
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend, read_timeout_s)
+                if self.unusable_keys:
+                    await self._remove_unusable(backend, read_timeout_s)
         finally:
             self._stream_scope = None
             if self.state is PrefetchState.STREAMING:
@@ -267,6 +278,7 @@ class Prefetch:
                 for status in ok:
                     if not status:
                         self._count_failures(_reason(status), 1)
+                self._note_unusable(keys, ok)
                 return
         self.components_complete = True
 
@@ -277,6 +289,22 @@ class Prefetch:
     def staged_views(self) -> list[Sequence[memoryview]]:
         """The buffers of each staged component transfer (aligned with `staged`)."""
         return [views for _, views in self._staged_reads]
+
+    def _note_unusable(self, keys: Sequence[str], statuses: Sequence[object]) -> None:
+        self.unusable_keys.extend(k for k, s in zip(keys, statuses, strict=True) if s in _UNUSABLE)
+
+    async def _remove_unusable(self, backend: StorageBackend, timeout_s: float) -> None:
+        """Delete the stored objects that can never load under this namespace's keys (`unusable_keys`), so
+        the next write-through of their path puts the real pages back instead of finding the keys taken
+        for good. Part of the stream (a commit waits for it), bounded by the read timeout. A failure or a
+        timeout only leaves them in place."""
+        try:
+            with anyio.move_on_after(timeout_s):
+                await backend.delete(self.unusable_keys)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            logger.warning("prefetch %s: cannot remove unusable pages: %r", self.request_id, exc)
 
     def _count_failures(self, reason: str, pages: int) -> None:
         self.failed_pages += pages

@@ -9,6 +9,7 @@ from typing import Any
 
 from hicache.demo.png import Canvas, Series, line_chart
 from hicache.demo.serve import RECOMPUTE_TOLERANCE, DemoResult, sum_metric
+from storage_backends.redact import redact_url
 
 __all__ = ["percentile", "render_summary", "save_plot", "save_snapshot", "summarize"]
 
@@ -46,7 +47,7 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "users": config.users,
         "turns": config.turns,
         "seed": config.seed,
-        "backend": result.backend_url,
+        "backend": redact_url(result.backend_url),
         "identical": sum(r.identical for r in records),
         "checks": {
             "kv_bitwise": sum(r.kv_bitwise for r in records),

@@ -40,6 +40,7 @@ from hicache.keys import Namespace
 from hicache.memory import KVLayout
 from hicache.policy import WritePolicy
 from hicache.tree import TreeNode
+from storage_backends.redact import redact_url, redacted_repr
 
 __all__ = [
     "RECOMPUTE_TOLERANCE",
@@ -106,6 +107,10 @@ class DemoConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     metrics_port: int | None = None
     torch_threads: int | None = 1
+
+    def __repr__(self) -> str:
+        """The fields, with secrets in `backend_url` and `storage_options` replaced by `***`."""
+        return redacted_repr(self)
 
     def workload_spec(self) -> WorkloadSpec:
         """The workload with this config's users, turns, seed and the model's vocabulary."""
@@ -216,7 +221,7 @@ class DemoResult:
 
     Attributes:
         config: the run's configuration.
-        backend_url: the storage URL actually used.
+        backend_url: the storage URL actually used, with credentials replaced by `***` (it is shown).
         records: one per request, in completion order of the cached run.
         metrics: the cache's metrics registry snapshot at the end of the cached run.
         prometheus: the same metrics in Prometheus text.
@@ -629,7 +634,10 @@ async def run_serving(
             pools = {
                 "device": _pool_json(stats.device_pool),
                 "host": _pool_json(stats.host_pool),
-                "storage": {"url": url, "bytes_written": sum_metric(snapshot, "storage_bytes_written_total")},
+                "storage": {
+                    "url": redact_url(url),
+                    "bytes_written": sum_metric(snapshot, "storage_bytes_written_total"),
+                },
             }
             tree = {
                 "nodes": stats.tree.num_nodes,
@@ -650,7 +658,7 @@ async def run_serving(
     wall["verify"] = time.perf_counter() - t
     return DemoResult(
         config=config,
-        backend_url=url,
+        backend_url=redact_url(url),
         records=runner.records,
         metrics=snapshot,
         prometheus=prometheus,

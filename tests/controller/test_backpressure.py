@@ -44,6 +44,25 @@ async def test_a_full_work_queue_refuses_the_newest_items_in_order() -> None:
         WorkQueue("bad", job, limit=0)
 
 
+async def test_wait_below_returns_once_the_worker_took_the_items() -> None:
+    """The producer's backpressure wait ends when the worker takes a batch, not when it finishes it."""
+    gate = anyio.Event()
+
+    async def job(batch: list[int]) -> None:
+        await gate.wait()
+
+    queue: WorkQueue[int] = WorkQueue("held", job, limit=8, max_batch=4)
+    queue.put(list(range(6)))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(queue.run)
+        await queue.wait_below(2)
+        assert len(queue) == 2
+        assert not queue.idle
+        gate.set()
+        await queue.wait_idle()
+        tg.cancel_scope.cancel()
+
+
 class GatedPuts(PassThroughBackend):
     """A memory backend whose `put` waits for `gate`; `puts` counts the calls that started."""
 

@@ -79,6 +79,11 @@ class Held:
     """Component device slots the test filled for the request (hybrid machines), not yet inserted."""
 
 
+def unsettled(cache: HiCache) -> bool:
+    """A cancelled stream still stopping, or pages a returning worker thread still holds in quarantine."""
+    return bool(cache.statistics().detached_prefetches or cache.release_queue.statistics().quarantined_calls)
+
+
 class ControllerMachine(RuleBasedStateMachine):
     """Random serving traffic against one `HiCache` with storage, checked after every step.
 
@@ -352,9 +357,7 @@ class ControllerMachine(RuleBasedStateMachine):
         # A read cancelled while its (healthy) worker thread ran leaves its pages quarantined until the
         # thread returns, a moment later; a cancelled stream gives its pages back once it stopped.
         with anyio.fail_after(30):
-            while (
-                cache.statistics().detached_prefetches or cache.release_queue.statistics().quarantined_calls
-            ):  # noqa: ASYNC110
+            while unsettled(cache):  # noqa: ASYNC110 - a worker thread cannot wake the loop
                 await anyio.sleep(0.005)
         await cache.release_queue.drain()
         # Every page of every pool has exactly one owner, checked page by page: the test's own

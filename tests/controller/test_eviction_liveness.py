@@ -45,6 +45,8 @@ async def test_two_children_of_a_shared_prefix_do_not_stall_a_small_host(policy:
         # The shared prefix is what fits on the host: it survives there (backed up at insert under
         # write-through, at eviction under write-back, where the children that did not fit were dropped).
         assert cache.match(tokens(0, 16)).host_len == 16
+        # Write-through deleted the un-backed children; write-back dropped them: no host room for them.
+        assert cache.metrics.evict_dropped_tokens.value() == 16
         cache.device_pool.free(got)
         cache.sanity_check()
 
@@ -87,6 +89,7 @@ async def test_host_copies_of_locked_device_nodes_are_not_host_room() -> None:
 
         assert got is not None
         assert cache.match(tokens(500, 16)).device_len == 0  # dropped, not backed up
+        assert cache.metrics.evict_dropped_tokens.value() == 16
         cache.sanity_check(held_device_tokens=32)
         cache.device_pool.free(got)
         cache.release(lease)

@@ -207,3 +207,37 @@ async def test_a_component_page_copied_over_another_key_is_refused(tmp_path: Pat
         storage_tokens, _ = await acquire_from_storage(again, SEQ)
         assert storage_tokens == 0
         assert storage_failures(again) == {"foreign_page": 1.0}
+        assert not last.exists()  # removed: the next write-through of this path puts the real page back
+        written = await serve(again, SEQ)
+    async with HiCache(cfg) as healed:
+        storage_tokens, held = await acquire_from_storage(healed, SEQ)
+        assert storage_tokens == len(SEQ)
+        assert torch.equal(held[SWA.name], written[SWA.name])
+
+
+async def test_refused_pages_are_removed_so_the_write_through_puts_the_real_ones_back(tmp_path: Path) -> None:
+    """A page refused as foreign under one of this namespace's keys can never load for anyone: the read
+    removes it, and when the cache then computes the request and writes it through, its own pages take
+    those keys again; a fresh cache loads every token, with no failure counted."""
+    a_config = config(tmp_path)
+    b_config = config(tmp_path, namespace=Namespace(model_id="model@rev2"))
+    async with HiCache(a_config) as a:
+        await serve(a, SEQ)
+    a_paths = await page_paths(tmp_path, a_config, SEQ)
+    b_paths = await page_paths(tmp_path, b_config, SEQ)
+    for src, dst in zip(a_paths, b_paths, strict=True):
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    assert a_config.namespace != b_config.namespace
+    async with HiCache(b_config) as b:
+        storage_tokens, _ = await acquire_from_storage(b, SEQ)
+        assert storage_tokens == 0
+        assert storage_failures(b) == {"foreign_page": 1.0}
+        assert not any(p.exists() for p in b_paths)  # one batch read them all; each was refused and removed
+        written = await serve(b, SEQ)
+    assert all(p.exists() for p in b_paths)
+    async with HiCache(b_config) as again:
+        storage_tokens, held = await acquire_from_storage(again, SEQ)
+        assert storage_tokens == len(SEQ)
+        assert torch.equal(held["kv"], written["kv"])
+        assert storage_failures(again) == {}

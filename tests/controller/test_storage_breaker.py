@@ -16,7 +16,18 @@ from controller_helpers import (
     tokens,
 )
 
-from hicache import BreakerState, CircuitBreaker, HiCache, HiCacheConfig, StorageUnavailable
+from hicache import (
+    BreakerState,
+    CircuitBreaker,
+    HiCache,
+    HiCacheConfig,
+    PageNotFound,
+    StorageAuthError,
+    StorageUnavailable,
+)
+from hicache.controller.guarded_storage import GuardedStorage
+from hicache.errors import StorageCircuitOpen
+from hicache.metrics import MetricsRegistry, default_cache_metrics
 from storage_backends.memory import MemoryBackend
 
 
@@ -148,3 +159,70 @@ def test_bad_breaker_and_queue_settings_name_the_field(
 ) -> None:
     with pytest.raises(error, match=field):
         HiCacheConfig(**{**make_config().__dict__, field: value})
+
+
+class Scripted(PassThroughBackend):
+    """`exists` raises the next scripted exception (or answers when the script says None)."""
+
+    def __init__(self, inner: MemoryBackend, script: list[BaseException | None]) -> None:
+        super().__init__(inner)
+        self.script = script
+        self.calls = 0
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        self.calls += 1
+        step = self.script.pop(0)
+        if step is not None:
+            raise step
+        return await self.inner.exists(keys)
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (StorageUnavailable("down"), "unavailable"),
+        (StorageAuthError("403"), "auth"),
+        (TimeoutError("slow"), "timeout"),
+        (OSError(5, "EIO"), "other"),
+    ],
+)
+async def test_the_guard_counts_errors_by_kind_and_misses_as_answers(error: OSError, kind: str) -> None:
+    """An error opens the breaker (threshold 1) and is counted by kind; a `PageNotFound` is an answer
+    (storage is up) that resets the count; while open the backend is not called at all."""
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    async with inner:
+        backend = Scripted(inner, [PageNotFound("gone"), error])
+        registry = MetricsRegistry()
+        errors = default_cache_metrics(registry).storage_errors
+        breaker = CircuitBreaker(threshold=1, backoff_initial_s=1.0, clock=FakeClock())
+        guard = GuardedStorage(backend, breaker, errors)
+        with pytest.raises(PageNotFound):
+            await guard.exists(["00"])
+        assert breaker.state is BreakerState.CLOSED
+        with pytest.raises(type(error)):
+            await guard.exists(["00"])
+        assert breaker.state is BreakerState.OPEN
+        assert errors.value(op="exists", kind=kind) == 1
+        with pytest.raises(StorageCircuitOpen):
+            await guard.exists(["00"])
+        assert backend.calls == 2
+        assert sum(s["value"] for s in registry.snapshot()["storage_errors_total"]["samples"]) == 1
+
+
+async def test_a_cancelled_probe_backs_off_instead_of_probing_again_at_once() -> None:
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    async with inner:
+        storage = Flaky(inner)
+        clock = FakeClock()
+        breaker = CircuitBreaker(threshold=1, backoff_initial_s=1.0, clock=clock)
+        guard = GuardedStorage(storage, breaker, default_cache_metrics(MetricsRegistry()).storage_errors)
+        storage.down = True
+        with pytest.raises(StorageUnavailable):
+            await guard.exists(["00"])
+        storage.down, storage.hang = False, True
+        clock.now += 1.0
+        with anyio.move_on_after(0.01):
+            await guard.exists(["00"])
+        assert breaker.state is BreakerState.OPEN
+        assert not breaker.allows()
+        assert breaker.statistics().backoff_s == 2.0

@@ -1,0 +1,89 @@
+"""Regression tests for issue 9 finding 7: inputs that were accepted, or refused without naming the argument.
+
+- NaN and infinite prefetch timeouts were accepted by `HiCacheConfig`, and then every timed prefetch
+  failed silently; they are refused, naming the field.
+- Token ids outside int64 raised a bare `OverflowError`; they raise `ValueError` naming `tokens`.
+- `HiCache.acquire` checked `request_id` only when a storage tier existed; it checks it always.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import pytest
+import torch
+from controller_helpers import make_config, tokens
+
+from hicache import HiCache
+from hicache.keys import as_key_bytes
+
+TIMEOUT_FIELDS = ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max")
+
+
+@pytest.mark.parametrize("field", TIMEOUT_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_timeouts_are_refused_naming_the_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}: must be a finite number"):
+        make_config(**{field: value})
+
+
+@pytest.mark.parametrize("field", TIMEOUT_FIELDS)
+def test_finite_timeouts_are_still_accepted(field: str) -> None:
+    config = make_config(**{field: 0.0})
+    assert getattr(config, field) == 0.0
+    assert math.isfinite(config.prefetch_timeout(1 << 20))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        [1, 2, 1 << 63],
+        [-(1 << 63) - 1],
+        (5, 1 << 64),
+        array("Q", [1 << 63]),
+        torch.tensor([1, 1 << 63], dtype=torch.uint64),
+    ],
+    ids=["list-2**63", "list-below-int64", "tuple-2**64", "array-Q", "uint64-tensor"],
+)
+def test_token_ids_outside_int64_raise_value_error_naming_tokens(key: object) -> None:
+    with pytest.raises(ValueError, match=r"^tokens: token ids must fit in int64"):
+        as_key_bytes(key, name="tokens")  # type: ignore[arg-type]
+
+
+def test_token_ids_at_the_int64_bounds_are_accepted() -> None:
+    low, high = -(1 << 63), (1 << 63) - 1
+    assert as_key_bytes([low, high]) == array("q", [low, high]).tobytes()
+    assert as_key_bytes(torch.tensor([7], dtype=torch.uint64)) == array("q", [7]).tobytes()
+
+
+async def test_acquire_names_tokens_for_an_id_outside_int64() -> None:
+    async with HiCache(make_config()) as cache:
+        with pytest.raises(ValueError, match=r"^tokens: "):
+            await cache.acquire("r", [*tokens(0, 8), 1 << 63])
+        cache.sanity_check()
+        assert cache.statistics().tree.num_nodes == 0  # nothing was inserted
+
+
+@pytest.mark.parametrize(
+    ("request_id", "error"),
+    [("", ValueError), (None, TypeError), (7, TypeError), (b"r", TypeError)],
+)
+async def test_acquire_checks_request_id_without_a_storage_tier(request_id: object, error: type) -> None:
+    async with HiCache(make_config()) as cache:
+        assert cache.storage is None
+        with pytest.raises(error, match=r"^request_id: expected a non-empty str"):
+            await cache.acquire(request_id, tokens(0, 8))  # type: ignore[arg-type]
+        cache.sanity_check()
+        lease = await cache.acquire("ok", tokens(0, 8))  # the cache is unharmed
+        assert lease.cached_len == 0
+        cache.release(lease)
+
+
+async def test_acquire_checks_request_id_with_a_storage_tier() -> None:
+    async with HiCache(make_config(storage_url="memory://")) as cache:
+        assert cache.storage is not None
+        with pytest.raises(ValueError, match=r"^request_id: "):
+            await cache.acquire("", tokens(0, 8))
+        with pytest.raises(TypeError, match=r"^request_id: "):
+            await cache.acquire(3, tokens(0, 8))  # type: ignore[arg-type]

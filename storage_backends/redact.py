@@ -308,6 +308,7 @@ LOGGERS: Final = (
     "hicache.cache",
     "hicache.prefetch",
     "hicache.release",
+    "hicache.storage_writer",
     "hicache.tree",
     "hicache.work",
     "hicache.memory.pool",

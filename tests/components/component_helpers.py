@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hicache import HiCache, HiCacheConfig, KVLayout
+from hicache import HiCache, HiCacheConfig, KVLayout, Lease
 from hicache.components import MambaState, SlidingWindow, component_storage_key
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from storage_backends.memory import MemoryBackend
@@ -92,6 +92,31 @@ async def store_hybrid(
     ok = await backend.put(keys, views)
     assert all(ok)
     return keys
+
+
+async def hybrid_request(
+    cache: HiCache, seq: list[int], request_id: str
+) -> tuple[Lease, torch.Tensor, dict[str, torch.Tensor]]:
+    """A hybrid request's lease, its new full-attention pages and its window + state slots, written."""
+    lease = await cache.acquire(request_id, seq)
+    key = as_key_bytes(seq)
+    n = len(seq)
+    new = await cache.alloc_device(n - lease.cached_len)
+    assert new is not None
+    cache.device_pool.write_tokens(new, base_payload(key[lease.cached_len * 8 :]))
+    swa = cache.alloc_component("swa", WINDOW)
+    state = cache.alloc_component("mamba", 1)
+    assert swa is not None
+    assert state is not None
+    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
+    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
+    return lease, new, {"swa": swa, "mamba": state}
+
+
+async def serve_hybrid(cache: HiCache, seq: list[int]) -> None:
+    """Serve `seq` as a hybrid model would: full-attention KV, the window's KV and the end state."""
+    lease, new, comps = await hybrid_request(cache, seq, f"fill-{seq[-1]}")
+    await cache.insert(lease, seq, torch.cat([lease.device_indices, new]), comps)
 
 
 def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:

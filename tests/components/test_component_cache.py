@@ -12,6 +12,7 @@ from component_helpers import (
     WINDOW,
     base_payload,
     hybrid_config,
+    serve_hybrid,
     state_payload,
     store_hybrid,
     swa_payload,
@@ -132,23 +133,6 @@ async def test_a_prefetch_that_stops_short_of_its_window_is_dropped_in_one_call(
         assert_every_pool_full(cache)
     finally:
         await cache.aclose()
-
-
-async def serve_hybrid(cache: HiCache, seq: list[int]) -> None:
-    """Serve `seq` as a hybrid model would: full-attention KV, the window's KV and the end state."""
-    lease = await cache.acquire(f"fill-{seq[0]}", seq)
-    n = len(seq)
-    key = as_key_bytes(seq)
-    new = await cache.alloc_device(n - lease.cached_len)
-    assert new is not None
-    cache.device_pool.write_tokens(new, base_payload(key[lease.cached_len * 8 :]))
-    swa = cache.alloc_component("swa", WINDOW)
-    state = cache.alloc_component("mamba", 1)
-    assert swa is not None
-    assert state is not None
-    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
-    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
-    await cache.insert(lease, seq, torch.cat([lease.device_indices, new]), {"swa": swa, "mamba": state})
 
 
 async def test_backup_storage_prefetch_and_load_back_carry_every_component_bitwise(

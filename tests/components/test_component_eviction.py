@@ -4,29 +4,10 @@ nodes that carry sliding-window KV and Mamba states, and every component pool st
 from __future__ import annotations
 
 import pytest
-import torch
-from component_helpers import WINDOW, base_payload, hybrid_config, state_payload, swa_payload, tokens
+from component_helpers import hybrid_config, serve_hybrid, tokens
 
 from hicache import HiCache
-from hicache.keys import as_key_bytes
 from hicache.policy import WritePolicy
-
-
-async def serve_hybrid(cache: HiCache, seq: list[int]) -> None:
-    """Serve `seq` as a hybrid model would: full-attention KV, the window's KV and the end state."""
-    lease = await cache.acquire(f"fill-{seq[-1]}", seq)
-    n = len(seq)
-    key = as_key_bytes(seq)
-    new = await cache.alloc_device(n - lease.cached_len)
-    assert new is not None
-    cache.device_pool.write_tokens(new, base_payload(key[lease.cached_len * 8 :]))
-    swa = cache.alloc_component("swa", WINDOW)
-    state = cache.alloc_component("mamba", 1)
-    assert swa is not None
-    assert state is not None
-    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
-    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
-    await cache.insert(lease, seq, torch.cat([lease.device_indices, new]), {"swa": swa, "mamba": state})
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy), ids=lambda p: p.value)

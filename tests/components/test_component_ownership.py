@@ -16,9 +16,9 @@ import torch
 from component_helpers import (
     PAGE,
     WINDOW,
-    base_payload,
     cache_snapshot,
     hybrid_config,
+    hybrid_request,
     state_payload,
     swa_payload,
     tokens,
@@ -40,25 +40,6 @@ def run(start: int) -> torch.Tensor:
 def open_hybrid() -> HiCache:
     """A small cache with a sliding window and a Mamba state; open it with `async with` in the test."""
     return HiCache(hybrid_config())
-
-
-async def hybrid_request(
-    cache: HiCache, seq: list[int], request_id: str
-) -> tuple[Any, torch.Tensor, dict[str, Any]]:
-    """A hybrid request's lease, its new full-attention pages and its window + state slots, written."""
-    lease = await cache.acquire(request_id, seq)
-    key = as_key_bytes(seq)
-    n = len(seq)
-    new = await cache.alloc_device(n - lease.cached_len)
-    assert new is not None
-    cache.device_pool.write_tokens(new, base_payload(key[lease.cached_len * 8 :]))
-    swa = cache.alloc_component("swa", WINDOW)
-    state = cache.alloc_component("mamba", 1)
-    assert swa is not None
-    assert state is not None
-    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
-    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
-    return lease, new, {"swa": swa, "mamba": state}
 
 
 def bad_components(good: dict[str, torch.Tensor], tree: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -8,8 +8,7 @@ page swapped with another, or a stale buffer therefore never matches, even when 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
-from typing import TypeVar, TypeVarTuple, Unpack
+from collections.abc import Sequence
 
 import anyio
 import anyio.lowlevel
@@ -21,15 +20,10 @@ from hicache import HiCache, KVLayout
 from hicache.errors import StorageError
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree import TreeNode
-from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import PageStatus, StorageBackend
-
-R = TypeVar("R")
-Ts = TypeVarTuple("Ts")
 
 __all__ = [
     "FaultyBackend",
-    "InlineMemoryBackend",
     "chain_payload",
     "check_leased_kv",
     "check_pools_exact",
@@ -199,21 +193,6 @@ def check_pools_exact(
         page,
         cache.host_pool.allocator.is_free,
     )
-
-
-class InlineMemoryBackend(MemoryBackend):
-    """A `MemoryBackend` that copies and verifies pages on the event loop instead of in worker threads.
-
-    Its reads then advance only with the loop, so a test can let a gated read finish with checkpoints
-    alone (no thread to wait for), and a state machine replays the same interleaving every time.
-    """
-
-    async def _in_thread(self, func: Callable[[Unpack[Ts]], R], *args: *Ts) -> R:
-        await anyio.lowlevel.checkpoint()
-        return func(*args)
-
-    def __repr__(self) -> str:
-        return "<InlineMemoryBackend " + super().__repr__().removeprefix("<MemoryBackend ")
 
 
 class FaultyBackend(PassThroughBackend):

@@ -30,7 +30,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from kv_oracle import (
     FaultyBackend,
-    InlineMemoryBackend,
     chain_payload,
     check_leased_kv,
     check_pools_exact,
@@ -45,6 +44,7 @@ from kv_oracle import (
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes, key_to_tensor
 from hicache.policy import StopPolicy, WritePolicy
+from storage_backends.memory import MemoryBackend
 from storage_backends.page_format import encode_header
 from storage_backends.protocol import PageStatus
 
@@ -97,7 +97,7 @@ class ControllerMachine(RuleBasedStateMachine):
         self.runner = asyncio.Runner()
         self.cache: HiCache | None = None
         self.backend: FaultyBackend
-        self.inner: InlineMemoryBackend
+        self.inner: MemoryBackend
         self.page_size = 1
         self.stop_policy = StopPolicy.WAIT_COMPLETE
         self.namespace = Namespace(model_id="state-machine")
@@ -171,7 +171,8 @@ class ControllerMachine(RuleBasedStateMachine):
     async def allow_and_settle(self, pages: int) -> None:
         """Let `pages` gated reads proceed and turn the loop until they are used or nobody reads.
 
-        Reads run on the loop (`InlineMemoryBackend`, no threads), so checkpoints alone finish them.
+        The memory backend reads in worker threads: the loop turns until every gated read that started has
+        returned (`reads_started == reads_done`) or no prefetch still streams.
         """
         if not self.backend.gated or pages == 0:
             return
@@ -219,7 +220,7 @@ class ControllerMachine(RuleBasedStateMachine):
         layout = layout_for(self.page_size)
         # The cache's effective namespace (its config adds the page layout): keys and oracle bytes use it.
         self.namespace = self.cache_config(layout, write, stop).namespace
-        self.inner = InlineMemoryBackend(namespace_digest=self.namespace.digest)
+        self.inner = MemoryBackend(namespace_digest=self.namespace.digest)
         self.backend = FaultyBackend(self.inner, gated=gated)
         # Another instance served these before: their pages are in storage.
         for i, (pages, tail) in enumerate(prefill):

@@ -13,6 +13,7 @@ from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_se
 from hicache import HiCache, KVLayout
 from hicache.components import MambaState, SlidingWindow
 from hicache.controller import cache as cache_module
+from hicache.controller import copies as copies_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
 from hicache.tree import MatchResult
@@ -176,7 +177,7 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
     """aclose from one task while another task's load_back copy is in flight: the pools stay open until
     the copy has landed (a CUDA copy still writing into a freed device buffer would corrupt other memory).
     """
-    real_copy = cache_module.copy_pages_async
+    real_copy = copies_module.copy_pages_async
     copy_started = anyio.Event()
     finish_copy = anyio.Event()
     closed_when_copy_returned: list[bool] = []
@@ -212,7 +213,7 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
             assert (await cache.commit_prefetch("r1")).status == "committed"
             match = cache.match(seq)
             assert match.host_len == 16
-            monkeypatch.setattr(cache_module, "copy_pages_async", held_copy)
+            monkeypatch.setattr(copies_module, "copy_pages_async", held_copy)
             tg.start_soon(serve, match)
             await copy_started.wait()
             tg.start_soon(release_the_copy_once_aclose_waits)

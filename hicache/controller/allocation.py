@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from hicache.components import Component
+from hicache.config import HiCacheConfig
 from hicache.controller.release import ReleaseQueue
-from hicache.memory import KVPool, Owner
+from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
 from hicache.tiers import Tier
 from hicache.tree import RadixTree
 
-__all__ = ["Allocator", "ComponentPools"]
+__all__ = ["Allocator", "CachePools", "ComponentPools", "make_pools"]
 
 
 class ComponentPools(NamedTuple):
@@ -128,3 +130,55 @@ class Allocator:
                 pool.check_owned(indices, Owner.LEASE, name=f"components[{name!r}]")
                 out.append((pool, indices))
         return out
+
+
+class CachePools(NamedTuple):
+    """The pools of a cache, and which of them it made (and so closes)."""
+
+    device: KVPool
+    host: KVPool
+    components: dict[str, ComponentPools]
+    owned: list[KVPool]
+
+
+def make_pools(
+    config: HiCacheConfig,
+    components: Sequence[Component],
+    device_pool: KVPool | None,
+    host_pool: KVPool | None,
+) -> CachePools:
+    """Make the pools a cache needs and was not given (the caller's must match `config.layout`).
+
+    If making one fails, those already made are closed before the error propagates.
+
+    Raises:
+        ValueError: naming `device_pool` or `host_pool` when its layout is not `config.layout`.
+    """
+    for name, pool in (("device_pool", device_pool), ("host_pool", host_pool)):
+        if pool is not None and pool.layout != config.layout:
+            raise ValueError(f"{name}: layout {pool.layout} does not match config.layout {config.layout}")
+    owned: list[KVPool] = []
+
+    def own(pool: KVPool) -> KVPool:
+        owned.append(pool)
+        return pool
+
+    try:
+        component_pools: dict[str, ComponentPools] = {}
+        for comp in components:
+            layout = comp.pool_layout(config.page_size)
+            component_pools[comp.name] = ComponentPools(
+                own(make_device_pool(layout, comp.device_pages, name=f"{comp.name}-device")),
+                own(make_host_pool(layout, comp.host_pages, name=f"{comp.name}-host")),
+            )
+        device = (
+            device_pool
+            if device_pool is not None
+            else own(make_device_pool(config.layout, config.device_pages))
+        )
+        host = host_pool if host_pool is not None else own(make_host_pool(config.layout, config.host_pages))
+    except BaseException:
+        for made in owned:
+            made.close()
+        raise
+    return CachePools(device, host, component_pools, owned)

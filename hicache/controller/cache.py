@@ -15,7 +15,6 @@ copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclos
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,11 +27,11 @@ import torch
 from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
-from hicache.controller.admission import node_depth
-from hicache.controller.allocation import Allocator, ComponentPools
+from hicache.controller.allocation import Allocator, make_pools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.copies import CopyTracker
 from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.leases import Leases
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
@@ -40,22 +39,19 @@ from hicache.controller.results import CacheStatistics, Lease
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.tier_mover import TierMover
+from hicache.controller.workers import Workers
 from hicache.errors import CacheClosed
-from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
-from hicache.memory import KVPool, Owner, check_token_indices, make_device_pool, make_host_pool
+from hicache.keys import KeyLike, as_key_bytes
+from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
 from storage_backends.registry import open_backend
-from storage_backends.threads import stray_threads
 
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 logger = logging.getLogger("hicache.cache")
-
-_QUARANTINE_POLL_S = 0.02
-"""How often a closing cache checks whether the stray threads under its quarantined pages returned."""
 
 
 class HiCache:
@@ -106,37 +102,8 @@ class HiCache:
             components=config.components or None,
         )
         self.components: tuple[Component, ...] = self.tree.components
-        for name, pool in (("device_pool", device_pool), ("host_pool", host_pool)):
-            if pool is not None and pool.layout != config.layout:
-                raise ValueError(f"{name}: layout {pool.layout} does not match config.layout {config.layout}")
-        # The pools made here are the cache's to close (last, in `aclose`); pools passed in stay the
-        # caller's. If making one fails, those already made are closed before the error propagates.
-        self._owned_pools: list[KVPool] = []
-
-        def own(pool: KVPool) -> KVPool:
-            self._owned_pools.append(pool)
-            return pool
-
-        try:
-            self.component_pools: dict[str, ComponentPools] = {}
-            for comp in self.components:
-                layout = comp.pool_layout(config.page_size)
-                self.component_pools[comp.name] = ComponentPools(
-                    own(make_device_pool(layout, comp.device_pages, name=f"{comp.name}-device")),
-                    own(make_host_pool(layout, comp.host_pages, name=f"{comp.name}-host")),
-                )
-            self.device_pool = (
-                device_pool
-                if device_pool is not None
-                else own(make_device_pool(config.layout, config.device_pages))
-            )
-            self.host_pool = (
-                host_pool if host_pool is not None else own(make_host_pool(config.layout, config.host_pages))
-            )
-        except BaseException:
-            for made in self._owned_pools:
-                made.close()
-            raise
+        pools = make_pools(config, self.components, device_pool, host_pool)
+        self.device_pool, self.host_pool, self.component_pools = pools.device, pools.host, pools.components
         self.storage: StorageBackend | None = storage
         self._owns_storage = storage is None
         self.registry = metrics if metrics is not None else MetricsRegistry()
@@ -145,57 +112,41 @@ class HiCache:
             self.host_pool, batch_tokens=config.release_batch_pages * self.page_size
         )
         self.storage_breaker = (
-            storage_breaker
-            if storage_breaker is not None
-            else CircuitBreaker(
-                "storage",
-                threshold=config.storage_breaker_threshold,
-                backoff_initial_s=config.storage_breaker_backoff_s,
-                backoff_max_s=config.storage_breaker_backoff_max_s,
-            )
+            storage_breaker if storage_breaker is not None else CircuitBreaker.for_storage(config)
         )
         breaker_gauge = self.metrics.storage_breaker_state.labels(tier=self.storage_breaker.tier)
         breaker_gauge.set(self.storage_breaker.state)
         self.storage_breaker.listeners.append(lambda old, new: breaker_gauge.set(new))
         self._state = OpenState()
         self._copies = CopyTracker()
-        self._allocator = Allocator(
-            self.tree, self.device_pool, self.host_pool, self.component_pools, self.release_queue
-        )
-        self._mover = TierMover(
-            config,
+        tree, device, host, comps, queue = (
             self.tree,
             self.device_pool,
             self.host_pool,
             self.component_pools,
-            self._allocator,
-            self._copies,
-            self.metrics,
-            self.storage_breaker,
+            self.release_queue,
+        )
+        breaker, counters, state = self.storage_breaker, self.metrics, self._state
+        self._allocator = Allocator(tree, device, host, comps, queue)
+        self._mover = TierMover(
+            config, tree, device, host, comps, self._allocator, self._copies, counters, breaker
         )
         self._prefetcher = Prefetcher(
-            config,
-            self.tree,
-            self.host_pool,
-            self.component_pools,
-            self.release_queue,
-            self._allocator,
-            self.metrics,
-            self.storage_breaker,
-            self._state,
+            config, tree, host, comps, queue, self._allocator, counters, breaker, state
         )
+        self._leases = Leases(tree, device, comps, self._allocator, self._mover, self._prefetcher, state)
         self._accounting = Accounting(
-            self.tree,
-            self.device_pool,
-            self.host_pool,
-            self.component_pools,
-            self.release_queue,
-            self._copies,
-            self._prefetcher.all_in_flight,
+            tree, device, host, comps, queue, self._copies, self._prefetcher.all_in_flight
         )
-        self._runner: asyncio.Task[None] | None = None
-        self._stopping = anyio.Event()
-        self._shut_down = anyio.Event()
+        self._workers = Workers(
+            f"hicache-workers-{id(self):x}",
+            release_queue=queue,
+            mover=self._mover,
+            prefetcher=self._prefetcher,
+            copies=self._copies,
+            owned_pools=pools.owned,
+            close_timeout_s=config.close_timeout_s,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -237,16 +188,11 @@ class HiCache:
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
                 self._copies.limiter = anyio.CapacityLimiter(1)
-            # The workers live in a task of their own, not on the caller's cancel-scope stack: `aclose()`
-            # may then be called from any scope (inside `move_on_after`, `asyncio.wait_for`) and return
-            # within its bound while the rest of the shutdown finishes in that task.
-            ready = anyio.Event()
-            self._runner = asyncio.get_running_loop().create_task(
-                self._run(ready), name=f"hicache-workers-{id(self):x}"
-            )
-            await ready.wait()
+            await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
-            await self._abort_start()
+            # A failed start: close what it opened and the pools; the cache stays closed.
+            self._state.closed = True
+            await self._workers.abort(self.storage if self._owns_storage else None)
             raise
         self._state.started = True
 
@@ -282,60 +228,6 @@ class HiCache:
             options.setdefault("write_deadline_s", self.config.storage_write_timeout_s)
         return options
 
-    async def _abort_start(self) -> None:
-        """A failed `start()`: close what it opened and the pools; the cache stays closed."""
-        self._state.closed = True
-        if self._runner is not None:
-            self._stopping.set()
-            return  # the runner closes storage and pools on its way out
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.close_timeout_s):
-            await self._close_storage()
-        self._close_pools()
-
-    async def _run(self, ready: anyio.Event) -> None:
-        """The workers' task: runs them until `aclose()`, then shuts down, however long stuck I/O takes."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._prefetcher.task_group = tg
-                tg.start_soon(self.release_queue.run)
-                tg.start_soon(self._mover.backups.run)
-                tg.start_soon(self._mover.storage_writes.run)
-                ready.set()
-                await self._stopping.wait()
-                tg.cancel_scope.cancel()
-            await self._shutdown()
-        except BaseException:
-            # Cancelled by the event loop's own shutdown: nothing left to run the rest; a pool still in
-            # use by a stray thread is kept alive by that thread's buffer references.
-            logger.warning("%r: shutdown interrupted", self)
-            raise
-        finally:
-            self._prefetcher.task_group = None
-            self._shut_down.set()
-
-    async def _shutdown(self) -> None:
-        """After the workers stopped: release what is left, close storage, wait for copies and stray reads
-        (quarantined pages), then close the pools the cache made."""
-        self._mover.backups.close()
-        self._mover.storage_writes.close()
-        self._prefetcher.finish_all_detached()  # streams that never ran: nothing can write into them
-        self.release_queue.flush()
-        await self._close_storage()
-        await self._copies.wait_idle()
-        while self.release_queue.statistics().quarantined_calls:
-            await anyio.sleep(_QUARANTINE_POLL_S)
-            self.release_queue.flush()
-        self.release_queue.flush()
-        self._close_pools()
-
-    async def _close_storage(self) -> None:
-        if self.storage is not None and self._owns_storage:
-            await self.storage.aclose()
-
-    def _close_pools(self) -> None:
-        for pool in self._owned_pools:
-            pool.close()
-
     async def aclose(self) -> None:
         """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
 
@@ -347,28 +239,8 @@ class HiCache:
         if not self._state.closed:
             self._state.closed = True
             self._prefetcher.cancel_all()
-            self._mover.backups.close()
-            self._mover.storage_writes.close()
-            self.release_queue.flush()
-            if self._runner is None:  # never started: nothing runs, nothing reads
-                self._close_pools()
-                return
-            self._stopping.set()
-        if self._runner is None:
-            return
-        with anyio.move_on_after(self.config.close_timeout_s):
-            await self._shut_down.wait()
-        if not self._shut_down.is_set():
-            stats = self.release_queue.statistics()
-            logger.warning(
-                "%r: aclose gave up waiting after %.3gs; left to finish in the background: "
-                "%d quarantined host tokens, %d stray storage threads, %d copies in flight",
-                self,
-                self.config.close_timeout_s,
-                stats.quarantined_tokens,
-                stray_threads.count,
-                self._copies.count,
-            )
+            self._workers.begin_close()
+        await self._workers.wait_closed()
 
     def __del__(self) -> None:
         # getattr: a constructor that raised never set the state, and must not fail again here.
@@ -482,54 +354,7 @@ class HiCache:
         """
         self._state.check_open("acquire")
         _check_request_id(request_id)
-        key = as_key_bytes(tokens, name="tokens")
-        first = self.tree.match_prefix(key)
-        outcome: PrefetchOutcome | None = None
-        skipped: SkipReason | None = None
-        anchor_end = 0
-        if self.storage is not None:
-            started = await self._prefetcher.start(request_id, key, first, ())
-            if isinstance(started, SkipReason):
-                skipped = started
-            else:
-                anchor_end = node_depth(started.anchor)  # where the prefetch's tokens start
-                try:
-                    outcome = await self._prefetcher.commit(request_id)
-                except BaseException:
-                    # Cancelled (or failed) while waiting: stop the reads and give every page back.
-                    if self._prefetcher.is_in_flight(started):
-                        await self._prefetcher.stop_and_cancel(started)
-                    raise
-            self._state.check_open("acquire")
-        # Match again after any await: eviction may have changed the tree meanwhile.
-        match = self.tree.match_prefix(key) if self.storage is not None else first
-        # Storage hits are only the tokens this request's prefetch loaded: [start, end) below. Tokens
-        # that other requests inserted or loaded meanwhile count by where this match finds them.
-        loaded_end = loaded_start = 0
-        if outcome is not None and outcome.committed:
-            loaded_end = anchor_end + outcome.completed_tokens
-            loaded_start = loaded_end - outcome.loaded_tokens
-        found_on_device = match.device_len
-        match = await self.load_back(match)
-        node = match.last_device_node
-        self.tree.lock_device(node)
-        self._allocator.free_component_garbage()
-        cached = match.device_len
-        storage_hit = max(0, min(loaded_end, cached) - loaded_start)
-        on_device = min(found_on_device, cached)
-        device_hit = on_device - max(0, min(loaded_end, on_device) - loaded_start)
-        host_hit = cached - device_hit - storage_hit
-        return Lease(
-            request_id=request_id,
-            key=key,
-            node=node,
-            device_indices=match.device_indices,
-            cached_len=cached,
-            hit_tokens_by_tier={Tier.DEVICE: device_hit, Tier.HOST: host_hit, Tier.STORAGE: storage_hit},
-            prefetch=outcome,
-            component_indices=self.tree.component_window(node) if self.components else {},
-            prefetch_skipped=skipped,
-        )
+        return await self._leases.acquire(request_id, as_key_bytes(tokens, name="tokens"))
 
     def release(
         self,
@@ -551,12 +376,7 @@ class HiCache:
                 (out of range, misaligned, repeated, free, held by the tree or in flight); nothing is
                 freed and the lease stays as it was then.
         """
-        claims = self._allocator.caller_claims(device_indices, components)
-        if lease.active:
-            lease.active = False
-            self.tree.unlock_device(lease.node)
-        for pool, indices in claims:
-            pool.free(indices)
+        self._leases.release(lease, device_indices, components)
 
     async def insert(
         self,
@@ -592,54 +412,7 @@ class HiCache:
                 released lease or tokens not extending its prefix. Nothing changes then: the pools,
                 the tree and the lease stay as they were.
         """
-        await self._mover.give_workers_a_turn()
-        self._state.check_open("insert")
-        if not lease.active:
-            raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
-        key = as_key_bytes(tokens, name="tokens")
-        n = len(key) // TOKEN_BYTES
-        page = self.page_size
-        padded = -(-n // page) * page
-        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
-            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
-        if device_indices.dim() != 1 or device_indices.numel() != padded:
-            raise ValueError(
-                f"device_indices: expected {padded} indices ({n} tokens padded to pages of {page}), "
-                f"got shape {tuple(device_indices.shape)}"
-            )
-        if (
-            n < lease.cached_len
-            or key[: lease.cached_len * TOKEN_BYTES] != lease.key[: lease.cached_len * TOKEN_BYTES]
-        ):
-            raise ValueError("tokens: must start with the lease's cached prefix")
-        cached = lease.cached_len
-        # One numpy view for the checks below: each costs a microsecond or two there.
-        index_array = check_token_indices(device_indices, name="device_indices").numpy()
-        # The rest must be pages the caller got from `alloc_device` (and components' slots from
-        # `alloc_component`) and still holds: anything else would let two owners share a page.
-        self._allocator.caller_claims(index_array[cached:], components)
-        if not (index_array[:cached] == lease.device_indices.numpy()).all():
-            raise ValueError(
-                f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
-            )
-        aligned = n // page * page
-        if components:
-            result = self.tree.insert(key, device_indices[:n], components)
-        else:
-            result = self.tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
-        # The tree owns what it took; the rest is freed below (duplicates, the partial tail, components
-        # it did not keep).
-        self.device_pool.set_owner(index_array[cached:], Owner.TREE)
-        for name, indices in (components or {}).items():
-            self.component_pools[name].device.set_owner(indices, Owner.TREE)
-        if result.prefix_len > lease.cached_len:
-            self.device_pool.free(device_indices[lease.cached_len : result.prefix_len])
-        if padded > aligned:
-            self.device_pool.free(device_indices[aligned:])
-        self.release(lease)
-        self._allocator.free_component_garbage()
-        self._mover.schedule_backups(result.backups)
-        return result
+        return await self._leases.insert(lease, tokens, device_indices, components)
 
     # ------------------------------------------------------------------ allocation
 

@@ -12,7 +12,7 @@ from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_se
 
 from hicache import HiCache, KVLayout
 from hicache.components import MambaState, SlidingWindow
-from hicache.controller import cache as cache_module
+from hicache.controller import allocation as allocation_module
 from hicache.controller import copies as copies_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
@@ -145,8 +145,8 @@ async def test_a_failed_constructor_closes_the_pools_it_made(monkeypatch: pytest
         made.append(make_host_pool(layout, num_pages, name=name))
         return made[-1]
 
-    monkeypatch.setattr(cache_module, "make_device_pool", recording_device_pool)
-    monkeypatch.setattr(cache_module, "make_host_pool", failing_host_pool)
+    monkeypatch.setattr(allocation_module, "make_device_pool", recording_device_pool)
+    monkeypatch.setattr(allocation_module, "make_host_pool", failing_host_pool)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(MemoryError, match="host pool"):

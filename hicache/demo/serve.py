@@ -38,6 +38,8 @@ from hicache.demo.oracle import KVOracle
 from hicache.demo.workload import Session, Workload, WorkloadSpec, make_workload
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
+from hicache.metrics import render as render_metrics
+from hicache.metrics import snapshot as metrics_snapshot
 from hicache.policy import WritePolicy
 from hicache.tree import TreeNode
 from storage_backends.redact import redact_url, redacted_repr
@@ -628,15 +630,15 @@ async def run_serving(
             await cache.wait_idle()
             wall["cache"] = time.perf_counter() - t
             cache.sanity_check()
-            snapshot = cache.registry.snapshot()
-            prometheus = cache.registry.render_prometheus()
+            snapshot = metrics_snapshot(cache.registry)
+            prometheus = render_metrics(cache.registry)
             stats = cache.statistics()
             pools = {
                 "device": _pool_json(stats.device_pool),
                 "host": _pool_json(stats.host_pool),
                 "storage": {
                     "url": redact_url(url),
-                    "bytes_written": sum_metric(snapshot, "storage_bytes_written_total"),
+                    "bytes_written": sum_metric(snapshot, "storage_written_bytes_total"),
                 },
             }
             tree = {

@@ -43,7 +43,7 @@ from hicache.controller.workers import Workers
 from hicache.errors import CacheClosed
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
-from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
+from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
@@ -74,7 +74,7 @@ class HiCache:
             ownership (the cache does not close it).
         device_pool: a device pool to use instead of creating one (must match the layout).
         host_pool: a host pool to use instead of creating one (must match the layout).
-        metrics: a registry to record into (default: a private one).
+        metrics: the prometheus_client registry to register the cache's metrics in (default: a private one).
         storage_breaker: the circuit breaker that guards the storage tier (default: one built from the
             config's `storage_breaker_*` fields); tests pass one with a fake clock.
     """
@@ -86,7 +86,7 @@ class HiCache:
         storage: StorageBackend | None = None,
         device_pool: KVPool | None = None,
         host_pool: KVPool | None = None,
-        metrics: MetricsRegistry | None = None,
+        metrics: CollectorRegistry | None = None,
         storage_breaker: CircuitBreaker | None = None,
     ) -> None:
         if not isinstance(config, HiCacheConfig):
@@ -106,8 +106,10 @@ class HiCache:
         self.device_pool, self.host_pool, self.component_pools = pools.device, pools.host, pools.components
         self.storage: StorageBackend | None = storage
         self._owns_storage = storage is None
-        self.registry = metrics if metrics is not None else MetricsRegistry()
-        self.metrics: CacheMetrics = default_cache_metrics(self.registry)
+        self.registry = metrics if metrics is not None else CollectorRegistry()
+        self.metrics: CacheMetrics = default_cache_metrics(
+            self.registry, const_labels=rank_labels(config.namespace)
+        )
         self.release_queue = ReleaseQueue(
             self.host_pool, batch_tokens=config.release_batch_pages * self.page_size
         )

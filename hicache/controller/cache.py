@@ -27,7 +27,7 @@ import torch
 from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
-from hicache.controller.allocation import Allocator, make_pools
+from hicache.controller.allocation import Allocator, ComponentPools, make_pools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.copies import CopyTracker
 from hicache.controller.guarded_storage import GuardedStorage
@@ -35,7 +35,7 @@ from hicache.controller.leases import Leases
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
-from hicache.controller.results import CacheStatistics, Lease
+from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.tier_mover import TierMover
@@ -93,7 +93,7 @@ class HiCache:
             raise TypeError(f"config: expected a HiCacheConfig, got {type(config).__name__}")
         self.config = config
         self.page_size = config.page_size
-        self.tree = RadixTree(
+        self._tree = RadixTree(
             config.page_size,
             write_policy=config.write_policy,
             eviction_policy=config.eviction_policy,
@@ -101,17 +101,19 @@ class HiCache:
             namespace=config.namespace,
             components=config.components or None,
         )
-        self.components: tuple[Component, ...] = self.tree.components
+        self.components: tuple[Component, ...] = self._tree.components
+        """The hybrid components (sliding window, Mamba state) the cache keeps beside full-attention KV."""
         pools = make_pools(config, self.components, device_pool, host_pool)
-        self.device_pool, self.host_pool, self.component_pools = pools.device, pools.host, pools.components
+        self._device_pool, self._host_pool = pools.device, pools.host
+        self._component_pools: dict[str, ComponentPools] = pools.components
         self.storage: StorageBackend | None = storage
         self._owns_storage = storage is None
         self.registry = metrics if metrics is not None else CollectorRegistry()
         self.metrics: CacheMetrics = default_cache_metrics(
             self.registry, const_labels=rank_labels(config.namespace)
         )
-        self.release_queue = ReleaseQueue(
-            self.host_pool, batch_tokens=config.release_batch_pages * self.page_size
+        self._release_queue = ReleaseQueue(
+            self._host_pool, batch_tokens=config.release_batch_pages * self.page_size
         )
         self.storage_breaker = (
             storage_breaker if storage_breaker is not None else CircuitBreaker.for_storage(config)
@@ -122,11 +124,11 @@ class HiCache:
         self._state = OpenState()
         self._copies = CopyTracker()
         tree, device, host, comps, queue = (
-            self.tree,
-            self.device_pool,
-            self.host_pool,
-            self.component_pools,
-            self.release_queue,
+            self._tree,
+            self._device_pool,
+            self._host_pool,
+            self._component_pools,
+            self._release_queue,
         )
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
         self._allocator = Allocator(tree, device, host, comps, queue)
@@ -185,7 +187,7 @@ class HiCache:
                 )
             if self.storage is not None:
                 self._open_storage_tier(self.storage)
-            if self.device_pool.device.type == "cuda":
+            if self._device_pool.device.type == "cuda":
                 # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
@@ -203,10 +205,10 @@ class HiCache:
         guarded = GuardedStorage(storage, self.storage_breaker, self.metrics.storage_errors)
         writer = StorageWriter(
             guarded,
-            tree=self.tree,
-            host_pool=self.host_pool,
-            component_pools=self.component_pools,
-            release_queue=self.release_queue,
+            tree=self._tree,
+            host_pool=self._host_pool,
+            component_pools=self._component_pools,
+            release_queue=self._release_queue,
             metrics=self.metrics,
             read_timeout_s=self.config.storage_read_timeout_s,
             write_timeout_s=self.config.storage_write_timeout_s,
@@ -252,13 +254,30 @@ class HiCache:
 
     # ------------------------------------------------------------------ observing
 
+    @property
+    def device_pool(self) -> KVPool:
+        """The device KV pool: the model writes a request's new KV into pages from `alloc_device` here,
+        and reads a lease's prefix (`lease.device_indices`) from it."""
+        return self._device_pool
+
+    def component_pool(self, name: str) -> KVPool:
+        """The device pool of hybrid component `name`: the model writes the slots from `alloc_component`
+        and reads `lease.component_indices[name]` there.
+
+        Raises:
+            ValueError: naming `name` when the cache has no such component.
+        """
+        if name not in self._component_pools:
+            raise ValueError(f"name: unknown component {name!r}")
+        return self._component_pools[name].device
+
     def statistics(self) -> CacheStatistics:
         """A frozen snapshot of the tree, the pools, the release queue and the work in flight."""
-        release = self.release_queue.statistics()
+        release = self._release_queue.statistics()
         return CacheStatistics(
-            tree=self.tree.statistics(),
-            device_pool=self.device_pool.statistics(),
-            host_pool=self.host_pool.statistics(),
+            tree=self._tree.statistics(),
+            device_pool=self._device_pool.statistics(),
+            host_pool=self._host_pool.statistics(),
             release_queue=release,
             prefetches_in_flight=len(self._prefetcher),
             prefetch_tokens_in_flight=self._prefetcher.inflight_tokens,
@@ -270,18 +289,23 @@ class HiCache:
             backups_queued_max=self._mover.backups.max_queued,
             storage_writes_queued_max=self._mover.storage_writes.max_queued,
             storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
+            component_pools={
+                name: ComponentPoolStatistics(pools.device.statistics(), pools.host.statistics())
+                for name, pools in self._component_pools.items()
+            },
+            components=self._tree.component_statistics(),
         )
 
     def __repr__(self) -> str:
-        t = self.tree.statistics()
-        d, h = self.device_pool.statistics(), self.host_pool.statistics()
+        t = self._tree.statistics()
+        d, h = self._device_pool.statistics(), self._host_pool.statistics()
         state = "closed" if self._state.closed else "open" if self._state.started else "new"
         storage = type(self.storage).__name__ if self.storage is not None else None
         return (
             f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
             f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
             f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetcher)} "
-            f"quarantined={self.release_queue.statistics().quarantined_tokens // self.page_size} pages "
+            f"quarantined={self._release_queue.statistics().quarantined_tokens // self.page_size} pages "
             f"storage={storage}>"
         )
 
@@ -334,7 +358,7 @@ class HiCache:
             await writes.wait_idle()
             if self._state.closed:
                 return
-            await self.release_queue.drain()
+            await self._release_queue.drain()
             if backups.idle and writes.idle:
                 return
 
@@ -342,7 +366,7 @@ class HiCache:
 
     def match(self, tokens: KeyLike) -> MatchResult:
         """Match `tokens` against the tree: device hit, host hit beyond it, last device and host nodes."""
-        return self.tree.match_prefix(tokens)
+        return self._tree.match_prefix(tokens)
 
     async def acquire(self, request_id: str, tokens: KeyLike) -> Lease:
         """Match, prefetch storage hits and commit them, load host hits back, and lock the prefix.
@@ -427,9 +451,9 @@ class HiCache:
             ValueError: an unknown component or a count that is not a multiple of its page size.
         """
         self._state.check_open("alloc_component")
-        if name not in self.component_pools:
+        if name not in self._component_pools:
             raise ValueError(f"name: unknown component {name!r}")
-        page = self.component_pools[name].device.page_size
+        page = self._component_pools[name].device.page_size
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0 or num_slots % page:
             raise ValueError(f"num_slots: expected a non-negative multiple of {page}, got {num_slots!r}")
         return self._allocator.alloc_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)

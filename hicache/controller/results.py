@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -11,9 +12,9 @@ from hicache.controller.prefetch import PrefetchOutcome
 from hicache.controller.release import ReleaseStatistics
 from hicache.memory import PoolStatistics
 from hicache.tiers import SkipReason
-from hicache.tree import TreeNode, TreeStatistics
+from hicache.tree import ComponentStatistics, TreeNode, TreeStatistics
 
-__all__ = ["CacheStatistics", "Lease"]
+__all__ = ["CacheStatistics", "ComponentPoolStatistics", "Lease"]
 
 
 @dataclass
@@ -50,6 +51,13 @@ class Lease:
     prefetch_skipped: SkipReason | None = None
 
 
+class ComponentPoolStatistics(NamedTuple):
+    """A hybrid component's two pools, as statistics."""
+
+    device: PoolStatistics
+    host: PoolStatistics
+
+
 @dataclass(frozen=True)
 class CacheStatistics:
     """A snapshot of the whole cache."""
@@ -74,3 +82,7 @@ class CacheStatistics:
     """The most storage writes ever queued at once (never above `config.storage_write_queue_limit`)."""
     storage_breaker: BreakerStatistics | None = None
     """The storage tier's circuit breaker (None without a storage tier)."""
+    component_pools: dict[str, ComponentPoolStatistics] = field(default_factory=dict)
+    """Per hybrid component, its device and host pools."""
+    components: dict[str, ComponentStatistics] = field(default_factory=dict)
+    """Per hybrid component, its slots in the tree by tier, in backups in flight and queued for freeing."""

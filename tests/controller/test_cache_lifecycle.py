@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import pytest
+from cache_internals import component_pools_of, host_pool_of
 from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_sequence, tokens
 
 from hicache import HiCache, KVLayout
@@ -35,8 +36,8 @@ def hybrid_components() -> tuple[SlidingWindow, MambaState]:
 
 
 def every_pool(cache: HiCache) -> list[KVPool]:
-    pools = [cache.device_pool, cache.host_pool]
-    for device_pool, host_pool in cache.component_pools.values():
+    pools = [cache.device_pool, host_pool_of(cache)]
+    for device_pool, host_pool in component_pools_of(cache).values():
         pools += [device_pool, host_pool]
     return pools
 
@@ -92,7 +93,7 @@ async def test_pools_passed_in_stay_open_for_their_owner() -> None:
     ):
         async with HiCache(config, device_pool=device_pool, host_pool=host_pool) as cache:
             assert cache.device_pool is device_pool
-            assert cache.host_pool is host_pool
+            assert host_pool_of(cache) is host_pool
         assert not device_pool.closed
         assert not host_pool.closed
     assert device_pool.closed

@@ -7,14 +7,13 @@ import json
 import re
 import threading
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import anyio
 import prometheus_client as prom
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_helpers import http_get, scraped
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.metrics import (
@@ -28,18 +27,6 @@ from hicache.metrics import (
 )
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scraped(text: str) -> Samples:
-    """Every sample of an exposition text, parsed by prometheus_client, without the `_created` stamps."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.name.endswith("_created")
-    }
 
 
 def updated_metrics(registry: CollectorRegistry) -> CacheMetrics:
@@ -215,11 +202,6 @@ def test_snapshot_is_plain_json_keyed_by_exposed_name() -> None:
     assert latency[0]["buckets"]["+Inf"] == 4
     assert latency[0]["count"] == 4
     assert not any(name.endswith("_created") for name in snap)
-
-
-def http_get(url: str) -> tuple[int, str, str]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.status, response.headers["Content-Type"], response.read().decode()
 
 
 async def test_serve_metrics_answers_a_real_scrape_over_loopback() -> None:

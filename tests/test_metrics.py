@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import threading
@@ -143,16 +144,33 @@ def test_label_values_are_shown_redacted() -> None:
     """A label value holding a URL never shows its credentials, in the text or the snapshot."""
     registry = CollectorRegistry()
     m = default_cache_metrics(registry)
-    m.prefetch_skipped.inc(reason="s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket")
+    for _ in range(2):
+        m.prefetch_skipped.inc(reason="s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket")
     text, snap = render(registry), json.dumps(snapshot(registry))
     for shown in (text, snap):
         assert "wJalrXUtnFEMI" not in shown
         assert "AKIAEXAMPLE" not in shown
-    assert 'reason="s3://***@host/bucket"' in text
+    assert 'hicache_prefetch_skipped_total{reason="s3://***@host/bucket"} 2.0' in text
+
+
+def test_str_enum_label_values_show_their_value() -> None:
+    """Reasons and tiers given as `StrEnum` members land in the same series as their plain strings."""
+
+    class Reason(enum.StrEnum):
+        CAPACITY = "capacity"
+
+    registry = CollectorRegistry()
+    m = default_cache_metrics(registry)
+    m.prefetch_skipped.inc(reason=Reason.CAPACITY)
+    m.prefetch_skipped.labels(reason="capacity").inc()
+    m.prefetch_skipped.inc(reason="capacity")
+    assert scraped(render(registry))[("hicache_prefetch_skipped_total", (("reason", "capacity"),))] == 3.0
 
 
 def test_misuse_raises_naming_the_argument() -> None:
+    """Bad labels are refused on the first update and after a good one (the handle caches children)."""
     m = default_cache_metrics(CollectorRegistry())
+    m.prefetch_skipped.inc(reason="a")
     with pytest.raises(ValueError, match="labels"):
         m.prefetch_skipped.inc()
     with pytest.raises(ValueError, match="labels"):

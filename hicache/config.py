@@ -117,6 +117,9 @@ class HiCacheConfig:
             `writes_shed_total{tier="storage"}`.
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
+        layerwise_load_back: `acquire` loads host hits back layer by layer and returns at once; the
+            lease's `layers.wait_layer(i)` says when layer i may be read (see `HiCache.load_back_layerwise`).
+            Ignored with `components` (loaded whole).
     """
 
     layout: KVLayout
@@ -147,10 +150,13 @@ class HiCacheConfig:
     backup_queue_limit: int = 1024
     storage_write_queue_limit: int = 1024
     components: tuple[Component, ...] = ()
+    layerwise_load_back: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise TypeError(f"layout: expected a KVLayout, got {type(self.layout).__name__}")
+        if not isinstance(self.layerwise_load_back, bool):
+            raise TypeError(f"layerwise_load_back: expected a bool, got {self.layerwise_load_back!r}")
         _positive_int("device_pages", self.device_pages)
         _positive_int("host_pages", self.host_pages)
         _positive_int("write_through_threshold", self.write_through_threshold)

@@ -8,6 +8,7 @@ __all__ = [
     "ForeignPage",
     "HiCacheError",
     "InvariantViolation",
+    "LoadBackFailed",
     "OldPageFormat",
     "PageNotFound",
     "PoolError",
@@ -38,6 +39,11 @@ class PoolError(HiCacheError, ValueError):
 
 class CacheClosed(HiCacheError, RuntimeError):
     """Raised when an operation is started on a cache, controller or backend that was already closed."""
+
+
+class LoadBackFailed(HiCacheError, RuntimeError):
+    """Raised by `LayerReadiness.wait_layer` when a layer-wise load-back's copy failed before that layer
+    landed (the model must not read it)."""
 
 
 class UnknownRequest(HiCacheError, KeyError):

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from hicache import HiCache, KVPool
 from hicache.controller.allocation import ComponentPools
+from hicache.controller.layered_load import LayeredLoader
 from hicache.controller.release import ReleaseQueue
 from hicache.tree import RadixTree
 
@@ -30,3 +31,8 @@ def component_pools_of(cache: HiCache) -> Mapping[str, ComponentPools]:
 def release_queue_of(cache: HiCache) -> ReleaseQueue:
     """The cache's release queue."""
     return cache._release_queue
+
+
+def layered_loader_of(cache: HiCache) -> LayeredLoader:
+    """The cache's layer-wise load-back runner (tests hold a layer back with its `before_layer`)."""
+    return cache._loader

@@ -31,6 +31,7 @@ from hicache.controller.allocation import Allocator, ComponentPools, make_pools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.copies import CopyTracker
 from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.controller.leases import Leases
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
@@ -43,6 +44,7 @@ from hicache.controller.workers import Workers
 from hicache.errors import CacheClosed
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
+from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
@@ -138,7 +140,18 @@ class HiCache:
         self._prefetcher = Prefetcher(
             config, tree, host, comps, queue, self._allocator, counters, breaker, state
         )
-        self._leases = Leases(tree, device, comps, self._allocator, self._mover, self._prefetcher, state)
+        self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters)
+        self._leases = Leases(
+            tree,
+            device,
+            comps,
+            self._allocator,
+            self._mover,
+            self._prefetcher,
+            state,
+            self._loader,
+            config.layerwise_load_back,
+        )
         self._accounting = Accounting(
             tree, device, host, comps, queue, self._copies, self._prefetcher.all_in_flight
         )
@@ -482,6 +495,21 @@ class HiCache:
         """
         self._state.check_open("load_back")
         return await self._mover.load_back(match)
+
+    async def load_back_layerwise(self, match: MatchResult) -> LayerwiseLoad:
+        """Load the host-only part of a match back layer by layer, returning before the copy has landed.
+
+        The fresh pages are attached (and locked) at once; `result.layers.wait_layer(i)` returns once layer
+        i may be read: on CUDA it makes the current stream wait for layer i's event, on the CPU it blocks
+        the calling thread (call it from the model's thread, never on the event loop). With hybrid
+        components, or no device room, this loads as `load_back` does and the layers are ready.
+        """
+        self._state.check_open("load_back_layerwise")
+        return await self._loader.load_back(match)
+
+    def layer_readiness(self, device_indices: torch.Tensor) -> LayerReadiness:
+        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight)."""
+        return self._loader.readiness_for(device_indices)
 
     # ------------------------------------------------------------------ prefetch
 

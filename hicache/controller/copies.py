@@ -33,13 +33,21 @@ class CopyTracker:
     ) -> None:
         """`copy_pages_async`, counted and never abandoned: a cancellation, anyio's or asyncio's own, is
         re-raised only once the copy has landed."""
-        self.count += 1
+        self.begin()
         try:
             await wait_uncancelled(copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter))
         finally:
-            self.count -= 1
-            if not self.count and self._idle is not None:
-                self._idle.set()
+            self.end()
+
+    def begin(self) -> None:
+        """Count a copy that runs outside `copy` (a layer-wise load-back's task)."""
+        self.count += 1
+
+    def end(self) -> None:
+        """The copy counted by `begin` has landed (or failed)."""
+        self.count -= 1
+        if not self.count and self._idle is not None:
+            self._idle.set()
 
     async def wait_idle(self) -> None:
         """Wait until no copy is in flight."""

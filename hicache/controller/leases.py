@@ -9,6 +9,7 @@ import torch
 
 from hicache.controller.admission import node_depth
 from hicache.controller.allocation import Allocator, ComponentPools
+from hicache.controller.layered_load import LayeredLoader
 from hicache.controller.prefetch import PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.results import Lease
@@ -32,6 +33,8 @@ class Leases:
         mover: loads host hits back, and backs inserted KV up.
         prefetcher: streams storage hits in.
         state: whether the cache is still open after an await.
+        loader: loads host hits back layer by layer, and knows which device pages are still landing.
+        layerwise: whether `acquire` loads layer by layer.
     """
 
     def __init__(
@@ -43,6 +46,8 @@ class Leases:
         mover: TierMover,
         prefetcher: Prefetcher,
         state: OpenState,
+        loader: LayeredLoader,
+        layerwise: bool,
     ) -> None:
         self._tree = tree
         self._device_pool = device_pool
@@ -51,6 +56,8 @@ class Leases:
         self._mover = mover
         self._prefetcher = prefetcher
         self._state = state
+        self._loader = loader
+        self._layerwise = layerwise
         self._page_size = device_pool.page_size
 
     async def acquire(self, request_id: str, key: bytes) -> Lease:
@@ -83,7 +90,11 @@ class Leases:
             loaded_start = loaded_end - outcome.loaded_tokens
         found_on_device = match.device_len
         self._state.check_open("load_back")
-        match = await self._mover.load_back(match)
+        if self._layerwise:
+            loaded = await self._loader.load_back(match)
+            match = loaded.match
+        else:
+            match = await self._mover.load_back(match)
         node = match.last_device_node
         self._tree.lock_device(node)
         self._allocator.free_component_garbage()
@@ -106,6 +117,7 @@ class Leases:
             prefetch=outcome,
             component_indices=self._tree.component_window(node) if self._tree.components else {},
             prefetch_skipped=skipped,
+            layers=self._loader.readiness_for(match.device_indices),
         )
 
     def release(

@@ -11,6 +11,7 @@ from hicache.controller.breaker import BreakerStatistics
 from hicache.controller.prefetch import PrefetchOutcome
 from hicache.controller.release import ReleaseStatistics
 from hicache.memory import PoolStatistics
+from hicache.memory.layerwise import ALL_READY, LayerReadiness
 from hicache.tiers import SkipReason
 from hicache.tree import ComponentStatistics, TreeNode, TreeStatistics
 
@@ -37,6 +38,9 @@ class Lease:
             (None when one ran, or without a storage tier).
         component_indices: per hybrid component, the device indices the prefix uses (the sliding
             window's KV, the Mamba state's slot); empty without components.
+        layers: which layers of the prefix have landed on the device: call `layers.wait_layer(i)` before
+            reading layer i of `device_indices` (a layer-wise load-back may still be copying it). Ready at
+            once unless `layerwise_load_back` is on or another request's layer-wise load is in flight.
     """
 
     request_id: str
@@ -49,6 +53,7 @@ class Lease:
     active: bool = field(default=True, repr=False)
     component_indices: dict[str, torch.Tensor] = field(default_factory=dict)
     prefetch_skipped: SkipReason | None = None
+    layers: LayerReadiness = field(default=ALL_READY, repr=False)
 
 
 class ComponentPoolStatistics(NamedTuple):

@@ -13,6 +13,7 @@ then verified:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
@@ -29,6 +30,7 @@ from hicache.demo.records import DemoConfig, DemoResult, ProgressFn, Served, noo
 from hicache.demo.run import demo_cache_config, run_serving
 from hicache.demo.workload import Workload, make_workload
 from hicache.memory import KVLayout
+from hicache.memory.layerwise import read_layer_tokens
 
 __all__ = ["LlamaRunner", "run_demo"]
 
@@ -61,8 +63,16 @@ class LlamaRunner(ServingLoop[DemoModel]):
             cached = lease.cached_len
             # A fully cached prompt still needs one token run through the model for its logits.
             reused = min(cached, (prompt.numel() - 1) // page * page)
-            restored = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu() if reused else None
-            prefill: PrefillResult = await self.compute(partial(self.model.prefill, prompt, restored))
+            restored: torch.Tensor | None = None
+            prefill: PrefillResult
+            if reused:
+                # The model's attention waits for each layer of a layer-wise load-back (in its thread).
+                read = partial(_read_layer, cache, lease, lease.device_indices[:reused])
+                prefill, restored = await self.compute(
+                    partial(self.model.prefill_layerwise, prompt, reused, read)
+                )
+            else:
+                prefill = await self.compute(partial(self.model.prefill, prompt, None))
             ttft = time.perf_counter() - arrival
             decode = partial(self._decode_and_record, prefill, prompt, reused)
             decoded: DecodeResult = await self.compute(decode)
@@ -97,6 +107,12 @@ class LlamaRunner(ServingLoop[DemoModel]):
             self.progress("verify", i + 1, len(self.records))
 
 
+def _read_layer(cache: HiCache, lease: Lease, indices: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer` of the lease's prefix, once it has landed (blocks the model's thread until then)."""
+    lease.layers.wait_layer(layer)
+    return read_layer_tokens(cache.device_pool, indices, layer).cpu()
+
+
 async def run_demo(
     config: DemoConfig, progress: ProgressFn = noop_progress, announce: Callable[[str], None] | None = None
 ) -> DemoResult:
@@ -117,6 +133,7 @@ async def run_demo(
     layout = KVLayout(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, config.page_size)
 
     def cache_config(url: str) -> HiCacheConfig:
-        return demo_cache_config(config, layout, url, f"hicache-demo-{spec.seed}")
+        base = demo_cache_config(config, layout, url, f"hicache-demo-{spec.seed}")
+        return dataclasses.replace(base, layerwise_load_back=True)
 
     return await run_serving(runner, config, cache_config, wall, announce)

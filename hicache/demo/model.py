@@ -10,6 +10,7 @@ Everything here is synchronous and CPU-bound: the serving loop runs it in a work
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +227,57 @@ class DemoModel:
             kv_new=kv_from_cache(cache, past_len, tokens.numel()),
             cache=cache,
         )
+
+    def prefill_layerwise(
+        self, tokens: torch.Tensor, past_len: int, read_layer: Callable[[int], torch.Tensor]
+    ) -> tuple[PrefillResult, torch.Tensor]:
+        """`prefill` continuing from a prefix whose K/V arrives layer by layer (a layer-wise load-back).
+
+        Layer i's K/V is asked for (`read_layer(i)`, which waits for it) only when layer i's attention is
+        about to run, so the copy of later layers overlaps the compute of earlier ones. The result equals
+        `prefill(tokens, past_kv)` bit for bit (the same per-layer tensors, the same kernels).
+
+        Args:
+            tokens: the whole sequence so far, a 1-D int64 tensor.
+            past_len: tokens of the prefix, at least 1 and fewer than `tokens`.
+            read_layer: returns layer i's K/V of the prefix, ``(2, past_len, num_kv_heads, head_dim)``.
+
+        Returns:
+            The prefill, and the prefix's K/V as read, in the pool layout ``(L, 2, past_len, H, D)``.
+        """
+        if not 0 < past_len < tokens.numel():
+            raise ValueError(f"past_len: expected 0 < past_len < {tokens.numel()}, got {past_len}")
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        restored: list[torch.Tensor] = []
+
+        def fill(layer: int) -> None:
+            kv = read_layer(layer)
+            restored.append(kv)
+            k = kv[0].permute(1, 0, 2).unsqueeze(0).contiguous()  # (1, H, n, D), as `cache_from_kv`
+            v = kv[1].permute(1, 0, 2).unsqueeze(0).contiguous()
+            cache.update(k, v, layer)
+
+        fill(0)  # the model sizes its masks and positions from layer 0 before any layer runs
+        hooks = [
+            layer.self_attn.register_forward_pre_hook(lambda _m, _a, i=i: fill(i))
+            for i, layer in enumerate(self.model.model.layers)
+            if i > 0
+        ]
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=tokens[past_len:].unsqueeze(0), cache=cache, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        cache = out.cache
+        result = PrefillResult(
+            logits_last=out.logits[0, -1].clone(),
+            kv_new=kv_from_cache(cache, past_len, tokens.numel()),
+            cache=cache,
+        )
+        return result, torch.stack(restored)
 
     def decode(self, prefill: PrefillResult, steps: int) -> DecodeResult:
         """Generate `steps` tokens greedily after a prefill.

@@ -1,0 +1,357 @@
+"""Layer-wise page copies: a copy that completes one layer at a time, and the handle that says which.
+
+A load-back copies host pages to the device in layer order, so that a model may run layer i's attention as
+soon as layer i's K/V has arrived while later layers are still being copied: most of the copy then hides
+behind compute. The handle, a `LayerReadiness`, has one operation for the model: `wait_layer(i)`, called
+before reading layer i.
+
+* CUDA: one event per layer, recorded on the copy's side stream in layer order. `wait_layer(i)` makes the
+  caller's current stream wait for the event (`Stream.wait_event`): it returns at once on the host, and the
+  model's kernels for layer i queue behind the copy of layer i. Nothing blocks a thread.
+* CPU: the copy runs layer by layer in a worker thread and signals each layer through a
+  `threading.Condition`. `wait_layer(i)` blocks the calling thread until layer i is copied, so it must be
+  called from the model's thread (a worker thread), never on the event loop; `wait_layer_async` is there
+  for the event loop.
+
+Page-first pools keep one page's K/V of all layers contiguous (one storage object, one DMA per page). A
+layer-wise copy reads them with a per-layer strided gather: for layer ``l`` the source is
+``buffer[pages, l]``, one block of ``2 * page_size * heads * head_dim`` elements per page at a stride of
+one page. The alternative, a layer-first host layout, would give contiguous per-layer runs but split every
+page into `num_layers` pieces for storage and whole-page copies; the gather keeps storage and whole copies
+as they are. Measured on CPU (`make bench-layerwise`, BENCHMARKS.md): the strided per-layer copy runs at
+the same bandwidth as the whole-page copy for pages of a few KiB per layer and more. On CUDA the gather is
+one kernel per layer reading pinned host memory through its mapped device view (`_mapped_host_view`),
+falling back to a CPU gather into a pinned staging buffer plus one DMA per layer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import numpy as np
+import torch
+
+from hicache.errors import LoadBackFailed
+from hicache.memory.pool import KVPool
+from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _validated_pages, _wait_event
+
+__all__ = [
+    "ALL_READY",
+    "CpuLayerReadiness",
+    "CudaLayerReadiness",
+    "LayerReadiness",
+    "LayerwiseCopy",
+    "all_of",
+    "read_layer_tokens",
+]
+
+
+class LayerReadiness:
+    """Which layers of a load-back have landed; complete (every layer ready) in this base class.
+
+    Subclasses complete layer by layer. A model calls `wait_layer(i)` before it reads layer i's K/V.
+    """
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layer `layer` may be read (see the module docstring for CPU and CUDA).
+
+        Raises:
+            LoadBackFailed: when the copy failed before this layer landed.
+        """
+
+    def is_ready(self, layer: int) -> bool:
+        """Whether layer `layer` has landed (never blocks)."""
+        return True
+
+    @property
+    def done(self) -> bool:
+        """Whether every layer has landed (or the copy failed)."""
+        return True
+
+    async def wait_layer_async(self, layer: int) -> None:
+        """`wait_layer` for the event loop: polls, never blocks it."""
+        while True:
+            if self.is_ready(layer) or self.done:
+                break
+            await anyio.sleep(_POLL_INTERVAL_S)
+        self.wait_layer(layer)  # raises if the copy failed; otherwise returns at once
+
+    def __repr__(self) -> str:
+        return "<LayerReadiness ready>"
+
+
+ALL_READY = LayerReadiness()
+"""The readiness of a prefix with nothing in flight."""
+
+
+class CpuLayerReadiness(LayerReadiness):
+    """Per-layer readiness of a copy that a worker thread runs layer by layer.
+
+    Args:
+        num_layers: layers the copy completes, in order.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._ready = 0
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    def mark_ready(self, layer: int) -> None:
+        """Layer `layer` (the next in order) has landed; wakes its waiters."""
+        with self._cond:
+            assert layer == self._ready, f"layers complete in order: expected {self._ready}, got {layer}"
+            self._ready = layer + 1
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The copy failed: every waiter on a layer not yet landed raises `LoadBackFailed`."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        _check_layer(layer, self.num_layers)
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready > layer or self._error is not None)
+            if self._ready <= layer:
+                raise LoadBackFailed(f"load-back failed before layer {layer} landed") from self._error
+
+    def is_ready(self, layer: int) -> bool:
+        _check_layer(layer, self.num_layers)
+        return self._ready > layer
+
+    @property
+    def done(self) -> bool:
+        return self._ready == self.num_layers or self._error is not None
+
+    def __repr__(self) -> str:
+        failed = " failed" if self._error is not None else ""
+        return f"<CpuLayerReadiness {self._ready}/{self.num_layers} layers{failed}>"
+
+
+class CudaLayerReadiness(LayerReadiness):
+    """Per-layer readiness of a CUDA copy: one event per layer, recorded on the copy stream in order.
+
+    Args:
+        events: the events, layer by layer (filled in by the copy as it enqueues each layer).
+        num_layers: layers the copy completes.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.events: list[torch.cuda.Event] = []
+        self._enqueued = threading.Event()  # set once every layer's event is recorded
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the caller's current CUDA stream wait for layer `layer`'s copy; returns at once."""
+        _check_layer(layer, self.num_layers)
+        self._enqueued.wait()  # the enqueue of a copy is short: its launches, never the copy itself
+        event = self.events[layer]
+        torch.cuda.current_stream(event.device).wait_event(event)
+
+    def is_ready(self, layer: int) -> bool:
+        _check_layer(layer, self.num_layers)
+        return self._enqueued.is_set() and bool(self.events[layer].query())  # type: ignore[no-untyped-call]
+
+    @property
+    def done(self) -> bool:
+        return self._enqueued.is_set() and bool(self.events[-1].query())  # type: ignore[no-untyped-call]
+
+    def __repr__(self) -> str:
+        return f"<CudaLayerReadiness {len(self.events)}/{self.num_layers} layers enqueued>"
+
+
+class _AllOf(LayerReadiness):
+    def __init__(self, parts: Sequence[LayerReadiness]) -> None:
+        self._parts = tuple(parts)
+
+    def wait_layer(self, layer: int) -> None:
+        for part in self._parts:
+            part.wait_layer(layer)
+
+    def is_ready(self, layer: int) -> bool:
+        return all(part.is_ready(layer) for part in self._parts)
+
+    @property
+    def done(self) -> bool:
+        return all(part.done for part in self._parts)
+
+    def __repr__(self) -> str:
+        return f"<LayerReadiness all of {list(self._parts)}>"
+
+
+def all_of(parts: Sequence[LayerReadiness]) -> LayerReadiness:
+    """A readiness whose layer i is ready when it is in every one of `parts` (`ALL_READY` for none)."""
+    pending = [part for part in parts if part is not ALL_READY]
+    if not pending:
+        return ALL_READY
+    return pending[0] if len(pending) == 1 else _AllOf(pending)
+
+
+def _check_layer(layer: int, num_layers: int) -> None:
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        raise ValueError(f"layer: expected an int in [0, {num_layers}), got {layer!r}")
+
+
+def read_layer_tokens(pool: KVPool, indices: torch.Tensor, layer: int) -> torch.Tensor:
+    """Gather layer `layer` of tokens `indices` from `pool`: a new tensor ``(planes, n, heads, head_dim)``.
+
+    The per-layer counterpart of `KVPool.read_tokens` (whose result's `[layer]` this equals bit for bit).
+
+    Raises:
+        TypeError: when `indices` is not a 1-D int64 CPU tensor.
+        ValueError: when an index or `layer` is out of range.
+    """
+    _check_layer(layer, pool.layout.num_layers)
+    pages, offsets = pool._token_coords(indices, "indices")
+    return pool.buffer[pages, layer, :, offsets].permute(1, 0, 2, 3).contiguous()
+
+
+class LayerwiseCopy:
+    """A copy of whole pages from `src` to `dst` that lands layer by layer; `readiness` says which.
+
+    Create it, hand `readiness` to the model, then `await run()` (once). `run` never abandons the copy: a
+    cancelled caller waits for it before the cancellation propagates, as `copy_pages_async` does.
+
+    Args:
+        src: the pool read from (the host pool, for a load-back).
+        src_indices: token indices of whole, aligned pages of `src`.
+        dst: the pool written to.
+        dst_indices: token indices of whole, aligned pages of `dst`, as many as `src_indices`.
+        before_layer: called in the copying thread before each layer is copied (tests hold a layer
+            back with it); CPU copies only.
+
+    Raises:
+        TypeError, PoolError, ValueError: as `copy_pages` does, naming the argument.
+    """
+
+    def __init__(
+        self,
+        src: KVPool,
+        src_indices: torch.Tensor,
+        dst: KVPool,
+        dst_indices: torch.Tensor,
+        *,
+        before_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        self._src, self._dst = src, dst
+        self._src_pages, self._dst_pages = _validated_pages(src, src_indices, dst, dst_indices)
+        self._before_layer = before_layer
+        num_layers = src.layout.num_layers
+        self._cuda = next((p.device for p in (src, dst) if p.device.type == "cuda"), None)
+        self.readiness: CpuLayerReadiness | CudaLayerReadiness = (
+            CudaLayerReadiness(num_layers) if self._cuda is not None else CpuLayerReadiness(num_layers)
+        )
+        self._started = False
+
+    async def run(self, *, limiter: anyio.CapacityLimiter | None = None) -> None:
+        """Copy every layer in order, marking each ready as it lands; return when all have.
+
+        Raises:
+            LoadBackFailed: when the copy failed (the readiness reports it to the model too).
+        """
+        if self._started:
+            raise RuntimeError("run: a LayerwiseCopy runs once")
+        self._started = True
+        readiness = self.readiness
+        if isinstance(readiness, CpuLayerReadiness):
+            try:
+                # run_sync waits for the thread even when this task is cancelled.
+                await anyio.to_thread.run_sync(self._copy_cpu, readiness, limiter=limiter)
+            except BaseException as exc:
+                readiness.fail(exc)
+                if isinstance(exc, Exception):
+                    raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
+                raise
+            await anyio.lowlevel.checkpoint_if_cancelled()
+            return
+        assert self._cuda is not None
+        after = torch.cuda.current_stream(self._cuda)
+        with anyio.CancelScope(shield=True):  # every layer enqueued before anything else happens
+            await anyio.to_thread.run_sync(self._enqueue_cuda, readiness, after, limiter=limiter)
+            await _wait_event(readiness.events[-1])
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    # ------------------------------------------------------------------ CPU
+
+    def _copy_cpu(self, readiness: CpuLayerReadiness) -> None:
+        """Copy layer by layer with numpy strided copies (single-threaded, GIL released; no OpenMP team
+        spinning against the model's, see `transfer._copy_runs_in_memory`)."""
+        src, dst = _layer_bytes(self._src), _layer_bytes(self._dst)
+        runs = _runs(self._src_pages, self._dst_pages)
+        for layer in range(readiness.num_layers):
+            if self._before_layer is not None:
+                self._before_layer(layer)
+            for s, d, k in runs:
+                np.copyto(dst[d : d + k, layer], src[s : s + k, layer])
+            readiness.mark_ready(layer)
+
+    # ------------------------------------------------------------------ CUDA
+
+    def _enqueue_cuda(self, readiness: CudaLayerReadiness, after: torch.cuda.Stream) -> None:
+        """Enqueue every layer's gather on a side stream (after `after`), one event per layer."""
+        assert self._cuda is not None
+        host_is_src = self._src.device.type == "cpu"
+        stream = torch.cuda.Stream(device=self._cuda)  # type: ignore[no-untyped-call]
+        stream.wait_stream(after)
+        try:
+            with torch.cuda.stream(stream):
+                src_index = self._src_pages.pin_memory().to(self._cuda, non_blocking=True)
+                dst_index = self._dst_pages.pin_memory().to(self._cuda, non_blocking=True)
+                mapped = (
+                    _mapped_host_view(self._src if host_is_src else self._dst, self._cuda)
+                    if {self._src.device.type, self._dst.device.type} == {"cpu", "cuda"}
+                    else None
+                )
+                for layer in range(readiness.num_layers):
+                    self._enqueue_layer(layer, mapped, host_is_src, src_index, dst_index)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
+                    readiness.events.append(event)
+        finally:
+            readiness._enqueued.set()
+
+    def _enqueue_layer(
+        self,
+        layer: int,
+        mapped: torch.Tensor | None,
+        host_is_src: bool,
+        src_index: torch.Tensor,
+        dst_index: torch.Tensor,
+    ) -> None:
+        src_layer = (mapped if mapped is not None and host_is_src else self._src.buffer).select(1, layer)
+        dst_layer = (mapped if mapped is not None and not host_is_src else self._dst.buffer).select(1, layer)
+        if mapped is not None or self._src.device == self._dst.device:
+            dst_layer.index_copy_(0, dst_index, src_layer.index_select(0, src_index))
+            return
+        # No mapped view: gather the layer on the CPU side into pinned staging, one DMA, scatter there.
+        if host_is_src:
+            staging = src_layer.index_select(0, self._src_pages).pin_memory()
+            dst_layer.index_copy_(0, dst_index, staging.to(self._cuda, non_blocking=True))
+        else:
+            gathered = src_layer.index_select(0, src_index).to("cpu")
+            dst_layer.index_copy_(0, self._dst_pages, gathered)
+
+
+def _layer_bytes(pool: KVPool) -> np.ndarray:
+    """A CPU pool's buffer as bytes shaped ``(pages, layers, bytes per layer of a page)``."""
+    flat = np.frombuffer(pool.byte_view(), dtype=np.uint8)
+    layout = pool.layout
+    return flat.reshape(-1, layout.num_layers, layout.page_nbytes // layout.num_layers)
+
+
+def _runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Runs of pages consecutive on both sides: (src start, dst start, count)."""
+    n = int(src_pages.numel())
+    if n == 0:
+        return []
+    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
+    starts = [0, *(torch.nonzero(breaks).view(-1) + 1).tolist()]
+    ends = [*starts[1:], n]
+    s, d = src_pages.tolist(), dst_pages.tolist()
+    return [(s[a], d[a], b - a) for a, b in zip(starts, ends, strict=True)]

@@ -9,7 +9,7 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
 	tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
+.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership bench-layerwise gpu-check venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,6 +56,9 @@ bench-faults: $(STAMP)
 
 bench-ownership: $(STAMP)
 	$(BIN)/python bench/bench_ownership.py
+
+bench-layerwise: $(STAMP)
+	$(BIN)/python bench/bench_layerwise.py
 
 # On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
 gpu-check:

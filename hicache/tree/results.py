@@ -1,4 +1,7 @@
-"""What the tree's operations return: small frozen records of what the controller must carry out."""
+"""What the tree's operations return: small plain records of what the controller must carry out.
+
+Results are data: they hold values and node handles, never the tree, and reading them changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +10,43 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tree.node import TreeNode
-
 if TYPE_CHECKING:
-    from hicache.tree.radix import RadixTree
+    from hicache.tree.node import TreeNode
 
 __all__ = [
     "EMPTY_INDICES",
+    "ComponentFree",
     "ComponentStatistics",
     "EvictResult",
     "HostEvictResult",
     "InsertResult",
     "MatchResult",
+    "PrefixPeek",
     "TreeStatistics",
 ]
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 """A shared empty int64 tensor returned wherever no indices apply (never write into it)."""
+
+
+class ComponentFree:
+    """Indices of one component the tree let go of; the controller returns them to the tier's pool.
+
+    Attributes:
+        component: the component's name.
+        tier: `"device"` or `"host"`.
+        indices: int64 indices into that component's pool on that tier.
+    """
+
+    __slots__ = ("component", "indices", "tier")
+
+    def __init__(self, component: str, tier: str, indices: torch.Tensor) -> None:
+        self.component = component
+        self.tier = tier
+        self.indices = indices
+
+    def __repr__(self) -> str:
+        return f"ComponentFree({self.component!r}, {self.tier!r}, {int(self.indices.numel())} indices)"
 
 
 class MatchResult:
@@ -44,7 +67,6 @@ class MatchResult:
 
     __slots__ = (
         "_indices",
-        "_tree",
         "device_len",
         "device_values",
         "host_len",
@@ -64,7 +86,6 @@ class MatchResult:
         last_host_node: TreeNode,
         host_nodes: tuple[TreeNode, ...],
         indices: torch.Tensor | None = None,
-        tree: RadixTree | None = None,
     ) -> None:
         self.key = key
         self.device_values = device_values
@@ -76,16 +97,14 @@ class MatchResult:
         # The joined device indices, when known (the last device node's cached root path, or a join done
         # by an earlier read of `device_indices`).
         self._indices = indices
-        self._tree = tree  # where a join is offered for caching on the last device node
 
     @property
     def device_indices(self) -> torch.Tensor:
         """Device pool indices of the matched device prefix, one per token (empty if none).
 
-        Joined on first access and then kept; not a copy when a single node matched or when the last device
-        node already held its joined root path (callers must not modify the tensor). A join is also cached
-        on the last device node for later matches ending there, if the node and its ancestors still hold
-        the values this match saw.
+        Joined on first access and then kept in this result (nothing else changes); not a copy when a
+        single node matched or when the last device node held its joined root path at match time (callers
+        must not modify the tensor).
         """
         out = self._indices
         if out is not None:
@@ -97,9 +116,6 @@ class MatchResult:
             out = vals[0]
         else:
             out = torch.cat(vals)
-            tree = self._tree
-            if tree is not None:
-                tree._remember_path(self.last_device_node, vals, out)
         self._indices = out
         return out
 
@@ -109,6 +125,27 @@ class MatchResult:
             f"host_len={self.host_len}, last_device_node={self.last_device_node.id}, "
             f"last_host_node={self.last_host_node.id}, host_nodes={[n.id for n in self.host_nodes]})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPeek:
+    """What a match of a key would find, from `RadixTree.peek` (which changes nothing).
+
+    Attributes:
+        device_len: tokens `match_prefix` would find on the device.
+        host_len: tokens it would find beyond them in host-only nodes.
+        anchor_len: tokens up to the end of the deepest matched node with a host copy (0: the root),
+            where a storage prefetch would continue from.
+    """
+
+    device_len: int
+    host_len: int
+    anchor_len: int
+
+    @property
+    def matched_len(self) -> int:
+        """Tokens found on the device or the host."""
+        return self.device_len + self.host_len
 
 
 class InsertResult:

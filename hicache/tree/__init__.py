@@ -5,6 +5,7 @@ It imports neither the pools nor anyio: nothing here awaits or touches memory be
 
 from __future__ import annotations
 
+from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef, StoredPath
 from hicache.tree.leaf_set import LeafSet
 from hicache.tree.node import TreeNode
 from hicache.tree.radix import RadixTree
@@ -15,6 +16,7 @@ from hicache.tree.results import (
     EvictResult,
     HostEvictResult,
     InsertResult,
+    LoadResult,
     MatchResult,
     PrefixPeek,
     TreeStatistics,
@@ -25,12 +27,17 @@ __all__ = [
     "ComponentFree",
     "ComponentStatistics",
     "EvictResult",
+    "HeldIndices",
     "HostEvictResult",
     "InsertResult",
     "LeafSet",
+    "LoadResult",
     "MatchResult",
+    "NodeInfo",
+    "NodeRef",
     "PrefixPeek",
     "RadixTree",
+    "StoredPath",
     "TreeNode",
     "TreeStatistics",
 ]

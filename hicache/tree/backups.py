@@ -25,14 +25,11 @@ class BackupsAndLocks(TreeState):
     def backup_chain(self, node: TreeNode) -> list[TreeNode]:
         """The nodes to back up so that `node` can be backed up: from the topmost un-backed, not-pending
         ancestor down to `node`, root-first ([] if `node` is detached, backed up or pending)."""
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"node: expected a TreeNode, got {type(node).__name__}")
         try:
-            self._require_non_root(node)
+            cur = self._require_non_root(node)
         except ValueError:
             return []
         chain: list[TreeNode] = []
-        cur = node
         while cur is not self.root and cur.host_value is None and cur.backup_pending is None:
             chain.append(cur)
             assert cur.parent is not None

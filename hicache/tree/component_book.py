@@ -70,11 +70,22 @@ class ComponentBook:
         self.slots = {comp.name: _Slots() for comp in self.components}
         self.sets = {(c.name, tier): LeafSet(policy) for c in self.components for tier in TIERS}
         self.frees: list[ComponentFree] = []
+        # What operations returned, kept until `RadixTree.take_component_frees` (the old side queue, until
+        # every caller frees what the results carry).
+        self.queued: list[ComponentFree] = []
 
     def take_frees(self) -> tuple[ComponentFree, ...]:
-        """The indices let go of since the last call."""
+        """The indices let go of since the last call (what the operation that just ran returns)."""
         out = tuple(self.frees)
         self.frees.clear()
+        self.queued.extend(out)
+        return out
+
+    def drain_queue(self) -> list[ComponentFree]:
+        """Everything let go of and not yet drained (the old side queue)."""
+        out = self.queued + self.frees
+        self.queued = []
+        self.frees = []
         return out
 
     # ------------------------------------------------------------------ one node's data
@@ -340,7 +351,7 @@ class ComponentBook:
         for comp in self.components:
             slots = self.slots[comp.name]
             garbage = [0, 0]
-            for g in self.frees:
+            for g in (*self.queued, *self.frees):
                 if g.component == comp.name:
                     garbage[TIERS.index(g.tier)] += int(g.indices.numel())
             out[comp.name] = ComponentStatistics(
@@ -368,5 +379,5 @@ class ComponentBook:
                 parts.append(value)
             if tier == "host" and data.backup_pending is not None:
                 parts.append(data.backup_pending)
-        parts.extend(g.indices for g in self.frees if g.component == name and g.tier == tier)
+        parts.extend(g.indices for g in (*self.queued, *self.frees) if g.component == name and g.tier == tier)
         return cat_indices(parts)

@@ -107,7 +107,13 @@ class Eviction(TreeState):
             leaves.push(node)
         backup_tokens = host_free_tokens - room
         return EvictResult(
-            cat_indices(freed_device), cat_indices(freed_host), got, tuple(backups), backup_tokens, dropped
+            cat_indices(freed_device),
+            cat_indices(freed_host),
+            got,
+            tuple(backups),
+            backup_tokens,
+            dropped,
+            self._take_frees(),
         )
 
     def _drop_subtree(
@@ -148,7 +154,7 @@ class Eviction(TreeState):
             freed.append(hv)
             got += len(node.key) >> 3
             self._detach(node)
-        return HostEvictResult(cat_indices(freed), got)
+        return HostEvictResult(cat_indices(freed), got, self._take_frees())
 
     def evict_component(self, name: str, num_slots: int, tier: str = "device") -> int:
         """Free at least `num_slots` slots of component `name` on `tier` while the nodes stay.

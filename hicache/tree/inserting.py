@@ -126,6 +126,7 @@ class Inserting(TreeState):
                 value = values[start - base :]
             leaf = TreeNode(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
             node.children[first] = leaf
+            self._nodes[leaf.id] = leaf
             self._num_nodes += 1
             leaf.last_access = tick
             if backup_hits is not None:
@@ -146,7 +147,10 @@ class Inserting(TreeState):
         if comp_values:
             assert self._book is not None
             self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
-        return InsertResult(prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else ())
+        frees = self._take_frees() if self._book is not None else ()
+        return InsertResult(
+            prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else (), False, frees
+        )
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
         """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
@@ -250,4 +254,4 @@ class Inserting(TreeState):
         if comp_values:
             assert self._book is not None
             self._book.attach(self._key_path(kb, anchor), 0, end >> 3, ntok, comp_values, "host")
-        return InsertResult(prefix, end >> 3, node)
+        return InsertResult(prefix, end >> 3, node, (), False, self._take_frees())

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 
 from hicache.keys import KeyLike, as_key_bytes
+from hicache.tree.handles import NodeRef, StoredPath
 from hicache.tree.node import TreeNode
 from hicache.tree.results import EMPTY_INDICES, MatchResult, PrefixPeek
 from hicache.tree.state import TreeState
@@ -126,6 +127,7 @@ class Matching(TreeState):
             last_host,
             tuple(host_nodes),
             last_device._path_indices,
+            tuple(n.host_value for n in host_nodes if n.host_value is not None),
         )
 
     def _match_hybrid(self, kb: bytes) -> MatchResult:
@@ -186,6 +188,7 @@ class Matching(TreeState):
             last_host,
             tuple(host_nodes),
             last_device._path_indices,
+            tuple(n.host_value for n in host_nodes if n.host_value is not None),
         )
 
     # ------------------------------------------------------------------ queries that change nothing
@@ -288,3 +291,31 @@ class Matching(TreeState):
         if live.device_value is None:
             raise ValueError(f"node: node {live.id} is not on the device")
         return self._path_device_indices(live)
+
+    def stored_path(self, node: TreeNode) -> StoredPath | None:
+        """The leading backed-up nodes of the root path to `node`, with their page hashes and host values
+        (what a storage write of that path needs); `None` when `node` left the tree or is not backed up.
+        """
+        try:
+            live = self._require_non_root(node)
+        except ValueError:
+            return None
+        if live.host_value is None:
+            return None
+        path: list[TreeNode] = []
+        cur = live
+        while cur is not self.root:
+            path.append(cur)
+            assert cur.parent is not None
+            cur = cur.parent
+        path.reverse()
+        nodes: list[NodeRef] = []
+        hashes: list[tuple[bytes, ...]] = []
+        values: list[torch.Tensor] = []
+        for n in path:
+            if n.host_value is None:
+                break
+            nodes.append(self._ref(n))
+            hashes.append(tuple(n.hashes))
+            values.append(n.host_value)
+        return StoredPath(tuple(nodes), tuple(hashes), tuple(values))

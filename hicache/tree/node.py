@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
+from hicache.tree.handles import NodeRef
 
 __all__ = ["ComponentData", "TreeNode"]
 
@@ -83,6 +84,7 @@ class TreeNode:
         "_dev_children",
         "_hashes",
         "_path_indices",
+        "_ref",
         "backup_pending",
         "children",
         "components",
@@ -123,6 +125,7 @@ class TreeNode:
         # The joined device values of the whole root path, cached by a match that joined them; dropped
         # whenever this node's device value changes (see `TreeState.path_device_indices`).
         self._path_indices: torch.Tensor | None = None
+        self._ref: NodeRef | None = None  # the node's handle, made on first use
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,8 @@ The tree decides and the controller executes: operations return records (`MatchR
 `EvictResult`, ...) saying which indices to free and which nodes to back up; the tree never awaits and
 never touches a pool or a storage backend. `RadixTree` puts together the parts, one module each: the
 state and its bookkeeping (`state`), matching and queries (`matching`), inserting (`inserting`), backups
-and locks (`backups`), eviction planning (`eviction`) and hybrid components (`component_book`).
+and locks (`backups`), load-back (`load_back`), eviction planning (`eviction`) and hybrid components
+(`component_book`). Callers hold `NodeRef` handles (`handles`), never nodes.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 import torch
 
 from hicache.components.base import TIERS, Component
-from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.eviction import Eviction
 from hicache.tree.inserting import Inserting
-from hicache.tree.matching import Matching
+from hicache.tree.load_back import LoadBack
 from hicache.tree.node import TreeNode
 from hicache.tree.results import EMPTY_INDICES, ComponentFree, ComponentStatistics
 from hicache.tree.sanity import check_tree
@@ -29,7 +29,7 @@ def _check_tier(tier: object) -> str:
     return str(tier)
 
 
-class RadixTree(Matching, Inserting, BackupsAndLocks, Eviction):
+class RadixTree(LoadBack, Inserting, Eviction):
     """A paged radix tree of token keys whose nodes hold device and host pool indices.
 
     Args:
@@ -61,11 +61,11 @@ class RadixTree(Matching, Inserting, BackupsAndLocks, Eviction):
         Every operation that drops a node's value (eviction, demotion, a cascade, a duplicate insert)
         queues the component indices here instead of returning them, so the base API stays unchanged.
         """
-        return list(self._take_frees())
+        return self._book.drain_queue() if self._book is not None else []
 
     def queued_component_frees(self) -> tuple[ComponentFree, ...]:
         """The component indices queued for `take_component_frees`, without taking them (for checks)."""
-        return tuple(self._book.frees) if self._book is not None else ()
+        return (*self._book.queued, *self._book.frees) if self._book is not None else ()
 
     def component_value(self, node: TreeNode, name: str, tier: str = "device") -> torch.Tensor | None:
         """`node`'s value of component `name` on `tier` (`None` when it holds none there)."""

@@ -20,6 +20,7 @@ __all__ = [
     "EvictResult",
     "HostEvictResult",
     "InsertResult",
+    "LoadResult",
     "MatchResult",
     "PrefixPeek",
     "TreeStatistics",
@@ -63,6 +64,7 @@ class MatchResult:
         last_device_node: the deepest node of the device prefix (the root if none).
         last_host_node: the deepest matched node that is backed up (the root if none).
         host_nodes: the host-only nodes after the device prefix, root-first (to be loaded back).
+        host_values: the host values of `host_nodes` (what a load-back copies), root-first.
     """
 
     __slots__ = (
@@ -71,6 +73,7 @@ class MatchResult:
         "device_values",
         "host_len",
         "host_nodes",
+        "host_values",
         "key",
         "last_device_node",
         "last_host_node",
@@ -86,6 +89,7 @@ class MatchResult:
         last_host_node: TreeNode,
         host_nodes: tuple[TreeNode, ...],
         indices: torch.Tensor | None = None,
+        host_values: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.key = key
         self.device_values = device_values
@@ -94,6 +98,7 @@ class MatchResult:
         self.last_device_node = last_device_node
         self.last_host_node = last_host_node
         self.host_nodes = host_nodes
+        self.host_values = host_values
         # The joined device indices, when known (the last device node's cached root path, or a join done
         # by an earlier read of `device_indices`).
         self._indices = indices
@@ -118,6 +123,14 @@ class MatchResult:
             out = torch.cat(vals)
         self._indices = out
         return out
+
+    @property
+    def host_indices(self) -> torch.Tensor:
+        """Host pool indices of `host_nodes`, joined root-first (empty if none)."""
+        vals = self.host_values
+        if not vals:
+            return EMPTY_INDICES
+        return vals[0] if len(vals) == 1 else torch.cat(vals)
 
     def __repr__(self) -> str:
         return (
@@ -159,9 +172,11 @@ class InsertResult:
             executes them (later entries' chains shrink once earlier ones are pending).
         host_insert_dropped: `insert_host` attached nothing because the attach point was not backed up;
             the caller frees every host index it passed.
+        component_frees: component indices the caller returns to their pools (duplicates, and values
+            no node took).
     """
 
-    __slots__ = ("backups", "host_insert_dropped", "node", "prefix_len", "total_len")
+    __slots__ = ("backups", "component_frees", "host_insert_dropped", "node", "prefix_len", "total_len")
 
     def __init__(
         self,
@@ -170,12 +185,14 @@ class InsertResult:
         node: TreeNode,
         backups: tuple[TreeNode, ...] = (),
         host_insert_dropped: bool = False,
+        component_frees: tuple[ComponentFree, ...] = (),
     ) -> None:
         self.prefix_len = prefix_len
         self.total_len = total_len
         self.node = node
         self.backups = backups
         self.host_insert_dropped = host_insert_dropped
+        self.component_frees = component_frees
 
     def __repr__(self) -> str:
         return (
@@ -199,6 +216,7 @@ class EvictResult:
         backup_tokens: host tokens the chains in `backups` need together (at most the `host_free_tokens`
             the plan was given).
         dropped_tokens: device tokens freed without a backup (un-backed nodes deleted).
+        component_frees: component indices of the freed nodes the caller returns to their pools.
     """
 
     freed_device: torch.Tensor
@@ -207,6 +225,7 @@ class EvictResult:
     backups: tuple[tuple[TreeNode, ...], ...] = ()
     backup_tokens: int = 0
     dropped_tokens: int = 0
+    component_frees: tuple[ComponentFree, ...] = ()
 
     @property
     def backup_first(self) -> tuple[TreeNode, ...]:
@@ -216,10 +235,33 @@ class EvictResult:
 
 @dataclass(frozen=True, slots=True)
 class HostEvictResult:
-    """What `evict_host` freed: host indices the caller returns to the host pool."""
+    """What `evict_host` freed: host indices the caller returns to the host pool.
+
+    Attributes:
+        freed_host: host indices of the removed nodes.
+        evicted_tokens: their tokens.
+        component_frees: component indices of the removed nodes.
+    """
 
     freed_host: torch.Tensor
     evicted_tokens: int
+    component_frees: tuple[ComponentFree, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What `attach_loaded` did with pages loaded back from the host.
+
+    Attributes:
+        match: the key's match after the attach (what the load-back's caller uses now).
+        freed_device: loaded device pages no node took (nodes on the device again meanwhile, or beyond
+            where the match now ends); the caller frees them.
+        component_frees: component copies no node took, and component indices let go of.
+    """
+
+    match: MatchResult
+    freed_device: torch.Tensor
+    component_frees: tuple[ComponentFree, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,6 +260,6 @@ class _ComponentCheck:
             for label, a, b in zip(("device", "host", "pending"), kept, recomputed, strict=True):
                 if a != b:
                     out.append(f"counter {name} {label} slots: kept {a}, recomputed {b}")
-        for g in book.frees:
+        for g in (*book.queued, *book.frees):
             if g.component not in book.index:
                 out.append(f"queued free of unknown component {g.component!r}")

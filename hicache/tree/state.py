@@ -18,11 +18,14 @@ from hicache.keys import TOKEN_BYTES, KeyLike, Namespace, as_key_bytes
 from hicache.policy import EvictionPolicy, WritePolicy, parse_policy
 from hicache.tree.checks import cat_indices
 from hicache.tree.component_book import ComponentBook
+from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef
 from hicache.tree.leaf_set import LeafSet
 from hicache.tree.node import TreeNode
 from hicache.tree.results import ComponentFree, TreeStatistics
 
 __all__ = ["TreeState"]
+
+_TREE_SERIALS = itertools.count(1)
 
 
 class TreeState:
@@ -82,8 +85,10 @@ class TreeState:
             WritePolicy.WRITE_THROUGH_SELECTIVE: write_through_threshold,
             WritePolicy.WRITE_BACK: None,
         }[self.write_policy]
+        self._serial = next(_TREE_SERIALS)  # tells this tree's handles from another's
         self.root = TreeNode(0, None, b"", self._ctx)
         self.root.hashes = []
+        self._nodes: dict[int, TreeNode] = {0: self.root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
         self._host_leaves = LeafSet(self.eviction_policy)
         self._num_nodes = 0
@@ -210,12 +215,14 @@ class TreeState:
         node.parent = upper
         upper.children[rest[: self._step]] = node
         parent.children[upper.key[: self._step]] = upper
+        self._nodes[upper.id] = upper
         self._num_nodes += 1
         return upper
 
     def _new_node(self, parent: TreeNode, key: bytes) -> TreeNode:
         node = TreeNode(next(self._ids), parent, key, self._ctx)
         parent.children[key[: self._step]] = node
+        self._nodes[node.id] = node
         self._num_nodes += 1
         return node
 
@@ -230,6 +237,7 @@ class TreeState:
         self._device_leaves.discard(node)
         self._host_leaves.discard(node)
         node.parent = None
+        del self._nodes[node.id]
         self._num_nodes -= 1
         self._refresh(parent)
 
@@ -257,17 +265,30 @@ class TreeState:
         aligned = n - n % self._step
         return (kb if aligned == n else kb[:aligned]), n >> 3
 
-    def _require_live(self, node: object, name: str = "node") -> TreeNode:
-        if not isinstance(node, TreeNode):
-            raise TypeError(f"{name}: expected a TreeNode, got {type(node).__name__}")
-        cur = node
-        step = self._step
-        while cur is not self.root:
-            parent = cur.parent
-            if parent is None or parent.children.get(cur.key[:step]) is not cur:
-                raise ValueError(f"{name}: node {node.id} is not a live node of this tree")
-            cur = parent
-        return node
+    def _ref(self, node: TreeNode) -> NodeRef:
+        """`node`'s handle (made once per node)."""
+        ref = node._ref
+        if ref is None:
+            ref = node._ref = NodeRef(self._serial, node.id)
+        return ref
+
+    def _require_live(self, ref: object, name: str = "node") -> TreeNode:
+        """The live node a handle names.
+
+        Raises:
+            TypeError: `ref` is not a `NodeRef`.
+            ValueError: its node left the tree, or it is another tree's handle.
+        """
+        if type(ref) is NodeRef:
+            node = self._nodes.get(ref.id) if ref.tree == self._serial else None
+            if node is None:
+                raise ValueError(f"{name}: {ref!r} is not a live node of this tree")
+            return node
+        if isinstance(ref, TreeNode):  # the controller's old call sites, until they hold handles
+            if self._nodes.get(ref.id) is not ref:
+                raise ValueError(f"{name}: node {ref.id} is not a live node of this tree")
+            return ref
+        raise TypeError(f"{name}: expected a NodeRef, got {type(ref).__name__}")
 
     def _require_non_root(self, node: object, name: str = "node") -> TreeNode:
         live = self._require_live(node, name)
@@ -313,6 +334,59 @@ class TreeState:
         return joined
 
     # ------------------------------------------------------------------ observation
+
+    def node_info(self, ref: NodeRef) -> NodeInfo:
+        """A snapshot of the node `ref` names (its tensors are the tree's: read, never write).
+
+        Raises:
+            TypeError, ValueError: `ref` is not a handle on a live node of this tree.
+        """
+        node = self._require_live(ref, "ref")
+        parent = node.parent
+        return NodeInfo(
+            ref=self._ref(node),
+            parent=None if parent is None else self._ref(parent),
+            children=tuple(self._ref(c) for c in node.children.values()),
+            num_tokens=len(node.key) >> 3,
+            device_value=node.device_value,
+            host_value=node.host_value,
+            backup_pending=node.backup_pending,
+            device_lock=node.device_lock,
+            host_lock=node.host_lock,
+            hit_count=node.hit_count,
+            last_access=node.last_access,
+            priority=node.priority,
+        )
+
+    def is_live(self, ref: NodeRef) -> bool:
+        """Whether `ref` names a node still in this tree."""
+        return type(ref) is NodeRef and ref.tree == self._serial and ref.id in self._nodes
+
+    def held_indices(self) -> HeldIndices:
+        """Every index the tree holds, per pool (O(tree): for the controller's ownership check)."""
+        device: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        pending: list[torch.Tensor] = []
+        comps: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for node in self.iter_nodes():
+            for part, out in (
+                (node.device_value, device),
+                (node.host_value, host),
+                (node.backup_pending, pending),
+            ):
+                if part is not None:
+                    out.append(part)
+            for name, data in (node.components or {}).items():
+                for tier, part in (
+                    ("device", data.device_value),
+                    ("host", data.host_value),
+                    ("pending", data.backup_pending),
+                ):
+                    if part is not None:
+                        comps.setdefault((name, tier), []).append(part)
+        return HeldIndices(
+            tuple(device), tuple(host), tuple(pending), {key: tuple(v) for key, v in comps.items()}
+        )
 
     def statistics(self) -> TreeStatistics:
         """A snapshot of the tree's sizes (O(1): the counters are kept incrementally)."""

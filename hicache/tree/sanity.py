@@ -49,8 +49,12 @@ def collect_violations(tree: TreeState) -> list[str]:
         path_cache
     ) = 0
     stack = [root]
+    reachable: set[int] = set()
     while stack:
         node = stack.pop()
+        reachable.add(node.id)
+        if tree._nodes.get(node.id) is not node:
+            out.append(f"node {node.id}: not registered under its id (its handles would not resolve)")
         dev_children = 0
         for k, child in node.children.items():
             stack.append(child)
@@ -136,6 +140,9 @@ def collect_violations(tree: TreeState) -> list[str]:
 
     if comp_check is not None:
         comp_check.finish(out)
+    stale = sorted(set(tree._nodes) - reachable)
+    if stale:
+        out.append(f"handles of removed nodes still resolve: {stale}")
     for name, actual, expected_set in (
         ("device", tree._device_leaves, device_leaves),
         ("host", tree._host_leaves, host_leaves),

@@ -1,6 +1,10 @@
 """hicache: a hierarchical KV-cache controller for LLM serving loops.
 
-A paged radix tree over device, pinned host and storage tiers, embedded in asyncio serving loops.
+A paged radix tree over device, pinned host and storage tiers, embedded in asyncio serving loops. The names
+below are the public API: `HiCache` and its configuration, what it hands back (leases, prefetch outcomes,
+insert and match results, statistics), the storage backend protocol, the errors it raises and the enums
+that name tiers and outcomes. Everything else is reachable only through a leading underscore or a
+submodule, and may change.
 """
 
 from __future__ import annotations
@@ -13,101 +17,135 @@ if TYPE_CHECKING:
     from hicache.config import HiCacheConfig
     from hicache.controller import (
         BreakerState,
+        BreakerStatistics,
         CacheStatistics,
         CircuitBreaker,
+        ComponentPoolStatistics,
         ComponentTransfer,
         HiCache,
         Lease,
         Prefetch,
         PrefetchOutcome,
         PrefetchState,
+        ReleaseStatistics,
     )
     from hicache.errors import (
         CacheClosed,
         ChecksumMismatch,
+        ForeignPage,
         HiCacheError,
         InvariantViolation,
+        OldPageFormat,
         PageNotFound,
         PoolError,
-        PrefetchError,
-        PrefetchFailed,
         StorageAuthError,
+        StorageCircuitOpen,
         StorageError,
         StorageUnavailable,
         UnknownRequest,
     )
     from hicache.keys import Namespace
     from hicache.layout import KVLayout
-    from hicache.memory import KVPool
+    from hicache.memory import KVPool, PoolStatistics
     from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
-    from hicache.tree import RadixTree
+    from hicache.tiers import DropReason, PrefetchStatus, SkipReason, Tier
+    from hicache.tree import ComponentStatistics, InsertResult, MatchResult, TreeStatistics
+    from storage_backends.protocol import PageStatus, StorageBackend
 
-# Public names load their module on first use (PEP 562), so `import hicache.tree` (or keys, layout,
-# components) does not import the controller, the pools or anyio.
+# Public names load their module on first use (PEP 562), so importing a submodule (`hicache.tree`,
+# `hicache.keys`, `hicache.layout`, `hicache.components`) does not import the controller, the pools or anyio.
 _MODULE_OF = {
     "BreakerState": "hicache.controller",
+    "BreakerStatistics": "hicache.controller",
     "CacheClosed": "hicache.errors",
     "CacheStatistics": "hicache.controller",
     "ChecksumMismatch": "hicache.errors",
     "CircuitBreaker": "hicache.controller",
+    "ComponentPoolStatistics": "hicache.controller",
+    "ComponentStatistics": "hicache.tree",
     "ComponentTransfer": "hicache.controller",
+    "DropReason": "hicache.tiers",
     "EvictionPolicy": "hicache.policy",
+    "ForeignPage": "hicache.errors",
     "HiCache": "hicache.controller",
     "HiCacheConfig": "hicache.config",
     "HiCacheError": "hicache.errors",
+    "InsertResult": "hicache.tree",
     "InvariantViolation": "hicache.errors",
     "KVLayout": "hicache.layout",
     "KVPool": "hicache.memory",
     "Lease": "hicache.controller",
     "MambaState": "hicache.components",
+    "MatchResult": "hicache.tree",
     "Namespace": "hicache.keys",
+    "OldPageFormat": "hicache.errors",
     "PageNotFound": "hicache.errors",
+    "PageStatus": "storage_backends.protocol",
     "PoolError": "hicache.errors",
+    "PoolStatistics": "hicache.memory",
     "Prefetch": "hicache.controller",
-    "PrefetchError": "hicache.errors",
-    "PrefetchFailed": "hicache.errors",
     "PrefetchOutcome": "hicache.controller",
     "PrefetchState": "hicache.controller",
-    "RadixTree": "hicache.tree",
+    "PrefetchStatus": "hicache.tiers",
+    "ReleaseStatistics": "hicache.controller",
+    "SkipReason": "hicache.tiers",
     "SlidingWindow": "hicache.components",
     "StopPolicy": "hicache.policy",
     "StorageAuthError": "hicache.errors",
+    "StorageBackend": "storage_backends.protocol",
+    "StorageCircuitOpen": "hicache.errors",
     "StorageError": "hicache.errors",
     "StorageUnavailable": "hicache.errors",
+    "Tier": "hicache.tiers",
+    "TreeStatistics": "hicache.tree",
     "UnknownRequest": "hicache.errors",
     "WritePolicy": "hicache.policy",
 }
 
 __all__ = [
     "BreakerState",
+    "BreakerStatistics",
     "CacheClosed",
     "CacheStatistics",
     "ChecksumMismatch",
     "CircuitBreaker",
+    "ComponentPoolStatistics",
+    "ComponentStatistics",
     "ComponentTransfer",
+    "DropReason",
     "EvictionPolicy",
+    "ForeignPage",
     "HiCache",
     "HiCacheConfig",
     "HiCacheError",
+    "InsertResult",
     "InvariantViolation",
     "KVLayout",
     "KVPool",
     "Lease",
     "MambaState",
+    "MatchResult",
     "Namespace",
+    "OldPageFormat",
     "PageNotFound",
+    "PageStatus",
     "PoolError",
+    "PoolStatistics",
     "Prefetch",
-    "PrefetchError",
-    "PrefetchFailed",
     "PrefetchOutcome",
     "PrefetchState",
-    "RadixTree",
+    "PrefetchStatus",
+    "ReleaseStatistics",
+    "SkipReason",
     "SlidingWindow",
     "StopPolicy",
     "StorageAuthError",
+    "StorageBackend",
+    "StorageCircuitOpen",
     "StorageError",
     "StorageUnavailable",
+    "Tier",
+    "TreeStatistics",
     "UnknownRequest",
     "WritePolicy",
 ]

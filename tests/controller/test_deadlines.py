@@ -36,6 +36,7 @@ from hicache import HiCache, HiCacheConfig
 from hicache.keys import Namespace, as_key_bytes
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
 PAGE = 4
@@ -120,14 +121,14 @@ def stuck(stored: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuc
     """Page STUCK_PAGE's file replaced by a FIFO; released and removed at teardown, whatever happened."""
     key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
     fifo = StuckFile(stored.path_of(key))
-    real_read_one = stored._read_one
+    real_read_group = stored._read_group
 
-    def read_one(page_key: str, buf: memoryview, *args: int) -> int:
-        if page_key == key:
+    def read_group(keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        if key in keys:
             fifo.entered.set()
-        return real_read_one(page_key, buf, *args)
+        return real_read_group(keys, buffers)
 
-    monkeypatch.setattr(stored, "_read_one", read_one)
+    monkeypatch.setattr(stored, "_read_group", read_group)
     try:
         yield fifo
     finally:

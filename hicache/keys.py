@@ -38,9 +38,7 @@ TOKEN_BYTES = 8
 ROOT_HASH = b"\x00" * 16
 """The hash that precedes the first page of every key."""
 
-KeyLike: TypeAlias = (
-    "bytes | bytearray | memoryview | array[int] | torch.Tensor | npt.NDArray[np.integer[Any]] | Sequence[int]"
-)
+KeyLike: TypeAlias = "bytes | bytearray | memoryview | array[int] | torch.Tensor | npt.NDArray[np.integer[Any]] | Sequence[int]"
 """What callers may pass as a key: int64 bytes (an already converted key), `array('q')`, a 1-D integer tensor,
 a 1-D numpy integer array or a sequence of ints."""
 

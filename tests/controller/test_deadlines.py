@@ -470,5 +470,5 @@ async def test_an_s3_tier_opened_from_its_url_gets_the_cache_timeouts_as_its_dea
     async with HiCache(cfg) as cache:
         storage = cache.storage
         assert storage is not None
-        assert storage._read_deadline_s == 0.75  # type: ignore[attr-defined]
-        assert storage._write_deadline_s == 1.5  # type: ignore[attr-defined]
+        assert storage._requests._read_deadline_s == 0.75  # type: ignore[attr-defined]
+        assert storage._requests._write_deadline_s == 1.5  # type: ignore[attr-defined]

@@ -25,7 +25,8 @@ from hicache.demo.records import DemoConfig, DemoResult
 from hicache.demo.snapshot import pool_json, sum_metric, top_prefixes
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
-from hicache.metrics import render, snapshot
+from hicache.metrics import render as render_metrics
+from hicache.metrics import snapshot as metrics_snapshot
 from storage_backends.redact import redact_url
 
 __all__ = ["demo_cache_config", "run_serving", "storage_url"]
@@ -108,15 +109,15 @@ async def run_serving(
             await cache.wait_idle()
             wall["cache"] = time.perf_counter() - t
             cache.sanity_check()
-            metrics = snapshot(cache.registry)
-            prometheus = render(cache.registry)
+            snapshot = metrics_snapshot(cache.registry)
+            prometheus = render_metrics(cache.registry)
             stats = cache.statistics()
             pools = {
                 "device": pool_json(stats.device_pool),
                 "host": pool_json(stats.host_pool),
                 "storage": {
                     "url": redact_url(url),
-                    "bytes_written": sum_metric(metrics, "storage_written_bytes_total"),
+                    "bytes_written": sum_metric(snapshot, "storage_written_bytes_total"),
                 },
             }
             tree = {
@@ -140,7 +141,7 @@ async def run_serving(
         config=config,
         backend_url=redact_url(url),
         records=runner.records,
-        metrics=metrics,
+        metrics=snapshot,
         prometheus=prometheus,
         pools=pools,
         tree=tree,

@@ -117,6 +117,7 @@ class ServingLoop(Generic[ModelT]):
             reply=served.reply,
             logits=served.logits,
             restored_kv=served.restored_kv,
+            queue_s=t_acquire - arrival,
             acquire_s=acquire_s,
         )
 

@@ -53,9 +53,11 @@ class DemoConfig:
         model: the model's shape and weight seed.
         workload: workload knobs other than users, turns and seed (those come from above).
         metrics_port: serve Prometheus text on this loopback port while running (0 picks one).
-        torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
-            One by default: the event loop and storage I/O threads share the CPU, and an oversubscribed
-            thread pool makes small forward passes up to ten times slower on a loaded two-core machine.
+        torch_threads: intra-op threads for the model's forward passes and for the cache's pool copies
+            on the event loop thread (`None` leaves torch's setting). One by default: the event loop and
+            storage I/O threads share the CPU, and an oversubscribed thread pool makes small forward
+            passes up to ten times slower, and a small pool copy a hundred times slower, on a loaded
+            two-core machine.
     """
 
     users: int = 8

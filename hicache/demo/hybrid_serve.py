@@ -107,7 +107,7 @@ class _HybridRunner(ServingLoop[HybridModel]):
     def __init__(self, config: HybridDemoConfig, model: HybridModel, progress: ProgressFn) -> None:
         demo = config.demo
         workload = make_workload(replace(demo.workload_spec(), vocab_size=config.model.vocab_size))
-        super().__init__(model, workload, demo.max_running, demo.torch_threads, progress)
+        super().__init__(model, workload, demo.max_running, demo.torch_threads, progress, demo.lockstep)
         self.config = config
         self.demo = demo
         self.oracle = HybridOracle(model, demo.page_size)

@@ -39,7 +39,7 @@ class LlamaRunner(ServingLoop[DemoModel]):
     def __init__(
         self, config: DemoConfig, model: DemoModel, workload: Workload, progress: ProgressFn
     ) -> None:
-        super().__init__(model, workload, config.max_running, config.torch_threads, progress)
+        super().__init__(model, workload, config.max_running, config.torch_threads, progress, config.lockstep)
         self.config = config
         self.oracle = KVOracle(config.page_size)
         # What each request computed itself, recorded in the oracle by `verify`: the oracle is the

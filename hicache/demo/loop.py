@@ -39,6 +39,7 @@ class ServingLoop(Generic[ModelT]):
         max_running: requests in flight at once.
         torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
         progress: called as requests complete, per phase.
+        lockstep: serve one request at a time and let the cache settle in between (see `serve_cached`).
     """
 
     def __init__(
@@ -48,8 +49,10 @@ class ServingLoop(Generic[ModelT]):
         max_running: int,
         torch_threads: int | None,
         progress: ProgressFn,
+        lockstep: bool = False,
     ) -> None:
         self.model = model
+        self.lockstep = lockstep
         self.workload = workload
         self.progress = progress
         self.torch_threads = torch_threads
@@ -74,26 +77,43 @@ class ServingLoop(Generic[ModelT]):
     # ------------------------------------------------------------------ with the cache
 
     async def serve_cached(self, cache: HiCache) -> None:
-        """Serve every user's conversation through `cache`, recording each request."""
-        async with anyio.create_task_group() as tg:
-            for conversation in self.workload.conversations:
-                tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+        """Serve every user's conversation through `cache`, recording each request.
+
+        In lockstep, one request at a time (turn by turn, users in arrival order, no pauses), and the cache
+        finishes its backups and storage writes before the next request: which tier each hit comes from
+        then depends on the workload only, not on timing.
+        """
+        if not self.lockstep:
+            async with anyio.create_task_group() as tg:
+                for conversation in self.workload.conversations:
+                    tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+            return
+        sessions = [Session(self.workload, conversation) for conversation in self.workload.conversations]
+        while any(not session.done for session in sessions):
+            for session in sessions:
+                if not session.done:
+                    await self._turn_cached(cache, session)
+                    await cache.wait_idle()
 
     async def _user_cached(self, cache: HiCache, session: Session) -> None:
         conv = session.conversation
         await anyio.sleep(conv.start_delay_s)
         while not session.done:
-            prompt = session.next_prompt()
             turn = session.turn
-            arrival = time.perf_counter()
-            async with self.running:
-                record = await self._serve_one(
-                    cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival
-                )
-            self.records.append(record)
-            self.progress("cache", len(self.records), self.workload.num_requests)
-            session.record_reply(prompt, record.reply)
+            await self._turn_cached(cache, session)
             await anyio.sleep(conv.think_times_s[turn])
+
+    async def _turn_cached(self, cache: HiCache, session: Session) -> None:
+        """Serve the session's next turn through `cache` and record it."""
+        conv = session.conversation
+        prompt = session.next_prompt()
+        turn = session.turn
+        arrival = time.perf_counter()
+        async with self.running:
+            record = await self._serve_one(cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival)
+        self.records.append(record)
+        self.progress("cache", len(self.records), self.workload.num_requests)
+        session.record_reply(prompt, record.reply)
 
     async def _serve_one(
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
@@ -135,6 +155,10 @@ class ServingLoop(Generic[ModelT]):
         for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
             by_user.setdefault(record.user, []).append(record)
         done = [0]
+        if self.lockstep:  # the cached run's order, one request at a time
+            for record in sorted(self.records, key=lambda r: (r.turn, r.user)):
+                await self._recompute_one(record, done)
+            return
         async with anyio.create_task_group() as tg:
             for conv in self.workload.conversations:
                 tg.start_soon(
@@ -145,20 +169,24 @@ class ServingLoop(Generic[ModelT]):
         self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
     ) -> None:
         await anyio.sleep(delay)
+        for record in records:
+            await self._recompute_one(record, done)
+            await anyio.sleep(think[record.turn])
+
+    async def _recompute_one(self, record: RequestRecord, done: list[int]) -> None:
+        """Serve `record`'s prompt with full recompute and compare the reply."""
         steps = self.workload.spec.decode_tokens
         model: Any = self.model
-        for record in records:
-            arrival = time.perf_counter()
-            record.arrival_nocache_s = arrival - self.t0
-            async with self.running:
-                prefill = await self.compute(partial(model.prefill, record.prompt, None))
-                record.ttft_nocache_s = time.perf_counter() - arrival
-                decoded = await self.compute(partial(model.decode, prefill, steps))
-            record.reply_equal = decoded.tokens == record.reply
-            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
-            done[0] += 1
-            self.progress("recompute", done[0], len(self.records))
-            await anyio.sleep(think[record.turn])
+        arrival = time.perf_counter()
+        record.arrival_nocache_s = arrival - self.t0
+        async with self.running:
+            prefill = await self.compute(partial(model.prefill, record.prompt, None))
+            record.ttft_nocache_s = time.perf_counter() - arrival
+            decoded = await self.compute(partial(model.decode, prefill, steps))
+        record.reply_equal = decoded.tokens == record.reply
+        record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
+        done[0] += 1
+        self.progress("recompute", done[0], len(self.records))
 
     # ------------------------------------------------------------------ checks 1 and 2
 

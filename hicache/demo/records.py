@@ -58,6 +58,9 @@ class DemoConfig:
             storage I/O threads share the CPU, and an oversubscribed thread pool makes small forward
             passes up to ten times slower, and a small pool copy a hundred times slower, on a loaded
             two-core machine.
+        lockstep: serve one request at a time (turn by turn, no pauses) and let the cache finish its
+            backups and storage writes in between, with prefetches that wait for every page: the hits
+            then depend on the workload only, not on timing (for tests and for comparing policies).
     """
 
     users: int = 8
@@ -75,6 +78,7 @@ class DemoConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     metrics_port: int | None = None
     torch_threads: int | None = 1
+    lockstep: bool = False
 
     def __repr__(self) -> str:
         """The fields, with secrets in `backend_url` and `storage_options` replaced by `***`."""

@@ -26,6 +26,7 @@ from hicache.demo.records import DemoConfig, DemoResult
 from hicache.demo.snapshot import pool_json, sum_metric, top_prefixes
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
+from hicache.policy import StopPolicy
 from storage_backends.redact import redact_url
 
 __all__ = ["demo_cache_config", "intra_op_threads", "run_serving", "storage_url"]
@@ -68,6 +69,8 @@ def demo_cache_config(
         # model output as far as the oracle knows, so they must never match.
         namespace=Namespace(model_id=model_name, extra=uuid.uuid4().hex),
         prefetch_threshold=config.prefetch_threshold,
+        # In lockstep a prefetch loads every page it can, however slow the machine: hits stay reproducible.
+        prefetch_stop_policy=StopPolicy.WAIT_COMPLETE if config.lockstep else StopPolicy.TIMEOUT,
         components=components,
     )
 

@@ -166,8 +166,8 @@ class _HybridRunner(ServingLoop[HybridModel]):
             prefix, prefill = await self.compute(restore)
             ttft = time.perf_counter() - arrival
             self.split_prefills += bool(prefill.splits)
-            decoded: HybridDecode = await self.compute(
-                partial(self.model.decode, prefill, steps, snapshot_at)
+            decoded: HybridDecode = await self.compute_steps(
+                self.model.decode_steps(prefill, steps, snapshot_at)
             )
             if prefix is not None:
                 self.restored[request_id] = _Restored(prefix, prefill.splits)

@@ -74,7 +74,7 @@ class LlamaRunner(ServingLoop[DemoModel]):
             )
             ttft = time.perf_counter() - arrival
             steps = self.workload.spec.decode_tokens
-            decoded: DecodeResult = await self.compute(partial(self.model.decode, prefill, steps))
+            decoded: DecodeResult = await self.compute_steps(self.model.decode_steps(prefill, steps))
             reply = decoded.tokens
             seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
             self.to_record.append((seq, prefill, reused))

@@ -11,18 +11,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import anyio
 import torch
 
 from hicache.controller import HiCache, Lease
+from hicache.demo.model import Steps
 from hicache.demo.records import ProgressFn, RequestRecord, Served
 from hicache.demo.workload import Session, Workload
 
 __all__ = ["ServingLoop"]
 
 ModelT = TypeVar("ModelT")
+T = TypeVar("T")
 
 
 class ServingLoop(Generic[ModelT]):
@@ -30,7 +32,7 @@ class ServingLoop(Generic[ModelT]):
 
     A runner subclasses this and implements `_run` (one request through the cache under its lease, which
     it releases); the user loops with the cache, the no-cache recompute run and the model worker thread
-    are here. The model must offer `prefill(prompt, None)` and `decode(prefill, steps)` returning objects
+    are here. The model must offer `prefill(prompt, None)` and `decode_steps(prefill, steps)` returning objects
     with `tokens` and `logits`.
 
     Args:
@@ -73,6 +75,17 @@ class ServingLoop(Generic[ModelT]):
 
         async with self.model_lock:
             return await anyio.to_thread.run_sync(call)
+
+    async def compute_steps(self, steps: Steps[T]) -> T:
+        """Run a model call cut into steps (a decode), taking the model lock once per step.
+
+        The lock is fair, so a request that arrives meanwhile waits for one step, not for a whole decode,
+        before its prefill runs: as in a server that interleaves prefills with other requests' decoding.
+        """
+        while True:
+            done, value = await self.compute(partial(_advance, steps))
+            if done:
+                return cast(T, value)
 
     # ------------------------------------------------------------------ with the cache
 
@@ -182,7 +195,7 @@ class ServingLoop(Generic[ModelT]):
         async with self.running:
             prefill = await self.compute(partial(model.prefill, record.prompt, None))
             record.ttft_nocache_s = time.perf_counter() - arrival
-            decoded = await self.compute(partial(model.decode, prefill, steps))
+            decoded = await self.compute_steps(model.decode_steps(prefill, steps))
         record.reply_equal = decoded.tokens == record.reply
         record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
         done[0] += 1
@@ -193,3 +206,12 @@ class ServingLoop(Generic[ModelT]):
     def verify(self) -> None:
         """Run checks 1 and 2 on every record (in the worker thread)."""
         raise NotImplementedError
+
+
+def _advance(steps: Steps[Any]) -> tuple[bool, Any]:
+    """Run the next step: `(False, None)`, or `(True, result)` once the call has returned."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return True, done.value
+    return False, None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Generator
+
 import anyio
 import pytest
 import torch
@@ -9,10 +12,11 @@ import torch
 pytest.importorskip("transformers")
 
 from hicache.demo.llama_serve import run_demo
+from hicache.demo.loop import ServingLoop
 from hicache.demo.model import ModelSpec
-from hicache.demo.records import DemoConfig, DemoResult
+from hicache.demo.records import DemoConfig, DemoResult, noop_progress
 from hicache.demo.run import intra_op_threads
-from hicache.demo.workload import WorkloadSpec
+from hicache.demo.workload import WorkloadSpec, make_workload
 
 SMALL = DemoConfig(
     users=2,
@@ -52,3 +56,35 @@ def test_intra_op_threads_sets_and_restores_the_calling_threads_setting() -> Non
     assert torch.get_num_threads() == before
     with intra_op_threads(None):
         assert torch.get_num_threads() == before
+
+
+async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> None:
+    """A decode takes the model lock once per step, and the lock is fair: a prefill that queues while a
+    step runs goes next, rather than waiting for the whole decode (its time to first token)."""
+    loop = ServingLoop(None, make_workload(WorkloadSpec(users=1, turns=1)), 2, None, noop_progress)
+    order: list[str] = []
+    gate = threading.Event()
+
+    def steps() -> Generator[None, None, str]:
+        order.append("step 1")
+        assert gate.wait(30)  # holds the model lock until the prefill has queued for it
+        yield
+        order.append("step 2")
+        yield
+        order.append("step 3")
+        return "decoded"
+
+    results: list[str] = []
+
+    async def decode() -> None:
+        results.append(await loop.compute_steps(steps()))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(decode)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(loop.compute, lambda: order.append("prefill"))
+        await anyio.wait_all_tasks_blocked()
+        assert loop.model_lock.statistics().tasks_waiting == 1
+        gate.set()
+    assert order == ["step 1", "prefill", "step 2", "step 3"]
+    assert results == ["decoded"]

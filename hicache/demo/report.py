@@ -70,8 +70,8 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "bytes_moved": {
             "device_to_host": int(sum_metric(m, "backup_tokens_total")) * nbytes,
             "host_to_device": int(sum_metric(m, "load_back_tokens_total")) * nbytes,
-            "storage_read": int(sum_metric(m, "storage_bytes_read_total")),
-            "storage_written": int(sum_metric(m, "storage_bytes_written_total")),
+            "storage_read": int(sum_metric(m, "storage_read_bytes_total")),
+            "storage_written": int(sum_metric(m, "storage_written_bytes_total")),
         },
         "ttft_ms": {
             "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},

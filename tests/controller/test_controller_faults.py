@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_internals import host_pool_of
 from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_for, store_chain
 
 from hicache import HiCache, HiCacheConfig
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
+from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
 
@@ -97,10 +99,10 @@ def page_key_list() -> list[str]:
 
 def failures(cache: HiCache) -> dict[str, float]:
     """`storage_page_failures_total` by reason, parsed from the Prometheus text."""
-    text = cache.registry.render_prometheus()
+    text = render(cache.registry)
     return {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'^storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
+        for m in re.finditer(r'^hicache_storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
     }
 
 
@@ -115,7 +117,7 @@ def loaded_host_kv(cache: HiCache) -> tuple[int, torch.Tensor]:
     if not values:
         return 0, torch.empty(0)
     indices = torch.cat(values[::-1])
-    return int(indices.numel()), cache.host_pool.read_tokens(indices)
+    return int(indices.numel()), host_pool_of(cache).read_tokens(indices)
 
 
 async def assert_settled(cache: HiCache) -> None:

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve one request at a time and let the cache settle in between: the same hits on every run",
     )
+    demo.add_argument(
+        "--refill-policy",
+        choices=["drop", "backup_then_attach"],
+        default="drop",
+        help="a storage refill below a prefix not backed up yet: drop it, or back the prefix up and attach "
+        "it (refill_under_unbacked; default drop)",
+    )
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     demo.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and TTFT over time")
     demo.add_argument("--snapshot", metavar="PATH", help="write a JSON snapshot for `hicache inspect`")
@@ -111,7 +118,7 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.demo.records import DemoConfig, DemoResult
     from hicache.demo.report import render_summary, save_snapshot, summarize
     from hicache.demo.workload import WorkloadSpec
-    from hicache.policy import WritePolicy
+    from hicache.policy import RefillPolicy, WritePolicy
 
     hybrid = args.model == "hybrid"
     if args.system_prompts is None:
@@ -142,6 +149,7 @@ def _demo(args: argparse.Namespace) -> int:
         overrides["device_pages"] = args.device_pages
     if args.host_pages is not None:
         overrides["host_pages"] = args.host_pages
+    overrides["refill_policy"] = RefillPolicy(args.refill_policy)
     if hybrid:
         from hicache.demo.hybrid_serve import HybridDemoConfig, hybrid_demo_config, run_hybrid_demo
 

@@ -12,7 +12,7 @@ from typing import Any
 from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
-from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
+from hicache.policy import EvictionPolicy, RefillPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
 from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
 
@@ -120,6 +120,8 @@ class HiCacheConfig:
         layerwise_load_back: `acquire` loads host hits back layer by layer and returns at once; the
             lease's `layers.wait_layer(i)` says when layer i may be read (see `HiCache.load_back_layerwise`).
             Ignored with `components` (loaded whole).
+        refill_under_unbacked: what a prefetch commit does with a refill whose attach point is not
+            backed up: `drop` it (the default), or `backup_then_attach` (see `RefillPolicy`).
     """
 
     layout: KVLayout
@@ -151,6 +153,7 @@ class HiCacheConfig:
     storage_write_queue_limit: int = 1024
     components: tuple[Component, ...] = ()
     layerwise_load_back: bool = False
+    refill_under_unbacked: RefillPolicy = RefillPolicy.DROP
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -184,6 +187,11 @@ class HiCacheConfig:
         for name in ("storage_read_timeout_s", "storage_write_timeout_s", "close_timeout_s"):
             _positive_seconds(name, getattr(self, name))
         object.__setattr__(self, "write_policy", parse_policy(WritePolicy, self.write_policy, "write_policy"))
+        object.__setattr__(
+            self,
+            "refill_under_unbacked",
+            parse_policy(RefillPolicy, self.refill_under_unbacked, "refill_under_unbacked"),
+        )
         object.__setattr__(
             self, "eviction_policy", parse_policy(EvictionPolicy, self.eviction_policy, "eviction_policy")
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import TypeVar
 
-__all__ = ["EvictionPolicy", "StopPolicy", "WritePolicy", "parse_policy"]
+__all__ = ["EvictionPolicy", "RefillPolicy", "StopPolicy", "WritePolicy", "parse_policy"]
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -19,6 +19,17 @@ class WritePolicy(StrEnum):
     """Back up a node once it has been hit `write_through_threshold` times (default 2)."""
     WRITE_BACK = "write_back"
     """Back up a node only when it is evicted from the device."""
+
+
+class RefillPolicy(StrEnum):
+    """What a prefetch commit does with a storage refill whose attach point is not backed up (under
+    write-through, where a host node must never hang below a device-only one)."""
+
+    DROP = "drop"
+    """Release the refill's pages (the request recomputes them)."""
+    BACKUP_THEN_ATTACH = "backup_then_attach"
+    """Back up the attach point's un-backed chain to host first (root first, as write-through would
+    have), then attach the refill; if host room or the copy fails, drop as `DROP` does."""
 
 
 class EvictionPolicy(StrEnum):

@@ -36,6 +36,7 @@ from hicache.controller.leases import Leases
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
+from hicache.controller.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import StorageWriter
@@ -46,6 +47,7 @@ from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
+from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
@@ -140,6 +142,8 @@ class HiCache:
         self._prefetcher = Prefetcher(
             config, tree, host, comps, queue, self._allocator, counters, breaker, state
         )
+        if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
+            self._prefetcher.rescue = RefillRescue(tree, self._mover)
         self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters)
         self._leases = Leases(
             tree,

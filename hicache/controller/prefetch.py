@@ -73,6 +73,8 @@ class PrefetchOutcome:
             use and released once its thread returns.
         node: the tree node covering the loaded pages (the anchor when nothing was attached).
         drop_reason: why the pages were dropped (None unless `status` is `PrefetchStatus.DROPPED`).
+        rescued: committed only because the attach point's chain was backed up first
+            (`RefillPolicy.BACKUP_THEN_ATTACH`); under `drop` it would have been dropped.
     """
 
     request_id: str
@@ -85,6 +87,7 @@ class PrefetchOutcome:
     node: TreeNode | None = field(repr=False, default=None)
     quarantined_tokens: int = 0
     drop_reason: DropReason | None = None
+    rescued: bool = False
 
     @property
     def committed(self) -> bool:

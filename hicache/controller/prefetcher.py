@@ -19,6 +19,7 @@ from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseBatch, ReleaseQueue
+from hicache.controller.rescue import RefillRescue
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import KnownPages
 from hicache.errors import CacheClosed, UnknownRequest
@@ -92,6 +93,8 @@ class Prefetcher:
         self._detached: set[Prefetch] = set()
         """Cancelled prefetches whose stream had not stopped yet: `_stream` releases them when it does."""
         self.storage: GuardedStorage | None = None
+        self.rescue: RefillRescue | None = None
+        """Backs up an un-backed attach point before commit (`RefillPolicy.BACKUP_THEN_ATTACH`)."""
         """The storage backend behind its breaker (set once the storage tier is open)."""
         self.known: KnownPages | None = None
         """Pages the storage writer takes as stored (set with the storage tier)."""
@@ -241,6 +244,11 @@ class Prefetcher:
         prefetch.request_stop()
         await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
         self._check_still_in_flight(request_id, prefetch)
+        rescued = False
+        if self.rescue is not None and not prefetch.staged:
+            # Before the atomic part: back up what the refill would hang from (see `RefillRescue`).
+            rescued = await self.rescue.prepare(prefetch)
+            self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
         self.inflight_tokens -= prefetch.num_tokens
@@ -300,6 +308,7 @@ class Prefetcher:
             node=node,
             quarantined_tokens=quarantined,
             drop_reason=drop,
+            rescued=rescued and drop is None,
         )
         logger.info(
             "prefetch %s request=%s completed=%d matched=%d loaded=%d released=%d",

@@ -151,6 +151,6 @@ async def _run_demo(
 
     def cache_config(url: str) -> HiCacheConfig:
         base = demo_cache_config(config, layout, url, f"hicache-demo-{spec.seed}")
-        return dataclasses.replace(base, layerwise_load_back=True)
+        return dataclasses.replace(base, layerwise_load_back=True, refill_under_unbacked=config.refill_policy)
 
     return await run_serving(runner, config, cache_config, wall, announce)

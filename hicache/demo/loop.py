@@ -152,6 +152,7 @@ class ServingLoop(Generic[ModelT]):
             restored_kv=served.restored_kv,
             queue_s=t_acquire - arrival,
             acquire_s=acquire_s,
+            prefetch_rescued=lease.prefetch is not None and lease.prefetch.rescued,
         )
 
     async def _run(

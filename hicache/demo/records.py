@@ -13,7 +13,7 @@ import torch
 
 from hicache.demo.model import ModelSpec
 from hicache.demo.workload import WorkloadSpec
-from hicache.policy import WritePolicy
+from hicache.policy import RefillPolicy, WritePolicy
 from storage_backends.redact import redacted_repr
 
 __all__ = [
@@ -49,6 +49,8 @@ class DemoConfig:
         host_pages: pages in the host pool; small, so that host eviction and storage prefetch happen.
         prefetch_threshold: smallest storage remainder (tokens) worth a prefetch.
         write_policy: the cache's write policy.
+        refill_policy: the cache's `refill_under_unbacked` (the Llama demo; staged hybrid components are
+            never rescued).
         max_running: requests in flight at once (each holds device pages while it runs).
         model: the model's shape and weight seed.
         workload: workload knobs other than users, turns and seed (those come from above).
@@ -73,6 +75,7 @@ class DemoConfig:
     host_pages: int = 224
     prefetch_threshold: int = 64
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
+    refill_policy: RefillPolicy = RefillPolicy.DROP
     max_running: int = 2
     model: ModelSpec = field(default_factory=ModelSpec)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -114,6 +117,7 @@ class RequestRecord:
         reused_len: cached tokens actually used (one token is always left to prefill).
         hits: cached tokens by tier they came from: `device`, `host`, `storage`.
         prefetch: the storage prefetch's status (`committed`, `dropped`, ...) or `None`.
+        prefetch_rescued: the prefetch was committed only because its attach point was backed up first.
         inserted: whether the request's KV was inserted (device allocation may fail).
         arrival_s: when the request arrived, from the start of the run.
         ttft_s: time to first token with the cache.
@@ -150,6 +154,7 @@ class RequestRecord:
     same_split_bitwise: bool = True
     recompute_max_diff: float = float("nan")
     reply_equal: bool = False
+    prefetch_rescued: bool = False
 
     @property
     def identical(self) -> bool:
@@ -172,6 +177,7 @@ class RequestRecord:
             "reused_tokens": self.reused_len,
             "hits": dict(self.hits),
             "prefetch": self.prefetch,
+            "prefetch_rescued": self.prefetch_rescued,
             "inserted": self.inserted,
             "arrival_s": round(self.arrival_s, 6),
             "ttft_s": round(self.ttft_s, 6),

@@ -63,6 +63,7 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "prefetch": {
             "committed": prefetch_status.count("committed"),
             "dropped": prefetch_status.count("dropped"),
+            "rescued": sum(1 for r in records if r.prefetch_rescued),
             "cancelled": prefetch_status.count("cancelled"),
             "skipped": skipped,
             "loaded_tokens": int(sum_metric(m, "prefetch_loaded_tokens_total")),

@@ -9,11 +9,11 @@ import torch
 
 from hicache.keys import KeyLike
 from hicache.policy import WritePolicy
+from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import check_indices
 from hicache.tree.matching import key_bytes
 from hicache.tree.node import TreeNode
 from hicache.tree.results import InsertResult
-from hicache.tree.state import TreeState
 
 __all__ = ["Inserting"]
 
@@ -23,7 +23,7 @@ _WB = WritePolicy.WRITE_BACK
 _INT64 = torch.int64
 
 
-class Inserting(TreeState):
+class Inserting(BackupsAndLocks):
     """`insert` and `insert_host` (mixed into `RadixTree`)."""
 
     def _component_values(
@@ -165,6 +165,42 @@ class Inserting(TreeState):
             node = child
         return path
 
+    def _refill_attach_point(self, anchor: TreeNode, kb: bytes) -> tuple[int, TreeNode]:
+        """Walk `kb` below `anchor` without changing anything: (bytes matched, the node the rest would hang
+        from, or the node it would split)."""
+        step = self._step
+        end = len(kb)
+        node = anchor
+        pos = 0
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                return pos, node
+            matched = self._matched_bytes(kb, pos, child.key)
+            pos += matched
+            if matched < len(child.key):
+                return pos, child
+            node = child
+        return pos, node
+
+    def refill_backup_plan(self, anchor: TreeNode, key: KeyLike) -> tuple[TreeNode, ...]:
+        """The plan for a storage refill that `insert_host` would drop: the un-backed chain (root first)
+        to back up before it can attach; empty when it attaches as it is (or under write-back).
+
+        Pure: nothing changes. The caller backs the chain up (`backup_chain` of its last node) and then
+        calls `insert_host`, which drops it all the same if the backup did not happen.
+
+        Args:
+            anchor: a live node of this tree (the refill's anchor).
+            key: the refill's tokens, continuing from the anchor's end.
+        """
+        anchor = self._require_live(anchor, "anchor")
+        kb, _ = self._aligned_key(key)
+        pos, attach = self._refill_attach_point(anchor, kb)
+        if pos >= len(kb) or self.write_policy is _WB or attach is self.root or attach.host_value is not None:
+            return ()
+        return tuple(self.backup_chain(attach))
+
     def insert_host(
         self,
         anchor: TreeNode,
@@ -204,30 +240,16 @@ class Inserting(TreeState):
             if len(hashes) != end // step:
                 raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
         # A dry walk first: a dropped refill must leave the tree untouched (no split either).
-        node = anchor
-        pos = 0
-        attach_backed = True
-        attach_id = node.id
-        while pos < end:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None:
-                attach_backed = node is self.root or node.host_value is not None
-                attach_id = node.id
-                break
-            matched = self._matched_bytes(kb, pos, child.key)
-            pos += matched
-            if matched < len(child.key):
-                attach_backed = child.host_value is not None
-                attach_id = child.id
-                break
-            node = child
+        pos, attach = self._refill_attach_point(anchor, kb)
+        attach_backed = attach is self.root or attach.host_value is not None
         if pos < end and not attach_backed and self.write_policy is not _WB:
             logger.info(
                 "insert_host dropped %d refill tokens: attach point node %d is not backed up",
                 (end - pos) >> 3,
-                attach_id,
+                attach.id,
             )
-            return InsertResult(0, 0, anchor, (), True)
+            plan = tuple(self.backup_chain(attach))
+            return InsertResult(0, 0, anchor, (), True, backup_first=plan)
         self._clock += 1
         tick = self._clock
         node = anchor

@@ -174,9 +174,19 @@ class InsertResult:
             the caller frees every host index it passed.
         component_frees: component indices the caller returns to their pools (duplicates, and values
             no node took).
+        backup_first: for a dropped refill, the plan that would rescue it: the un-backed chain (root
+            first) whose backup makes the attach point backed up, after which `insert_host` attaches.
     """
 
-    __slots__ = ("backups", "component_frees", "host_insert_dropped", "node", "prefix_len", "total_len")
+    __slots__ = (
+        "backup_first",
+        "backups",
+        "component_frees",
+        "host_insert_dropped",
+        "node",
+        "prefix_len",
+        "total_len",
+    )
 
     def __init__(
         self,
@@ -186,7 +196,9 @@ class InsertResult:
         backups: tuple[TreeNode, ...] = (),
         host_insert_dropped: bool = False,
         component_frees: tuple[ComponentFree, ...] = (),
+        backup_first: tuple[TreeNode, ...] = (),
     ) -> None:
+        self.backup_first = backup_first
         self.prefix_len = prefix_len
         self.total_len = total_len
         self.node = node

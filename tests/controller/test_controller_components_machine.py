@@ -283,6 +283,22 @@ test_controller_machine_full_and_mamba = MambaControllerMachine.TestCase
 test_controller_machine_full_swa_and_mamba = HybridControllerMachine.TestCase
 
 
+class HybridRescueControllerMachine(HybridControllerMachine):
+    """The hybrid machine with `refill_under_unbacked="backup_then_attach"` (staged components are
+    never rescued: the policy must change nothing there)."""
+
+    refill_policy = "backup_then_attach"
+
+
+HybridRescueControllerMachine.TestCase.settings = settings(
+    max_examples=50,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_controller_machine_hybrid_refill_rescue = HybridRescueControllerMachine.TestCase
+
+
 def test_the_oracle_tells_prefixes_apart() -> None:
     """The component oracle is prefix-sensitive: equal last pages under different prefixes differ."""
     ns = Namespace(model_id="oracle")

@@ -95,6 +95,9 @@ class ControllerMachine(RuleBasedStateMachine):
     full-attention model.
     """
 
+    refill_policy = "drop"
+    """`refill_under_unbacked`: the machine runs with each policy (`RescueControllerMachine`)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.runner = asyncio.Runner()
@@ -277,6 +280,7 @@ class ControllerMachine(RuleBasedStateMachine):
             # Gated reads are this machine's stuck reads; the test releases them, never a timeout.
             storage_read_timeout_s=3600.0,
             storage_write_timeout_s=3600.0,
+            refill_under_unbacked=self.refill_policy,
         )
 
     async def store_prefill(self, key: bytes, index: int) -> None:
@@ -553,7 +557,7 @@ class ControllerMachine(RuleBasedStateMachine):
                         with anyio.CancelScope(shield=True), contextlib.suppress(UnknownRequest):
                             await cache.cancel_prefetch(request_id)
                         raise
-                    event(f"burst commit {outcome.status}")
+                    event(f"burst commit {outcome.status}{' (rescued)' if outcome.rescued else ''}")
 
                 await self.cancellable(point, prefetch_commit)
 
@@ -624,7 +628,10 @@ class ControllerMachine(RuleBasedStateMachine):
                 assert 0 <= outcome.loaded_tokens <= outcome.completed_tokens
             if self.stop_policy is StopPolicy.WAIT_COMPLETE and not prefetch.failed_pages:
                 assert outcome.completed_tokens == prefetch.num_tokens
-            event(f"commit {outcome.status}")
+            event(f"commit {outcome.status}{' (rescued)' if outcome.rescued else ''}")
+            if outcome.rescued:
+                assert self.refill_policy == "backup_then_attach"
+                assert outcome.status == "committed"
 
         self.run(go)
 
@@ -740,6 +747,21 @@ class ControllerMachine(RuleBasedStateMachine):
 TestControllerMachine = ControllerMachine.TestCase
 TestControllerMachine.settings = settings(
     max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+class RescueControllerMachine(ControllerMachine):
+    """The same machine with refills under an un-backed attach point backed up and attached."""
+
+    refill_policy = "backup_then_attach"
+
+
+TestRescueControllerMachine = RescueControllerMachine.TestCase
+TestRescueControllerMachine.settings = settings(
+    max_examples=100,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

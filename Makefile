@@ -10,7 +10,7 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/memory/test_memory_allocator.py
 
 .PHONY: run test fuzz check native bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
-.PHONY: bench-layerwise
+.PHONY: bench-layerwise bench-refill
 
 $(STAMP): pyproject.toml setup.py native/hicache_native.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -64,6 +64,9 @@ bench-ownership: $(STAMP)
 
 bench-layerwise: $(STAMP)
 	$(BIN)/python bench/bench_layerwise.py
+
+bench-refill: $(STAMP)
+	$(BIN)/python bench/bench_refill.py
 
 # On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
 gpu-check:

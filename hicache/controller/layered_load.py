@@ -33,7 +33,7 @@ from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.memory.layerwise import ALL_READY, LayerReadiness, LayerwiseCopy, all_of
 from hicache.metrics import CacheMetrics
-from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.tree import MatchResult, NodeRef, RadixTree
 
 __all__ = ["LayeredLoader", "LayerwiseLoad"]
 
@@ -133,16 +133,18 @@ class LayeredLoader:
             self._device_pool.free(device_indices)
             match = await self._mover.load_back(current)
             return LayerwiseLoad(match, self.readiness_for(match.device_indices))
-        host_values = torch.cat([node.host_value for node in host_nodes if node.host_value is not None])
         copy = LayerwiseCopy(
-            self._host_pool, host_values, self._device_pool, device_indices, before_layer=self.before_layer
+            self._host_pool,
+            current.host_indices,
+            self._device_pool,
+            device_indices,
+            before_layer=self.before_layer,
         )
         # Attached now, copied below: the pages are the tree's, locked by this load until they landed.
+        # Nothing awaited since the check above, so the tree attaches every page (none to free).
         self._device_pool.set_owner(device_indices, Owner.TREE)
-        offset = 0
-        for node in host_nodes:
-            tree.attach_device(node, device_indices[offset : offset + node.num_tokens])
-            offset += node.num_tokens
+        attached = tree.attach_loaded(key, start, device_indices)
+        assert not attached.freed_device.numel(), "the tree changed under a layer-wise attach"
         last = host_nodes[-1]
         tree.lock_device(last)
         tree.lock_host(last)
@@ -155,10 +157,10 @@ class LayeredLoader:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._metrics.load_back_tokens.inc(length)
-        fresh = tree.match_prefix(key)
+        fresh = attached.match
         return LayerwiseLoad(fresh, self.readiness_for(fresh.device_indices))
 
-    async def _run(self, copy: LayerwiseCopy, token: int, nodes: tuple[TreeNode, ...]) -> None:
+    async def _run(self, copy: LayerwiseCopy, token: int, nodes: tuple[NodeRef, ...]) -> None:
         """Run the copy to its end (a task of its own: no caller's cancellation abandons it), then unlock."""
         last = nodes[-1]
         try:
@@ -177,7 +179,7 @@ class LayeredLoader:
         self._tree.unlock_host(last)
         self._tree.unlock_device(last)
 
-    def _demote(self, nodes: tuple[TreeNode, ...]) -> None:
+    def _demote(self, nodes: tuple[NodeRef, ...]) -> None:
         """Drop the device copies of the loaded `nodes`, deepest first, as far as nothing else holds them."""
         for node in reversed(nodes):
             try:
@@ -185,4 +187,4 @@ class LayeredLoader:
             except ValueError:  # locked by a lease, or a child on the device: it keeps its pages
                 logger.error("layer-wise load-back failed under a held node %s", node.id)
                 return
-            self._device_pool.free(freed)
+            self._device_pool.free(freed.freed_device)

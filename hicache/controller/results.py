@@ -13,7 +13,7 @@ from hicache.controller.release import ReleaseStatistics
 from hicache.memory import PoolStatistics
 from hicache.memory.layerwise import ALL_READY, LayerReadiness
 from hicache.tiers import SkipReason
-from hicache.tree import ComponentStatistics, TreeNode, TreeStatistics
+from hicache.tree import ComponentStatistics, NodeRef, TreeStatistics
 
 __all__ = ["CacheStatistics", "ComponentPoolStatistics", "Lease"]
 
@@ -45,7 +45,7 @@ class Lease:
 
     request_id: str
     key: bytes
-    node: TreeNode
+    node: NodeRef
     device_indices: torch.Tensor
     cached_len: int
     hit_tokens_by_tier: dict[str, int]

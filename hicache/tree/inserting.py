@@ -11,6 +11,7 @@ from hicache.keys import KeyLike
 from hicache.policy import WritePolicy
 from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import check_indices
+from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
 from hicache.tree.node import TreeNode
 from hicache.tree.results import InsertResult
@@ -80,7 +81,7 @@ class Inserting(BackupsAndLocks):
         self._clock = tick = self._clock + 1
         backup_hits = self._backup_hits
         backups: list[TreeNode] = []
-        root = node = self.root
+        root = node = self._root
         pos = 0
         prefix_bytes = 0
         # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
@@ -148,8 +149,14 @@ class Inserting(BackupsAndLocks):
             assert self._book is not None
             self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
         frees = self._take_frees() if self._book is not None else ()
+        ref = self._ref
         return InsertResult(
-            prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else (), False, frees
+            prefix_bytes >> 3,
+            end >> 3,
+            ref(node),
+            tuple([ref(n) for n in backups]) if backups else (),
+            False,
+            frees,
         )
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
@@ -183,7 +190,7 @@ class Inserting(BackupsAndLocks):
             node = child
         return pos, node
 
-    def refill_backup_plan(self, anchor: TreeNode, key: KeyLike) -> tuple[TreeNode, ...]:
+    def refill_backup_plan(self, anchor: NodeRef, key: KeyLike) -> tuple[NodeRef, ...]:
         """The plan for a storage refill that `insert_host` would drop: the un-backed chain (root first)
         to back up before it can attach; empty when it attaches as it is (or under write-back).
 
@@ -194,16 +201,21 @@ class Inserting(BackupsAndLocks):
             anchor: a live node of this tree (the refill's anchor).
             key: the refill's tokens, continuing from the anchor's end.
         """
-        anchor = self._require_live(anchor, "anchor")
+        start = self._require_live(anchor, "anchor")
         kb, _ = self._aligned_key(key)
-        pos, attach = self._refill_attach_point(anchor, kb)
-        if pos >= len(kb) or self.write_policy is _WB or attach is self.root or attach.host_value is not None:
+        pos, attach = self._refill_attach_point(start, kb)
+        if (
+            pos >= len(kb)
+            or self.write_policy is _WB
+            or attach is self._root
+            or attach.host_value is not None
+        ):
             return ()
-        return tuple(self.backup_chain(attach))
+        return tuple(self.backup_chain(self._ref(attach)))
 
     def insert_host(
         self,
-        anchor: TreeNode,
+        anchor: NodeRef,
         key: KeyLike,
         host_indices: torch.Tensor,
         hashes: list[bytes] | None = None,
@@ -228,7 +240,7 @@ class Inserting(BackupsAndLocks):
         Raises:
             TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
         """
-        anchor = self._require_live(anchor, "anchor")
+        start = self._require_live(anchor, "anchor")
         kb, ntok = self._aligned_key(key)
         check_indices(host_indices, "host_indices", ntok)
         comp_values = self._component_values(components, len(kb) >> 3) if components else None
@@ -240,19 +252,19 @@ class Inserting(BackupsAndLocks):
             if len(hashes) != end // step:
                 raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
         # A dry walk first: a dropped refill must leave the tree untouched (no split either).
-        pos, attach = self._refill_attach_point(anchor, kb)
-        attach_backed = attach is self.root or attach.host_value is not None
+        pos, attach = self._refill_attach_point(start, kb)
+        attach_backed = attach is self._root or attach.host_value is not None
         if pos < end and not attach_backed and self.write_policy is not _WB:
             logger.info(
                 "insert_host dropped %d refill tokens: attach point node %d is not backed up",
                 (end - pos) >> 3,
                 attach.id,
             )
-            plan = tuple(self.backup_chain(attach))
-            return InsertResult(0, 0, anchor, (), True, backup_first=plan)
+            plan = tuple(self.backup_chain(self._ref(attach)))
+            return InsertResult(0, 0, self._ref(start), (), True, backup_first=plan)
         self._clock += 1
         tick = self._clock
-        node = anchor
+        node = start
         pos = 0
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
@@ -275,5 +287,5 @@ class Inserting(BackupsAndLocks):
             node = leaf
         if comp_values:
             assert self._book is not None
-            self._book.attach(self._key_path(kb, anchor), 0, end >> 3, ntok, comp_values, "host")
-        return InsertResult(prefix, end >> 3, node, (), False, self._take_frees())
+            self._book.attach(self._key_path(kb, start), 0, end >> 3, ntok, comp_values, "host")
+        return InsertResult(prefix, end >> 3, self._ref(node), (), False, self._take_frees())

@@ -316,11 +316,10 @@ class Agreement:
 
     def _build(self, busy: bool, now: float) -> tuple[torch.Tensor, int]:
         base = self._base()
-        t = torch.full((_HEADER + self.capacity, _FIELDS), _NONE, dtype=torch.int64)
-        t[:, 0:2] = 0  # absent and unsettled unless filled below
         step = self._steps
-        t[0] = torch.tensor([1, 0 if (busy or self._pending) else 1, step, step, -step])
-        t[1] = torch.tensor([1, 1, base, base, -base])
+        absent = [0, 0, _NONE, _NONE, _NONE]
+        rows = [[1, 0 if (busy or self._pending) else 1, step, step, -step], [1, 1, base, base, -base]]
+        rows.extend([absent] * self.capacity)
         for seq, d in self._pending.items():
             i = seq - base
             if i >= self.capacity:
@@ -329,11 +328,15 @@ class Agreement:
                 logger.warning("agreement: %r timed out locally; settling %d", d, d.default)
                 self._timed_out += 1
                 d._local = d.default
-            ready = d._local is not None
-            t[_HEADER + i] = torch.tensor(
-                [1, int(ready), d._local if ready else _NONE, d.key_hash, -d.key_hash]
-            )
-        return t, base
+            local = d._local
+            rows[_HEADER + i] = [
+                1,
+                int(local is not None),
+                _NONE if local is None else local,
+                d.key_hash,
+                -d.key_hash,
+            ]
+        return torch.tensor(rows, dtype=torch.int64), base
 
     async def step(self, *, busy: bool = False) -> StepResult:
         """Run one agreement step: one collective over every pending decision, resolving each one that
@@ -370,33 +373,34 @@ class Agreement:
         tensor, base = self._build(busy, time.monotonic())
         started = time.perf_counter()
         # The thread is waited for even when this task is cancelled: the tensor stays alive under it.
-        agreed = await anyio.to_thread.run_sync(group.min_reduce, tensor)
+        reduced = await anyio.to_thread.run_sync(group.min_reduce, tensor)
         self._last_step_us = (time.perf_counter() - started) * 1e6
-        if int(agreed[0, 3]) != -int(agreed[0, 4]) or int(agreed[1, 3]) != -int(agreed[1, 4]):
+        agreed: list[list[int]] = reduced.tolist()
+        (_, idle, _, step_lo, step_neg), (_, _, _, base_lo, base_neg) = agreed[0], agreed[1]
+        if step_lo != -step_neg or base_lo != -base_neg:
             raise RankDivergence(
                 f"rank {group.tp_rank}: ranks are at different agreement steps or bases (this rank: step "
-                f"{step}, base {base}; seen: steps {int(agreed[0, 3])}..{-int(agreed[0, 4])}, bases "
-                f"{int(agreed[1, 3])}..{-int(agreed[1, 4])}); every rank must call step() alike"
+                f"{step}, base {base}; seen: steps {step_lo}..{-step_neg}, bases {base_lo}..{-base_neg}); "
+                f"every rank must call step() alike"
             )
         resolved = 0
-        for i in range(self.capacity):
-            row = agreed[_HEADER + i]
-            if int(row[0]) != 1:
+        for i, (present, ready, value, key_lo, key_neg) in enumerate(agreed[_HEADER:]):
+            if present != 1:
                 continue  # some rank has not proposed it yet
             d = self._pending[base + i]
-            if int(row[3]) != -int(row[4]):
+            if key_lo != -key_neg:
                 raise RankDivergence(
                     f"rank {group.tp_rank}: decision #{d.seq} differs between the ranks (this rank "
                     f"proposed {d.kind} {d.key!r}): every rank must propose the same decisions in the "
                     f"same order"
                 )
-            if int(row[1]) != 1:
+            if ready != 1:
                 continue
             del self._pending[d.seq]
-            d._resolve(int(row[2]))
+            d._resolve(value)
             resolved += 1
         self._resolved += resolved
-        return StepResult(step=step, resolved=resolved, more=int(agreed[0, 1]) == 0)
+        return StepResult(step=step, resolved=resolved, more=idle == 0)
 
     def _fail(self, error: RankGroupError) -> None:
         self._failed = error
@@ -411,6 +415,35 @@ class Agreement:
         if self._failed is None:
             self._fail(error)
 
+    async def agree(self, decision: Decision) -> int:
+        """Step until `decision` resolves and return the agreed value (a blocking agreement).
+
+        Every rank calls it for the same decision at the same point of its program (an engine call that
+        every rank makes in the same order); the loop ends on `decision.resolved`, which is agreed, so
+        every rank runs the same steps. Other pending decisions resolve in the same steps.
+
+        Raises:
+            RankFailed, RankDivergence: as `step()`.
+        """
+        if self.local:
+            if not decision.settled and decision.deadline < math.inf:
+                with anyio.move_on_after(max(0.0, decision.deadline - time.monotonic())):
+                    await decision.wait()
+                if not decision.resolved:
+                    self._timed_out += 1
+                    decision.settle(decision.default)
+            return await decision.wait()
+        while not decision.resolved:
+            result = await self.step(busy=True)
+            if not decision.resolved and not result.resolved and self.idle_s:
+                await self._wait_change()
+        return await decision.wait()
+
+    async def _wait_change(self) -> None:
+        self._changed = anyio.Event()
+        with anyio.move_on_after(self.idle_s):
+            await self._changed.wait()
+
     async def drive(self, busy: Callable[[], bool]) -> int:
         """Step until no rank is busy and no decision is pending anywhere; return the steps run.
 
@@ -424,9 +457,7 @@ class Agreement:
             if not result.more:
                 return steps
             if not result.resolved and self.idle_s:
-                self._changed = anyio.Event()
-                with anyio.move_on_after(self.idle_s):
-                    await self._changed.wait()
+                await self._wait_change()
 
     def statistics(self) -> AgreementStatistics:
         """A snapshot of the counters."""

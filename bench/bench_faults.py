@@ -46,6 +46,7 @@ from _loop_timing import run_with_ticker
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.controller.breaker import BreakerState
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
+from hicache.metrics import snapshot
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
 
@@ -209,7 +210,7 @@ async def soak(requests: list[list[int]], workers: int, storage_url: str | None)
             written_after = cache.storage.statistics().pages_written
         shed = {
             f"{s['labels']['tier']}/{s['labels']['reason']}": s["value"]
-            for s in cache.registry.snapshot()["writes_shed_total"]["samples"]
+            for s in snapshot(cache.registry)["hicache_writes_shed_total"]["samples"]
         }
         later = 0.0
     if storage_url is not None:

@@ -3,12 +3,12 @@
 #
 #   bash bench/gpu_check.sh                  # on the GPU machine, from the repo root
 #   bash bench/gpu_check.sh --fetch-wheels   # beforehand, on a machine that reaches the package registry:
-#                                            # puts the test-only wheels the GPU image lacks into .whl/
+#                                            # puts the pure-Python wheels the GPU image lacks into .whl/
 #
 # On the GPU machine it
 #   1. finds a Python whose torch sees CUDA (the image's own python3 holds a CUDA torch): no venv, no
 #      `make venv` (that installs the CPU wheel), no `pip install -e .` (a build needs setuptools from a
-#      registry); the repo goes on PYTHONPATH instead. Test-only modules missing there (pytest-asyncio)
+#      registry); the repo goes on PYTHONPATH instead. Modules missing there (pytest-asyncio, prometheus_client)
 #      are installed from .whl/*.whl into a scratch folder, or else from a registry if one answers.
 #      Only if no Python with a CUDA torch exists does it make a venv and pip-install torch into it
 #      (TORCH_SPEC, default torch==2.13.0: a CUDA build on Linux x86_64), time-bounded;
@@ -34,7 +34,7 @@ if [[ ${1:-} == --fetch-wheels ]]; then
     # Pure-Python wheels, so one download serves any CPython 3 on the GPU machine.
     mkdir -p "$WHEELS"
     python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$WHEELS" \
-        "pytest-asyncio==1.5.0" || exit 1
+        "pytest-asyncio==1.5.0" "prometheus_client==0.26.0" || exit 1
     ls -l "$WHEELS"/*.whl
     exit 0
 fi
@@ -80,7 +80,7 @@ missing_modules() {
 import importlib.util
 
 needed = {
-    "anyio": "anyio", "aiofiles": "aiofiles", "xxhash": "xxhash", "numpy": "numpy", "pytest": "pytest",
+    "anyio": "anyio", "prometheus_client": "prometheus_client", "xxhash": "xxhash", "numpy": "numpy", "pytest": "pytest",
     "pytest_asyncio": "pytest-asyncio", "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis",
 }
 print(" ".join(pkg for mod, pkg in needed.items() if importlib.util.find_spec(mod) is None))
@@ -110,7 +110,7 @@ if [[ -z $PY ]]; then
     {
         python3 -m venv "$VENV" &&
             timeout 420 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --retries 1 \
-                --timeout 20 "${TORCH_SPEC:-torch==2.13.0}" anyio aiofiles xxhash numpy pytest pytest-asyncio \
+                --timeout 20 "${TORCH_SPEC:-torch==2.13.0}" anyio prometheus_client xxhash numpy pytest pytest-asyncio \
                 pytest-timeout hypothesis
     } >>"$OUT/setup.log" 2>&1
     if has_cuda_torch "$VENV/bin/python"; then
@@ -124,7 +124,7 @@ if [[ -z $PY ]]; then
 fi
 log "python: $PY"
 
-# Test-only modules the image lacks: from the carried wheels first, then from a registry if one answers.
+# Modules the image lacks: from the carried wheels first, then from a registry if one answers.
 missing=$(missing_modules)
 if [[ -n $missing ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
     wheels=("$WHEELS"/*.whl)
@@ -155,7 +155,7 @@ print("== python", platform.python_version(), "torch", torch.__version__, "cuda"
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", torch.cuda.get_device_name(0), f"{p.total_memory / 2**30:.0f} GiB", "sm", p.major, p.minor)
-for name in ("anyio", "aiofiles", "xxhash", "numpy", "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis",
+for name in ("anyio", "prometheus_client", "xxhash", "numpy", "pytest", "pytest-asyncio", "pytest-timeout", "hypothesis",
              "transformers", "obstore", "moto"):
     try:
         print(f"{name} {md.version(name)}")

@@ -109,8 +109,10 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hicache.demo.report import render_summary, save_plot, save_snapshot, summarize
-    from hicache.demo.serve import DemoConfig, DemoResult, run_demo
+    from hicache.demo.llama_serve import run_demo
+    from hicache.demo.plot import save_plot
+    from hicache.demo.records import DemoConfig, DemoResult
+    from hicache.demo.report import render_summary, save_snapshot, summarize
     from hicache.demo.workload import WorkloadSpec
     from hicache.policy import WritePolicy
 

@@ -1,220 +1,242 @@
-"""Metrics: exact Prometheus exposition, cumulative histogram buckets, escaping, threads, /metrics."""
+"""Metrics: hicache's collectors in a real prometheus_client registry, scraped through the text format
+(`generate_latest`, parsed back with prometheus_client's parser) and over HTTP on 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import anyio
+import prometheus_client as prom
 import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.metrics import (
-    Counter,
-    Histogram,
-    MetricsRegistry,
+    CacheMetrics,
+    CollectorRegistry,
     default_cache_metrics,
-    format_value,
+    rank_labels,
+    render,
     serve_metrics,
+    snapshot,
 )
 
+README = Path(__file__).resolve().parents[1] / "README.md"
 
-def small_registry() -> MetricsRegistry:
-    registry = MetricsRegistry()
-    requests = registry.counter("requests_total", "Requests seen.")
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scraped(text: str) -> Samples:
+    """Every sample of an exposition text, parsed by prometheus_client, without the `_created` stamps."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+def updated_metrics(registry: CollectorRegistry) -> CacheMetrics:
+    """The controller's metric set in `registry`, with a few updates through its call style."""
+    m = default_cache_metrics(registry)
+    m.prefetch_requested.inc()
+    m.prefetch_requested.inc(2)
+    m.prefetch_skipped.inc(reason="below_threshold")
+    m.prefetch_skipped.labels(reason="capacity").inc(3)
+    m.writes_shed.inc(4, tier="host", reason="queue_full")
+    m.storage_bytes_written.inc(4096)
+    m.storage_breaker_state.set(1, tier="storage")
+    for seconds in (0.0004, 0.02, 0.02, 30.0):
+        m.prefetch_latency.observe(seconds)
+    return m
+
+
+def test_the_metric_set_scrapes_through_the_text_format() -> None:
+    """What the controller records is what a Prometheus scrape of the registry reads back."""
+    registry = CollectorRegistry()
+    m = updated_metrics(registry)
+    samples = scraped(prom.generate_latest(registry).decode())
+    assert samples[("hicache_prefetch_requested_total", ())] == 3.0
+    assert samples[("hicache_prefetch_skipped_total", (("reason", "below_threshold"),))] == 1.0
+    assert samples[("hicache_prefetch_skipped_total", (("reason", "capacity"),))] == 3.0
+    assert samples[("hicache_writes_shed_total", (("reason", "queue_full"), ("tier", "host")))] == 4.0
+    assert samples[("hicache_storage_written_bytes_total", ())] == 4096.0
+    assert samples[("hicache_storage_breaker_state", (("tier", "storage"),))] == 1.0
+    assert samples[("hicache_backup_tokens_total", ())] == 0.0  # untouched, unlabelled: shown at 0
+    assert not any(name == "hicache_prefetch_dropped_tokens_total" for name, _ in samples)  # no label set yet
+    buckets = {dict(labels)["le"]: v for (name, labels), v in samples.items() if name.endswith("_bucket")}
+    assert buckets["0.0005"] == 1.0
+    assert buckets["0.025"] == 3.0
+    assert buckets["10.0"] == 3.0
+    assert buckets["+Inf"] == 4.0
+    assert samples[("hicache_prefetch_latency_seconds_count", ())] == 4.0
+    assert samples[("hicache_prefetch_latency_seconds_sum", ())] == pytest.approx(30.0404)
+    assert render(registry) == prom.generate_latest(registry).decode()
+    assert m.prefetch_skipped.value(reason="capacity") == 3.0
+    assert m.prefetch_latency.value() == 4.0
+
+
+def test_names_follow_prometheus_conventions_and_match_the_readme_table() -> None:
+    """Counters end in `_total`, units end the name, every name has the `hicache_` prefix; the README's
+    metrics table lists exactly the registered names, with their types and labels."""
+    registry = CollectorRegistry()
+    default_cache_metrics(registry)
+    registered = {}
+    for family in registry.collect():
+        registered[family.name + ("_total" if family.type == "counter" else "")] = family.type
+    for name, kind in registered.items():
+        assert name.startswith("hicache_"), name
+        assert name.endswith("_total") == (kind == "counter"), name
+        assert "bytes" not in name or name.endswith(("_bytes", "_bytes_total")), name
+    assert registered["hicache_prefetch_latency_seconds"] == "histogram"
+    table = re.findall(r"^\| `(hicache_\w+)` \| (\w+) \| ([^|]*)\|", README.read_text(), re.M)
+    assert {name: kind for name, kind, _ in table} == registered
+    labels = {name: set(re.findall(r"`(\w+)`", cell)) for name, _, cell in table}
+    assert labels["hicache_writes_shed_total"] == {"tier", "reason"}
+    assert labels["hicache_storage_errors_total"] == {"op", "kind"}
+    assert labels["hicache_prefetch_requested_total"] == set()
+
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=4)
+
+
+def layout_config(**overrides: object) -> HiCacheConfig:
+    return HiCacheConfig(layout=LAYOUT, device_pages=8, host_pages=8, **overrides)  # type: ignore[arg-type]
+
+
+async def test_a_cache_registers_in_the_registry_its_caller_passes() -> None:
+    """An embedding server's registry shows its own metrics and the cache's; two caches share one registry
+    (their series add up); a name the server already took is refused naming the argument."""
+    server = CollectorRegistry()
+    requests = prom.Counter("server_requests_total", "The server's own requests.", registry=server)
     requests.inc()
-    requests.inc(2)
-    skipped = registry.counter("skipped_total", "Skipped, by reason.", ["reason"])
-    skipped.inc(reason="miss")
-    skipped.labels(reason="full").inc(3)
-    registry.gauge("inflight", "Requests in flight.").set(4)
-    latency = registry.histogram("latency_seconds", "Latency.", buckets=[0.1, 1.0])
-    for value in (0.05, 0.5, 0.5, 3.0):
-        latency.observe(value)
-    return registry
+    async with (
+        HiCache(layout_config(), metrics=server) as first,
+        HiCache(layout_config(), metrics=server) as second,
+    ):
+        assert first.registry is server
+        first.metrics.backup_tokens.inc(8)
+        second.metrics.backup_tokens.inc(4)
+        samples = scraped(render(server))
+        assert samples[("server_requests_total", ())] == 1.0
+        assert samples[("hicache_backup_tokens_total", ())] == 12.0
+        assert samples[("hicache_storage_breaker_state", (("tier", "storage"),))] == 0.0
+        assert first.metrics.backup_tokens.collector is second.metrics.backup_tokens.collector
+    taken = CollectorRegistry()
+    prom.Gauge("hicache_backup_tokens_total", "Someone else's.", registry=taken)
+    with pytest.raises(ValueError, match="registry: cannot register 'hicache_backup_tokens_total'"):
+        default_cache_metrics(taken)
+    with pytest.raises(TypeError, match="registry"):
+        default_cache_metrics(object())  # type: ignore[arg-type]
 
 
-def test_exposition_text_is_exact() -> None:
-    assert small_registry().render_prometheus().splitlines() == [
-        "# HELP requests_total Requests seen.",
-        "# TYPE requests_total counter",
-        "requests_total 3.0",
-        "# HELP skipped_total Skipped, by reason.",
-        "# TYPE skipped_total counter",
-        'skipped_total{reason="miss"} 1.0',
-        'skipped_total{reason="full"} 3.0',
-        "# HELP inflight Requests in flight.",
-        "# TYPE inflight gauge",
-        "inflight 4.0",
-        "# HELP latency_seconds Latency.",
-        "# TYPE latency_seconds histogram",
-        'latency_seconds_bucket{le="0.1"} 1',
-        'latency_seconds_bucket{le="1.0"} 3',
-        'latency_seconds_bucket{le="+Inf"} 4',
-        "latency_seconds_sum 4.05",
-        "latency_seconds_count 4",
-    ]
+async def test_a_cache_of_several_tensor_parallel_ranks_labels_its_series_with_its_rank() -> None:
+    """`tp_rank` is added to every series when the namespace has more than one rank, and only then."""
+    assert rank_labels(Namespace(tp_rank=1, tp_size=2)) == {"tp_rank": "1"}
+    assert rank_labels(Namespace()) == {}
+    registry = CollectorRegistry()
+    async with HiCache(
+        layout_config(namespace=Namespace(model_id="m", tp_rank=1, tp_size=2)), metrics=registry
+    ) as c:
+        c.metrics.prefetch_skipped.inc(reason="capacity")
+        samples = scraped(render(registry))
+    assert samples[("hicache_prefetch_skipped_total", (("reason", "capacity"), ("tp_rank", "1")))] == 1.0
+    assert samples[("hicache_backup_tokens_total", (("tp_rank", "1"),))] == 0.0
+    with pytest.raises(ValueError, match="const_labels"):
+        default_cache_metrics(CollectorRegistry(), const_labels={"reason": "x"})
 
 
-def test_exposition_ends_with_newline_and_untouched_metrics_show_zero() -> None:
-    registry = MetricsRegistry()
-    registry.counter("a_total", "A.")
-    registry.counter("b_total", "B.", ["kind"])  # labelled: no series until first update
-    text = registry.render_prometheus()
-    assert text.endswith("\n")
-    assert text.splitlines() == [
-        "# HELP a_total A.",
-        "# TYPE a_total counter",
-        "a_total 0.0",
-        "# HELP b_total B.",
-        "# TYPE b_total counter",
-    ]
+def test_label_values_are_shown_redacted() -> None:
+    """A label value holding a URL never shows its credentials, in the text or the snapshot."""
+    registry = CollectorRegistry()
+    m = default_cache_metrics(registry)
+    m.prefetch_skipped.inc(reason="s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket")
+    text, snap = render(registry), json.dumps(snapshot(registry))
+    for shown in (text, snap):
+        assert "wJalrXUtnFEMI" not in shown
+        assert "AKIAEXAMPLE" not in shown
+    assert 'reason="s3://***@host/bucket"' in text
 
 
-def test_histogram_buckets_are_cumulative_per_label_set() -> None:
-    h = Histogram("op_seconds", "Op.", ["op"], buckets=[1, 2, 5])
-    for v in (0.5, 1.0, 1.5, 2.0, 4.0, 6.0):
-        h.observe(v, op="read")
-    h.labels(op="write").observe(10)
-    assert h.bucket_counts(op="read") == [(1.0, 2), (2.0, 4), (5.0, 5), (float("inf"), 6)]
-    assert h.bucket_counts(op="write") == [(1.0, 0), (2.0, 0), (5.0, 0), (float("inf"), 1)]
-    assert h.count(op="read") == 6
-    assert h.sum(op="read") == pytest.approx(15.0)
-    lines = h.render()
-    assert 'op_seconds_bucket{op="read",le="2.0"} 4' in lines
-    assert 'op_seconds_sum{op="write"} 10.0' in lines
-    assert 'op_seconds_count{op="write"} 1' in lines
-
-
-def test_label_values_and_help_are_escaped() -> None:
-    registry = MetricsRegistry()
-    c = registry.counter("odd_total", 'Help with \\ and\nnewline and "quotes".', ["path"])
-    c.inc(path='C:\\dir\n"x"')
-    assert registry.render_prometheus().splitlines() == [
-        '# HELP odd_total Help with \\\\ and\\nnewline and "quotes".',
-        "# TYPE odd_total counter",
-        'odd_total{path="C:\\\\dir\\n\\"x\\""} 1.0',
-    ]
-
-
-def test_format_value_special_floats() -> None:
-    assert [format_value(v) for v in (float("inf"), float("-inf"), float("nan"), 2, 0.25)] == [
-        "+Inf",
-        "-Inf",
-        "NaN",
-        "2.0",
-        "0.25",
-    ]
+def test_misuse_raises_naming_the_argument() -> None:
+    m = default_cache_metrics(CollectorRegistry())
+    with pytest.raises(ValueError, match="labels"):
+        m.prefetch_skipped.inc()
+    with pytest.raises(ValueError, match="labels"):
+        m.prefetch_skipped.inc(reason="a", other="b")
+    with pytest.raises(ValueError, match="amount"):
+        m.prefetch_skipped.inc(-1, reason="a")
+    with pytest.raises(TypeError, match="labels"):
+        m.prefetch_skipped.inc(reason=3)  # type: ignore[arg-type]
 
 
 def test_concurrent_increments_from_threads_sum_correctly() -> None:
-    registry = MetricsRegistry()
-    counter = registry.counter("hits_total", "Hits.", ["worker"])
-    hist = registry.histogram("sizes", "Sizes.", buckets=[10])
+    registry = CollectorRegistry()
+    m = default_cache_metrics(registry)
     threads_n, per_thread = 8, 2000
     barrier = threading.Barrier(threads_n)
 
     def work(i: int) -> None:
         barrier.wait()
         for _ in range(per_thread):
-            counter.inc(worker=str(i % 2))
-            hist.observe(1)
+            m.prefetch_skipped.inc(reason=str(i % 2))
+            m.prefetch_latency.observe(0.001)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(threads_n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert counter.value(worker="0") + counter.value(worker="1") == threads_n * per_thread
-    assert counter.value(worker="0") == threads_n // 2 * per_thread
-    assert hist.count() == threads_n * per_thread
-    assert hist.bucket_counts()[0] == (10.0, threads_n * per_thread)
+    samples = scraped(render(registry))
+    assert samples[("hicache_prefetch_skipped_total", (("reason", "0"),))] == threads_n // 2 * per_thread
+    assert samples[("hicache_prefetch_skipped_total", (("reason", "1"),))] == threads_n // 2 * per_thread
+    assert samples[("hicache_prefetch_latency_seconds_count", ())] == threads_n * per_thread
 
 
-def test_misuse_raises_naming_the_argument() -> None:
-    registry = MetricsRegistry()
-    c = registry.counter("x_total", "X.", ["reason"])
-    with pytest.raises(ValueError, match="labels"):
-        c.inc()
-    with pytest.raises(ValueError, match="labels"):
-        c.inc(reason="a", other="b")
-    with pytest.raises(ValueError, match="amount"):
-        c.inc(-1, reason="a")
-    with pytest.raises(ValueError, match="name"):
-        registry.counter("bad name", "Bad.")
-    with pytest.raises(ValueError, match="labelnames"):
-        registry.histogram("h", "H.", ["le"])
-    with pytest.raises(ValueError, match="buckets"):
-        registry.histogram("h2", "H.", buckets=[2, 1])
-    with pytest.raises(ValueError, match="already registered"):
-        registry.gauge("x_total", "X.")
-    assert registry.counter("x_total", "X.", ["reason"]) is c
-
-
-def test_snapshot_is_plain_json() -> None:
-    snap = small_registry().snapshot()
+def test_snapshot_is_plain_json_keyed_by_exposed_name() -> None:
+    registry = CollectorRegistry()
+    updated_metrics(registry)
+    snap = snapshot(registry)
     assert json.loads(json.dumps(snap)) == snap
-    assert snap["skipped_total"]["samples"] == [
-        {"labels": {"reason": "miss"}, "value": 1.0},
-        {"labels": {"reason": "full"}, "value": 3.0},
+    assert snap["hicache_prefetch_skipped_total"]["type"] == "counter"
+    assert snap["hicache_prefetch_skipped_total"]["samples"] == [
+        {"labels": {"reason": "below_threshold"}, "value": 1.0},
+        {"labels": {"reason": "capacity"}, "value": 3.0},
     ]
-    latency = snap["latency_seconds"]["samples"][0]
-    assert latency["buckets"] == {"0.1": 1, "1.0": 3, "+Inf": 4}
-    assert latency["count"] == 4
+    latency = snap["hicache_prefetch_latency_seconds"]["samples"]
+    assert len(latency) == 1
+    assert latency[0]["buckets"]["0.0005"] == 1
+    assert latency[0]["buckets"]["+Inf"] == 4
+    assert latency[0]["count"] == 4
+    assert not any(name.endswith("_created") for name in snap)
 
 
-def test_default_cache_metrics_registers_the_controller_names() -> None:
-    registry = MetricsRegistry()
-    m = default_cache_metrics(registry)
-    m.prefetch_skipped.labels(reason="no_host_room").inc()
-    m.storage_page_failures.labels(reason="read").inc(2)
-    m.prefetch_latency.observe(0.002)
-    assert isinstance(m.prefetch_requested, Counter)
-    for name in (
-        "prefetch_requested_total",
-        "prefetch_skipped_total",
-        "prefetch_hit_tokens_total",
-        "prefetch_loaded_tokens_total",
-        "prefetch_dropped_tokens_total",
-        "prefetch_committed_total",
-        "prefetch_cancelled_total",
-        "storage_bytes_read_total",
-        "storage_bytes_written_total",
-        "storage_page_failures_total",
-        "backup_tokens_total",
-        "evict_dropped_tokens_total",
-        "load_back_tokens_total",
-        "prefetch_latency_seconds",
-    ):
-        assert name in registry
-    assert default_cache_metrics(registry).prefetch_skipped is m.prefetch_skipped
-    assert 'prefetch_skipped_total{reason="no_host_room"} 1.0' in registry.render_prometheus()
-    assert (
-        "hicache_backup_tokens_total"
-        in default_cache_metrics(MetricsRegistry(), prefix="hicache_").backup_tokens.name
-    )
+def http_get(url: str) -> tuple[int, str, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.status, response.headers["Content-Type"], response.read().decode()
 
 
-async def http_get(port: int, path: str, method: str = "GET") -> bytes:
-    async with await anyio.connect_tcp("127.0.0.1", port) as stream:
-        await stream.send(f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
-        chunks = []
-        while True:
-            try:
-                chunks.append(await stream.receive())
-            except anyio.EndOfStream:
-                break
-        return b"".join(chunks)
-
-
-async def test_serve_metrics_answers_over_loopback() -> None:
-    registry = small_registry()
+async def test_serve_metrics_answers_a_real_scrape_over_loopback() -> None:
+    """prometheus_client's HTTP server, started and stopped by the `serve_metrics` task, answers a scrape."""
+    registry = CollectorRegistry()
+    m = updated_metrics(registry)
     async with anyio.create_task_group() as tg:
         port = await tg.start(serve_metrics, registry)
-        response = await http_get(port, "/metrics")
-        head, _, body = response.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
-        assert b"Content-Type: text/plain; version=0.0.4; charset=utf-8" in head
-        assert body.decode() == registry.render_prometheus()
-        assert (await http_get(port, "/nope")).startswith(b"HTTP/1.1 404 ")
-        assert (await http_get(port, "/metrics", method="POST")).startswith(b"HTTP/1.1 405 ")
+        status, content_type, body = await anyio.to_thread.run_sync(
+            http_get, f"http://127.0.0.1:{port}/metrics"
+        )
+        assert status == 200
+        assert content_type == "text/plain; version=0.0.4; charset=utf-8"  # the text format, no Accept header
+        assert scraped(body) == scraped(render(registry))
+        m.prefetch_requested.inc()
+        _, _, body = await anyio.to_thread.run_sync(http_get, f"http://127.0.0.1:{port}/metrics")
+        assert scraped(body)[("hicache_prefetch_requested_total", ())] == 4.0
         tg.cancel_scope.cancel()
+    with pytest.raises(urllib.error.URLError, match="refused"):  # the server is gone once the task stopped
+        await anyio.to_thread.run_sync(http_get, f"http://127.0.0.1:{port}/metrics")

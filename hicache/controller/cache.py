@@ -50,7 +50,7 @@ from hicache.memory import (
     make_device_pool,
     make_host_pool,
 )
-from hicache.metrics import CacheMetrics, MetricsRegistry, default_cache_metrics
+from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
 from hicache.tree import InsertResult, MatchResult, RadixTree, TreeNode, TreeStatistics
 from storage_backends.protocol import StorageBackend
 from storage_backends.registry import open_backend
@@ -148,7 +148,7 @@ class HiCache:
             ownership (the cache does not close it).
         device_pool: a device pool to use instead of creating one (must match the layout).
         host_pool: a host pool to use instead of creating one (must match the layout).
-        metrics: a registry to record into (default: a private one).
+        metrics: the prometheus_client registry to register the cache's metrics in (default: a private one).
         storage_breaker: the circuit breaker that guards the storage tier (default: one built from the
             config's `storage_breaker_*` fields); tests pass one with a fake clock.
     """
@@ -160,7 +160,7 @@ class HiCache:
         storage: StorageBackend | None = None,
         device_pool: KVPool | None = None,
         host_pool: KVPool | None = None,
-        metrics: MetricsRegistry | None = None,
+        metrics: CollectorRegistry | None = None,
         storage_breaker: CircuitBreaker | None = None,
     ) -> None:
         if not isinstance(config, HiCacheConfig):
@@ -209,8 +209,10 @@ class HiCache:
             raise
         self.storage: StorageBackend | None = storage
         self._owns_storage = storage is None
-        self.registry = metrics if metrics is not None else MetricsRegistry()
-        self.metrics: CacheMetrics = default_cache_metrics(self.registry)
+        self.registry = metrics if metrics is not None else CollectorRegistry()
+        self.metrics: CacheMetrics = default_cache_metrics(
+            self.registry, const_labels=rank_labels(config.namespace)
+        )
         self.release_queue = ReleaseQueue(
             self.host_pool, batch_tokens=config.release_batch_pages * self.page_size
         )

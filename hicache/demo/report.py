@@ -1,4 +1,4 @@
-"""Turn a `DemoResult` into a summary: a dict for `--json`, a rich table, a PNG chart and a snapshot file."""
+"""Turn a `DemoResult` into a summary: a dict for `--json`, a rich table and a snapshot file (the chart: `plot`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hicache.demo.png import Canvas, Series, line_chart
-from hicache.demo.serve import RECOMPUTE_TOLERANCE, DemoResult, sum_metric
+from hicache.demo.records import RECOMPUTE_TOLERANCE, DemoResult
+from hicache.demo.snapshot import sum_metric
 from storage_backends.redact import redact_url
 
-__all__ = ["percentile", "render_summary", "save_plot", "save_snapshot", "summarize"]
+__all__ = ["percentile", "render_summary", "save_snapshot", "summarize"]
 
 TIERS = ("device", "host", "storage")
 
@@ -70,8 +70,8 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "bytes_moved": {
             "device_to_host": int(sum_metric(m, "backup_tokens_total")) * nbytes,
             "host_to_device": int(sum_metric(m, "load_back_tokens_total")) * nbytes,
-            "storage_read": int(sum_metric(m, "storage_bytes_read_total")),
-            "storage_written": int(sum_metric(m, "storage_bytes_written_total")),
+            "storage_read": int(sum_metric(m, "storage_read_bytes_total")),
+            "storage_written": int(sum_metric(m, "storage_written_bytes_total")),
         },
         "ttft_ms": {
             "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
@@ -183,42 +183,6 @@ def render_summary(summary: dict[str, Any]) -> Any:
         style = ("green" if ok else "bold red") if label == "outputs identical to recompute" else None
         table.add_row(label, value, style=style)
     return table
-
-
-def save_plot(result: DemoResult, path: str | Path) -> None:
-    """Write a PNG with the cumulative hit rate and the TTFT of both runs over time."""
-    records = sorted(result.records, key=lambda r: r.arrival_s + r.ttft_s)
-    hit_points: list[tuple[float, float]] = []
-    hit = total = 0
-    for r in records:
-        hit += sum(r.hits.values())
-        total += int(r.prompt.numel())
-        hit_points.append((r.arrival_s + r.ttft_s, 100.0 * hit / max(1, total)))
-    cached = [(r.arrival_s + r.ttft_s, 1e3 * r.ttft_s) for r in records]
-    nocache = sorted(
-        (r.arrival_nocache_s + r.ttft_nocache_s, 1e3 * r.ttft_nocache_s)
-        for r in result.records
-        if r.arrival_nocache_s is not None and r.ttft_nocache_s is not None
-    )
-    x_max = max([x for x, _ in cached + nocache], default=1.0)
-    canvas = Canvas(900, 620)
-    line_chart(
-        canvas,
-        (90, 50, 870, 270),
-        [Series("with hicache", hit_points, (31, 119, 180))],
-        title="cumulative prompt tokens served from cache (%)",
-        x_max=x_max,
-        y_max=100.0,
-    )
-    line_chart(
-        canvas,
-        (90, 340, 870, 570),
-        [Series("with hicache", cached, (31, 119, 180)), Series("no cache", nocache, (214, 39, 40))],
-        title="time to first token (ms)",
-        x_max=x_max,
-    )
-    canvas.text(400, 595, "seconds since start", (60, 60, 60))
-    canvas.save(path)
 
 
 def save_snapshot(result: DemoResult, summary: dict[str, Any], path: str | Path) -> None:

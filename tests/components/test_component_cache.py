@@ -23,6 +23,7 @@ from hicache import HiCache, PrefetchState
 from hicache.components import component_storage_key
 from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
+from hicache.metrics import render
 from storage_backends.memory import MemoryBackend
 
 
@@ -102,7 +103,7 @@ async def test_a_missing_state_in_storage_skips_the_prefetch_and_keeps_nothing(
         seq = tokens(1, 32)
         await store_hybrid(backend, cache, seq, with_state=False)
         assert await cache.prefetch("r1", seq) is None
-        assert 'reason="component_miss"' in cache.registry.render_prometheus()
+        assert 'reason="component_miss"' in render(cache.registry)
         assert_every_pool_full(cache)
         cache.sanity_check()
     finally:

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from hicache.controller.breaker import BreakerState, CircuitBreaker
-from hicache.metrics import MetricsRegistry, default_cache_metrics
+from hicache.metrics import CollectorRegistry, default_cache_metrics, render
 
 
 class FakeClock:
@@ -210,21 +210,22 @@ def test_the_cache_gauge_follows_the_state() -> None:
     """The gauge exports 0 closed, 1 open, 2 half-open through a listener, as the cache wires it."""
     clock = FakeClock()
     breaker = make_breaker(clock)
-    registry = MetricsRegistry()
-    gauge = default_cache_metrics(registry).storage_breaker_state.labels(tier="storage")
+    registry = CollectorRegistry()
+    state = default_cache_metrics(registry).storage_breaker_state
+    gauge = state.labels(tier="storage")
     gauge.set(breaker.state)
     breaker.listeners.append(lambda old, new: gauge.set(new))
-    seen = [gauge.value()]
+    seen = [state.value(tier="storage")]
     open_breaker(breaker)
-    seen.append(gauge.value())
+    seen.append(state.value(tier="storage"))
     clock.advance(1.0)
     probe = breaker.begin()
     assert probe is not None
-    seen.append(gauge.value())
+    seen.append(state.value(tier="storage"))
     breaker.success(probe)
-    seen.append(gauge.value())
+    seen.append(state.value(tier="storage"))
     assert seen == [0.0, 1.0, 2.0, 0.0]
-    assert 'storage_breaker_state{tier="storage"} 0.0' in registry.render_prometheus()
+    assert 'hicache_storage_breaker_state{tier="storage"} 0.0' in render(registry)
 
 
 @pytest.mark.parametrize(

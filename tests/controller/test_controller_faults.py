@@ -22,6 +22,7 @@ from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_fo
 
 from hicache import HiCache, HiCacheConfig
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
+from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
 
@@ -97,10 +98,10 @@ def page_key_list() -> list[str]:
 
 def failures(cache: HiCache) -> dict[str, float]:
     """`storage_page_failures_total` by reason, parsed from the Prometheus text."""
-    text = cache.registry.render_prometheus()
+    text = render(cache.registry)
     return {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'^storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
+        for m in re.finditer(r'^hicache_storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
     }
 
 

@@ -34,6 +34,7 @@ from kv_oracle import check_pools_exact, layout_for, page_keys, store_chain
 
 from hicache import HiCache, HiCacheConfig
 from hicache.keys import Namespace, as_key_bytes
+from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
 from storage_backends.threads import stray_threads
@@ -146,10 +147,10 @@ async def release_and_settle(cache: HiCache, fifo: StuckFile) -> None:
 
 
 def failures(cache: HiCache) -> dict[str, float]:
-    text = cache.registry.render_prometheus()
+    text = render(cache.registry)
     return {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'^storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
+        for m in re.finditer(r'^hicache_storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
     }
 
 

@@ -23,6 +23,7 @@ import torch
 from hicache import HiCache, HiCacheConfig, KVLayout, MambaState, Namespace, SlidingWindow
 from hicache.components import component_storage_key
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
+from hicache.metrics import render
 from storage_backends.file import FileBackend
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
@@ -114,10 +115,10 @@ async def serve(cache: HiCache, seq: list[int]) -> dict[str, torch.Tensor]:
 
 
 def storage_failures(cache: HiCache) -> dict[str, float]:
-    text = cache.registry.render_prometheus()
+    text = render(cache.registry)
     return {
         m.group(1): float(m.group(2))
-        for m in re.finditer(r'^storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
+        for m in re.finditer(r'^hicache_storage_page_failures_total\{reason="([a-z_]+)"\} (\S+)$', text, re.M)
     }
 
 

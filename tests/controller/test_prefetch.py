@@ -23,6 +23,7 @@ from hicache import HiCache, PrefetchState, UnknownRequest
 from hicache.controller.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
+from hicache.metrics import render
 from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import PageStatus
 
@@ -350,7 +351,7 @@ async def test_prefetch_is_skipped_below_threshold_and_over_capacity(backend: Me
         first = await cache.prefetch("big", tokens(1, 32))
         assert first is not None
         assert await cache.prefetch("over", tokens(1, 64)) is None
-        text = cache.registry.render_prometheus()
+        text = render(cache.registry)
         assert 'reason="below_threshold"' in text
         assert 'reason="capacity"' in text
         await cache.cancel_prefetch("big")

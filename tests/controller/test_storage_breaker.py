@@ -27,7 +27,7 @@ from hicache import (
 )
 from hicache.controller.guarded_storage import GuardedStorage
 from hicache.errors import StorageCircuitOpen
-from hicache.metrics import MetricsRegistry, default_cache_metrics
+from hicache.metrics import CollectorRegistry, default_cache_metrics, snapshot
 from storage_backends.memory import MemoryBackend
 
 
@@ -65,9 +65,9 @@ class Flaky(PassThroughBackend):
 
 
 def counter(cache: HiCache, name: str, **labels: str) -> float:
-    metric = cache.registry.get(name)
-    assert metric is not None, name
-    return float(metric.value(**labels))  # type: ignore[attr-defined]
+    """The value of hicache's series `name` (without its prefix) with `labels`, read from the registry."""
+    value = cache.registry.get_sample_value(f"hicache_{name}", labels)
+    return 0.0 if value is None else value
 
 
 async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage() -> None:
@@ -192,7 +192,7 @@ async def test_the_guard_counts_errors_by_kind_and_misses_as_answers(error: OSEr
     inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
     async with inner:
         backend = Scripted(inner, [PageNotFound("gone"), error])
-        registry = MetricsRegistry()
+        registry = CollectorRegistry()
         errors = default_cache_metrics(registry).storage_errors
         breaker = CircuitBreaker(threshold=1, backoff_initial_s=1.0, clock=FakeClock())
         guard = GuardedStorage(backend, breaker, errors)
@@ -206,7 +206,7 @@ async def test_the_guard_counts_errors_by_kind_and_misses_as_answers(error: OSEr
         with pytest.raises(StorageCircuitOpen):
             await guard.exists(["00"])
         assert backend.calls == 2
-        assert sum(s["value"] for s in registry.snapshot()["storage_errors_total"]["samples"]) == 1
+        assert sum(s["value"] for s in snapshot(registry)["hicache_storage_errors_total"]["samples"]) == 1
 
 
 async def test_a_cancelled_probe_backs_off_instead_of_probing_again_at_once() -> None:
@@ -215,7 +215,7 @@ async def test_a_cancelled_probe_backs_off_instead_of_probing_again_at_once() ->
         storage = Flaky(inner)
         clock = FakeClock()
         breaker = CircuitBreaker(threshold=1, backoff_initial_s=1.0, clock=clock)
-        guard = GuardedStorage(storage, breaker, default_cache_metrics(MetricsRegistry()).storage_errors)
+        guard = GuardedStorage(storage, breaker, default_cache_metrics(CollectorRegistry()).storage_errors)
         storage.down = True
         with pytest.raises(StorageUnavailable):
             await guard.exists(["00"])

@@ -72,4 +72,4 @@ def test_another_models_namespace_gets_no_hits_from_the_same_directory(
     for r in load["results"]:
         assert r["cached"] == 0
         assert r["tiers"] == {"device": 0, "host": 0, "storage": 0}
-    assert load["skipped"] == ['prefetch_skipped_total{reason="storage_miss"} 3.0']
+    assert load["skipped"] == ['hicache_prefetch_skipped_total{reason="storage_miss"} 3.0']

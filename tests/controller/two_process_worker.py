@@ -21,6 +21,7 @@ from kv_oracle import chain_payload, layout_for
 
 from hicache import HiCache, HiCacheConfig
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
+from hicache.metrics import render
 
 PAGE = 4
 LAYOUT = layout_for(PAGE)
@@ -95,8 +96,8 @@ async def load(root: str, model: str, out: Path) -> dict[str, Any]:
             cache.release(lease)
         await cache.wait_idle()
         cache.sanity_check()
-        text = cache.registry.render_prometheus()
-    skipped = [line for line in text.splitlines() if line.startswith("prefetch_skipped_total")]
+        text = render(cache.registry)
+    skipped = [line for line in text.splitlines() if line.startswith("hicache_prefetch_skipped_total")]
     return {"role": "load", "results": results, "skipped": skipped}
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from hicache.demo.hybrid import HybridModel, HybridPrefix, HybridSpec
-from hicache.demo.hybrid_serve import HybridDemoConfig, HybridOracle, hybrid_demo_config, run_hybrid_demo
+from hicache.demo.hybrid_oracle import HybridOracle
+from hicache.demo.hybrid_serve import HybridDemoConfig, hybrid_demo_config, run_hybrid_demo
 
 ROOT = Path(__file__).resolve().parents[2]
 

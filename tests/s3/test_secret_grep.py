@@ -32,6 +32,8 @@ from s3_servers import S3Server, free_port
 
 import storage_backends.registry as registry_module
 from hicache import HiCache, HiCacheConfig, Lease
+from hicache.metrics import render as render_metrics
+from hicache.metrics import snapshot as metrics_snapshot
 from storage_backends.file import FileBackend
 from storage_backends.registry import open_backend
 from storage_backends.s3 import S3Backend
@@ -123,8 +125,8 @@ def texts_of(config: HiCacheConfig, cache: HiCache) -> list[str]:
         repr(cache.storage),
         str(cache.statistics()),
         repr(cache.storage.statistics()) if cache.storage is not None else "",
-        cache.registry.render_prometheus(),
-        json.dumps(cache.registry.snapshot(), default=str),
+        render_metrics(cache.registry),
+        json.dumps(metrics_snapshot(cache.registry), default=str),
     ]
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -355,7 +355,11 @@ class Agreement:
             raise RuntimeError("step: another step of this agreement is running (steps must not overlap)")
         self._stepping = True
         try:
-            return await self._step(busy)
+            # Shielded: a step cancelled half-way would leave this rank's resolved set behind its peers'
+            # (they resolved what the collective agreed); the collective is bounded by the group timeout.
+            with anyio.CancelScope(shield=True):
+                result = await self._step(busy)
+            return result
         except RankGroupError as exc:
             self._fail(exc)
             raise
@@ -438,6 +442,50 @@ class Agreement:
             if not decision.resolved and not result.resolved and self.idle_s:
                 await self._wait_change()
         return await decision.wait()
+
+    async def agree_on(self, decision: Decision, local: Callable[[], Awaitable[int]]) -> int:
+        """Run `local()` (this rank's part: a storage probe, a prefetch's I/O) and agree its result.
+
+        While `local()` runs, this rank keeps stepping, so a peer waiting for the agreement never waits in
+        a collective for this rank's I/O (only for its next step). `local()`'s result settles the
+        decision; if it raises, the decision settles to its default and, once agreed, the error is
+        re-raised. If the caller is cancelled, the decision settles to its default (peers resolve it at
+        this rank's next step) and the cancellation propagates.
+
+        Raises:
+            RankFailed, RankDivergence: as `step()`; whatever `local()` raised.
+        """
+        failure: list[BaseException] = []
+
+        async def run_local() -> None:
+            try:
+                decision.settle(await local())
+            except Exception as exc:
+                failure.append(exc)
+                decision.settle(decision.default)
+
+        try:
+            if self.local:
+                await run_local()
+                agreed = await decision.wait()
+            else:
+                error: Exception | None = None
+                agreed = decision.default
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run_local)
+                    try:
+                        agreed = await self.agree(decision)
+                    except Exception as exc:  # kept out of the group: raised as itself, not in a group
+                        error = exc
+                        tg.cancel_scope.cancel()
+                if error is not None:
+                    raise error
+        except BaseException:
+            decision.settle(decision.default)  # no-op if already settled
+            raise
+        if failure:
+            raise failure[0]
+        return agreed
 
     async def _wait_change(self) -> None:
         self._changed = anyio.Event()

@@ -9,6 +9,7 @@ another rank loaded here would show.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -213,3 +214,77 @@ async def random_workload(
             cache.sanity_check(across_ranks=True)
         stats = cache.statistics()
     return {"hits": hits, "faults": backend.faults, "stats": repr(stats)}
+
+
+SEQ = [500 + i for i in range(10 * PAGE)]
+
+
+async def write_through(group: RankGroup, root: str) -> None:
+    """Serve SEQ once and let it reach storage (a previous run on the same ranks)."""
+    async with rank_cache(group, root) as (cache, _):
+        await serve(cache, group.tp_rank, "w", SEQ)
+        await cache.wait_idle()
+
+
+async def cancel_on_one_rank(group: RankGroup, root: str, canceller: int) -> dict[str, Any]:
+    """A fresh cache per rank prefetches SEQ from storage; `canceller`'s reads block and its acquire is
+    cancelled once one has started, while the other ranks' prefetches complete and commit. The commit
+    agrees 0 pages (a page counts only if every rank verified it): nothing is attached anywhere, the
+    trees agree, and every page of the cancelled prefetch is back in the pool."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, backend):
+        cached = -1
+        if rank == canceller:
+            backend.gate = anyio.Event()  # never set: the reads hang until cancelled
+            async with anyio.create_task_group() as tg:
+
+                async def acquire() -> None:
+                    await cache.acquire("r", SEQ)
+
+                tg.start_soon(acquire)
+                await backend.read_started.wait()
+                tg.cancel_scope.cancel()
+        else:
+            lease = await cache.acquire("r", SEQ)
+            cached = lease.cached_len
+            cache.release(lease)
+        await cache.tp_sync()
+        await cache.wait_idle()
+        cache.sanity_check(across_ranks=True)
+        stats = cache.statistics()
+    return {
+        "cached": cached,
+        "host_used": stats.host_pool.used_pages,
+        "tree_nodes": len(cache.tree.iter_nodes()),
+    }
+
+
+async def killed_mid_prefetch(group: RankGroup, root: str, victim: int) -> dict[str, Any]:
+    """`victim` dies (exits) as its first prefetch read starts; the others raise `RankFailed` within the
+    group timeout from `acquire`, and their caches are sane with no prefetch page left held."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, backend):
+        if rank == victim:
+            backend.gate = anyio.Event()
+            async with anyio.create_task_group() as tg:
+
+                async def acquire() -> None:
+                    await cache.acquire("r", SEQ)
+
+                tg.start_soon(acquire)
+                await backend.read_started.wait()
+                os._exit(23)
+        error = ""
+        try:
+            await cache.acquire("r", SEQ)
+        except Exception as exc:
+            error = type(exc).__name__
+        cache.sanity_check()  # local: every page free or owned, no prefetch left holding pages
+        stats = cache.statistics()
+    return {
+        "error": error,
+        "in_flight": stats.prefetches_in_flight + stats.detached_prefetches,
+        "prefetch_tokens": stats.prefetch_tokens_in_flight,
+    }

@@ -112,3 +112,16 @@ async def test_an_unsettled_decision_settles_its_default_after_its_timeout_at_a_
     assert d.settled is False
     d.settle(5)
     assert d.result == 5
+
+
+def test_a_slow_local_part_on_one_rank_does_not_time_the_group_out() -> None:
+    """Rank 1's local part takes 3 s, the group timeout is 2 s: both ranks step while waiting, so no
+    collective waits long; the minimum is agreed. A local part that raises settles its default (0) on
+    every rank and re-raises on its own rank only."""
+    out = run_ranks(tp_workers.slow_local_part, 2, (1, 3.0), timeout_s=WATCHDOG_S, group_timeout_s=2.0)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value["agreed"] == out[1].value["agreed"] == 3
+    assert out[0].value["commit"] == out[1].value["commit"] == 0
+    assert out[0].value["error"] == ""
+    assert out[1].value["error"] == "injected: local I/O failed"
+    assert out[0].value["steps"] == out[1].value["steps"] > 1

@@ -138,3 +138,31 @@ def trees_compare(group: RankGroup, differ_on: int | None, what: str) -> dict[st
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     return {"digest": digest}
+
+
+async def slow_local_part(group: RankGroup, slow_rank: int, gap_s: float) -> dict[str, object]:
+    """`slow_rank`'s local part takes `gap_s` (longer than the group timeout); the other's is instant.
+    Both keep stepping meanwhile, so no collective waits long and the agreement completes."""
+    ag = Agreement(group)
+    d = ag.propose("probe", "req-0")
+
+    async def local() -> int:
+        if group.tp_rank == slow_rank:
+            await anyio.sleep(gap_s)  # slow storage on this rank (the fault under test, not an ordering)
+            return 3
+        return 9
+
+    agreed = await ag.agree_on(d, local)
+    failing = ag.propose("commit", "req-0")
+
+    async def broken() -> int:
+        if group.tp_rank == slow_rank:
+            raise OSError("injected: local I/O failed")
+        return 4
+
+    error = ""
+    try:
+        await ag.agree_on(failing, broken)
+    except OSError as exc:
+        error = str(exc)
+    return {"agreed": agreed, "commit": failing.result, "error": error, "steps": ag.statistics().steps}

@@ -311,7 +311,7 @@ async def controller_pass(
         everything = await cache.alloc_device(n * page)
         assert everything is not None
         cache.device_pool.free(everything)
-        cache.host_pool.free(cache.tree.evict_host(n * page).freed_host)
+        host.free(cache._tree.evict_host(n * page).freed_host)  # the bench's own host pool
     for pool in (device, host):
         assert pool.allocator.free_pages == pool.allocator.capacity_pages, pool
 

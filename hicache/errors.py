@@ -11,8 +11,6 @@ __all__ = [
     "OldPageFormat",
     "PageNotFound",
     "PoolError",
-    "PrefetchError",
-    "PrefetchFailed",
     "StorageAuthError",
     "StorageCircuitOpen",
     "StorageError",
@@ -44,14 +42,6 @@ class CacheClosed(HiCacheError, RuntimeError):
 
 class UnknownRequest(HiCacheError, KeyError):
     """Raised when a prefetch request id is unknown: never started, already committed or already cancelled."""
-
-
-class PrefetchError(HiCacheError):
-    """Base class of prefetch lifecycle errors."""
-
-
-class PrefetchFailed(PrefetchError):
-    """Raised when a prefetch could not be carried out for a reason other than a storage miss."""
 
 
 class StorageError(HiCacheError, OSError):

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import threading
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import anyio
 import prometheus_client as prom
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
+from metrics_helpers import http_get, scraped
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.metrics import (
@@ -28,18 +28,6 @@ from hicache.metrics import (
 )
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scraped(text: str) -> Samples:
-    """Every sample of an exposition text, parsed by prometheus_client, without the `_created` stamps."""
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.name.endswith("_created")
-    }
 
 
 def updated_metrics(registry: CollectorRegistry) -> CacheMetrics:
@@ -156,16 +144,33 @@ def test_label_values_are_shown_redacted() -> None:
     """A label value holding a URL never shows its credentials, in the text or the snapshot."""
     registry = CollectorRegistry()
     m = default_cache_metrics(registry)
-    m.prefetch_skipped.inc(reason="s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket")
+    for _ in range(2):
+        m.prefetch_skipped.inc(reason="s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket")
     text, snap = render(registry), json.dumps(snapshot(registry))
     for shown in (text, snap):
         assert "wJalrXUtnFEMI" not in shown
         assert "AKIAEXAMPLE" not in shown
-    assert 'reason="s3://***@host/bucket"' in text
+    assert 'hicache_prefetch_skipped_total{reason="s3://***@host/bucket"} 2.0' in text
+
+
+def test_str_enum_label_values_show_their_value() -> None:
+    """Reasons and tiers given as `StrEnum` members land in the same series as their plain strings."""
+
+    class Reason(enum.StrEnum):
+        CAPACITY = "capacity"
+
+    registry = CollectorRegistry()
+    m = default_cache_metrics(registry)
+    m.prefetch_skipped.inc(reason=Reason.CAPACITY)
+    m.prefetch_skipped.labels(reason="capacity").inc()
+    m.prefetch_skipped.inc(reason="capacity")
+    assert scraped(render(registry))[("hicache_prefetch_skipped_total", (("reason", "capacity"),))] == 3.0
 
 
 def test_misuse_raises_naming_the_argument() -> None:
+    """Bad labels are refused on the first update and after a good one (the handle caches children)."""
     m = default_cache_metrics(CollectorRegistry())
+    m.prefetch_skipped.inc(reason="a")
     with pytest.raises(ValueError, match="labels"):
         m.prefetch_skipped.inc()
     with pytest.raises(ValueError, match="labels"):
@@ -215,11 +220,6 @@ def test_snapshot_is_plain_json_keyed_by_exposed_name() -> None:
     assert latency[0]["buckets"]["+Inf"] == 4
     assert latency[0]["count"] == 4
     assert not any(name.endswith("_created") for name in snap)
-
-
-def http_get(url: str) -> tuple[int, str, str]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.status, response.headers["Content-Type"], response.read().decode()
 
 
 async def test_serve_metrics_answers_a_real_scrape_over_loopback() -> None:

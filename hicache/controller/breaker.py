@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hicache.config import HiCacheConfig
+
 __all__ = ["BreakerState", "BreakerStatistics", "CircuitBreaker", "Ticket"]
 
 logger = logging.getLogger("hicache.breaker")
@@ -125,6 +127,16 @@ class CircuitBreaker:
         self._refused = 0
         self.listeners: list[Listener] = []
         """Called as `listener(old, new)` on every state change, after it is logged."""
+
+    @classmethod
+    def for_storage(cls, config: HiCacheConfig) -> CircuitBreaker:
+        """The storage tier's breaker as `config`'s `storage_breaker_*` fields describe it."""
+        return cls(
+            "storage",
+            threshold=config.storage_breaker_threshold,
+            backoff_initial_s=config.storage_breaker_backoff_s,
+            backoff_max_s=config.storage_breaker_backoff_max_s,
+        )
 
     @property
     def state(self) -> BreakerState:

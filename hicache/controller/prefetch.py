@@ -18,6 +18,7 @@ import torch
 
 from hicache.controller.release import ComponentTransfer
 from hicache.policy import StopPolicy
+from hicache.tiers import DropReason, PrefetchStatus
 from hicache.tree import TreeNode
 from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
@@ -60,7 +61,8 @@ class PrefetchOutcome:
 
     Attributes:
         request_id: the request.
-        status: `"committed"`, `"dropped"` or `"cancelled"`.
+        status: how it was resolved: committed, dropped or cancelled (a `PrefetchStatus`, which compares
+            equal to the strings `"committed"`, `"dropped"`, `"cancelled"`).
         completed_tokens: tokens fully read and verified when streaming stopped.
         matched_tokens: tokens storage reported as present (the prefetch's size).
         loaded_tokens: tokens newly attached to the tree (completed minus those the tree already held).
@@ -70,10 +72,11 @@ class PrefetchOutcome:
         quarantined_tokens: of `released_tokens`, those a stray read may still write into: held out of
             use and released once its thread returns.
         node: the tree node covering the loaded pages (the anchor when nothing was attached).
+        drop_reason: why the pages were dropped (None unless `status` is `PrefetchStatus.DROPPED`).
     """
 
     request_id: str
-    status: str
+    status: PrefetchStatus
     completed_tokens: int
     matched_tokens: int
     loaded_tokens: int
@@ -81,6 +84,17 @@ class PrefetchOutcome:
     failed_pages: int
     node: TreeNode | None = field(repr=False, default=None)
     quarantined_tokens: int = 0
+    drop_reason: DropReason | None = None
+
+    @property
+    def committed(self) -> bool:
+        """Whether the prefetched pages were attached to the tree."""
+        return self.status == PrefetchStatus.COMMITTED
+
+    @property
+    def dropped(self) -> bool:
+        """Whether the prefetched pages went back without being attached (see `drop_reason`)."""
+        return self.status == PrefetchStatus.DROPPED
 
 
 class Prefetch:

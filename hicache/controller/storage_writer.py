@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
 
 import anyio
 import torch
 
 from hicache.components import component_storage_key
+from hicache.controller.allocation import ComponentPools
 from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.release import ReleaseQueue
+from hicache.memory import KVPool
+from hicache.metrics import CacheMetrics
+from hicache.tiers import Tier
 from hicache.tree import RadixTree, TreeNode
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
-
-if TYPE_CHECKING:
-    from hicache.controller.cache import HiCache
 
 __all__ = ["KnownPages", "StorageWriter"]
 
@@ -75,11 +76,38 @@ class StorageWriter:
     Runs as the job of a `WorkQueue`; the node's path stays host-locked while its pages are read, and
     beyond: a `put` that times out (`storage_write_timeout_s`) abandons its worker threads, and the lock is
     let go only once none of them reads the host pages any more.
+
+    Args:
+        storage: the storage backend (behind its circuit breaker).
+        tree: the radix tree (the paths written are host-locked there while their pages are read).
+        host_pool: the host pool the pages are read from.
+        component_pools: the hybrid components' pools, by name.
+        release_queue: where host pages a stray write thread may still read are quarantined.
+        metrics: the cache's metric set.
+        read_timeout_s: the bound of one `exists` call.
+        write_timeout_s: the bound of one `put` call.
     """
 
-    def __init__(self, cache: HiCache, storage: StorageBackend) -> None:
-        self._cache = cache
+    def __init__(
+        self,
+        storage: StorageBackend,
+        *,
+        tree: RadixTree,
+        host_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
+        release_queue: ReleaseQueue,
+        metrics: CacheMetrics,
+        read_timeout_s: float,
+        write_timeout_s: float,
+    ) -> None:
         self._storage = storage
+        self._tree = tree
+        self._host_pool = host_pool
+        self._component_pools = component_pools
+        self._release_queue = release_queue
+        self._metrics = metrics
+        self._read_timeout_s = read_timeout_s
+        self._write_timeout_s = write_timeout_s
         self.known = KnownPages()
         self._touched: list[memoryview] = []
         """Host page buffers handed to `put` by the job running now."""
@@ -96,9 +124,8 @@ class StorageWriter:
         finds are skipped, the rest are put (a page another instance wrote meanwhile may be written
         again: puts are atomic and idempotent). Each target stays host-locked until its pages are written.
         """
-        cache = self._cache
-        tree = cache.tree
-        page = cache.page_size
+        tree = self._tree
+        page = self._host_pool.page_size
         locked: list[TreeNode] = []
         keys: list[str] = []
         views: list[memoryview] = []
@@ -121,14 +148,14 @@ class StorageWriter:
                 stored = self.known.known_prefix(target_keys)
                 if stored >= len(target_keys):
                     continue
-                target_views = cache.host_pool.page_views(_tokens_from(values, stored * page))
+                target_views = self._host_pool.page_views(_tokens_from(values, stored * page))
                 for key, view in zip(target_keys[stored:], target_views, strict=True):
                     if key not in seen:
                         seen.add(key)
                         keys.append(key)
                         views.append(view)
             if evicted:
-                cache.metrics.writes_shed.inc(evicted, tier="storage", reason="evicted")
+                self._metrics.writes_shed.inc(evicted, tier=Tier.STORAGE.value, reason="evicted")
             if keys:
                 found = await self._exists(keys)
                 if found is None:
@@ -136,14 +163,14 @@ class StorageWriter:
                 self.known.add(keys[:found])
                 if found < len(keys):
                     await self._put(keys[found:], views[found:])
-            if cache.components:
+            if tree.components:
                 for target, path in paths:
                     await self._store_components(path, target)
         finally:
             touched, self._touched = self._touched, []
             if stray_threads.busy(touched):
                 # A stray write thread still reads these host pages: keep them locked until it returns.
-                cache.release_queue.quarantine(
+                self._release_queue.quarantine(
                     torch.empty(0, dtype=torch.int64),
                     views=touched,
                     on_quiet=partial(_unlock_all, tree, locked),
@@ -153,11 +180,11 @@ class StorageWriter:
 
     async def _exists(self, keys: list[str]) -> int | None:
         """`storage.exists` under the read timeout; None (counted) when it timed out."""
-        with anyio.move_on_after(self._cache.config.storage_read_timeout_s) as deadline:
+        with anyio.move_on_after(self._read_timeout_s) as deadline:
             return await self._storage.exists(keys)
         assert deadline.cancelled_caught
         self._record_timeout("exists")
-        self._cache.metrics.storage_page_failures.labels(reason="timeout").inc()
+        self._metrics.storage_page_failures.labels(reason="timeout").inc()
         logger.warning("write-through: storage lookup of %d pages timed out", len(keys))
         return None
 
@@ -167,9 +194,9 @@ class StorageWriter:
             self._storage.record_timeout(op)
 
     async def _put(self, keys: list[str], views: list[memoryview]) -> None:
-        metrics = self._cache.metrics
+        metrics = self._metrics
         self._touched.extend(views)
-        timeout = self._cache.config.storage_write_timeout_s
+        timeout = self._write_timeout_s
         try:
             with anyio.move_on_after(timeout) as deadline:
                 ok = await self._storage.put(keys, views)
@@ -193,14 +220,13 @@ class StorageWriter:
         Components locked only at the node (Mamba) are written for `target` alone: the lock protects
         no other node's value while the write is in flight.
         """
-        cache = self._cache
-        page = cache.page_size
-        for comp in cache.components:
-            host_pool = cache.component_pools[comp.name][1]
+        page = self._host_pool.page_size
+        for comp in self._tree.components:
+            host_pool = self._component_pools[comp.name].host
             keys: list[str] = []
             views: list[memoryview] = []
             for node in path if comp.lock_path else [target]:
-                value = cache.tree.component_value(node, comp.name, "host")
+                value = self._tree.component_value(node, comp.name, Tier.HOST)
                 if value is None:
                     continue
                 hashes = node.hashes

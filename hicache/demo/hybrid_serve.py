@@ -114,8 +114,8 @@ class _HybridRunner(ServingLoop[HybridModel]):
     def _read_prefix(self, cache: HiCache, lease: Lease, reused: int) -> HybridPrefix:
         """The prefix's K/V, window and state, read out of the three device pools."""
         window = min(self.model.spec.window, reused)
-        swa_pool = cache.component_pools["swa"][0]
-        state_pool = cache.component_pools["mamba"][0]
+        swa_pool = cache.component_pool("swa")
+        state_pool = cache.component_pool("mamba")
         # A usable match ends where the window is complete and a state exists: both are there.
         swa_indices = lease.component_indices["swa"]
         return HybridPrefix(
@@ -201,14 +201,12 @@ class _HybridRunner(ServingLoop[HybridModel]):
         swa = cache.alloc_component("swa", aligned - start)
         if swa is not None:
             owned["swa"] = swa
-            cache.component_pools["swa"][0].write_tokens(
-                swa, swa_new[:, :, start - reused : aligned - reused]
-            )
+            cache.component_pool("swa").write_tokens(swa, swa_new[:, :, start - reused : aligned - reused])
         state = cache.alloc_component("mamba", 1)
         if state is not None:
             owned["mamba"] = state
             packed = prefill.state_at[aligned]
-            cache.component_pools["mamba"][0].write_tokens(state, packed.view(1, 1, 1, 1, -1))
+            cache.component_pool("mamba").write_tokens(state, packed.view(1, 1, 1, 1, -1))
 
     # ------------------------------------------------------------------ checks 1 and 2
 
@@ -255,14 +253,15 @@ async def run_hybrid_demo(
         return demo_cache_config(demo, layout, url, f"hicache-demo-hybrid-{spec.seed}", components)
 
     def inspect(cache: HiCache) -> dict[str, Any]:
+        stats = cache.statistics()
         return {
             "component_pools": {
-                name: {"device": pool_json(dev.statistics()), "host": pool_json(host.statistics())}
-                for name, (dev, host) in cache.component_pools.items()
+                name: {"device": pool_json(dev), "host": pool_json(host)}
+                for name, (dev, host) in stats.component_pools.items()
             },
             "component_tree": {
                 name: {"device_slots": s.device_slots, "host_slots": s.host_slots}
-                for name, s in cache.tree.component_statistics().items()
+                for name, s in stats.components.items()
             },
         }
 

@@ -25,6 +25,8 @@ from hicache.demo.records import DemoConfig, DemoResult
 from hicache.demo.snapshot import pool_json, sum_metric, top_prefixes
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
+from hicache.metrics import render as render_metrics
+from hicache.metrics import snapshot as metrics_snapshot
 from storage_backends.redact import redact_url
 
 __all__ = ["demo_cache_config", "run_serving", "storage_url"]
@@ -107,15 +109,15 @@ async def run_serving(
             await cache.wait_idle()
             wall["cache"] = time.perf_counter() - t
             cache.sanity_check()
-            snapshot = cache.registry.snapshot()
-            prometheus = cache.registry.render_prometheus()
+            snapshot = metrics_snapshot(cache.registry)
+            prometheus = render_metrics(cache.registry)
             stats = cache.statistics()
             pools = {
                 "device": pool_json(stats.device_pool),
                 "host": pool_json(stats.host_pool),
                 "storage": {
                     "url": redact_url(url),
-                    "bytes_written": sum_metric(snapshot, "storage_bytes_written_total"),
+                    "bytes_written": sum_metric(snapshot, "storage_written_bytes_total"),
                 },
             }
             tree = {

@@ -35,7 +35,8 @@ def _subtree(node: TreeNode) -> Iterator[TreeNode]:
 def top_prefixes(cache: HiCache, limit: int = 8) -> list[dict[str, Any]]:
     """The tree's top-level branches (one per distinct first page, e.g. per system prompt), most hit first."""
     rows: list[dict[str, Any]] = []
-    for child in cache.tree.root.children.values():
+    # A debugging view that walks the cache's private tree: the tree has no query for its branches yet.
+    for child in cache._tree.root.children.values():
         nodes = list(_subtree(child))
         rows.append(
             {

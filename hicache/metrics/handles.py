@@ -40,6 +40,9 @@ class _Handle(Generic[_C]):
         self._bare: _C | None = None
         if not labelnames:
             self._bare = collector.labels(**self.const_labels) if self.const_labels else collector
+        # Children by label values in `labelnames` order: the values are a small fixed set (reasons,
+        # tiers, ops), and a hit skips the checks, the redaction and prometheus_client's own lookup.
+        self._children: dict[tuple[object, ...], _C] = {}
 
     def _shown(self, labels: Mapping[str, object]) -> dict[str, str]:
         if labels.keys() != set(self.labelnames):
@@ -59,7 +62,12 @@ class _Handle(Generic[_C]):
     def _child(self, labels: Mapping[str, object]) -> _C:
         if self._bare is not None and not labels:
             return self._bare
-        return self.collector.labels(**self.const_labels, **self._shown(labels))
+        key = tuple(labels.get(name) for name in self.labelnames)
+        child = self._children.get(key) if len(labels) == len(key) else None
+        if child is None:
+            child = self.collector.labels(**self.const_labels, **self._shown(labels))
+            self._children[key] = child
+        return child
 
     def labels(self, **labels: str) -> _C:
         """The prometheus_client child for one label set (constant labels added): ``.labels(reason=r).inc()``.

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from cache_internals import component_pools_of, host_pool_of, tree_of
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease
 from hicache.components import MambaState, SlidingWindow, component_storage_key
@@ -108,8 +109,8 @@ async def hybrid_request(
     state = cache.alloc_component("mamba", 1)
     assert swa is not None
     assert state is not None
-    cache.component_pools["swa"][0].write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
-    cache.component_pools["mamba"][0].write_tokens(state, state_payload(key))
+    cache.component_pool("swa").write_tokens(swa, swa_payload(key[(n - WINDOW) * 8 :]))
+    cache.component_pool("mamba").write_tokens(state, state_payload(key))
     return lease, new, {"swa": swa, "mamba": state}
 
 
@@ -140,11 +141,11 @@ def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:
                 for name, d in (n.components or {}).items()
             ),
         )
-        for n in cache.tree.iter_nodes()
+        for n in tree_of(cache).iter_nodes()
     )
     pools = [
         cache.device_pool,
-        cache.host_pool,
-        *(p for pair in cache.component_pools.values() for p in pair),
+        host_pool_of(cache),
+        *(p for pair in component_pools_of(cache).values() for p in pair),
     ]
     return cache.statistics(), nodes, [pool.owner_tags().tolist() for pool in pools]

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+from cache_internals import component_pools_of, host_pool_of, release_queue_of, tree_of
 from component_helpers import (
     PAGE,
     WINDOW,
@@ -40,8 +41,8 @@ async def open_cache(backend: object, *names: str, **overrides: object) -> HiCac
 
 
 def assert_every_pool_full(cache: HiCache) -> None:
-    pools = [cache.device_pool, cache.host_pool]
-    for device_pool, host_pool in cache.component_pools.values():
+    pools = [cache.device_pool, host_pool_of(cache)]
+    for device_pool, host_pool in component_pools_of(cache).values():
         pools.extend((device_pool, host_pool))
     for pool in pools:
         assert pool.statistics().used_pages == 0, pool
@@ -59,13 +60,13 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
         await store_hybrid(backend, cache, seq)
         device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
-        cache.tree.insert(seq[:16], device)  # full attention only, not backed up yet
-        anchor = cache.tree.match_prefix(seq[:16])
-        parent = next(iter(cache.tree.root.children.values()))
+        tree_of(cache).insert(seq[:16], device)  # full attention only, not backed up yet
+        anchor = tree_of(cache).match_prefix(seq[:16])
+        parent = next(iter(tree_of(cache).root.children.values()))
         assert parent.device_value is not None
         assert not parent.backed_up
         assert anchor.device_len == 0  # no window, no state: not a usable prefix
-        cache.release_queue.history = []
+        release_queue_of(cache).history = []
         prefetch = await cache.prefetch("r1", seq)
         assert prefetch is not None
         assert prefetch.num_tokens == 32
@@ -76,18 +77,18 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
         assert outcome.status == "dropped"
         assert prefetch.state is PrefetchState.DROPPED
         assert outcome.loaded_tokens == 0
-        assert len(cache.release_queue.history) == 1
-        release = cache.release_queue.history[0]
+        assert len(release_queue_of(cache).history) == 1
+        release = release_queue_of(cache).history[0]
         assert torch.equal(release.host_indices, host_indices[:32])
         assert release.transfers == transfers
         assert [t.component for t in release.transfers] == ["swa", "mamba"]
-        stats = cache.tree.component_statistics()
+        stats = tree_of(cache).component_statistics()
         assert all(s.host_slots == 0 and s.pending_backup_slots == 0 for s in stats.values())
         assert parent.children == {}
         cache.sanity_check()
-        evicted = cache.tree.evict_device(16)
+        evicted = tree_of(cache).evict_device(16)
         cache.device_pool.free(evicted.freed_device)
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         cache.sanity_check()
         assert_every_pool_full(cache)
     finally:
@@ -119,17 +120,17 @@ async def test_a_prefetch_that_stops_short_of_its_window_is_dropped_in_one_call(
     try:
         seq = tokens(1, 32)
         keys = await store_hybrid(backend, cache, seq)
-        cache.release_queue.history = []
+        release_queue_of(cache).history = []
         prefetch = await cache.prefetch("r1", seq)
         assert prefetch is not None
         await backend.delete([keys[5]])  # streaming stops at page 5 (20 tokens)
         outcome = await cache.commit_prefetch("r1")
         assert (outcome.status, outcome.completed_tokens, outcome.loaded_tokens) == ("dropped", 20, 0)
-        (release,) = cache.release_queue.history
+        (release,) = release_queue_of(cache).history
         assert torch.equal(release.host_indices, prefetch.host_indices)
         assert release.transfers == prefetch.transfers
-        assert cache.tree.statistics().num_nodes == 0
-        await cache.release_queue.drain()
+        assert tree_of(cache).statistics().num_nodes == 0
+        await release_queue_of(cache).drain()
         cache.sanity_check()
         assert_every_pool_full(cache)
     finally:
@@ -149,7 +150,7 @@ async def test_backup_storage_prefetch_and_load_back_carry_every_component_bitwi
         await serve_hybrid(first, seq)
         await first.wait_idle()
         first.sanity_check()
-        stats = first.tree.component_statistics()
+        stats = tree_of(first).component_statistics()
         assert (stats["swa"].host_slots, stats["mamba"].host_slots) == (WINDOW, 1)
         hashes = chained_page_hashes(key, PAGE, first.config.namespace, ROOT_HASH)
         comp_keys = [component_storage_key(h, "swa") for h in hashes[-WINDOW // PAGE :]]
@@ -164,8 +165,8 @@ async def test_backup_storage_prefetch_and_load_back_carry_every_component_bitwi
         assert lease.cached_len == 32
         assert lease.hit_tokens_by_tier["storage"] == 32
         assert torch.equal(second.device_pool.read_tokens(lease.device_indices), base_payload(key))
-        swa_pool = second.component_pools["swa"][0]
-        state_pool = second.component_pools["mamba"][0]
+        swa_pool = second.component_pool("swa")
+        state_pool = second.component_pool("mamba")
         assert torch.equal(
             swa_pool.read_tokens(lease.component_indices["swa"]), swa_payload(key[-WINDOW * 8 :])
         )
@@ -186,7 +187,7 @@ async def test_full_attention_only_cache_has_no_component_pools(backend: MemoryB
     cache = HiCache(plain, storage=backend)
     await cache.start()
     try:
-        assert cache.component_pools == {}
+        assert component_pools_of(cache) == {}
         with pytest.raises(ValueError, match="unknown component"):
             cache.alloc_component("swa", PAGE)
         lease = await cache.acquire("r", tokens(0, 8))

@@ -4,6 +4,7 @@ nodes that carry sliding-window KV and Mamba states, and every component pool st
 from __future__ import annotations
 
 import pytest
+from cache_internals import tree_of
 from component_helpers import hybrid_config, serve_hybrid, tokens
 
 from hicache import HiCache
@@ -25,14 +26,14 @@ async def test_shared_prefix_with_components_does_not_stall_a_small_host(
         await cache.wait_idle()
         cache.sanity_check()
         free = cache.device_pool.statistics().free_pages * cache.page_size
-        assert free + cache.tree.statistics().evictable_device_tokens == 48
+        assert free + tree_of(cache).statistics().evictable_device_tokens == 48
 
         got = await cache.alloc_device(48)
 
         assert got is not None
         cache.sanity_check(held_device_tokens=48)
-        assert cache.tree.statistics().device_tokens == 0
-        for name, stats in cache.tree.component_statistics().items():
+        assert tree_of(cache).statistics().device_tokens == 0
+        for name, stats in tree_of(cache).component_statistics().items():
             assert stats.device_slots == 0, name  # the device values went with their nodes
         cache.device_pool.free(got)
         await cache.wait_idle()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from cache_internals import tree_of
 from component_helpers import (
     PAGE,
     WINDOW,
@@ -82,13 +83,13 @@ async def hybrid_setup(cache: HiCache) -> tuple[Any, list[int], torch.Tensor, di
     await cache.wait_idle()
     held = await cache.acquire("held", first)
     tree = dict(held.component_indices)
-    host_state = cache.tree.component_value(held.node, "mamba", "host")
+    host_state = tree_of(cache).component_value(held.node, "mamba", "host")
     assert host_state is not None
     tree["mamba_host"] = host_state  # the host pool's slot of the state
     cache.release(held)
     seq = tokens(700, 32)
     lease, new, comps = await hybrid_request(cache, seq, "r")
-    state_pool = cache.component_pools["mamba"][0]
+    state_pool = cache.component_pool("mamba")
     tags = state_pool.owner_tags()
     tree["mamba_free"] = (tags == Owner.FREE).nonzero().flatten()[:1]
     assert int(host_state) != int(comps["mamba"])  # not numerically the caller's own slot
@@ -118,9 +119,9 @@ async def test_component_insert_refuses_slots_the_caller_does_not_hold(kind: str
             assert again.cached_len == 32
             key = as_key_bytes(s)
             window = again.component_indices["swa"]
-            swa_kv = cache.component_pools["swa"][0].read_tokens(window[window.numel() - WINDOW :])
+            swa_kv = cache.component_pool("swa").read_tokens(window[window.numel() - WINDOW :])
             assert torch.equal(swa_kv, swa_payload(key[(32 - WINDOW) * 8 :]))
-            state = cache.component_pools["mamba"][0].read_tokens(again.component_indices["mamba"])
+            state = cache.component_pool("mamba").read_tokens(again.component_indices["mamba"])
             assert torch.equal(state, state_payload(key))
             cache.release(again)
         cache.sanity_check()

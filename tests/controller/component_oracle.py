@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from cache_internals import component_pools_of, release_queue_of, tree_of
 from kv_oracle import _assert_owned_once, path_key
 
 from hicache import HiCache, Lease
@@ -144,14 +145,14 @@ def check_component_kv(cache: HiCache) -> int:
     oracle payload of its node's path; returns the values checked."""
     ns, page = cache.config.namespace, cache.page_size
     checked = 0
-    for node in cache.tree.iter_nodes():
+    for node in tree_of(cache).iter_nodes():
         if not node.components:
             continue
         full = path_key(node)
         end = len(full) // TOKEN_BYTES
-        for name, (device_pool, host_pool) in cache.component_pools.items():
+        for name, (device_pool, host_pool) in component_pools_of(cache).items():
             for tier, pool in (("device", device_pool), ("host", host_pool)):
-                value = cache.tree.component_value(node, name, tier)
+                value = tree_of(cache).component_value(node, name, tier)
                 if value is None:
                     continue
                 start = end - int(value.numel()) if name == "swa" else end
@@ -171,13 +172,13 @@ def check_leased_components(cache: HiCache, lease: Lease) -> None:
     if n == 0 or not cache.components:
         assert not lease.component_indices, lease.component_indices
         return
-    assert set(lease.component_indices) == set(cache.component_pools), (
+    assert set(lease.component_indices) == set(component_pools_of(cache)), (
         f"lease of {n} tokens lacks components: has {sorted(lease.component_indices)}"
     )
     ns, page = cache.config.namespace, cache.page_size
     for name, indices in lease.component_indices.items():
         comp = next(c for c in cache.components if c.name == name)
-        pool = cache.component_pools[name][0]
+        pool = cache.component_pool(name)
         if isinstance(comp, SlidingWindow):
             assert int(indices.numel()) >= min(comp.window, n), f"window of {indices.numel()} tokens"
             start = n - int(indices.numel())
@@ -202,11 +203,11 @@ def check_component_pools_exact(
     inserted). Host owners: the tree (backups in flight and queued frees included) and `staged` (buffers
     of prefetches in flight).
     """
-    assert cache.release_queue.statistics().pending_calls == 0, "drain the release queue first"
-    for name, (device_pool, host_pool) in cache.component_pools.items():
+    assert release_queue_of(cache).statistics().pending_calls == 0, "drain the release queue first"
+    for name, (device_pool, host_pool) in component_pools_of(cache).items():
         _assert_owned_once(
             f"{name} device pool",
-            [cache.tree.component_indices_owned(name, "device"), *held.get(name, ())],
+            [tree_of(cache).component_indices_owned(name, "device"), *held.get(name, ())],
             device_pool.statistics().used_pages,
             device_pool.page_size,
             device_pool.allocator.is_free,
@@ -214,7 +215,7 @@ def check_component_pools_exact(
         _assert_owned_once(
             f"{name} host pool",
             [
-                cache.tree.component_indices_owned(name, "host"),
+                tree_of(cache).component_indices_owned(name, "host"),
                 *(t.indices for t in staged if t.pool is host_pool),
             ],
             host_pool.statistics().used_pages,
@@ -262,6 +263,6 @@ def stage_components(
             payload = state_payload(prefix, page, ns) if aligned == n else UNALIGNED_STATE
         if slots is None:
             continue
-        cache.component_pools[name][0].write_tokens(slots, payload)
+        cache.component_pool(name).write_tokens(slots, payload)
         out[name] = slots
     return out

@@ -14,6 +14,7 @@ import anyio
 import anyio.lowlevel
 import torch
 import xxhash
+from cache_internals import host_pool_of, release_queue_of, tree_of
 from controller_helpers import PassThroughBackend
 
 from hicache import HiCache, KVLayout
@@ -113,7 +114,7 @@ def path_key(node: TreeNode) -> bytes:
 
 def read_tokens_kv(cache: HiCache, indices: torch.Tensor, *, host: bool = False) -> torch.Tensor:
     """The KV held at `indices` of the device (or host) pool."""
-    pool = cache.host_pool if host else cache.device_pool
+    pool = host_pool_of(cache) if host else cache.device_pool
     return pool.read_tokens(indices)
 
 
@@ -122,7 +123,7 @@ def check_tree_kv(cache: HiCache) -> int:
     layout, ns = cache.config.layout, cache.config.namespace
     memo: dict[bytes, torch.Tensor] = {}
     checked = 0
-    for node in cache.tree.iter_nodes():
+    for node in tree_of(cache).iter_nodes():
         if node.device_value is None and node.host_value is None:
             continue
         full = path_key(node)
@@ -177,21 +178,25 @@ def check_pools_exact(
     the tree (pending backups included), `prefetch_host` (host pages of prefetches in flight) and the
     release queue's quarantine (pages a stray storage thread may still write into).
     """
-    assert cache.release_queue.statistics().pending_calls == 0, "drain the release queue first"
+    assert release_queue_of(cache).statistics().pending_calls == 0, "drain the release queue first"
     page = cache.page_size
     _assert_owned_once(
         "device pool",
-        [cache.tree.device_tokens_owned(), *held_device],
+        [tree_of(cache).device_tokens_owned(), *held_device],
         cache.device_pool.statistics().used_pages,
         page,
         cache.device_pool.allocator.is_free,
     )
     _assert_owned_once(
         "host pool",
-        [cache.tree.host_tokens_owned(), *prefetch_host, *cache.release_queue.quarantined_host_indices()],
-        cache.host_pool.statistics().used_pages,
+        [
+            tree_of(cache).host_tokens_owned(),
+            *prefetch_host,
+            *release_queue_of(cache).quarantined_host_indices(),
+        ],
+        host_pool_of(cache).statistics().used_pages,
         page,
-        cache.host_pool.allocator.is_free,
+        host_pool_of(cache).allocator.is_free,
     )
 
 

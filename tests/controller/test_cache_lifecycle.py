@@ -8,11 +8,13 @@ from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import pytest
+from cache_internals import component_pools_of, host_pool_of
 from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_sequence, tokens
 
 from hicache import HiCache, KVLayout
 from hicache.components import MambaState, SlidingWindow
-from hicache.controller import cache as cache_module
+from hicache.controller import allocation as allocation_module
+from hicache.controller import copies as copies_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
 from hicache.tree import MatchResult
@@ -34,8 +36,8 @@ def hybrid_components() -> tuple[SlidingWindow, MambaState]:
 
 
 def every_pool(cache: HiCache) -> list[KVPool]:
-    pools = [cache.device_pool, cache.host_pool]
-    for device_pool, host_pool in cache.component_pools.values():
+    pools = [cache.device_pool, host_pool_of(cache)]
+    for device_pool, host_pool in component_pools_of(cache).values():
         pools += [device_pool, host_pool]
     return pools
 
@@ -91,7 +93,7 @@ async def test_pools_passed_in_stay_open_for_their_owner() -> None:
     ):
         async with HiCache(config, device_pool=device_pool, host_pool=host_pool) as cache:
             assert cache.device_pool is device_pool
-            assert cache.host_pool is host_pool
+            assert host_pool_of(cache) is host_pool
         assert not device_pool.closed
         assert not host_pool.closed
     assert device_pool.closed
@@ -144,8 +146,8 @@ async def test_a_failed_constructor_closes_the_pools_it_made(monkeypatch: pytest
         made.append(make_host_pool(layout, num_pages, name=name))
         return made[-1]
 
-    monkeypatch.setattr(cache_module, "make_device_pool", recording_device_pool)
-    monkeypatch.setattr(cache_module, "make_host_pool", failing_host_pool)
+    monkeypatch.setattr(allocation_module, "make_device_pool", recording_device_pool)
+    monkeypatch.setattr(allocation_module, "make_host_pool", failing_host_pool)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(MemoryError, match="host pool"):
@@ -176,7 +178,7 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
     """aclose from one task while another task's load_back copy is in flight: the pools stay open until
     the copy has landed (a CUDA copy still writing into a freed device buffer would corrupt other memory).
     """
-    real_copy = cache_module.copy_pages_async
+    real_copy = copies_module.copy_pages_async
     copy_started = anyio.Event()
     finish_copy = anyio.Event()
     closed_when_copy_returned: list[bool] = []
@@ -212,7 +214,7 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
             assert (await cache.commit_prefetch("r1")).status == "committed"
             match = cache.match(seq)
             assert match.host_len == 16
-            monkeypatch.setattr(cache_module, "copy_pages_async", held_copy)
+            monkeypatch.setattr(copies_module, "copy_pages_async", held_copy)
             tg.start_soon(serve, match)
             await copy_started.wait()
             tg.start_soon(release_the_copy_once_aclose_waits)

@@ -26,6 +26,7 @@ import dataclasses
 
 import anyio
 import torch
+from cache_internals import component_pools_of, release_queue_of, tree_of
 from component_oracle import (
     check_component_kv,
     check_component_pools_exact,
@@ -140,11 +141,11 @@ class ComponentControllerMachine(ControllerMachine):
                 held.setdefault(name, []).append(slots)
         staged = [t for p in self.prefetches.values() for t in p.staged]
         check_component_pools_exact(cache, held=held, staged=staged)
-        for name, stats in cache.tree.component_statistics().items():
+        for name, stats in tree_of(cache).component_statistics().items():
             # Every index the tree let go of went back to its pool before the step ended.
             assert stats.queued_free_device_slots == stats.queued_free_host_slots == 0, (name, stats)
         if check_component_kv(cache):
-            stats = cache.tree.component_statistics()
+            stats = tree_of(cache).component_statistics()
             tiers = [t for t in ("device", "host") if any(getattr(s, f"{t}_slots") for s in stats.values())]
             event(f"component values on {'+'.join(tiers)}")
         for h in self.leases.values():
@@ -207,16 +208,16 @@ class ComponentControllerMachine(ControllerMachine):
 
         async def go() -> None:
             cache = self.c
-            pool = cache.component_pools[name][0]
+            pool = cache.component_pool(name)
             stats = pool.statistics()
             n = min(stats.free_pages + extra, stats.capacity_pages)
-            before = cache.tree.component_statistics()
+            before = tree_of(cache).component_statistics()
             got = cache.alloc_component(name, n * pool.page_size)
-            after = cache.tree.component_statistics()
+            after = tree_of(cache).component_statistics()
             if got is None:
                 event(f"component pressure {name}: could not evict enough")
                 return
-            cache.component_pools[name][0].free(got)
+            cache.component_pool(name).free(got)
             cascaded = [
                 other
                 for other in after
@@ -341,7 +342,7 @@ async def host_only_tail(cache: HiCache) -> list[int]:
 
 def assert_every_slot_owned(cache: HiCache, held: dict[str, list[torch.Tensor]] | None = None) -> None:
     held = held or {}
-    cache.sanity_check(held_components={name: held.get(name, []) for name in cache.component_pools})
+    cache.sanity_check(held_components={name: held.get(name, []) for name in component_pools_of(cache)})
     check_pools_exact(cache)
     check_component_pools_exact(cache, held=held, staged=[])
     check_tree_kv(cache)
@@ -360,7 +361,7 @@ async def test_two_loads_of_the_same_host_nodes_free_the_loser_s_component_copie
             tg.start_soon(cache.load_back, match)
         after = cache.match(seq)
         assert (after.device_len, after.host_len) == (12, 0)
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         assert_every_slot_owned(cache)
 
 
@@ -379,6 +380,6 @@ async def test_a_duplicate_load_whose_device_end_is_not_valid_frees_all_of_its_p
             tg.start_soon(cache.load_back, match)
         after = cache.match(seq)
         assert after.device_len == 0  # no state on the device anywhere on the path
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         assert_every_slot_owned(cache, {"mamba": [taken]})
-        cache.component_pools["mamba"][0].free(taken)
+        cache.component_pool("mamba").free(taken)

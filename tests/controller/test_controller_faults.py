@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_internals import host_pool_of
 from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_for, store_chain
 
 from hicache import HiCache, HiCacheConfig
@@ -116,7 +117,7 @@ def loaded_host_kv(cache: HiCache) -> tuple[int, torch.Tensor]:
     if not values:
         return 0, torch.empty(0)
     indices = torch.cat(values[::-1])
-    return int(indices.numel()), cache.host_pool.read_tokens(indices)
+    return int(indices.numel()), host_pool_of(cache).read_tokens(indices)
 
 
 async def assert_settled(cache: HiCache) -> None:

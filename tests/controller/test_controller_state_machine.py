@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 import torch
+from cache_internals import component_pools_of, host_pool_of, release_queue_of, tree_of
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -81,7 +82,9 @@ class Held:
 
 def unsettled(cache: HiCache) -> bool:
     """A cancelled stream still stopping, or pages a returning worker thread still holds in quarantine."""
-    return bool(cache.statistics().detached_prefetches or cache.release_queue.statistics().quarantined_calls)
+    return bool(
+        cache.statistics().detached_prefetches or release_queue_of(cache).statistics().quarantined_calls
+    )
 
 
 class ControllerMachine(RuleBasedStateMachine):
@@ -249,8 +252,8 @@ class ControllerMachine(RuleBasedStateMachine):
             assert s.closed
             assert s.prefetches_in_flight == 0
             assert s.release_queue.pending_calls == 0
-            pools = [cache.device_pool, cache.host_pool]
-            for device_pool, host_pool in cache.component_pools.values():
+            pools = [cache.device_pool, host_pool_of(cache)]
+            for device_pool, host_pool in component_pools_of(cache).values():
                 pools.extend((device_pool, host_pool))
             for pool in pools:
                 assert pool.statistics().used_pages == 0, pool
@@ -289,13 +292,13 @@ class ControllerMachine(RuleBasedStateMachine):
         if held.computed is not None:
             cache.device_pool.free(held.computed)
         for name, slots in held.components.items():
-            cache.component_pools[name][0].free(slots)
+            cache.component_pool(name).free(slots)
         held.computed = None
         held.components = {}
 
     def held_component_slots(self) -> dict[str, list[torch.Tensor]]:
         """Per component, the device slots the test holds outside the tree."""
-        out: dict[str, list[torch.Tensor]] = {name: [] for name in self.c.component_pools}
+        out: dict[str, list[torch.Tensor]] = {name: [] for name in component_pools_of(self.c)}
         for h in self.leases.values():
             for name, slots in h.components.items():
                 out[name].append(slots)
@@ -317,22 +320,22 @@ class ControllerMachine(RuleBasedStateMachine):
         await self.check_storage()
         # No host room offered: under write-back, un-backed leaves are dropped rather than backed up.
         while True:
-            evicted = cache.tree.evict_device(DEVICE_PAGES * self.page_size, host_free_tokens=0)
+            evicted = tree_of(cache).evict_device(DEVICE_PAGES * self.page_size, host_free_tokens=0)
             assert not evicted.backup_first
             cache.device_pool.free(evicted.freed_device)
-            cache.host_pool.free(evicted.freed_host)
+            host_pool_of(cache).free(evicted.freed_host)
             if evicted.evicted_tokens == 0:
                 break
         while True:
-            host = cache.tree.evict_host(HOST_PAGES * self.page_size)
-            cache.host_pool.free(host.freed_host)
+            host = tree_of(cache).evict_host(HOST_PAGES * self.page_size)
+            host_pool_of(cache).free(host.freed_host)
             if host.evicted_tokens == 0:
                 break
-        for free in cache.tree.take_component_frees():  # component values evicted with their nodes
-            device_pool, host_pool = cache.component_pools[free.component]
+        for free in tree_of(cache).take_component_frees():  # component values evicted with their nodes
+            device_pool, host_pool = component_pools_of(cache)[free.component]
             (device_pool if free.tier == "device" else host_pool).free(free.indices)
         cache.sanity_check()
-        assert cache.tree.statistics().num_nodes == 0
+        assert tree_of(cache).statistics().num_nodes == 0
 
     def teardown(self) -> None:
         try:
@@ -354,13 +357,13 @@ class ControllerMachine(RuleBasedStateMachine):
         held = [h.computed for h in self.leases.values() if h.computed is not None]
         # Pages pending release are owned too: the partition holds before the queue drains as well.
         cache.sanity_check(held_device=held, held_components=self.held_component_slots())
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         # A read cancelled while its (healthy) worker thread ran leaves its pages quarantined until the
         # thread returns, a moment later; a cancelled stream gives its pages back once it stopped.
         with anyio.fail_after(30):
             while unsettled(cache):  # noqa: ASYNC110 - a worker thread cannot wake the loop
                 await anyio.sleep(0.005)
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         # Every page of every pool has exactly one owner, checked page by page: the test's own
         # allocations are the only caller-held pages.
         cache.sanity_check(held_device=held, held_components=self.held_component_slots())
@@ -722,7 +725,7 @@ class ControllerMachine(RuleBasedStateMachine):
             assert s.backups_queued == 0
             assert s.storage_writes_queued == 0
             assert s.tree.pending_backup_tokens == 0
-            for name, comp in self.c.tree.component_statistics().items():
+            for name, comp in tree_of(self.c).component_statistics().items():
                 assert comp.pending_backup_slots == 0, name
             await self.check_storage()
 

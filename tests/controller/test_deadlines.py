@@ -30,6 +30,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import torch
+from cache_internals import host_pool_of, release_queue_of
 from kv_oracle import check_pools_exact, layout_for, page_keys, store_chain
 
 from hicache import HiCache, HiCacheConfig
@@ -155,23 +156,23 @@ def failures(cache: HiCache) -> dict[str, float]:
 
 
 def quarantined_indices(cache: HiCache) -> set[int]:
-    held = cache.release_queue.quarantined_host_indices()
+    held = release_queue_of(cache).quarantined_host_indices()
     return set(torch.cat(held).tolist()) if held else set()
 
 
 def assert_never_handed_out(cache: HiCache, quarantined: set[int]) -> torch.Tensor:
     """Take every free host page: none of them is quarantined, and nothing more can be had. Returns them."""
-    free = cache.host_pool.statistics().free_pages * PAGE
-    taken = cache.host_pool.alloc(free)
+    free = host_pool_of(cache).statistics().free_pages * PAGE
+    taken = host_pool_of(cache).alloc(free)
     assert taken is not None
     assert not quarantined & set(taken.tolist()), "a quarantined page was handed out"
-    assert cache.host_pool.alloc(PAGE) is None
+    assert host_pool_of(cache).alloc(PAGE) is None
     return taken
 
 
 async def assert_exact(cache: HiCache) -> None:
     """Releases carried out, then the cache is sane and every host page has exactly one owner."""
-    await cache.release_queue.drain()
+    await release_queue_of(cache).drain()
     cache.sanity_check()
     check_pools_exact(cache)
 
@@ -212,12 +213,12 @@ async def test_acquire_returns_at_its_deadline_while_a_read_is_stuck(
         taken = assert_never_handed_out(cache, quarantined)
         await release_and_settle(cache, stuck)
         assert cache.statistics().quarantined_pages == 0
-        cache.host_pool.free(taken)
+        host_pool_of(cache).free(taken)
         await assert_exact(cache)
-        everything = cache.host_pool.alloc(cache.host_pool.statistics().free_pages * PAGE)
+        everything = host_pool_of(cache).alloc(host_pool_of(cache).statistics().free_pages * PAGE)
         assert everything is not None
         assert quarantined <= set(everything.tolist()), "the quarantined pages came back"
-        cache.host_pool.free(everything)
+        host_pool_of(cache).free(everything)
         await assert_exact(cache)
 
 
@@ -242,10 +243,10 @@ async def test_commit_prefetch_honours_an_asyncio_timeout(stored: FileBackend, s
         assert outcome.released_tokens == N_PAGES * PAGE
         await assert_exact(cache)
         taken = assert_never_handed_out(cache, quarantined_indices(cache))
-        cache.host_pool.free(taken)
+        host_pool_of(cache).free(taken)
         await release_and_settle(cache, stuck)
         await assert_exact(cache)
-        assert cache.host_pool.statistics().used_pages == 0
+        assert host_pool_of(cache).statistics().used_pages == 0
 
 
 async def test_cancel_prefetch_returns_while_a_read_is_stuck(stored: FileBackend, stuck: StuckFile) -> None:
@@ -264,7 +265,7 @@ async def test_cancel_prefetch_returns_while_a_read_is_stuck(stored: FileBackend
         await assert_exact(cache)
         await release_and_settle(cache, stuck)
         await assert_exact(cache)
-        assert cache.host_pool.statistics().used_pages == 0
+        assert host_pool_of(cache).statistics().used_pages == 0
 
 
 async def test_a_read_past_the_read_timeout_fails_its_pages(stored: FileBackend, stuck: StuckFile) -> None:
@@ -297,11 +298,11 @@ async def test_aclose_is_bounded_and_keeps_the_pools_of_a_stuck_read_open(
     await cache.aclose()
     assert time.monotonic() - start < 0.2 + BOUND_S
     assert cache.statistics().closed
-    assert not cache.host_pool.closed, "a pool a stuck thread writes into was closed under it"
+    assert not host_pool_of(cache).closed, "a pool a stuck thread writes into was closed under it"
     assert cache.statistics().quarantined_pages >= BATCH
     stuck.release()
     with anyio.fail_after(30):
-        while not cache.host_pool.closed:  # noqa: ASYNC110 - the shutdown finishes in its own task
+        while not host_pool_of(cache).closed:  # noqa: ASYNC110 - the shutdown finishes in its own task
             await anyio.sleep(0.01)
     assert cache.device_pool.closed
     await cache.aclose()  # idempotent, and at once now
@@ -375,10 +376,10 @@ async def test_acquire_under_asyncio_timeout_with_a_thread_stuck_on_an_event(
         assert cache.statistics().quarantined_pages >= BATCH
         await assert_exact(cache)
         taken = assert_never_handed_out(cache, quarantined_indices(cache))
-        cache.host_pool.free(taken)
+        host_pool_of(cache).free(taken)
         await settle_memory(cache, stuck_memory)
         await assert_exact(cache)
-        assert cache.host_pool.statistics().used_pages == 0
+        assert host_pool_of(cache).statistics().used_pages == 0
         # The cache serves the request in full once the storage recovers.
         lease = await cache.acquire("again", SEQ)
         assert lease.cached_len == N_PAGES * PAGE
@@ -400,12 +401,12 @@ async def test_aclose_under_asyncio_wait_for_with_a_thread_stuck_on_an_event(
         await asyncio.wait_for(cache.aclose(), 0.2)
     assert time.monotonic() - start < 0.2 + BOUND_S
     assert cache.statistics().closed
-    assert not cache.host_pool.closed
+    assert not host_pool_of(cache).closed
     await anyio.lowlevel.checkpoint()  # this task is not left cancelled
     stuck_memory.release.set()
     with anyio.fail_after(30):
         await cache.aclose()
-    assert cache.host_pool.closed
+    assert host_pool_of(cache).closed
     assert cache.statistics().quarantined_pages == 0
 
 

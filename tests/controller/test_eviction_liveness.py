@@ -11,6 +11,7 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from cache_internals import host_pool_of, tree_of
 from controller_helpers import insert_device_chain, make_config, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from hicache.policy import WritePolicy
 def room_for(cache: HiCache) -> int:
     """Device tokens `alloc_device` can have: free pages plus device pages of unlocked nodes."""
     free = cache.device_pool.statistics().free_pages * cache.page_size
-    return free + cache.tree.statistics().evictable_device_tokens
+    return free + tree_of(cache).statistics().evictable_device_tokens
 
 
 @pytest.mark.parametrize("policy", list(WritePolicy), ids=lambda p: p.value)
@@ -34,7 +35,7 @@ async def test_two_children_of_a_shared_prefix_do_not_stall_a_small_host(policy:
         await insert_device_chain(cache, tokens(0, 16) + tokens(100, 8))
         await insert_device_chain(cache, tokens(0, 16) + tokens(200, 8))
         await cache.wait_idle()
-        assert cache.tree.statistics().evictable_device_tokens == 32
+        assert tree_of(cache).statistics().evictable_device_tokens == 32
         assert room_for(cache) == 48
 
         got = await cache.alloc_device(48)
@@ -80,8 +81,8 @@ async def test_host_copies_of_locked_device_nodes_are_not_host_room() -> None:
         lease = await cache.acquire("reader", tokens(0, 16))  # loads it back and locks it on the device
         assert lease.cached_len == 16
         await insert_device_chain(cache, tokens(500, 16))  # un-backed, unlocked
-        stats = cache.tree.statistics()
-        assert cache.host_pool.statistics().free_pages == 0
+        stats = tree_of(cache).statistics()
+        assert host_pool_of(cache).statistics().free_pages == 0
         assert stats.evictable_host_tokens == 16  # the leased node's host copy ...
         assert stats.reclaimable_host_tokens == 0  # ... which host eviction cannot free
 

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from cache_internals import component_pools_of, host_pool_of, tree_of
 from controller_helpers import (
     PAGE,
     PassThroughBackend,
@@ -41,8 +42,8 @@ def open_cache() -> HiCache:
 
 
 def pools(cache: HiCache) -> dict[str, KVPool]:
-    out = {"device": cache.device_pool, "host": cache.host_pool}
-    for name, (device, host) in cache.component_pools.items():
+    out = {"device": cache.device_pool, "host": host_pool_of(cache)}
+    for name, (device, host) in component_pools_of(cache).items():
         out[f"{name}-device"], out[f"{name}-host"] = device, host
     return out
 
@@ -68,7 +69,7 @@ def snapshot(cache: HiCache) -> tuple[Any, ...]:
                 for name, d in (n.components or {}).items()
             ),
         )
-        for n in cache.tree.iter_nodes()
+        for n in tree_of(cache).iter_nodes()
     )
     tags = {name: pool.owner_tags().tolist() for name, pool in pools(cache).items()}
     return cache.statistics(), nodes, tags
@@ -384,7 +385,7 @@ async def test_prefetch_refuses_transfers_the_caller_does_not_hold() -> None:
         assert tree_host is not None
         seq = tokens(500, 8 * PAGE)
         await store_sequence(backend, cache, seq)
-        pool = cache.host_pool
+        pool = host_pool_of(cache)
         spare = pool.alloc(PAGE)
         assert spare is not None
         for bad in (

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import anyio
 import anyio.lowlevel
 import pytest
+from cache_internals import host_pool_of
 from controller_helpers import GatedBackend, make_config, page_payload, store_sequence, tokens
 
 from hicache import HiCache
@@ -74,7 +75,7 @@ async def test_aclose_inside_move_on_after_neither_raises_nor_leaves_the_task_ca
         await cache.aclose()
     assert not scope.cancelled_caught
     await anyio.lowlevel.checkpoint()  # a cancelled task would raise here
-    assert cache.host_pool.closed
+    assert host_pool_of(cache).closed
     assert cache.device_pool.closed
 
 
@@ -90,7 +91,7 @@ async def test_aclose_whose_deadline_passes_inside_move_on_after_leaves_the_task
     await anyio.lowlevel.checkpoint()
     with anyio.fail_after(10):
         await cache.aclose()
-    assert cache.host_pool.closed
+    assert host_pool_of(cache).closed
 
 
 async def test_aclose_inside_asyncio_wait_for_returns_normally() -> None:
@@ -100,7 +101,7 @@ async def test_aclose_inside_asyncio_wait_for_returns_normally() -> None:
     await insert_with_backup_queued(cache, tokens(1, 16))
     assert await asyncio.wait_for(cache.aclose(), 10) is None
     await asyncio.sleep(0)
-    assert cache.host_pool.closed
+    assert host_pool_of(cache).closed
 
 
 async def test_a_failed_start_closes_both_pools() -> None:
@@ -113,7 +114,7 @@ async def test_a_failed_start_closes_both_pools() -> None:
             async with cache:
                 pass
         assert cache.device_pool.closed
-        assert cache.host_pool.closed
+        assert host_pool_of(cache).closed
         assert cache.statistics().closed
         with pytest.raises(CacheClosed):
             await cache.start()
@@ -145,5 +146,5 @@ async def test_acquire_during_aclose_raises_cache_closed(backend: MemoryBackend)
             assert cache.statistics().prefetches_in_flight == 1
             await cache.aclose()
     assert len(errors) == 1
-    assert cache.host_pool.closed
+    assert host_pool_of(cache).closed
     assert cache.statistics().prefetches_in_flight == 0

@@ -102,7 +102,7 @@ async def serve(cache: HiCache, seq: list[int]) -> dict[str, torch.Tensor]:
     components: dict[str, torch.Tensor] = {}
     written = {"kv": cache.device_pool.read_tokens(new)}
     for comp in cache.components:
-        pool = cache.component_pools[comp.name][0]
+        pool = cache.component_pool(comp.name)
         slots = SWA.window if isinstance(comp, SlidingWindow) else 1
         indices = cache.alloc_component(comp.name, slots)
         assert indices is not None
@@ -128,7 +128,7 @@ async def acquire_from_storage(cache: HiCache, seq: list[int]) -> tuple[int, dic
     try:
         held = {"kv": cache.device_pool.read_tokens(lease.device_indices)}
         for name, indices in lease.component_indices.items():
-            held[name] = cache.component_pools[name][0].read_tokens(indices)
+            held[name] = cache.component_pool(name).read_tokens(indices)
         return lease.hit_tokens_by_tier["storage"], held
     finally:
         cache.release(lease)

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import pytest
 import torch
+from cache_internals import host_pool_of, release_queue_of, tree_of
 from controller_helpers import (
     PAGE,
     GatedBackend,
@@ -62,7 +63,7 @@ async def test_commit_attaches_storage_pages_and_a_match_reports_them(backend: M
         assert (match.device_len, match.host_len) == (0, 32)
         host = match.host_nodes[-1].host_value
         assert host is not None
-        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq)))
+        assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq)))
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -101,13 +102,13 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         # A device-only chain for the first 16 tokens whose backup has not run yet.
         device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
-        cache.tree.insert(seq[:16], device)
+        tree_of(cache).insert(seq[:16], device)
         parent = cache.match(seq[:16]).last_device_node
         assert not parent.backed_up
-        swa = cache.host_pool.alloc(2 * PAGE)
+        swa = host_pool_of(cache).alloc(2 * PAGE)
         assert swa is not None
-        transfer = ComponentTransfer("swa", cache.host_pool, swa)
-        cache.release_queue.history = []
+        transfer = ComponentTransfer("swa", host_pool_of(cache), swa)
+        release_queue_of(cache).history = []
         prefetch = await cache.prefetch("r1", seq, transfers=[transfer])
         assert prefetch is not None
         host_indices = prefetch.host_indices
@@ -115,17 +116,17 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         assert outcome.status == "dropped"
         assert outcome.loaded_tokens == 0
         assert prefetch.state is PrefetchState.DROPPED
-        assert len(cache.release_queue.history) == 1
-        release = cache.release_queue.history[0]
+        assert len(release_queue_of(cache).history) == 1
+        release = release_queue_of(cache).history[0]
         assert torch.equal(release.host_indices, host_indices)
         assert release.transfers == (transfer,)
         assert parent.children == {}
-        cache.tree.sanity_check()
-        evicted = cache.tree.evict_device(10 * PAGE)
+        tree_of(cache).sanity_check()
+        evicted = tree_of(cache).evict_device(10 * PAGE)
         cache.device_pool.free(evicted.freed_device)
-        cache.tree.sanity_check()
-        await cache.release_queue.drain()
-        assert cache.host_pool.statistics().used_pages == cache.tree.statistics().host_tokens // PAGE
+        tree_of(cache).sanity_check()
+        await release_queue_of(cache).drain()
+        assert host_pool_of(cache).statistics().used_pages == tree_of(cache).statistics().host_tokens // PAGE
     finally:
         await cache.aclose()
 
@@ -138,7 +139,7 @@ async def test_write_back_keeps_the_refill_under_a_device_only_parent(backend: M
         await store_sequence(backend, cache, seq)
         device = cache.device_pool.alloc(16, Owner.TREE)  # handed straight to the tree
         assert device is not None
-        cache.tree.insert(seq[:16], device)
+        tree_of(cache).insert(seq[:16], device)
         outcome_prefetch = await cache.prefetch("r1", seq)
         assert outcome_prefetch is not None
         outcome = await cache.commit_prefetch("r1")
@@ -147,7 +148,7 @@ async def test_write_back_keeps_the_refill_under_a_device_only_parent(backend: M
         assert outcome.released_tokens == 16  # the pages the tree already held
         match = cache.match(seq)
         assert (match.device_len, match.host_len) == (16, 32)
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -169,7 +170,7 @@ async def test_best_effort_commit_keeps_only_the_pages_read_so_far(backend: Memo
         assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.released_tokens) == (16, 16, 16)
         assert gated.reads_started == gated.reads_done == 5
         assert cache.match(seq).host_len == 16
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -214,7 +215,7 @@ async def test_timeout_commit_gives_up_after_the_deadline(backend: MemoryBackend
         outcome = await cache.commit_prefetch("r1")
         assert outcome.completed_tokens == 8
         assert outcome.loaded_tokens == 8
-        await cache.release_queue.drain()
+        await release_queue_of(cache).drain()
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -256,8 +257,8 @@ async def test_cancel_while_reads_are_in_flight_releases_only_after_io_stops(bac
         outcome = await cache.cancel_prefetch("r1")
         assert outcome.status == "cancelled"
         assert gated.reads_started == gated.reads_done
-        await cache.release_queue.drain()
-        assert cache.host_pool.statistics().used_pages == 0
+        await release_queue_of(cache).drain()
+        assert host_pool_of(cache).statistics().used_pages == 0
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -308,7 +309,8 @@ async def test_cancellation_at_every_await_point_leaves_nothing_behind(
         assert gated.reads_started == gated.reads_done
         assert_accounting(cache)
         assert (
-            cache.tree.statistics().host_tokens + cache.host_pool.statistics().free_pages * PAGE == 64 * PAGE
+            tree_of(cache).statistics().host_tokens + host_pool_of(cache).statistics().free_pages * PAGE
+            == 64 * PAGE
         )
     finally:
         await cache.aclose()
@@ -335,8 +337,8 @@ async def test_damaged_page_ends_the_prefetch_there(backend: MemoryBackend, dama
         match = cache.match(seq)
         assert match.host_len == 20
         host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
-        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq[:20])))
-        await cache.release_queue.drain()
+        assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq[:20])))
+        await release_queue_of(cache).drain()
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -452,8 +454,8 @@ async def test_concurrent_batches_count_only_the_verified_prefix(backend: Memory
         assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.failed_pages) == (16, 16, 1)
         match = cache.match(seq)
         host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
-        assert torch.equal(cache.host_pool.read_tokens(host), page_payload(as_key_bytes(seq[:16])))
-        await cache.release_queue.drain()
+        assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq[:16])))
+        await release_queue_of(cache).drain()
         assert_accounting(cache)
     finally:
         await cache.aclose()
@@ -475,7 +477,7 @@ async def test_a_page_deleted_behind_the_caches_back_is_written_again(backend: M
         everything = await cache.alloc_device(cache.device_pool.statistics().capacity_pages * PAGE)
         assert everything is not None
         cache.device_pool.free(everything)
-        cache.host_pool.free(cache.tree.evict_host(len(seq)).freed_host)
+        host_pool_of(cache).free(tree_of(cache).evict_host(len(seq)).freed_host)
         assert cache.match(seq).host_len == 0
         assert await cache.prefetch("again", seq) is not None
         outcome = await cache.commit_prefetch("again")

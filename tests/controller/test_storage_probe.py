@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import anyio.lowlevel
 import pytest
+from cache_internals import host_pool_of
 from controller_helpers import PAGE, PassThroughBackend, make_config, page_payload, store_sequence, tokens
 
 from hicache import HiCache
@@ -108,7 +109,7 @@ async def test_a_prefetch_over_a_missed_hole_stops_there_and_releases_the_rest(
         assert outcome.failed_pages == 1
         match = cache.match(seq)
         assert (match.device_len, match.host_len) == (0, 150 * PAGE)
-        host = cache.host_pool.read_tokens(match.host_nodes[-1].host_value)
+        host = host_pool_of(cache).read_tokens(match.host_nodes[-1].host_value)
         assert host.equal(page_payload(as_key_bytes(seq[: 150 * PAGE])))
         await cache.wait_idle()
         cache.sanity_check()
@@ -147,7 +148,7 @@ async def test_cancelling_a_prefetch_in_the_probes_second_call_leaves_nothing_be
         seq = tokens(7000, 200 * PAGE)
         keys = await store_sequence(backend, cache, seq)
         await backend.delete(keys[120:])  # a partial hit: the probe must refine the bracket
-        free_before = cache.host_pool.statistics().free_pages
+        free_before = host_pool_of(cache).statistics().free_pages
         async with anyio.create_task_group() as tg:
             tg.start_soon(cache.prefetch, "r", seq)
             await held.second_call.wait()
@@ -155,7 +156,7 @@ async def test_cancelling_a_prefetch_in_the_probes_second_call_leaves_nothing_be
             held.release.set()
         assert held.calls == 2
         assert cache.statistics().prefetches_in_flight == 0
-        assert cache.host_pool.statistics().free_pages == free_before
+        assert host_pool_of(cache).statistics().free_pages == free_before
         cache.sanity_check()
         # And the cache still serves the same request afterwards.
         held.calls = 0

@@ -17,11 +17,14 @@ from typing import Any
 import anyio
 import numpy as np
 import torch
-from kv_oracle import chain_payload, layout_for
 
 from hicache import HiCache, HiCacheConfig
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.metrics import render
+
+# Run as a script: its own directory is on the path, `tests/` (cache_internals, which kv_oracle uses) is not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kv_oracle import chain_payload, layout_for
 
 PAGE = 4
 LAYOUT = layout_for(PAGE)

@@ -57,6 +57,7 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     done = run(
         "-m", "hicache.cli", "demo", "--users", "2", "--turns", "3", "--json", "--system-prompts", "1",
         "--device-pages", "40", "--host-pages", "72", "--snapshot", str(snapshot), "--plot", str(plot),
+        "--metrics-port", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)
@@ -66,6 +67,8 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     assert summary["checks"]["max_recompute_logit_diff"] <= 1e-4
     assert sum(1 for tokens in summary["hit_tokens"].values() if tokens > 0) > 1
     assert summary["prefill_tokens_saved"] > 0
+    assert summary["metrics_url"].startswith("http://127.0.0.1:")
+    assert summary["bytes_moved"]["storage_written"] > 0  # read from hicache_storage_written_bytes_total
     image = imread(plot)
     assert image.shape[:2] == (800, 1200)
     assert float(image[:, :, :3].var()) > 0.01
@@ -76,6 +79,8 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     assert state["pools"]["device"]["capacity_pages"] == 40
     assert state["tree"]["nodes"] >= 1
     assert state["top_prefixes"]
+    written = json.loads(snapshot.read_text())["metrics"]["hicache_storage_written_bytes_total"]
+    assert written["samples"] == [{"labels": {}, "value": summary["bytes_moved"]["storage_written"]}]
 
 
 def test_cli_rejects_bad_arguments_and_missing_snapshots(tmp_path: Path) -> None:

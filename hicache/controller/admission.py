@@ -1,0 +1,274 @@
+"""Prefetch admission: whether a request's storage hit is worth streaming, as a plan or a skip reason."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from hicache.components import component_storage_key
+from hicache.config import HiCacheConfig
+from hicache.controller.allocation import Allocator, ComponentPools
+from hicache.controller.breaker import CircuitBreaker
+from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.release import ComponentTransfer
+from hicache.controller.state import OpenState
+from hicache.controller.storage_probe import probe_hit_pages
+from hicache.errors import StorageCircuitOpen
+from hicache.keys import TOKEN_BYTES, chained_page_hashes
+from hicache.memory import KVPool, Owner
+from hicache.metrics import CacheMetrics
+from hicache.tiers import SkipReason, Tier
+from hicache.tree import MatchResult, RadixTree, TreeNode
+
+__all__ = ["Admission", "PrefetchPlan"]
+
+logger = logging.getLogger("hicache.cache")
+
+_StagedReads = list[tuple[list[str], list[memoryview]]]
+
+
+@dataclass(frozen=True)
+class PrefetchPlan:
+    """An admitted prefetch: what to read into which host pages. The anchor is host-locked and the host
+    pages and staged component buffers are allocated (`Owner.PREFETCH`) until the prefetch is resolved.
+
+    Attributes:
+        anchor: the match's last host node, where the prefetched pages will hang.
+        key: token key of the prefetched pages, continuing from the anchor's end.
+        hashes: their page hashes.
+        page_keys: their storage keys.
+        host_indices: the host pages they are read into.
+        staged: component buffers the cache staged for them.
+        staged_reads: per staged buffer, the storage keys and page views to read.
+    """
+
+    anchor: TreeNode
+    key: bytes
+    hashes: list[bytes]
+    page_keys: list[str]
+    host_indices: torch.Tensor
+    staged: list[ComponentTransfer]
+    staged_reads: _StagedReads
+
+
+class Admission:
+    """Decides whether to prefetch: thresholds, capacity, the storage probe, host room and components.
+
+    Args:
+        config: the cache's configuration (thresholds, capacity, timeouts).
+        tree: the radix tree (the anchor is host-locked there).
+        host_pool: where prefetched pages go.
+        component_pools: the hybrid components' pools, by name.
+        allocator: takes host and component pages (evicting as needed).
+        metrics: the cache's metric set.
+        storage_breaker: the storage tier's breaker (no I/O at all while it is open).
+        state: whether the cache is still open after an await.
+        forget_stored: called with page keys storage was found to lack.
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        tree: RadixTree,
+        host_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
+        allocator: Allocator,
+        metrics: CacheMetrics,
+        storage_breaker: CircuitBreaker,
+        state: OpenState,
+        forget_stored: Callable[[Sequence[str]], None],
+    ) -> None:
+        self._config = config
+        self._tree = tree
+        self._host_pool = host_pool
+        self._component_pools = component_pools
+        self._allocator = allocator
+        self._metrics = metrics
+        self._breaker = storage_breaker
+        self._state = state
+        self._forget_stored = forget_stored
+
+    async def plan(
+        self,
+        request_id: str,
+        key: bytes,
+        match: MatchResult,
+        storage: GuardedStorage | None,
+        inflight_tokens: int,
+    ) -> PrefetchPlan | SkipReason:
+        """Admit a prefetch of the storage hit of page-aligned `key` beyond `match`, or say why not.
+
+        Skipped when there is no storage, the remainder beyond the match is below `prefetch_threshold`,
+        `inflight_tokens` plus it would exceed the capacity, storage is down or holds too few of the
+        pages, or the host pool cannot take enough of them. Nothing stays held on a skip.
+        """
+        config = self._config
+        page = config.page_size
+        aligned = len(key) // TOKEN_BYTES
+        matched = match.device_len + match.host_len
+        remainder = aligned - matched
+        if storage is None:
+            return SkipReason.NO_STORAGE
+        if remainder <= 0 or remainder < config.prefetch_threshold:
+            return SkipReason.BELOW_THRESHOLD
+        if inflight_tokens + remainder > config.capacity_tokens:
+            return SkipReason.CAPACITY
+        if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
+            return SkipReason.STORAGE_UNAVAILABLE
+        tree = self._tree
+        anchor = match.last_host_node
+        anchor_end = node_depth(anchor)
+        tree.lock_host(anchor)
+        try:
+            hashes = chained_page_hashes(
+                key[anchor_end * TOKEN_BYTES :], page, config.namespace, anchor.last_hash
+            )
+            page_keys = [h.hex() for h in hashes]
+            hit_pages: int | None = None
+            skip = SkipReason.STORAGE_ERROR
+            try:
+                # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
+                budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
+                with anyio.move_on_after(budget) as lookup:
+                    hit_pages = await probe_hit_pages(storage, page_keys)
+                if lookup.cancelled_caught:
+                    storage.record_timeout("exists")
+            except StorageCircuitOpen:  # another request holds the probe, or the breaker just opened
+                skip = SkipReason.STORAGE_UNAVAILABLE
+            except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
+                logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
+            if hit_pages is None:
+                if skip == SkipReason.STORAGE_ERROR:
+                    reason = "timeout" if lookup.cancelled_caught else "exists"
+                    self._metrics.storage_page_failures.labels(reason=reason).inc()
+                tree.unlock_host(anchor)
+                return skip
+            self._state.check_open("prefetch")
+            self._forget_stored(page_keys[hit_pages:])
+            hit = hit_pages * page
+            if anchor_end + hit - matched < config.prefetch_threshold:
+                tree.unlock_host(anchor)
+                return SkipReason.STORAGE_MISS
+            host_indices = self._allocator.alloc_host(hit, owner=Owner.PREFETCH, partial=True)
+            if (
+                host_indices is None
+                or anchor_end + host_indices.numel() - matched < config.prefetch_threshold
+            ):
+                if host_indices is not None:
+                    self._host_pool.free(host_indices)
+                tree.unlock_host(anchor)
+                return SkipReason.HOST_FULL
+        except BaseException:
+            tree.unlock_host(anchor)
+            raise
+        n_pages = host_indices.numel() // page
+        staged: list[ComponentTransfer] = []
+        reads: _StagedReads = []
+        if tree.components:
+            got = await self._stage_components_or_free(
+                storage, hashes[:n_pages], n_pages * page, host_indices, anchor
+            )
+            if isinstance(got, SkipReason):
+                self._host_pool.free(host_indices)
+                tree.unlock_host(anchor)
+                return got
+            staged, reads = got
+        return PrefetchPlan(
+            anchor=anchor,
+            key=key[anchor_end * TOKEN_BYTES : (anchor_end + n_pages * page) * TOKEN_BYTES],
+            hashes=hashes[:n_pages],
+            page_keys=page_keys[:n_pages],
+            host_indices=host_indices,
+            staged=staged,
+            staged_reads=reads,
+        )
+
+    async def _stage_components_or_free(
+        self,
+        storage: GuardedStorage,
+        hashes: Sequence[bytes],
+        num_tokens: int,
+        host_indices: torch.Tensor,
+        anchor: TreeNode,
+    ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
+        """`_stage_components` for a prefetch holding `host_indices` and a lock on `anchor`: if staging
+        fails, or the cache closes meanwhile, the host pages, the lock and anything staged are let go."""
+        got: tuple[list[ComponentTransfer], _StagedReads] | SkipReason | None = None
+        try:
+            got = await self._stage_components(storage, hashes, num_tokens)
+            self._state.check_open("prefetch")
+        except BaseException:
+            # A pool already closed by `aclose` took its memory with it: nothing to give back there.
+            if isinstance(got, tuple):
+                for transfer in got[0]:
+                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
+                    if not pool.closed:
+                        pool.free(transfer.indices)
+            if not self._host_pool.closed:
+                self._host_pool.free(host_indices)
+            self._tree.unlock_host(anchor)
+            raise
+        return got
+
+    async def _stage_components(
+        self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int
+    ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
+        """Host buffers and page keys of every component a prefix of `num_tokens` tokens needs at its end.
+
+        All or nothing: a skip reason when storage lacks any of the pages (a partial window, no Mamba
+        state) or a component's host pool cannot take them; nothing stays allocated then.
+        """
+        staged: list[ComponentTransfer] = []
+        reads: _StagedReads = []
+        reason: SkipReason | None = None
+        page = self._config.page_size
+        try:
+            for comp in self._tree.components:
+                k = min(len(hashes), comp.prefix_pages(num_tokens, page))
+                keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
+                try:
+                    present = 0
+                    with anyio.move_on_after(self._config.storage_read_timeout_s):
+                        present = await storage.exists(keys) if keys else 0
+                except StorageCircuitOpen:
+                    reason = SkipReason.STORAGE_UNAVAILABLE
+                    break
+                except OSError as exc:  # a storage error (counted by the guard), never the caller's
+                    logger.warning("prefetch: component lookup failed: %r", exc)
+                    reason = SkipReason.STORAGE_ERROR
+                    break
+                if not keys or present < len(keys):
+                    reason = SkipReason.COMPONENT_MISS
+                    break
+                host_pool = self._component_pools[comp.name].host
+                indices = self._allocator.alloc_component_slots(
+                    comp.name, Tier.HOST, k * host_pool.page_size, owner=Owner.PREFETCH
+                )
+                if indices is None:
+                    reason = SkipReason.COMPONENT_HOST_FULL
+                    break
+                staged.append(ComponentTransfer(comp.name, host_pool, indices))
+                reads.append((keys, host_pool.page_views(indices)))
+        except BaseException:
+            for transfer in staged:
+                transfer.pool.free(transfer.indices)
+            raise
+        if reason is not None:
+            for transfer in staged:
+                transfer.pool.free(transfer.indices)
+            return reason
+        return staged, reads
+
+
+def node_depth(node: TreeNode) -> int:
+    """Tokens from the root to the end of `node`."""
+    total = 0
+    current: TreeNode | None = node
+    while current is not None:
+        total += current.num_tokens
+        current = current.parent
+    return total

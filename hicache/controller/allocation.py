@@ -1,0 +1,184 @@
+"""Allocation of device, host and component pages, evicting what the tree lets go of when a pool is full."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from hicache.components import Component
+from hicache.config import HiCacheConfig
+from hicache.controller.release import ReleaseQueue
+from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
+from hicache.tiers import Tier
+from hicache.tree import RadixTree
+
+__all__ = ["Allocator", "CachePools", "ComponentPools", "make_pools"]
+
+
+class ComponentPools(NamedTuple):
+    """A hybrid component's two pools."""
+
+    device: KVPool
+    """Its device slots: what the model reads and writes."""
+    host: KVPool
+    """Its host slots: backups and prefetched pages."""
+
+    def on(self, tier: str) -> KVPool:
+        """The pool of `tier` (`Tier.DEVICE` or `Tier.HOST`)."""
+        return self.device if tier == Tier.DEVICE else self.host
+
+
+class Allocator:
+    """Takes pages from the device, host and component pools, evicting from the tree when one is short.
+
+    Synchronous: it never awaits, so what it evicts and allocates is consistent with the tree when the
+    caller next awaits. (Device allocation, which may have to back evicted nodes up to host first, is the
+    `TierMover`'s.)
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        device_pool: KVPool,
+        host_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
+        release_queue: ReleaseQueue,
+    ) -> None:
+        self._tree = tree
+        self._device_pool = device_pool
+        self._host_pool = host_pool
+        self._component_pools = component_pools
+        self._release_queue = release_queue
+        self._page_size = host_pool.page_size
+
+    def free_component_garbage(self) -> None:
+        """Return every component index the tree let go of to its pool."""
+        if not self._component_pools:
+            return
+        for free in self._tree.take_component_frees():
+            self._component_pools[free.component].on(free.tier).free(free.indices)
+
+    def alloc_component_slots(
+        self, name: str, tier: str, num_slots: int, *, owner: Owner
+    ) -> torch.Tensor | None:
+        """Allocate slots of a component's pool on `tier` for `owner`, evicting that component's values if
+        needed; None when not enough can be evicted."""
+        pool = self._component_pools[name].on(tier)
+        indices = pool.alloc(num_slots, owner)
+        if indices is not None:
+            return indices
+        if tier == Tier.HOST:
+            self._release_queue.flush()
+        free = pool.statistics().free_pages * pool.page_size
+        if free < num_slots:
+            self._tree.evict_component(name, num_slots - free, tier)
+            self.free_component_garbage()
+        return pool.alloc(num_slots, owner)
+
+    def host_room(self) -> int:
+        """Host tokens a backup can have now: free pages plus what `evict_host` can really reclaim (host
+        copies of host-only nodes without a host or device lock; never a device node's copy, a locked
+        one, or an ancestor of a node on the device)."""
+        self._release_queue.flush()
+        free = self._host_pool.statistics().free_pages * self._page_size
+        return free + self._tree.statistics().reclaimable_host_tokens
+
+    def alloc_host(self, num_tokens: int, *, owner: Owner, partial: bool = False) -> torch.Tensor | None:
+        """Allocate host pages for `owner`, evicting host-only leaves if needed; `partial` takes what can
+        be had."""
+        pool = self._host_pool
+        indices = pool.alloc(num_tokens, owner)
+        if indices is not None:
+            return indices
+        self._release_queue.flush()
+        free = pool.statistics().free_pages * self._page_size
+        if free < num_tokens:
+            evicted = self._tree.evict_host(num_tokens - free)
+            if evicted.freed_host.numel():
+                pool.free(evicted.freed_host)
+            self.free_component_garbage()
+        indices = pool.alloc(num_tokens, owner)
+        if indices is None and partial:
+            free = pool.statistics().free_pages * self._page_size
+            indices = pool.alloc(free, owner) if free > 0 else None
+        return indices
+
+    def caller_claims(
+        self,
+        device_indices: torch.Tensor | npt.NDArray[np.int64] | None,
+        components: Mapping[str, torch.Tensor] | None,
+    ) -> list[tuple[KVPool, torch.Tensor]]:
+        """Check that `device_indices` and `components` are pages the caller holds (from `alloc_device`,
+        `alloc_component`, not inserted, no page twice); return them with their pools. Changes nothing.
+        """
+        out: list[tuple[KVPool, torch.Tensor]] = []
+        if device_indices is not None:
+            self._device_pool.check_owned(device_indices, Owner.LEASE, name="device_indices")
+            if isinstance(device_indices, torch.Tensor):  # `insert` checks a numpy view and frees nothing
+                out.append((self._device_pool, device_indices))
+        if components:
+            if not isinstance(components, Mapping):
+                raise TypeError(f"components: expected a mapping of name to indices, got {components!r:.80}")
+            for name, indices in components.items():
+                if name not in self._component_pools:
+                    raise ValueError(f"components: unknown component {name!r}")
+                pool = self._component_pools[name].device
+                pool.check_owned(indices, Owner.LEASE, name=f"components[{name!r}]")
+                out.append((pool, indices))
+        return out
+
+
+class CachePools(NamedTuple):
+    """The pools of a cache, and which of them it made (and so closes)."""
+
+    device: KVPool
+    host: KVPool
+    components: dict[str, ComponentPools]
+    owned: list[KVPool]
+
+
+def make_pools(
+    config: HiCacheConfig,
+    components: Sequence[Component],
+    device_pool: KVPool | None,
+    host_pool: KVPool | None,
+) -> CachePools:
+    """Make the pools a cache needs and was not given (the caller's must match `config.layout`).
+
+    If making one fails, those already made are closed before the error propagates.
+
+    Raises:
+        ValueError: naming `device_pool` or `host_pool` when its layout is not `config.layout`.
+    """
+    for name, pool in (("device_pool", device_pool), ("host_pool", host_pool)):
+        if pool is not None and pool.layout != config.layout:
+            raise ValueError(f"{name}: layout {pool.layout} does not match config.layout {config.layout}")
+    owned: list[KVPool] = []
+
+    def own(pool: KVPool) -> KVPool:
+        owned.append(pool)
+        return pool
+
+    try:
+        component_pools: dict[str, ComponentPools] = {}
+        for comp in components:
+            layout = comp.pool_layout(config.page_size)
+            component_pools[comp.name] = ComponentPools(
+                own(make_device_pool(layout, comp.device_pages, name=f"{comp.name}-device")),
+                own(make_host_pool(layout, comp.host_pages, name=f"{comp.name}-host")),
+            )
+        device = (
+            device_pool
+            if device_pool is not None
+            else own(make_device_pool(config.layout, config.device_pages))
+        )
+        host = host_pool if host_pool is not None else own(make_host_pool(config.layout, config.host_pages))
+    except BaseException:
+        for made in owned:
+            made.close()
+        raise
+    return CachePools(device, host, component_pools, owned)

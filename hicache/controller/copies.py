@@ -1,0 +1,85 @@
+"""Device <-> host copies that are counted and never abandoned, and the load-backs in flight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterator
+
+import anyio
+import torch
+
+from hicache.memory import KVPool, copy_pages_async
+
+__all__ = ["CopyTracker", "wait_uncancelled"]
+
+
+class CopyTracker:
+    """Runs device <-> host copies and knows which are in flight.
+
+    `aclose` closes no pool while a copy may still write into it (load-backs in the caller's own tasks
+    included), and the ownership check finds the device pages a load-back copies into (`loading`).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        """Copies in flight, the caller's load-backs included."""
+        self.limiter: anyio.CapacityLimiter | None = None
+        """Threads that enqueue or run copies (None: anyio's default limiter)."""
+        self._idle: anyio.Event | None = None
+        self._loading: dict[int, tuple[KVPool, torch.Tensor]] = {}
+
+    async def copy(
+        self, src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor
+    ) -> None:
+        """`copy_pages_async`, counted and never abandoned: a cancellation, anyio's or asyncio's own, is
+        re-raised only once the copy has landed."""
+        self.count += 1
+        try:
+            await wait_uncancelled(copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter))
+        finally:
+            self.count -= 1
+            if not self.count and self._idle is not None:
+                self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Wait until no copy is in flight."""
+        while self.count:
+            self._idle = anyio.Event()  # set by the last copy to finish
+            await self._idle.wait()
+
+    def track_load(self, pool: KVPool, indices: torch.Tensor) -> None:
+        """Note device pages (tagged `Owner.COPY`) a load-back copies into."""
+        self._loading[id(indices)] = (pool, indices)
+
+    def untrack_load(self, indices: torch.Tensor) -> None:
+        """The load-back into `indices` is over (attached, or freed)."""
+        self._loading.pop(id(indices), None)
+
+    def loading(self, pool: KVPool) -> Iterator[torch.Tensor]:
+        """Indices of `pool` that load-backs in flight copy into."""
+        return (indices for (p, indices) in self._loading.values() if p is pool)
+
+
+async def wait_uncancelled(work: Awaitable[None]) -> None:
+    """Await `work` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
+
+    anyio's shielded scopes do not stop asyncio's own cancellation (`asyncio.timeout`, `wait_for`,
+    `Task.cancel`), so the work runs in a task of its own and a cancellation of the caller only ends the
+    caller's wait once the work is done. For short work that must never be abandoned (a copy into a
+    buffer the caller frees on its way out).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        # Cancelled (or the work failed): wait for the work; anyio's re-deliveries are shielded, a second
+        # asyncio cancellation is absorbed, the first exception is what propagates.
+        with anyio.CancelScope(shield=True):
+            while not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    continue
+        if not task.cancelled():
+            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
+        raise

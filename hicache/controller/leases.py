@@ -1,0 +1,180 @@
+"""Leases: matching a request's prefix (loading it from storage and host), holding it, and inserting the
+finished request's KV."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from hicache.controller.admission import node_depth
+from hicache.controller.allocation import Allocator, ComponentPools
+from hicache.controller.prefetch import PrefetchOutcome
+from hicache.controller.prefetcher import Prefetcher
+from hicache.controller.results import Lease
+from hicache.controller.state import OpenState
+from hicache.controller.tier_mover import TierMover
+from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
+from hicache.memory import KVPool, Owner, check_token_indices
+from hicache.tiers import SkipReason, Tier
+from hicache.tree import InsertResult, RadixTree
+
+__all__ = ["Leases"]
+
+
+class Leases:
+    """Carries out `HiCache.acquire`, `release` and `insert` once the facade has checked the cache is open.
+
+    Args:
+        tree: the radix tree (a lease's prefix is device-locked there).
+        device_pool, component_pools: the device pools a request's KV is in.
+        allocator: checks the caller's pages and frees what the tree lets go of.
+        mover: loads host hits back, and backs inserted KV up.
+        prefetcher: streams storage hits in.
+        state: whether the cache is still open after an await.
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        device_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
+        allocator: Allocator,
+        mover: TierMover,
+        prefetcher: Prefetcher,
+        state: OpenState,
+    ) -> None:
+        self._tree = tree
+        self._device_pool = device_pool
+        self._component_pools = component_pools
+        self._allocator = allocator
+        self._mover = mover
+        self._prefetcher = prefetcher
+        self._state = state
+        self._page_size = device_pool.page_size
+
+    async def acquire(self, request_id: str, key: bytes) -> Lease:
+        """Match `key`, prefetch its storage hit and commit it, load host hits back, lock the prefix."""
+        first = self._tree.match_prefix(key)
+        outcome: PrefetchOutcome | None = None
+        skipped: SkipReason | None = None
+        anchor_end = 0
+        if self._prefetcher.storage is not None:
+            started = await self._prefetcher.start(request_id, key, first, ())
+            if isinstance(started, SkipReason):
+                skipped = started
+            else:
+                anchor_end = node_depth(started.anchor)  # where the prefetch's tokens start
+                try:
+                    outcome = await self._prefetcher.commit(request_id)
+                except BaseException:
+                    # Cancelled (or failed) while waiting: stop the reads and give every page back.
+                    if self._prefetcher.is_in_flight(started):
+                        await self._prefetcher.stop_and_cancel(started)
+                    raise
+            self._state.check_open("acquire")
+        # Match again after any await: eviction may have changed the tree meanwhile.
+        match = self._tree.match_prefix(key) if self._prefetcher.storage is not None else first
+        # Storage hits are only the tokens this request's prefetch loaded: [start, end) below. Tokens
+        # that other requests inserted or loaded meanwhile count by where this match finds them.
+        loaded_end = loaded_start = 0
+        if outcome is not None and outcome.committed:
+            loaded_end = anchor_end + outcome.completed_tokens
+            loaded_start = loaded_end - outcome.loaded_tokens
+        found_on_device = match.device_len
+        self._state.check_open("load_back")
+        match = await self._mover.load_back(match)
+        node = match.last_device_node
+        self._tree.lock_device(node)
+        self._allocator.free_component_garbage()
+        cached = match.device_len
+        storage_hit = max(0, min(loaded_end, cached) - loaded_start)
+        on_device = min(found_on_device, cached)
+        device_hit = on_device - max(0, min(loaded_end, on_device) - loaded_start)
+        host_hit = cached - device_hit - storage_hit
+        return Lease(
+            request_id=request_id,
+            key=key,
+            node=node,
+            device_indices=match.device_indices,
+            cached_len=cached,
+            hit_tokens_by_tier={
+                Tier.DEVICE.value: device_hit,
+                Tier.HOST.value: host_hit,
+                Tier.STORAGE.value: storage_hit,
+            },
+            prefetch=outcome,
+            component_indices=self._tree.component_window(node) if self._tree.components else {},
+            prefetch_skipped=skipped,
+        )
+
+    def release(
+        self,
+        lease: Lease,
+        device_indices: torch.Tensor | None,
+        components: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        """Give up `lease`, freeing the caller's `device_indices` and `components` (checked first)."""
+        claims = self._allocator.caller_claims(device_indices, components)
+        if lease.active:
+            lease.active = False
+            self._tree.unlock_device(lease.node)
+        for pool, indices in claims:
+            pool.free(indices)
+
+    async def insert(
+        self,
+        lease: Lease,
+        tokens: KeyLike,
+        device_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None,
+    ) -> InsertResult:
+        """Check and insert a finished request's KV, then release its lease (see `HiCache.insert`)."""
+        await self._mover.give_workers_a_turn()
+        self._state.check_open("insert")
+        if not lease.active:
+            raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
+        key = as_key_bytes(tokens, name="tokens")
+        n = len(key) // TOKEN_BYTES
+        page = self._page_size
+        padded = -(-n // page) * page
+        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
+            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
+        if device_indices.dim() != 1 or device_indices.numel() != padded:
+            raise ValueError(
+                f"device_indices: expected {padded} indices ({n} tokens padded to pages of {page}), "
+                f"got shape {tuple(device_indices.shape)}"
+            )
+        if (
+            n < lease.cached_len
+            or key[: lease.cached_len * TOKEN_BYTES] != lease.key[: lease.cached_len * TOKEN_BYTES]
+        ):
+            raise ValueError("tokens: must start with the lease's cached prefix")
+        cached = lease.cached_len
+        # One numpy view for the checks below: each costs a microsecond or two there.
+        index_array = check_token_indices(device_indices, name="device_indices").numpy()
+        # The rest must be pages the caller got from `alloc_device` (and components' slots from
+        # `alloc_component`) and still holds: anything else would let two owners share a page.
+        self._allocator.caller_claims(index_array[cached:], components)
+        if not (index_array[:cached] == lease.device_indices.numpy()).all():
+            raise ValueError(
+                f"device_indices: the first {cached} must be the lease's own prefix (lease.device_indices)"
+            )
+        aligned = n // page * page
+        if components:
+            result = self._tree.insert(key, device_indices[:n], components)
+        else:
+            result = self._tree.insert(key[: aligned * TOKEN_BYTES], device_indices[:aligned])
+        # The tree owns what it took; the rest is freed below (duplicates, the partial tail, components
+        # it did not keep).
+        self._device_pool.set_owner(index_array[cached:], Owner.TREE)
+        for name, indices in (components or {}).items():
+            self._component_pools[name].device.set_owner(indices, Owner.TREE)
+        if result.prefix_len > lease.cached_len:
+            self._device_pool.free(device_indices[lease.cached_len : result.prefix_len])
+        if padded > aligned:
+            self._device_pool.free(device_indices[aligned:])
+        self.release(lease, None, None)
+        self._allocator.free_component_garbage()
+        self._mover.schedule_backups(result.backups)
+        return result

@@ -1,0 +1,358 @@
+"""Moving pages between tiers: device -> host backups (and the device eviction that needs them), host ->
+storage write-through, and host -> device load-back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import anyio
+import torch
+
+from hicache.components import Component
+from hicache.config import HiCacheConfig
+from hicache.controller.allocation import Allocator, ComponentPools
+from hicache.controller.breaker import CircuitBreaker
+from hicache.controller.copies import CopyTracker
+from hicache.controller.storage_writer import StorageWriter
+from hicache.controller.work_queue import WorkQueue
+from hicache.errors import StorageCircuitOpen
+from hicache.keys import TOKEN_BYTES
+from hicache.memory import KVPool, Owner
+from hicache.metrics import CacheMetrics
+from hicache.tiers import Tier
+from hicache.tree import MatchResult, RadixTree, TreeNode
+
+__all__ = ["TierMover"]
+
+logger = logging.getLogger("hicache.cache")
+
+_MAX_BATCH = 64
+"""Most queued backups (or storage writes) one background job takes: one device->host copy (or one storage
+`put`) then serves every request that queued work meanwhile, so a saturated loop still drains the queues."""
+
+_BACKPRESSURE_WAIT_S = 0.005
+"""The most one `insert` waits for a background queue above half its limit to drain below it."""
+
+# (node, component) -> (source indices, destination indices) of a component copy.
+_ComponentCopies = dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class TierMover:
+    """Carries out the tree's moves between tiers, with the background queues of backups and writes.
+
+    Args:
+        config: the cache's configuration (queue limits, `backup_to_storage`).
+        tree: the radix tree that plans every move.
+        device_pool, host_pool, component_pools: the pools pages move between.
+        allocator: takes host and component pages (evicting as needed).
+        copies: runs and counts device <-> host copies.
+        metrics: the cache's metric set.
+        storage_breaker: the storage tier's breaker (write-through is shed while it is open).
+    """
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        tree: RadixTree,
+        device_pool: KVPool,
+        host_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
+        allocator: Allocator,
+        copies: CopyTracker,
+        metrics: CacheMetrics,
+        storage_breaker: CircuitBreaker,
+    ) -> None:
+        self._config = config
+        self._tree = tree
+        self._components: tuple[Component, ...] = tree.components
+        self._device_pool = device_pool
+        self._host_pool = host_pool
+        self._component_pools = component_pools
+        self._allocator = allocator
+        self._copies = copies
+        self._metrics = metrics
+        self._breaker = storage_breaker
+        self._page_size = config.page_size
+        self.backups: WorkQueue[TreeNode] = WorkQueue(
+            "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
+        )
+        self.storage_writes: WorkQueue[TreeNode] = WorkQueue(
+            "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
+        )
+        self.writer: StorageWriter | None = None
+        """The host -> storage writer (set once the storage tier is open)."""
+        self._backup_lock = anyio.Lock()
+
+    # ------------------------------------------------------------------ device allocation
+
+    async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
+        """Allocate device pages for `num_tokens` (checked by the caller), evicting as needed; None when
+        not enough can be evicted. See `HiCache.alloc_device`."""
+        offer_host = True
+        while True:
+            indices = self._device_pool.alloc(num_tokens)
+            if indices is not None:
+                return indices
+            need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
+            # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
+            room = self._allocator.host_room() if offer_host else 0
+            result = self._tree.evict_device(need, host_free_tokens=room)
+            self._device_pool.free(result.freed_device)
+            self._allocator.free_component_garbage()
+            if result.freed_host.numel():
+                self._host_pool.free(result.freed_host)
+            if result.dropped_tokens:
+                self._metrics.evict_dropped_tokens.inc(result.dropped_tokens)
+            # Root-first chains, each below the earlier ones: one batch begins them in order, so
+            # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
+            backed_up = await self.back_up(result.backup_first) if result.backups else 0
+            if result.freed_device.numel() or backed_up:
+                continue
+            if not result.backups:
+                return None  # nothing could be evicted, nor backed up to make it evictable
+            # The planned backups found no host room after all (taken meanwhile by other work): plan
+            # again without host room, so that un-backed leaves are dropped instead of waited on.
+            offer_host = False
+
+    # ------------------------------------------------------------------ device -> host
+
+    async def give_workers_a_turn(self) -> None:
+        """Backpressure on the serving loop: yield to the backup and storage-write workers when they have
+        work, and wait (bounded) for a queue above half its limit."""
+        if self.backups.idle and self.storage_writes.idle:
+            return
+        await anyio.lowlevel.checkpoint()
+        for queue in (self.backups, self.storage_writes):
+            watermark = (queue.limit or 0) // 2
+            if queue.limit is not None and len(queue) > watermark:
+                with anyio.move_on_after(_BACKPRESSURE_WAIT_S):
+                    await queue.wait_below(watermark)
+
+    def schedule_backups(self, targets: Sequence[TreeNode]) -> None:
+        """Queue backups of `targets` (shedding, and counting, what the queue cannot take)."""
+        shed = self.backups.put(targets)
+        if shed:
+            self._metrics.writes_shed.inc(len(shed), tier=Tier.HOST.value, reason="queue_full")
+
+    async def _backup_batch(self, targets: list[TreeNode]) -> None:
+        await self.back_up(targets)
+
+    async def back_up(self, targets: Sequence[TreeNode]) -> int:
+        """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
+        copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
+        were committed (those backed up already, pending or without host room are not)."""
+        async with self._backup_lock:
+            chains: list[tuple[TreeNode, list[TreeNode]]] = []
+            nodes: list[TreeNode] = []
+            host_parts: list[torch.Tensor] = []
+            comp_copies: _ComponentCopies = {}
+            try:
+                for target in targets:
+                    # Computed after the earlier chains began: a shared ancestor is pending by now and
+                    # ends this chain, so every node is copied once and committed after its parent.
+                    chain = self._tree.backup_chain(target)
+                    if not chain:
+                        continue
+                    sizes = [node.num_tokens for node in chain]
+                    host_indices = self._allocator.alloc_host(sum(sizes), owner=Owner.COPY)
+                    if host_indices is None:
+                        self._metrics.backup_skipped.inc()
+                        continue
+                    staged_comps = self._stage_component_backup(chain) if self._components else {}
+                    comp_copies.update(staged_comps)
+                    offset = 0
+                    for node, size in zip(chain, sizes, strict=True):
+                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n is node}
+                        self._tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
+                        nodes.append(node)
+                        offset += size
+                    host_parts.append(host_indices)
+                    chains.append((target, chain))
+                if not chains:
+                    return 0
+                device_values = torch.cat(
+                    [node.device_value for node in nodes if node.device_value is not None]
+                )
+                await self._copies.copy(
+                    self._device_pool, device_values, self._host_pool, torch.cat(host_parts)
+                )
+                for (_, name), (device, host) in comp_copies.items():
+                    pools = self._component_pools[name]
+                    await self._copies.copy(pools.device, device, pools.host, host)
+            except BaseException:
+                for node in reversed(nodes):
+                    self._host_pool.free(self._tree.abort_backup(node))
+                self._allocator.free_component_garbage()
+                raise
+            # Root first. A node split while copying is committed together with its split-off upper part.
+            for node in nodes:
+                self._tree.commit_backup(node)
+            # The host copies now belong to the tree (before freeing what it let go of among them).
+            for part in host_parts:
+                self._host_pool.set_owner(part, Owner.TREE)
+            for (_, name), (_, host) in comp_copies.items():
+                self._component_pools[name].host.set_owner(host, Owner.TREE)
+            self._allocator.free_component_garbage()
+            self._metrics.backup_tokens.inc(sum(node.num_tokens for node in nodes))
+        if self.writer is not None and self._config.backup_to_storage:
+            self._queue_storage_writes([target for target, _ in chains])
+        return len(chains)
+
+    def _stage_component_backup(self, chain: Sequence[TreeNode]) -> _ComponentCopies:
+        """Host slots for the component device values of `chain`: (node, name) -> (device, host).
+
+        A component whose host slots cannot be had is not backed up (the node is a tombstone there).
+        """
+        out: _ComponentCopies = {}
+        for node in chain:
+            for comp in self._components:
+                device = self._tree.component_value(node, comp.name, Tier.DEVICE)
+                if device is None:
+                    continue
+                host = self._allocator.alloc_component_slots(
+                    comp.name, Tier.HOST, int(device.numel()), owner=Owner.COPY
+                )
+                if host is not None:
+                    out[(node, comp.name)] = (device, host)
+        return out
+
+    # ------------------------------------------------------------------ host -> storage
+
+    def _queue_storage_writes(self, targets: list[TreeNode]) -> None:
+        """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
+        if not self._breaker.allows():
+            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            return
+        shed = self.storage_writes.put(targets)
+        if shed:
+            self._metrics.writes_shed.inc(len(shed), tier=Tier.STORAGE.value, reason="queue_full")
+
+    async def _store(self, targets: list[TreeNode]) -> None:
+        if self.writer is None:
+            return
+        if not self._breaker.allows():
+            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            return
+        try:
+            await self.writer.store_many(targets)
+        except StorageCircuitOpen:
+            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+        except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
+            logger.warning("storage write-through of %d node(s) failed: %r", len(targets), exc)
+
+    # ------------------------------------------------------------------ host -> device
+
+    async def load_back(self, match: MatchResult) -> MatchResult:
+        """Copy the host-only part of a match back to device and return the fresh match (unchanged when
+        device memory cannot be found)."""
+        if match.host_len == 0:
+            return match
+        tree = self._tree
+        key = match.key
+        start, length = match.device_len, match.host_len
+        last_host = match.host_nodes[-1]
+        tree.lock_device(match.last_device_node)
+        tree.lock_host(last_host)
+        try:
+            host_values = torch.cat(
+                [node.host_value for node in match.host_nodes if node.host_value is not None]
+            )
+            device_indices = await self.alloc_device(length)
+            if device_indices is None:
+                # No room: the device part alone, cut back to where every component is valid.
+                return tree.match_prefix(key[: start * TOKEN_BYTES]) if self._components else match
+            self._device_pool.set_owner(device_indices, Owner.COPY)
+            self._copies.track_load(self._device_pool, device_indices)
+            loaded: _ComponentCopies = {}
+            try:
+                await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
+                if self._components:
+                    loaded = await self._load_components(match.host_nodes)
+            except BaseException:
+                self._device_pool.free(device_indices)
+                raise
+            finally:
+                self._copies.untrack_load(device_indices)
+                for _, device in loaded.values():
+                    self._copies.untrack_load(device)
+            # The copies are the tree's now; `_attach_loaded` frees those no node takes.
+            self._device_pool.set_owner(device_indices, Owner.TREE)
+            for (_, name), (_, device) in loaded.items():
+                self._component_pools[name].device.set_owner(device, Owner.TREE)
+            self._attach_loaded(key, start, device_indices, loaded)
+            self._metrics.load_back_tokens.inc(length)
+        finally:
+            tree.unlock_host(last_host)
+            tree.unlock_device(match.last_device_node)
+        return tree.match_prefix(key)
+
+    async def _load_components(self, nodes: Sequence[TreeNode]) -> _ComponentCopies:
+        """Copy the host component values of `nodes` to fresh device slots: (node, name) -> (host, device).
+
+        A component whose device slots cannot be had is not loaded (its nodes stay tombstones there).
+        """
+        loaded: _ComponentCopies = {}
+        try:
+            for node in nodes:
+                for comp in self._components:
+                    host = self._tree.component_value(node, comp.name, Tier.HOST)
+                    if host is None:
+                        continue
+                    device = self._allocator.alloc_component_slots(
+                        comp.name, Tier.DEVICE, int(host.numel()), owner=Owner.COPY
+                    )
+                    if device is None:
+                        continue
+                    loaded[(node, comp.name)] = (host, device)
+                    pools = self._component_pools[comp.name]
+                    self._copies.track_load(pools.device, device)
+                    await self._copies.copy(pools.host, host, pools.device, device)
+        except BaseException:
+            for (_, name), (_, device) in loaded.items():
+                self._copies.untrack_load(device)
+                self._component_pools[name].device.free(device)
+            raise
+        return loaded
+
+    def _attach_loaded(
+        self, key: bytes, start: int, device_indices: torch.Tensor, components: _ComponentCopies
+    ) -> None:
+        """Attach freshly loaded device pages to the nodes covering tokens [start, start + n) now.
+
+        Re-walks the tree so that splits or a concurrent load of the same nodes while the copy ran are
+        handled: pages of nodes already on device again are freed as duplicates.
+        """
+        end = start + int(device_indices.numel())
+        pending = dict(components)
+        current = self._tree.match_prefix(key[: end * TOKEN_BYTES])
+        offset = current.device_len
+        duplicate_end = min(end, offset)
+        if duplicate_end > start:
+            self._device_pool.free(device_indices[: duplicate_end - start])
+        for node in current.host_nodes:
+            node_end = offset + node.num_tokens
+            if node_end > end:
+                break
+            if offset >= start:
+                comps: dict[str, torch.Tensor] = {}
+                for comp in self._components:
+                    entry = pending.pop((node, comp.name), None)
+                    # The host value may have been split meanwhile: attach the copy only if it still fits.
+                    if (
+                        entry is not None
+                        and self._tree.component_value(node, comp.name, Tier.HOST) is entry[0]
+                    ):
+                        comps[comp.name] = entry[1]
+                    elif entry is not None:
+                        self._component_pools[comp.name].device.free(entry[1])
+                self._tree.attach_device(
+                    node, device_indices[offset - start : node_end - start], comps or None
+                )
+            offset = node_end
+        if offset < end:
+            # A tail not attached: nodes loaded meanwhile by another request, or beyond where the re-match
+            # now ends (a component's valid end moved; it may end before `start`, on the device part).
+            self._device_pool.free(device_indices[max(offset, start) - start :])
+        for (_, name), (_, copy) in pending.items():  # copies of nodes not attached here
+            self._component_pools[name].device.free(copy)

@@ -1,0 +1,159 @@
+"""The cache's background task and its bounded shutdown.
+
+One task of its own runs the workers (the release queue, the backup and write-through queues, prefetch
+streams) until the cache closes, then shuts down however long stuck I/O takes: it releases what is left,
+closes storage, waits for copies and stray reads, and closes the pools the cache made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import anyio
+
+from hicache.controller.copies import CopyTracker
+from hicache.controller.prefetcher import Prefetcher
+from hicache.controller.release import ReleaseQueue
+from hicache.controller.tier_mover import TierMover
+from hicache.memory import KVPool
+from storage_backends.protocol import StorageBackend
+from storage_backends.threads import stray_threads
+
+__all__ = ["Workers"]
+
+logger = logging.getLogger("hicache.cache")
+
+_QUARANTINE_POLL_S = 0.02
+"""How often a closing cache checks whether the stray threads under its quarantined pages returned."""
+
+
+class Workers:
+    """Runs a cache's background work in a task of its own and shuts it down.
+
+    The task is not on the caller's cancel-scope stack: `close()` may then be called from any scope
+    (inside `move_on_after`, `asyncio.wait_for`) and return within its bound while the rest of the
+    shutdown finishes in that task.
+
+    Args:
+        name: names the task and the log lines.
+        release_queue, mover, prefetcher: whose workers run here (and whose leftovers shutdown releases).
+        copies: the copies shutdown waits for before closing pools.
+        owned_pools: the pools to close last (those the cache made).
+        close_timeout_s: the most `close()` waits.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        release_queue: ReleaseQueue,
+        mover: TierMover,
+        prefetcher: Prefetcher,
+        copies: CopyTracker,
+        owned_pools: Sequence[KVPool],
+        close_timeout_s: float,
+    ) -> None:
+        self._name = name
+        self._release_queue = release_queue
+        self._mover = mover
+        self._prefetcher = prefetcher
+        self._copies = copies
+        self._owned_pools = owned_pools
+        self._close_timeout_s = close_timeout_s
+        self._owned_storage: StorageBackend | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._stopping = anyio.Event()
+        self._shut_down = anyio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Workers {self._name}>"
+
+    async def start(self, owned_storage: StorageBackend | None) -> None:
+        """Start the task and wait until the workers run; `owned_storage` is closed at shutdown."""
+        self._owned_storage = owned_storage
+        ready = anyio.Event()
+        self._runner = asyncio.get_running_loop().create_task(self._run(ready), name=self._name)
+        await ready.wait()
+
+    async def abort(self, owned_storage: StorageBackend | None) -> None:
+        """A failed start: close `owned_storage` (bounded, shielded) and the pools, or let the task do it."""
+        if self._runner is not None:
+            self._stopping.set()
+            return  # the runner closes storage and pools on its way out
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._close_timeout_s):
+            if owned_storage is not None:
+                await owned_storage.aclose()
+        self.close_pools()
+
+    def begin_close(self) -> None:
+        """Stop taking work and ask the task to shut down (or close the pools at once if it never ran).
+        Prefetches must have been resolved first."""
+        self._mover.backups.close()
+        self._mover.storage_writes.close()
+        self._release_queue.flush()
+        if self._runner is None:  # never started: nothing runs, nothing reads
+            self.close_pools()
+            return
+        self._stopping.set()
+
+    async def wait_closed(self) -> None:
+        """Wait (at most `close_timeout_s`) for the shutdown; log what is left to finish if it did not."""
+        if self._runner is None:
+            return
+        with anyio.move_on_after(self._close_timeout_s):
+            await self._shut_down.wait()
+        if not self._shut_down.is_set():
+            stats = self._release_queue.statistics()
+            logger.warning(
+                "%s: aclose gave up waiting after %.3gs; left to finish in the background: "
+                "%d quarantined host tokens, %d stray storage threads, %d copies in flight",
+                self._name,
+                self._close_timeout_s,
+                stats.quarantined_tokens,
+                stray_threads.count,
+                self._copies.count,
+            )
+
+    def close_pools(self) -> None:
+        """Close the pools the cache made."""
+        for pool in self._owned_pools:
+            pool.close()
+
+    async def _run(self, ready: anyio.Event) -> None:
+        """The task: runs the workers until `begin_close()`, then shuts down."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._prefetcher.task_group = tg
+                tg.start_soon(self._release_queue.run)
+                tg.start_soon(self._mover.backups.run)
+                tg.start_soon(self._mover.storage_writes.run)
+                ready.set()
+                await self._stopping.wait()
+                tg.cancel_scope.cancel()
+            await self._shutdown()
+        except BaseException:
+            # Cancelled by the event loop's own shutdown: nothing left to run the rest; a pool still in
+            # use by a stray thread is kept alive by that thread's buffer references.
+            logger.warning("%s: shutdown interrupted", self._name)
+            raise
+        finally:
+            self._prefetcher.task_group = None
+            self._shut_down.set()
+
+    async def _shutdown(self) -> None:
+        """After the workers stopped: release what is left, close storage, wait for copies and stray reads
+        (quarantined pages), then close the pools the cache made."""
+        self._mover.backups.close()
+        self._mover.storage_writes.close()
+        self._prefetcher.finish_all_detached()  # streams that never ran: nothing can write into them
+        self._release_queue.flush()
+        if self._owned_storage is not None:
+            await self._owned_storage.aclose()
+        await self._copies.wait_idle()
+        while self._release_queue.statistics().quarantined_calls:
+            await anyio.sleep(_QUARANTINE_POLL_S)
+            self._release_queue.flush()
+        self._release_queue.flush()
+        self.close_pools()

@@ -12,6 +12,7 @@ from typing import Any
 from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.memory.layout import KVLayout
+from hicache.parallel.group import RankGroup
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
 from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
@@ -117,6 +118,10 @@ class HiCacheConfig:
             `writes_shed_total{tier="storage"}`.
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
+        tp_group: the tensor-parallel rank group (`hicache.parallel.RankGroup`), or None for one rank.
+            With more than one rank, every decision that depends on rank-local facts (the storage probe,
+            the pages a prefetch completed) is agreed across the group before the tree changes (README,
+            "Tensor parallelism"). Its rank and size must equal `namespace.tp_rank` and `tp_size`.
     """
 
     layout: KVLayout
@@ -147,6 +152,7 @@ class HiCacheConfig:
     backup_queue_limit: int = 1024
     storage_write_queue_limit: int = 1024
     components: tuple[Component, ...] = ()
+    tp_group: RankGroup | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -210,6 +216,15 @@ class HiCacheConfig:
             names.add(comp.name)
             comp.pool_layout(self.page_size)  # raises on a page size mismatch
         object.__setattr__(self, "components", components)
+        if self.tp_group is not None:
+            if not isinstance(self.tp_group, RankGroup):
+                raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
+            ns = self.namespace
+            if (ns.tp_rank, ns.tp_size) != (self.tp_group.tp_rank, self.tp_group.tp_size):
+                raise ValueError(
+                    f"tp_group: rank {self.tp_group.tp_rank} of {self.tp_group.tp_size}, but the namespace "
+                    f"says tp_rank={ns.tp_rank}, tp_size={ns.tp_size}"
+                )
         signature = layout_signature(self.layout, components)
         if self.namespace.layout != signature:
             object.__setattr__(self, "namespace", dataclasses.replace(self.namespace, layout=signature))

@@ -1,0 +1,32 @@
+"""Cross-rank checks: the ranks' trees are identical, provably (`check_same_tree`)."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.parallel.errors import TreeDivergence
+from hicache.parallel.group import RankGroup
+from hicache.tree.fingerprint import describe_difference, encode_records, fingerprint, node_records
+from hicache.tree.radix import RadixTree
+
+__all__ = ["check_same_tree"]
+
+
+def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
+    """Compare this rank's tree fingerprint with every other rank's; return the fingerprint.
+
+    A collective: every rank calls it at the same point of its program, between agreement steps. One
+    collective (the fingerprints, a fixed shape) when the trees agree; when they differ, every rank sees
+    it in the gathered fingerprints and two more collectives exchange the node lists, so every rank
+    raises the same error naming the first differing node.
+
+    Raises:
+        TreeDivergence: the trees differ; the message names the first differing node and the ranks.
+        RankFailed: a peer died or stopped responding.
+    """
+    digest = fingerprint(tree)
+    gathered = group.gather(torch.tensor([digest], dtype=torch.int64)).view(-1).tolist()
+    if all(d == gathered[0] for d in gathered):
+        return digest
+    shared = group.gather_bytes(encode_records(node_records(tree)))
+    raise TreeDivergence(describe_difference(shared, this_rank=group.tp_rank))

@@ -44,7 +44,7 @@ from hicache.errors import CacheClosed
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
-from hicache.parallel import Agreement, RankFailed, check_same_tree
+from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
@@ -134,10 +134,7 @@ class HiCache:
         self._mover = TierMover(
             config, tree, device, host, comps, self._allocator, self._copies, counters, breaker
         )
-        group = config.tp_group
-        self.agreement: Agreement | None = (
-            Agreement(group) if group is not None and group.tp_size > 1 else None
-        )
+        self.agreement = Agreement.for_group(config.tp_group)
         """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._prefetcher = Prefetcher(
             config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement
@@ -197,7 +194,7 @@ class HiCache:
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
                 self._copies.limiter = anyio.CapacityLimiter(1)
             if self.agreement is not None:
-                await anyio.to_thread.run_sync(self._check_same_pools)
+                await anyio.to_thread.run_sync(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
             # A failed start: close what it opened and the pools; the cache stays closed.
@@ -206,24 +203,9 @@ class HiCache:
             raise
         self._state.started = True
 
-    def _check_same_pools(self) -> None:
-        """Under tensor parallelism, refuse pools whose sizes differ between the ranks (one collective)."""
-        group = self.config.tp_group
-        assert group is not None
-        mine = torch.tensor([self.config.device_pages, self.config.host_pages, self.page_size])
-        every = group.gather(mine).tolist()
-        if any(row != every[0] for row in every):
-            raise ValueError(
-                f"tp_group: every rank needs the same device_pages, host_pages and page size (a rank's "
-                f"evictions must match the others'); by rank: {every}"
-            )
-
     async def tp_sync(self) -> int:
-        """Run agreement steps until no rank has a decision pending or is still busy; returns the steps.
-
-        Under tensor parallelism, call it on every rank at the same point of the scheduling loop (a
-        step's end): a rank that gave up a decision (a cancelled request) lets the others' agreements
-        resolve here. Without a TP group it returns 0 at once.
+        """Under tensor parallelism, step until no rank has a decision pending (call it on every rank at
+        the same point, a scheduling step's end); returns the steps (0 without a TP group).
 
         Raises:
             RankFailed: a peer died or stopped responding for longer than the group's timeout.

@@ -219,6 +219,8 @@ class HiCacheConfig:
         if self.tp_group is not None:
             if not isinstance(self.tp_group, RankGroup):
                 raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
+            if components and self.tp_group.tp_size > 1:
+                raise ValueError("tp_group: hybrid components are not supported under tensor parallelism yet")
             ns = self.namespace
             if (ns.tp_rank, ns.tp_size) != (self.tp_group.tp_rank, self.tp_group.tp_size):
                 raise ValueError(

@@ -44,6 +44,7 @@ from hicache.errors import CacheClosed
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
+from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
@@ -135,8 +136,10 @@ class HiCache:
         self._mover = TierMover(
             config, tree, device, host, comps, self._allocator, self._copies, counters, breaker
         )
+        self.agreement = Agreement.for_group(config.tp_group)
+        """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._prefetcher = Prefetcher(
-            config, tree, host, comps, queue, self._allocator, counters, breaker, state
+            config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement
         )
         self._leases = Leases(tree, device, comps, self._allocator, self._mover, self._prefetcher, state)
         self._accounting = Accounting(
@@ -192,6 +195,8 @@ class HiCache:
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
                 self._copies.limiter = anyio.CapacityLimiter(1)
+            if self.agreement is not None:
+                await anyio.to_thread.run_sync(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
             # A failed start: close what it opened and the pools; the cache stays closed.
@@ -199,6 +204,17 @@ class HiCache:
             await self._workers.abort(self.storage if self._owns_storage else None)
             raise
         self._state.started = True
+
+    async def tp_sync(self) -> int:
+        """Under tensor parallelism, step until no rank has a decision pending (call it on every rank at
+        the same point, a scheduling step's end); returns the steps (0 without a TP group).
+
+        Raises:
+            RankFailed: a peer died or stopped responding for longer than the group's timeout.
+        """
+        if self.agreement is None:
+            return 0
+        return await self.agreement.drive(lambda: False)
 
     def _open_storage_tier(self, storage: StorageBackend) -> None:
         """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
@@ -243,6 +259,8 @@ class HiCache:
         if not self._state.closed:
             self._state.closed = True
             self._prefetcher.cancel_all()
+            if self.agreement is not None:
+                self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache was closed"))
             self._workers.begin_close()
         await self._workers.wait_closed()
 
@@ -316,6 +334,7 @@ class HiCache:
         held_component_slots: Mapping[str, int] | None = None,
         held_device: Sequence[torch.Tensor] | None = None,
         held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        across_ranks: bool = False,
     ) -> None:
         """Check the tree's invariants and that every page of every pool has exactly one owner.
 
@@ -334,10 +353,19 @@ class HiCache:
                 count); ignored for components named in `held_components`.
             held_device: the device indices the caller holds, checked page by page.
             held_components: per component, the device indices the caller holds, checked page by page.
+            across_ranks: also compare this rank's tree fingerprint (structure, tiers, backed-up flags,
+                locks) with every other rank's: a collective, so call it on every rank at the same point,
+                between agreement steps; it blocks until every rank has called it (at most the group's
+                timeout). Without a TP group there is nothing to compare.
 
         Raises:
             InvariantViolation: listing every violation found.
+            TreeDivergence: the ranks' trees differ; the message names the first differing node.
+            RankFailed: a peer died or stopped responding.
         """
+        if across_ranks and self.agreement is not None:
+            assert self.config.tp_group is not None
+            check_same_tree(self.config.tp_group, self.tree)
         self._accounting.check(
             held_device_tokens=held_device_tokens,
             held_component_slots=held_component_slots,

@@ -35,7 +35,7 @@ from hicache.demo.oracle import KVOracle
 from hicache.demo.workload import Session, WorkloadSpec, make_workload
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
-from hicache.parallel import RankGroup, check_same_tree
+from hicache.parallel import RankGroup
 from hicache.parallel.launch import run_ranks
 
 __all__ = ["TP_MODEL", "TPDemoConfig", "TPDemoResult", "run_tp_demo"]
@@ -148,6 +148,7 @@ def rank_config(cfg: TPDemoConfig, group: RankGroup, storage_url: str, run_id: s
             extra=run_id,
         ),
         prefetch_threshold=cfg.page_size,
+        tp_group=group,
     )
 
 
@@ -230,10 +231,11 @@ async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_
                 prompt_tokens += prompt.numel()
                 requests += 1
                 session.record_reply(prompt, decoded.tokens)
-                # Background backups and storage writes finish before the next request, then the trees
-                # are compared: the ranks' caches must be identical at every quiescent point.
+                # The scheduling step's end: every rank steps until nothing is pending, background
+                # backups and storage writes finish, then the trees are compared (they must be identical).
+                await cache.tp_sync()
                 await cache.wait_idle()
-                check_same_tree(group, cache.tree)
+                cache.sanity_check(across_ranks=True)
         cache.sanity_check()
     return {
         "requests": requests,

@@ -11,7 +11,7 @@ from hicache.parallel.agreement import (
     Decision,
     StepResult,
 )
-from hicache.parallel.consistency import check_same_tree
+from hicache.parallel.consistency import check_same_pools, check_same_tree
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError, TreeDivergence
 from hicache.parallel.group import RankGroup
 
@@ -26,5 +26,6 @@ __all__ = [
     "RankGroupError",
     "StepResult",
     "TreeDivergence",
+    "check_same_pools",
     "check_same_tree",
 ]

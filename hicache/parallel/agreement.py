@@ -249,6 +249,11 @@ class Agreement:
         self._failed: RankGroupError | None = None
         self._changed: anyio.Event | None = None
 
+    @classmethod
+    def for_group(cls, group: RankGroup | None) -> Agreement | None:
+        """An agreement over `group`, or None when there is nothing to agree (no group, or one rank)."""
+        return cls(group) if group is not None and group.tp_size > 1 else None
+
     @property
     def tp_rank(self) -> int:
         """This rank (0 without a group)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hicache.parallel.errors import TreeDivergence
@@ -9,7 +11,10 @@ from hicache.parallel.group import RankGroup
 from hicache.tree.fingerprint import describe_difference, encode_records, fingerprint, node_records
 from hicache.tree.radix import RadixTree
 
-__all__ = ["check_same_tree"]
+if TYPE_CHECKING:
+    from hicache.config import HiCacheConfig
+
+__all__ = ["check_same_pools", "check_same_tree"]
 
 
 def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
@@ -30,3 +35,21 @@ def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
         return digest
     shared = group.gather_bytes(encode_records(node_records(tree)))
     raise TreeDivergence(describe_difference(shared, this_rank=group.tp_rank))
+
+
+def check_same_pools(config: HiCacheConfig) -> None:
+    """Refuse ranks whose pools differ (device pages, host pages, page size): a rank with a smaller pool
+    would evict where the others do not, and the trees would part. One collective on `config.tp_group`.
+
+    Raises:
+        ValueError: naming `tp_group` and every rank's sizes.
+    """
+    group = config.tp_group
+    assert group is not None
+    sizes = torch.tensor([config.device_pages, config.host_pages, config.page_size], dtype=torch.int64)
+    every = group.gather(sizes).tolist()
+    if any(row != every[0] for row in every):
+        raise ValueError(
+            f"tp_group: every rank needs the same device_pages, host_pages and page size (a rank's "
+            f"evictions must match the others'); (device, host, page) by rank: {every}"
+        )

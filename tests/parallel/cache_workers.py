@@ -288,3 +288,13 @@ async def killed_mid_prefetch(group: RankGroup, root: str, victim: int) -> dict[
         "in_flight": stats.prefetches_in_flight + stats.detached_prefetches,
         "prefetch_tokens": stats.prefetch_tokens_in_flight,
     }
+
+
+async def unequal_pools(group: RankGroup, root: str) -> str:
+    """Rank 1's host pool is smaller: the caches refuse to start, on every rank, naming the sizes."""
+    host = 16 if group.tp_rank == 1 else 24
+    try:
+        async with rank_cache(group, root, host_pages=host):
+            return "started"
+    except ValueError as exc:
+        return str(exc)

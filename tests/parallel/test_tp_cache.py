@@ -60,3 +60,12 @@ def test_a_rank_killed_mid_prefetch_makes_the_others_raise_and_release(tmp_path:
     assert out[1].exitcode == 23
     _ok(out[:1])
     assert out[0].value == {"error": "RankFailed", "in_flight": 0, "prefetch_tokens": 0}
+
+
+def test_ranks_with_different_pool_sizes_refuse_to_start(tmp_path: Path) -> None:
+    """A smaller host pool on one rank would evict where the others do not: refused at start, everywhere."""
+    out = run_ranks(cache_workers.unequal_pools, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value.startswith("tp_group: every rank needs the same device_pages, host_pages")
+        assert "[[16, 24, 4], [16, 16, 4]]" in o.value

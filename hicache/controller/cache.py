@@ -365,7 +365,7 @@ class HiCache:
         """
         if across_ranks and self.agreement is not None:
             assert self.config.tp_group is not None
-            check_same_tree(self.config.tp_group, self.tree)
+            check_same_tree(self.config.tp_group, self._tree)
         self._accounting.check(
             held_device_tokens=held_device_tokens,
             held_component_slots=held_component_slots,

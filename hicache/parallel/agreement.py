@@ -40,7 +40,9 @@ from hicache.parallel.group import RankGroup
 
 __all__ = ["AGREEMENT_CAPACITY", "Agreement", "AgreementStatistics", "Decision", "StepResult"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(
+    "hicache.cache"
+)  # a logger carrying the redacting filter (storage_backends.redact)
 
 AGREEMENT_CAPACITY = 64
 """Decisions one step can carry; later ones wait for a later step (the tensor's shape never changes)."""

@@ -256,7 +256,7 @@ async def cancel_on_one_rank(group: RankGroup, root: str, canceller: int) -> dic
     return {
         "cached": cached,
         "host_used": stats.host_pool.used_pages,
-        "tree_nodes": len(cache.tree.iter_nodes()),
+        "tree_nodes": stats.tree.num_nodes,
     }
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from hicache import HiCache, HiCacheConfig
@@ -191,28 +193,41 @@ async def random_workload(
     fault_rank: int,
     n: int,
     flaky: dict[str, float],
-    smaller_host: bool = False,
+    overrides: dict[str, Any] | None = None,
+    busy_rank: int | None = None,
 ) -> dict[str, Any]:
-    """`n` requests from the shared workload; storage faults on `fault_rank` only. After every request the
-    background work settles, then the trees must agree (fingerprints) and so must the cached lengths."""
+    """`n` requests from the shared workload; storage faults on `fault_rank` only, and on `busy_rank` an
+    event loop kept busy by a task that blocks it for a millisecond at a time. After every request the
+    ranks step to the end of the scheduling step, background work settles, and the trees must agree
+    (fingerprints), as must the cached lengths."""
     rank = group.tp_rank
-    overrides: dict[str, Any] = {}
-    if smaller_host and rank == fault_rank:
-        overrides["host_pages"] = 16
     hits = {"device": 0, "host": 0, "storage": 0}
     flaky_here = flaky if rank == fault_rank else None
-    async with rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **overrides) as (
-        cache,
-        backend,
+    async with (
+        rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **(overrides or {})) as (
+            cache,
+            backend,
+        ),
+        anyio.create_task_group() as tg,
     ):
+        if rank == busy_rank:
+
+            async def hog() -> None:
+                while True:
+                    time.sleep(0.001)  # noqa: ASYNC251 - blocks the loop on purpose: a busier scheduler
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(hog)
         for i, seq in enumerate(draw_requests(seed, n)):
             served = await serve(cache, rank, f"r{i}", seq)
             agree_equal(group, served["cached"], f"the cached length of r{i}")
             for tier, k in served["hits"].items():
                 hits[tier] += k
+            await cache.tp_sync()
             await cache.wait_idle()
             cache.sanity_check(across_ranks=True)
         stats = cache.statistics()
+        tg.cancel_scope.cancel()
     return {"hits": hits, "faults": backend.faults, "stats": repr(stats)}
 
 

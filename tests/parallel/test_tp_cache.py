@@ -23,19 +23,34 @@ def _ok(outcomes: list) -> None:  # type: ignore[type-arg]
 
 
 def test_storage_faults_on_one_rank_shorten_every_ranks_prefix(tmp_path: Path) -> None:
-    """Rank 1's storage drops pages, fails reads and undercounts lookups; rank 0's is healthy. Both get
-    the same cached lengths and hits from every tier, and identical trees after every request."""
-    out = run_ranks(cache_workers.random_workload, 2, (str(tmp_path), 3, 1, 40, FAULTS), timeout_s=WATCHDOG_S)
+    """Rank 1's storage drops pages, fails reads and undercounts lookups; rank 0's is healthy and its
+    event loop is kept busy. Both get the same cached lengths and hits from every tier, and identical
+    trees after every request."""
+    out = run_ranks(
+        cache_workers.random_workload,
+        2,
+        (str(tmp_path), 3, 1, 40, FAULTS, None, 0),
+        timeout_s=WATCHDOG_S,
+    )
     _ok(out)
     assert out[1].value["faults"] > 0
     assert out[0].value["hits"] == out[1].value["hits"]
     assert out[0].value["hits"]["storage"] > 0
 
 
-def test_four_ranks_with_one_slow_and_faulty_storage(tmp_path: Path) -> None:
-    """Four ranks; rank 2's storage is slow and faulty, its prefetches time out: no divergence, no hang."""
-    faults = dict(FAULTS, slow_s=0.02)
-    out = run_ranks(cache_workers.random_workload, 4, (str(tmp_path), 5, 2, 16, faults), timeout_s=WATCHDOG_S)
+def test_four_ranks_with_one_slow_and_faulty_storage_whose_prefetches_time_out(tmp_path: Path) -> None:
+    """Four ranks; rank 2's storage is slow and faulty and its prefetches hit their 50 ms timeout while
+    the others' complete: no divergence, no hang, the same hits on every rank."""
+    faults = dict(FAULTS, slow_s=0.03)
+    timeouts = {
+        "prefetch_stop_policy": "timeout",
+        "prefetch_timeout_base": 0.05,
+        "prefetch_timeout_per_1k_tokens": 0.0,
+        "prefetch_timeout_max": 0.05,
+    }
+    out = run_ranks(
+        cache_workers.random_workload, 4, (str(tmp_path), 5, 2, 16, faults, timeouts), timeout_s=WATCHDOG_S
+    )
     _ok(out)
     assert len({repr(o.value["hits"]) for o in out}) == 1
     assert out[2].value["faults"] > 0

@@ -11,7 +11,7 @@ from typing import Any
 
 from hicache.components.base import Component
 from hicache.keys import Namespace
-from hicache.memory.layout import KVLayout
+from hicache.layout import KVLayout
 from hicache.parallel.group import RankGroup
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names

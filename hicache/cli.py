@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="when device pages are backed up to host (default write_through)",
     )
     demo.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="serve one request at a time and let the cache settle in between: the same hits on every run",
+    )
+    demo.add_argument(
         "--tp",
         type=int,
         default=None,
@@ -159,6 +164,7 @@ def _demo(args: argparse.Namespace) -> int:
             backend_url=args.backend,
             write_policy=WritePolicy(args.write_policy),
             metrics_port=args.metrics_port,
+            lockstep=args.lockstep,
             workload=dataclasses.replace(base.workload, system_prompts=args.system_prompts),
             **overrides,
         )
@@ -170,6 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
             backend_url=args.backend,
             write_policy=WritePolicy(args.write_policy),
             metrics_port=args.metrics_port,
+            lockstep=args.lockstep,
             workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
             **overrides,
         )

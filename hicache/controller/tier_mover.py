@@ -20,6 +20,7 @@ from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
+from hicache.parallel.agreement import Agreement
 from hicache.tiers import Tier
 from hicache.tree import MatchResult, RadixTree, TreeNode
 
@@ -62,8 +63,10 @@ class TierMover:
         copies: CopyTracker,
         metrics: CacheMetrics,
         storage_breaker: CircuitBreaker,
+        agreement: Agreement | None = None,
     ) -> None:
         self._config = config
+        self._agreement = agreement
         self._tree = tree
         self._components: tuple[Component, ...] = tree.components
         self._device_pool = device_pool
@@ -97,6 +100,8 @@ class TierMover:
             need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
             # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
             room = self._allocator.host_room() if offer_host else 0
+            if self._agreement is not None:  # rank-local: every rank plans with the smallest room
+                room = await self._agreement.agree_value("host_room", room)
             result = self._tree.evict_device(need, host_free_tokens=room)
             self._device_pool.free(result.freed_device)
             self._allocator.free_component_garbage()

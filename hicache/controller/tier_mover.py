@@ -270,17 +270,26 @@ class TierMover:
             self._device_pool.set_owner(device_indices, Owner.COPY)
             self._copies.track_load(self._device_pool, device_indices)
             loaded: _ComponentCopies = {}
+            # Under tensor parallelism the load-back counts only if it succeeded on every rank.
+            agreed = self._agreement.propose("load_back", "") if self._agreement is not None else None
             try:
                 await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
                 if self._components:
                     loaded = await self._load_components(match.host_nodes)
             except BaseException:
+                if agreed is not None:
+                    agreed.settle(0)
                 self._device_pool.free(device_indices)
                 raise
             finally:
                 self._copies.untrack_load(device_indices)
                 for _, device in loaded.values():
                     self._copies.untrack_load(device)
+            if agreed is not None and self._agreement is not None:
+                agreed.settle(1)
+                if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
+                    self._device_pool.free(device_indices)
+                    return tree.match_prefix(key[: start * TOKEN_BYTES])
             # The copies are the tree's now; `_attach_loaded` frees those no node takes.
             self._device_pool.set_owner(device_indices, Owner.TREE)
             for (_, name), (_, device) in loaded.items():

@@ -133,10 +133,19 @@ class HiCache:
         )
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
         self._allocator = Allocator(tree, device, host, comps, queue)
-        self._mover = TierMover(
-            config, tree, device, host, comps, self._allocator, self._copies, counters, breaker
-        )
         self.agreement = Agreement.for_group(config.tp_group)
+        self._mover = TierMover(
+            config,
+            tree,
+            device,
+            host,
+            comps,
+            self._allocator,
+            self._copies,
+            counters,
+            breaker,
+            self.agreement,
+        )
         """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._prefetcher = Prefetcher(
             config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement

@@ -450,6 +450,12 @@ class Agreement:
                 await self._wait_change()
         return await decision.wait()
 
+    async def agree_value(self, kind: str, value: int, key: str = "") -> int:
+        """Propose, settle with `value` and agree at once (a blocking agreement; see `agree`)."""
+        decision = self.propose(kind, key)
+        decision.settle(value)
+        return await self.agree(decision)
+
     async def agree_on(self, decision: Decision, local: Callable[[], Awaitable[int]]) -> int:
         """Run `local()` (this rank's part: a storage probe, a prefetch's I/O) and agree its result.
 

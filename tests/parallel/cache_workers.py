@@ -313,3 +313,41 @@ async def unequal_pools(group: RankGroup, root: str) -> str:
             return "started"
     except ValueError as exc:
         return str(exc)
+
+
+async def load_back_fails_on_one_rank(group: RankGroup, root: str, failing: int) -> dict[str, Any]:
+    """SEQ is served, then pushed off the device to host by two other sequences; serving it again loads it
+    back, and `failing`'s host-to-device copy raises. The load-back counts only if every rank's copy
+    succeeded: the other rank frees its copy and returns the device part only, and the trees agree."""
+    rank = group.tp_rank
+    async with rank_cache(group, root, host_pages=48) as (cache, _):
+        await serve(cache, rank, "a", SEQ)
+        for i, other in enumerate(([700 + j for j in range(10 * PAGE)], [900 + j for j in range(10 * PAGE)])):
+            await serve(cache, rank, f"fill{i}", other)
+            await cache.tp_sync()
+            await cache.wait_idle()
+        if rank == failing:
+            copies = cache._mover._copies  # the test's fault injection point: the copy of a load-back
+            real = copies.copy
+
+            async def broken(*args: Any, **kwargs: Any) -> None:
+                copies.copy = real  # type: ignore[method-assign]
+                raise RuntimeError("injected: host-to-device copy failed")
+
+            copies.copy = broken  # type: ignore[method-assign]
+        outcome: dict[str, Any] = {}
+        try:
+            lease = await cache.acquire("b", SEQ)
+            outcome = {"cached": lease.cached_len, "host_hit": lease.hit_tokens_by_tier["host"]}
+            cache.release(lease)
+        except RuntimeError as exc:
+            outcome = {"error": str(exc)}
+        await cache.tp_sync()
+        await cache.wait_idle()
+        cache.sanity_check(across_ranks=True)
+        lease = await cache.acquire("c", SEQ)  # the copy works again: now every rank loads it back
+        outcome["then_host_hit"] = lease.hit_tokens_by_tier["host"]
+        cache.release(lease)
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+    return outcome

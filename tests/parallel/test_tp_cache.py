@@ -84,3 +84,12 @@ def test_ranks_with_different_pool_sizes_refuse_to_start(tmp_path: Path) -> None
     for o in out:
         assert o.value.startswith("tp_group: every rank needs the same device_pages, host_pages")
         assert "[[16, 24, 4], [16, 16, 4]]" in o.value
+
+
+def test_a_load_back_that_fails_on_one_rank_loads_nothing_anywhere(tmp_path: Path) -> None:
+    """Rank 1's host-to-device copy fails: its acquire raises; rank 0 frees its finished copy and gets
+    no host hit, and the trees agree afterwards. The next acquire loads the prefix back on both."""
+    out = run_ranks(cache_workers.load_back_fails_on_one_rank, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S)
+    _ok(out)
+    assert out[1].value == {"error": "injected: host-to-device copy failed", "then_host_hit": 40}
+    assert out[0].value == {"cached": 0, "host_hit": 0, "then_host_hit": 40}

@@ -224,7 +224,7 @@ class Admission:
         self,
         request_id: str,
         key: bytes,
-        match: MatchResult,
+        match: MatchResult | PrefixPeek,
         storage: GuardedStorage,
         inflight_tokens: int,
         agreement: Agreement,
@@ -242,10 +242,12 @@ class Admission:
         remainder = len(key) // TOKEN_BYTES - matched
         probe = agreement.propose("probe", request_id)
         evict = agreement.propose("probe_evict", request_id, default=_NO_EVICTION)
-        anchor = match.last_host_node
-        anchor_end = node_depth(anchor)
+        anchor = (
+            tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
+        )
+        anchor_end = tree.depth(anchor)
         hashes = chained_page_hashes(
-            key[anchor_end * TOKEN_BYTES :], page, config.namespace, anchor.last_hash
+            key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
         page_keys = [h.hex() for h in hashes]
 

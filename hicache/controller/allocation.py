@@ -114,7 +114,7 @@ class Allocator:
         evicted = self._tree.evict_host(num_tokens)
         if evicted.freed_host.numel():
             self._host_pool.free(evicted.freed_host)
-        self.free_component_garbage()
+        self.free_components(evicted.component_frees)
         return int(evicted.freed_host.numel())
 
     def alloc_host_free(self, num_tokens: int, *, owner: Owner) -> torch.Tensor:

@@ -5,7 +5,7 @@ same tiers, with the same locks. Pool indices, page hashes (they chain the names
 and node ids are rank-local and stay out. `node_records` lists the nodes depth-first with children sorted by
 their first page's tokens, so two trees built by the same operations in any order of dict insertion give
 the same list; `fingerprint` digests it; `describe_difference` names the first node where ranks differ.
-Pure and synchronous; reads the tree through `iter_nodes()` and the nodes' public attributes.
+Pure and synchronous; reads the tree through `iter_nodes()`, `node_info()` and `component_value()`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import xxhash
 
 from hicache.keys import TOKEN_BYTES
-from hicache.tree.node import TreeNode
+from hicache.tree.handles import NodeInfo, NodeRef
 from hicache.tree.radix import RadixTree
 
 __all__ = ["NodeRecord", "describe_difference", "fingerprint", "node_records"]
@@ -72,26 +72,23 @@ class NodeRecord:
 
 def node_records(tree: RadixTree) -> list[NodeRecord]:
     """Every node but the root, depth-first, children in the order of their first page's token bytes."""
-    kids: dict[int, list[TreeNode]] = {}
-    top: list[TreeNode] = []
-    for node in tree.iter_nodes():
-        parent = node.parent
-        if parent is None or (parent.parent is None and not parent.key):  # a child of the root
-            top.append(node)
-        else:
-            kids.setdefault(id(parent), []).append(node)
+    infos = {ref: tree.node_info(ref) for ref in tree.iter_nodes()}
+    kids: dict[NodeRef | None, list[NodeInfo]] = {}
+    for info in infos.values():
+        parent = info.parent if info.parent in infos else None  # None: a child of the root
+        kids.setdefault(parent, []).append(info)
+    names = [c.name for c in tree.components]
     out: list[NodeRecord] = []
-    stack = [(child, 0, 0) for child in sorted(top, key=_first_page, reverse=True)]
+    stack = [(info, 0, 0) for info in sorted(kids.get(None, ()), key=_first_page, reverse=True)]
     while stack:
-        node, start, parent_path = stack.pop()
-        key = node.key
+        info, start, parent_path = stack.pop()
+        key = info.key
         path = xxhash.xxh3_64_intdigest(key, seed=parent_path)
         comps: list[tuple[str, str]] = []
-        for name, data in sorted((node.components or {}).items()):
-            tiers = [
-                t for t, v in (("device", data.device_value), ("host", data.host_value)) if v is not None
-            ]
-            comps.append((name, "+".join(tiers)))
+        for name in sorted(names):
+            tiers = [t for t in ("device", "host") if tree.component_value(info.ref, name, t) is not None]
+            if tiers:
+                comps.append((name, "+".join(tiers)))
         n = len(key) // TOKEN_BYTES
         preview = tuple(
             int.from_bytes(key[i : i + TOKEN_BYTES], "little", signed=True)
@@ -102,23 +99,23 @@ def node_records(tree: RadixTree) -> list[NodeRecord]:
                 start=start,
                 tokens=n,
                 path=path,
-                device=node.device_value is not None,
-                host=node.host_value is not None,
-                backup_pending=node.backup_pending is not None,
-                device_lock=node.device_lock,
-                host_lock=node.host_lock,
+                device=info.device_value is not None,
+                host=info.host_value is not None,
+                backup_pending=info.backup_pending is not None,
+                device_lock=info.device_lock,
+                host_lock=info.host_lock,
                 components=tuple(comps),
-                node_id=node.id,
+                node_id=info.ref.id,
                 preview=preview,
             )
         )
-        for child in sorted(kids.get(id(node), ()), key=_first_page, reverse=True):
+        for child in sorted(kids.get(info.ref, ()), key=_first_page, reverse=True):
             stack.append((child, start + n, path))
     return out
 
 
-def _first_page(node: TreeNode) -> bytes:
-    return node.key
+def _first_page(info: NodeInfo) -> bytes:
+    return info.key
 
 
 def fingerprint(tree: RadixTree) -> int:

@@ -28,6 +28,6 @@ def build_tree(difference: str | bool = False, *, reverse: bool = False) -> Radi
         tree.insert([9, 10, 11, 12, 13, 14], indices(100, 6))
     elif difference == "host":
         node = tree.match_prefix([9, 10, 11, 12]).last_device_node
-        tree.begin_backup(node, indices(200, node.num_tokens))
+        tree.begin_backup(node, indices(200, tree.node_info(node).num_tokens))
         tree.commit_backup(node)
     return tree

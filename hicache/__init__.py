@@ -43,7 +43,7 @@ from hicache.errors import (
 from hicache.keys import Namespace
 from hicache.memory import KVLayout, KVPool, PoolStatistics
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
-from hicache.tiers import DropReason, PrefetchStatus, SkipReason, Tier
+from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
 from hicache.tree import ComponentStatistics, InsertResult, MatchResult, TreeStatistics
 from storage_backends.protocol import PageStatus, StorageBackend
 
@@ -81,6 +81,7 @@ __all__ = [
     "PrefetchState",
     "PrefetchStatus",
     "ReleaseStatistics",
+    "ShedReason",
     "SkipReason",
     "SlidingWindow",
     "StopPolicy",

@@ -12,6 +12,7 @@ from hicache.controller.prefetch import Prefetch
 from hicache.controller.release import ReleaseQueue
 from hicache.errors import InvariantViolation
 from hicache.memory import KVPool, Owner
+from hicache.tiers import Tier
 from hicache.tree import RadixTree
 
 __all__ = ["Accounting"]
@@ -119,7 +120,7 @@ class Accounting:
                 pools.device,
                 f"{c.name} device pool",
                 claims,
-                loose.get((c.name, "device"), []),
+                loose.get((c.name, Tier.DEVICE), []),
                 held,
                 violations,
             )
@@ -127,7 +128,7 @@ class Accounting:
             claims[Owner.TREE] = comp.get((c.name, "host_value"), [])
             claims[Owner.COPY] = claims[Owner.COPY] + comp.get((c.name, "backup_pending"), [])
             check_owners(
-                pools.host, f"{c.name} host pool", claims, loose.get((c.name, "host"), []), 0, violations
+                pools.host, f"{c.name} host pool", claims, loose.get((c.name, Tier.HOST), []), 0, violations
             )
         if violations:
             raise InvariantViolation(violations)

@@ -16,6 +16,7 @@ from hicache import (
     HiCache,
     KVPool,
     PrefetchStatus,
+    ShedReason,
     SkipReason,
     Tier,
 )
@@ -54,7 +55,8 @@ def test_names_are_string_enums_that_read_as_their_metric_labels() -> None:
         "component_miss",
         "component_host_full",
     }
-    for enum in (Tier, SkipReason, DropReason, PrefetchStatus):
+    assert {r.value for r in ShedReason} == {"queue_full", "storage_unavailable", "evicted"}
+    for enum in (Tier, SkipReason, DropReason, PrefetchStatus, ShedReason):
         for member in enum:
             assert member.__doc__, f"{enum.__name__} needs a docstring"
 

@@ -9,43 +9,99 @@ submodule, and may change.
 
 from __future__ import annotations
 
-from hicache.components import MambaState, SlidingWindow
-from hicache.config import HiCacheConfig
-from hicache.controller import (
-    BreakerState,
-    BreakerStatistics,
-    CacheStatistics,
-    CircuitBreaker,
-    ComponentPoolStatistics,
-    ComponentTransfer,
-    HiCache,
-    Lease,
-    Prefetch,
-    PrefetchOutcome,
-    PrefetchState,
-    ReleaseStatistics,
-)
-from hicache.errors import (
-    CacheClosed,
-    ChecksumMismatch,
-    ForeignPage,
-    HiCacheError,
-    InvariantViolation,
-    OldPageFormat,
-    PageNotFound,
-    PoolError,
-    StorageAuthError,
-    StorageCircuitOpen,
-    StorageError,
-    StorageUnavailable,
-    UnknownRequest,
-)
-from hicache.keys import Namespace
-from hicache.memory import KVLayout, KVPool, PoolStatistics
-from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
-from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
-from hicache.tree import ComponentStatistics, InsertResult, MatchResult, TreeStatistics
-from storage_backends.protocol import PageStatus, StorageBackend
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.components import MambaState, SlidingWindow
+    from hicache.config import HiCacheConfig
+    from hicache.controller import (
+        BreakerState,
+        BreakerStatistics,
+        CacheStatistics,
+        CircuitBreaker,
+        ComponentPoolStatistics,
+        ComponentTransfer,
+        HiCache,
+        Lease,
+        Prefetch,
+        PrefetchOutcome,
+        PrefetchState,
+        ReleaseStatistics,
+    )
+    from hicache.errors import (
+        CacheClosed,
+        ChecksumMismatch,
+        ForeignPage,
+        HiCacheError,
+        InvariantViolation,
+        OldPageFormat,
+        PageNotFound,
+        PoolError,
+        StorageAuthError,
+        StorageCircuitOpen,
+        StorageError,
+        StorageUnavailable,
+        UnknownRequest,
+    )
+    from hicache.keys import Namespace
+    from hicache.layout import KVLayout
+    from hicache.memory import KVPool, PoolStatistics
+    from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
+    from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
+    from hicache.tree import ComponentStatistics, InsertResult, MatchResult, TreeStatistics
+    from storage_backends.protocol import PageStatus, StorageBackend
+
+# Public names load their module on first use (PEP 562), so importing a submodule (`hicache.tree`,
+# `hicache.keys`, `hicache.layout`, `hicache.components`) does not import the controller, the pools or anyio.
+_MODULE_OF = {
+    "BreakerState": "hicache.controller",
+    "BreakerStatistics": "hicache.controller",
+    "CacheClosed": "hicache.errors",
+    "CacheStatistics": "hicache.controller",
+    "ChecksumMismatch": "hicache.errors",
+    "CircuitBreaker": "hicache.controller",
+    "ComponentPoolStatistics": "hicache.controller",
+    "ComponentStatistics": "hicache.tree",
+    "ComponentTransfer": "hicache.controller",
+    "DropReason": "hicache.tiers",
+    "EvictionPolicy": "hicache.policy",
+    "ForeignPage": "hicache.errors",
+    "HiCache": "hicache.controller",
+    "HiCacheConfig": "hicache.config",
+    "HiCacheError": "hicache.errors",
+    "InsertResult": "hicache.tree",
+    "InvariantViolation": "hicache.errors",
+    "KVLayout": "hicache.layout",
+    "KVPool": "hicache.memory",
+    "Lease": "hicache.controller",
+    "MambaState": "hicache.components",
+    "MatchResult": "hicache.tree",
+    "Namespace": "hicache.keys",
+    "OldPageFormat": "hicache.errors",
+    "PageNotFound": "hicache.errors",
+    "PageStatus": "storage_backends.protocol",
+    "PoolError": "hicache.errors",
+    "PoolStatistics": "hicache.memory",
+    "Prefetch": "hicache.controller",
+    "PrefetchOutcome": "hicache.controller",
+    "PrefetchState": "hicache.controller",
+    "PrefetchStatus": "hicache.tiers",
+    "ReleaseStatistics": "hicache.controller",
+    "ShedReason": "hicache.tiers",
+    "SkipReason": "hicache.tiers",
+    "SlidingWindow": "hicache.components",
+    "StopPolicy": "hicache.policy",
+    "StorageAuthError": "hicache.errors",
+    "StorageBackend": "storage_backends.protocol",
+    "StorageCircuitOpen": "hicache.errors",
+    "StorageError": "hicache.errors",
+    "StorageUnavailable": "hicache.errors",
+    "Tier": "hicache.tiers",
+    "TreeStatistics": "hicache.tree",
+    "UnknownRequest": "hicache.errors",
+    "WritePolicy": "hicache.policy",
+}
 
 __all__ = [
     "BreakerState",
@@ -95,3 +151,16 @@ __all__ = [
     "UnknownRequest",
     "WritePolicy",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

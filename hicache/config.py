@@ -11,7 +11,7 @@ from typing import Any
 
 from hicache.components.base import Component
 from hicache.keys import Namespace
-from hicache.memory.layout import KVLayout
+from hicache.layout import KVLayout
 from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
 from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hicache import HiCache, HiCacheConfig, KVLayout, MambaState, Namespace, SlidingWindow
 from hicache.config import layout_signature
 from hicache.keys import NAMESPACE_ENCODING_VERSION, chained_page_hashes
-from hicache.memory.layout import PAGE_FIRST_LAYOUT_VERSION
+from hicache.layout import PAGE_FIRST_LAYOUT_VERSION
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, page_size=4)
 

@@ -1,20 +1,16 @@
-"""Hybrid-model components: full-attention KV (the base), sliding-window KV, Mamba state."""
+"""Hybrid-model components beside full-attention KV (the tree's base): sliding-window KV, Mamba state."""
 
 from __future__ import annotations
 
-from hicache.components.base import TIERS, Component, ComponentData, ComponentFree
-from hicache.components.full import FULL, FullAttention
+from hicache.components.base import TIERS, Component, PathValues
 from hicache.components.mamba import MambaState
 from hicache.components.swa import SlidingWindow
 
 __all__ = [
-    "FULL",
     "TIERS",
     "Component",
-    "ComponentData",
-    "ComponentFree",
-    "FullAttention",
     "MambaState",
+    "PathValues",
     "SlidingWindow",
     "component_storage_key",
 ]

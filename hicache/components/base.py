@@ -2,100 +2,35 @@
 
 A hybrid model keeps more than full-attention KV per prefix: sliding-window KV (`swa.py`) or a recurrent
 state snapshot (`mamba.py`). Each kind is a *component*: it has its own device and host pools and, per tree
-node and tier, a value (pool indices) or nothing. The tree stores component values in `ComponentData`
+node and tier, a value (pool indices) or nothing. The tree stores component values in per-node
 records and calls the component's hooks for what differs between kinds (how values split, whether a
-prefix ending at a node is usable, how an inserted value is spread over the nodes of a path). Everything
+prefix ending at a node is usable, how an inserted value is spread over the nodes of a path). The hooks
+see values and token counts, never tree nodes: components import nothing of the tree. Everything
 else (counters, locks, eviction sets, cascades, `sanity_check`) is generic, so adding a kind of component
 touches one module.
 
-Full-attention KV is the base component (`full.py`): it lives in the node's own `device_value` and
-`host_value` fields, and every component value on a tier requires the base value on that tier.
+Full-attention KV is the base component: it is not a `Component` (it needs no hooks: the tree's core
+matches, splits and evicts it), lives in the node's own device and host values, and every component
+value on a tier requires the base value on that tier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from hicache.memory.layout import KVLayout
+from hicache.layout import KVLayout
 
-if TYPE_CHECKING:
-    from hicache.tree.node import TreeNode
-
-__all__ = ["TIERS", "Component", "ComponentData", "ComponentFree", "ValueGetter"]
+__all__ = ["TIERS", "Component", "PathValues"]
 
 TIERS = ("device", "host")
 """The tiers a component value can live on."""
 
-ValueGetter = Callable[["TreeNode"], "torch.Tensor | None"]
-"""Returns a node's value of one component on the tier being checked (`None`: absent there)."""
-
-
-class ComponentData:
-    """One component's state on one node: a value per tier, an in-flight backup, and lock counts.
-
-    Attributes:
-        device_value: indices into the component's device pool, or `None` (absent or a tombstone).
-        host_value: indices into the component's host pool, or `None`.
-        backup_pending: host indices of a device-to-host backup in flight, else `None`.
-        device_lock: holders protecting the device value from component eviction.
-        host_lock: holders protecting the host value from component eviction.
-    """
-
-    __slots__ = ("backup_pending", "device_lock", "device_value", "host_lock", "host_value")
-
-    def __init__(self) -> None:
-        self.device_value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.backup_pending: torch.Tensor | None = None
-        self.device_lock = 0
-        self.host_lock = 0
-
-    def value(self, tier: str) -> torch.Tensor | None:
-        """The value on `tier` (`"device"` or `"host"`)."""
-        return self.device_value if tier == "device" else self.host_value
-
-    @property
-    def empty(self) -> bool:
-        """No value, no backup in flight and no lock: the record can be dropped."""
-        return (
-            self.device_value is None
-            and self.host_value is None
-            and self.backup_pending is None
-            and not self.device_lock
-            and not self.host_lock
-        )
-
-    def __repr__(self) -> str:
-        def size(v: torch.Tensor | None) -> str:
-            return "-" if v is None else str(int(v.numel()))
-
-        return (
-            f"ComponentData(device={size(self.device_value)}, host={size(self.host_value)}, "
-            f"pending={size(self.backup_pending)}, locks=({self.device_lock}, {self.host_lock}))"
-        )
-
-
-class ComponentFree:
-    """Indices of one component the tree let go of; the controller returns them to the tier's pool.
-
-    Attributes:
-        component: the component's name.
-        tier: `"device"` or `"host"`.
-        indices: int64 indices into that component's pool on that tier.
-    """
-
-    __slots__ = ("component", "indices", "tier")
-
-    def __init__(self, component: str, tier: str, indices: torch.Tensor) -> None:
-        self.component = component
-        self.tier = tier
-        self.indices = indices
-
-    def __repr__(self) -> str:
-        return f"ComponentFree({self.component!r}, {self.tier!r}, {int(self.indices.numel())} indices)"
+PathValues = Iterable[tuple[int, "torch.Tensor | None"]]
+"""The nodes of a prefix from its end back towards the root, lazily: per node its token count and its value
+of one component on the tier being checked (`None`: absent there). Empty for the empty prefix."""
 
 
 @runtime_checkable
@@ -148,8 +83,8 @@ class Component(Protocol):
         `(upper part, lower part)` (the original node keeps the lower part)."""
         ...
 
-    def valid_end(self, node: TreeNode, root: TreeNode, get: ValueGetter) -> bool:
-        """Whether a prefix ending at the end of `node` can be used, reading values through `get`."""
+    def valid_end(self, path: PathValues) -> bool:
+        """Whether a prefix can end where `path` starts (its last node), reading as few nodes as it needs."""
         ...
 
     def distribute(

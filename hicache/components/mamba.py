@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.memory.layout import KVLayout
-
-if TYPE_CHECKING:
-    from hicache.components.base import ValueGetter
-    from hicache.tree.node import TreeNode
+from hicache.components.base import PathValues
+from hicache.layout import KVLayout
 
 __all__ = ["MambaState"]
 
@@ -83,9 +79,11 @@ class MambaState:
         """The state stays at the end, with the lower part."""
         return None, value
 
-    def valid_end(self, node: TreeNode, root: TreeNode, get: ValueGetter) -> bool:
-        """The node holds a state (the empty prefix at the root needs none)."""
-        return node is root or get(node) is not None
+    def valid_end(self, path: PathValues) -> bool:
+        """The last node holds a state (the empty prefix needs none)."""
+        for _, value in path:
+            return value is not None
+        return True
 
     def distribute(
         self, spans: Sequence[tuple[int, int]], values: torch.Tensor, end: int, key_tokens: int

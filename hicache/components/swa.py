@@ -10,15 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.memory.layout import KVLayout
-
-if TYPE_CHECKING:
-    from hicache.components.base import ValueGetter
-    from hicache.tree.node import TreeNode
+from hicache.components.base import PathValues
+from hicache.layout import KVLayout
 
 __all__ = ["SlidingWindow"]
 
@@ -86,18 +82,16 @@ class SlidingWindow:
             return None, value
         return value[: k - lower_tokens], value[k - lower_tokens :]
 
-    def valid_end(self, node: TreeNode, root: TreeNode, get: ValueGetter) -> bool:
-        """Every one of the `window` tokens before the end of `node` has its window KV (via `get`)."""
+    def valid_end(self, path: PathValues) -> bool:
+        """Every one of the `window` tokens before the prefix's end has its window KV."""
         remaining = self.window
-        cur: TreeNode | None = node
-        while remaining > 0 and cur is not None and cur is not root:
-            n = cur.num_tokens
-            value = get(cur)
+        for n, value in path:
             need = n if remaining >= n else remaining
             if value is None or int(value.shape[0]) < need:
                 return False
             remaining -= n
-            cur = cur.parent
+            if remaining <= 0:
+                break
         return True
 
     def distribute(

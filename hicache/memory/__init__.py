@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hicache.layout import KVLayout
 from hicache.memory.allocator import Owner, PageAllocator, check_token_indices
-from hicache.memory.layout import KVLayout
 from hicache.memory.pool import HostPool, KVPool, PoolStatistics, make_device_pool, make_host_pool
 from hicache.memory.transfer import copy_pages, copy_pages_async
 

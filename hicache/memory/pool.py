@@ -19,8 +19,8 @@ import numpy.typing as npt
 import torch
 
 from hicache.errors import CacheClosed
+from hicache.layout import KVLayout
 from hicache.memory.allocator import Owner, PageAllocator, check_token_indices
-from hicache.memory.layout import KVLayout
 
 __all__ = ["HostPool", "KVPool", "PoolStatistics", "make_device_pool", "make_host_pool"]
 

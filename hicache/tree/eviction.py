@@ -1,131 +1,184 @@
-"""Leaf sets ordered by the eviction policy, kept incrementally.
-
-Each set pairs the members (the leaves evictable right now) with a lazy min-heap of
-`(policy key, node id, sequence, node)` entries. A node's key only grows between pushes (the logical clock
-and hit counts are monotonic; `set_priority` pushes a fresh entry), so every stored key is at most the
-node's current key: popping the smallest entry whose stored key is still current yields the true minimum.
-Entries whose key went stale are re-pushed with the current key; entries of non-members are dropped. No
-operation scans the whole tree.
-"""
+"""Eviction planning: which device leaves to demote, drop or back up first (`evict_device`), which host
+leaves to remove (`evict_host`), and which component values to let go of (`evict_component`)."""
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
+import torch
 
-from hicache.policy import EvictionPolicy
+from hicache.components.base import TIERS
+from hicache.policy import WritePolicy
+from hicache.tree.checks import cat_indices, check_count
 from hicache.tree.node import TreeNode
+from hicache.tree.results import EvictResult, HostEvictResult
+from hicache.tree.state import TreeState
 
-__all__ = ["LeafSet", "SortKey", "sort_key_function"]
+__all__ = ["Eviction"]
 
-SortKey = int | tuple[int, int]
-"""What a leaf is ordered by: smaller goes first."""
-
-
-def _lru(node: TreeNode) -> SortKey:
-    return node.last_access
+_WB = WritePolicy.WRITE_BACK
 
 
-def _lfu(node: TreeNode) -> SortKey:
-    return (node.hit_count, node.last_access)
+class Eviction(TreeState):
+    """The eviction operations (mixed into `RadixTree`)."""
 
+    def evict_device(self, num_tokens: int, host_free_tokens: int = 0) -> EvictResult:
+        """Free at least `num_tokens` device tokens from evictable device leaves, in policy order.
 
-def _priority(node: TreeNode) -> SortKey:
-    return (node.priority, node.last_access)
+        Three cases for each leaf: a backed-up leaf is demoted (its device pages freed); an un-backed
+        one is deleted (write-through: nothing below it is backed up either), or under write-back
+        backed up first when its whole un-backed chain fits in the host room left (`backups`), and
+        dropped with its host-only subtree when it does not, so eviction never waits on a host too
+        small for the backup. A host-locked un-backed leaf can be neither dropped nor deleted: it is
+        backed up when its chain fits (write-back), else kept. Stops early (a value, not an error) when
+        nothing more is evictable.
 
+        Args:
+            num_tokens: device tokens wanted.
+            host_free_tokens: host tokens the caller can provide for write-back backups (free pages plus
+                what `evict_host` can reclaim: `statistics().reclaimable_host_tokens`).
 
-def sort_key_function(policy: EvictionPolicy) -> Callable[[TreeNode], SortKey]:
-    """The ordering of a policy: LRU by last access; LFU by hits then last access; PRIORITY by priority then
-    last access."""
-    if policy is EvictionPolicy.LRU:
-        return _lru
-    if policy is EvictionPolicy.LFU:
-        return _lfu
-    return _priority
-
-
-class LeafSet:
-    """The evictable leaves of one tier, with their policy order.
-
-    Args:
-        policy: the eviction policy that orders the leaves.
-    """
-
-    __slots__ = ("_heap", "_key", "_seq", "members")
-
-    def __init__(self, policy: EvictionPolicy) -> None:
-        self.members: set[TreeNode] = set()
-        self._heap: list[tuple[SortKey, int, int, TreeNode]] = []
-        self._key = sort_key_function(policy)
-        self._seq = 0
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def __contains__(self, node: TreeNode) -> bool:
-        return node in self.members
-
-    def add(self, node: TreeNode) -> None:
-        """Make `node` a member (no-op if it already is)."""
-        if node not in self.members:
-            self.members.add(node)
-            self.push(node)
-
-    def discard(self, node: TreeNode) -> None:
-        """Remove `node` from the members (its heap entries die lazily)."""
-        self.members.discard(node)
-
-    def push(self, node: TreeNode) -> None:
-        """Record `node`'s current key (after its key decreased, or to return a popped member)."""
-        self._seq += 1
-        heapq.heappush(self._heap, (self._key(node), node.id, self._seq, node))
-        if len(self._heap) > 2 * len(self.members) + 64:
-            self._compact()
-
-    def pop(self) -> TreeNode | None:
-        """Take the member that goes first out of the heap (it stays a member), or `None` if there is none.
-
-        The caller must either remove the node from the members or `push` it back.
+        Raises:
+            TypeError, ValueError: a count that is not a non-negative int.
         """
-        heap = self._heap
-        members = self.members
-        key = self._key
-        while heap:
-            k, nid, _, node = heap[0]
-            if node not in members:
-                heapq.heappop(heap)
+        check_count(num_tokens, "num_tokens")
+        room = check_count(host_free_tokens, "host_free_tokens")
+        leaves = self._device_leaves
+        write_back = self.write_policy is _WB
+        root = self.root
+        freed_device: list[torch.Tensor] = []
+        freed_host: list[torch.Tensor] = []
+        backups: list[tuple[TreeNode, ...]] = []
+        planned: set[TreeNode] = set()  # nodes of the chains in `backups`
+        skipped: dict[TreeNode, None] = {}  # kept (pushed back at the end), in order
+        got = dropped = 0
+        while got < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
+            if node in skipped:  # a second heap entry of a node kept earlier in this call
                 continue
-            cur = key(node)
-            if cur != k:
-                self._seq += 1
-                heapq.heapreplace(heap, (cur, nid, self._seq, node))
+            n = len(node.key) >> 3
+            dv = node.device_value
+            assert dv is not None
+            if node.host_value is not None:
+                self._set_device(node, None)
+                freed_device.append(dv)
+                got += n
                 continue
-            heapq.heappop(heap)
-            return node
-        return None
+            if write_back:
+                # What the backup really needs: the whole un-backed chain above the leaf, less what an
+                # earlier chain of this plan already backs up.
+                chain: list[TreeNode] = []
+                cost = 0
+                cur = node
+                while (
+                    cur is not root
+                    and cur.host_value is None
+                    and cur.backup_pending is None
+                    and cur not in planned
+                ):
+                    chain.append(cur)
+                    cost += len(cur.key) >> 3
+                    if cost > room:
+                        break
+                    assert cur.parent is not None
+                    cur = cur.parent
+                if cost <= room:
+                    room -= cost
+                    chain.reverse()
+                    planned.update(chain)
+                    backups.append(tuple(chain))
+                    skipped[node] = None
+                    got += n
+                    continue
+            if node.host_lock:  # dropping would take host-locked pages with it
+                skipped[node] = None
+            elif write_back:
+                self._drop_subtree(node, freed_device, freed_host)
+                got += n
+                dropped += n
+            elif not node.children:
+                self._detach(node)
+                freed_device.append(dv)
+                got += n
+                dropped += n
+            else:  # excluded by the write-through invariant (no backed-up child of an un-backed node)
+                skipped[node] = None
+        for node in skipped:
+            leaves.push(node)
+        backup_tokens = host_free_tokens - room
+        return EvictResult(
+            cat_indices(freed_device),
+            cat_indices(freed_host),
+            got,
+            tuple(backups),
+            backup_tokens,
+            dropped,
+            self._take_frees(),
+        )
 
-    def _compact(self) -> None:
-        key = self._key
-        entries = []
-        for node in self.members:
-            self._seq += 1
-            entries.append((key(node), node.id, self._seq, node))
-        heapq.heapify(entries)
-        self._heap = entries
+    def _drop_subtree(
+        self, node: TreeNode, freed_device: list[torch.Tensor], freed_host: list[torch.Tensor]
+    ) -> None:
+        """Delete `node` and its (host-only, unlocked) descendants, collecting their indices."""
+        stack = [node]
+        order: list[TreeNode] = []
+        while stack:
+            cur = stack.pop()
+            order.append(cur)
+            stack.extend(cur.children.values())
+        for cur in reversed(order):  # children before parents
+            if cur.device_value is not None:
+                freed_device.append(cur.device_value)
+            if cur.host_value is not None:
+                freed_host.append(cur.host_value)
+            self._detach(cur)
 
-    def check(self) -> list[str]:
-        """Violations of the heap invariant: each member has an entry keyed at most its current key."""
-        best: dict[int, SortKey] = {}
-        for k, _, _, node in self._heap:
-            if node in self.members:
-                prev = best.get(id(node))
-                if prev is None or k < prev:  # type: ignore[operator]
-                    best[id(node)] = k
-        out = []
-        for node in self.members:
-            stored = best.get(id(node))
-            if stored is None:
-                out.append(f"leaf {node.id} has no heap entry")
-            elif stored > self._key(node):  # type: ignore[operator]
-                out.append(f"leaf {node.id} heap key {stored!r} exceeds its current key {self._key(node)!r}")
-        return out
+    def evict_host(self, num_tokens: int) -> HostEvictResult:
+        """Free at least `num_tokens` host tokens by removing host-only leaves in policy order.
+
+        Stops early (a value, not an error) when nothing more is evictable.
+
+        Raises:
+            TypeError, ValueError: a count that is not a non-negative int.
+        """
+        check_count(num_tokens, "num_tokens")
+        leaves = self._host_leaves
+        freed: list[torch.Tensor] = []
+        got = 0
+        while got < num_tokens:
+            node = leaves.pop()
+            if node is None:
+                break
+            hv = node.host_value
+            assert hv is not None
+            freed.append(hv)
+            got += len(node.key) >> 3
+            self._detach(node)
+        return HostEvictResult(cat_indices(freed), got, self._take_frees())
+
+    def evict_component(self, name: str, num_slots: int, tier: str = "device") -> int:
+        """Free at least `num_slots` slots of component `name` on `tier` while the nodes stay.
+
+        Unlocked values go in policy order; each also drops the higher-ranked components of its node
+        (a sliding-window tombstone drops the node's Mamba state). The freed indices are queued for
+        `take_component_frees`. Returns the slots of `name` freed (fewer when nothing more is evictable).
+
+        Raises:
+            ValueError: an unknown component or tier; TypeError: a count that is not an int.
+        """
+        book = self._book
+        comp = None if book is None else book.index.get(name)
+        if comp is None:
+            raise ValueError(f"name: unknown component {name!r}")
+        if tier not in TIERS:
+            raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
+        check_count(num_slots, "num_slots")
+        assert book is not None
+        leaves = book.sets[(name, tier)]
+        got = 0
+        while got < num_slots:
+            node = leaves.pop()
+            if node is None:
+                break
+            got += book.drop_cascade(node, comp, tier)
+        return got

@@ -1,17 +1,61 @@
-"""The node of the radix tree: a run of whole pages with its values on each tier."""
+"""The node of the radix tree: a run of whole pages with its values on each tier (tree-internal records).
+
+Only the tree reads and writes these; callers hold `NodeRef` handles the tree resolves.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
+from hicache.tree.handles import NodeRef
 
-if TYPE_CHECKING:
-    from hicache.components.base import ComponentData
+__all__ = ["ComponentData", "TreeNode"]
 
-__all__ = ["TreeNode"]
+
+class ComponentData:
+    """One component's state on one node: a value per tier, an in-flight backup, and lock counts.
+
+    Attributes:
+        device_value: indices into the component's device pool, or `None` (absent or a tombstone).
+        host_value: indices into the component's host pool, or `None`.
+        backup_pending: host indices of a device-to-host backup in flight, else `None`.
+        device_lock: holders protecting the device value from component eviction.
+        host_lock: holders protecting the host value from component eviction.
+    """
+
+    __slots__ = ("backup_pending", "device_lock", "device_value", "host_lock", "host_value")
+
+    def __init__(self) -> None:
+        self.device_value: torch.Tensor | None = None
+        self.host_value: torch.Tensor | None = None
+        self.backup_pending: torch.Tensor | None = None
+        self.device_lock = 0
+        self.host_lock = 0
+
+    def value(self, tier: str) -> torch.Tensor | None:
+        """The value on `tier` (`"device"` or `"host"`)."""
+        return self.device_value if tier == "device" else self.host_value
+
+    @property
+    def empty(self) -> bool:
+        """No value, no backup in flight and no lock: the record can be dropped."""
+        return (
+            self.device_value is None
+            and self.host_value is None
+            and self.backup_pending is None
+            and not self.device_lock
+            and not self.host_lock
+        )
+
+    def __repr__(self) -> str:
+        def size(v: torch.Tensor | None) -> str:
+            return "-" if v is None else str(int(v.numel()))
+
+        return (
+            f"ComponentData(device={size(self.device_value)}, host={size(self.host_value)}, "
+            f"pending={size(self.backup_pending)}, locks=({self.device_lock}, {self.host_lock}))"
+        )
 
 
 class TreeNode:
@@ -40,6 +84,7 @@ class TreeNode:
         "_dev_children",
         "_hashes",
         "_path_indices",
+        "_ref",
         "backup_pending",
         "children",
         "components",
@@ -78,8 +123,9 @@ class TreeNode:
         self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
         self._backup_owner: TreeNode | None = None
         # The joined device values of the whole root path, cached by a match that joined them; dropped
-        # whenever this node's device value changes (see `RadixTree._remember_path`).
+        # whenever this node's device value changes (see `TreeState.path_device_indices`).
         self._path_indices: torch.Tensor | None = None
+        self._ref: NodeRef | None = None  # the node's handle, made on first use
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,7 @@
-"""What the tree's operations return: small frozen records of what the controller must carry out."""
+"""What the tree's operations return: small plain records of what the controller must carry out.
+
+Results are data: they hold values and node handles, never the tree, and reading them changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +10,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tree.node import TreeNode
-
 if TYPE_CHECKING:
-    from hicache.tree.radix import RadixTree
+    from hicache.tree.node import TreeNode
 
 __all__ = [
     "EMPTY_INDICES",
+    "ComponentFree",
     "ComponentStatistics",
     "EvictResult",
     "HostEvictResult",
     "InsertResult",
+    "LoadResult",
     "MatchResult",
+    "PrefixPeek",
     "TreeStatistics",
 ]
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
 """A shared empty int64 tensor returned wherever no indices apply (never write into it)."""
+
+
+class ComponentFree:
+    """Indices of one component the tree let go of; the controller returns them to the tier's pool.
+
+    Attributes:
+        component: the component's name.
+        tier: `"device"` or `"host"`.
+        indices: int64 indices into that component's pool on that tier.
+    """
+
+    __slots__ = ("component", "indices", "tier")
+
+    def __init__(self, component: str, tier: str, indices: torch.Tensor) -> None:
+        self.component = component
+        self.tier = tier
+        self.indices = indices
+
+    def __repr__(self) -> str:
+        return f"ComponentFree({self.component!r}, {self.tier!r}, {int(self.indices.numel())} indices)"
 
 
 class MatchResult:
@@ -40,15 +64,16 @@ class MatchResult:
         last_device_node: the deepest node of the device prefix (the root if none).
         last_host_node: the deepest matched node that is backed up (the root if none).
         host_nodes: the host-only nodes after the device prefix, root-first (to be loaded back).
+        host_values: the host values of `host_nodes` (what a load-back copies), root-first.
     """
 
     __slots__ = (
         "_indices",
-        "_tree",
         "device_len",
         "device_values",
         "host_len",
         "host_nodes",
+        "host_values",
         "key",
         "last_device_node",
         "last_host_node",
@@ -64,7 +89,7 @@ class MatchResult:
         last_host_node: TreeNode,
         host_nodes: tuple[TreeNode, ...],
         indices: torch.Tensor | None = None,
-        tree: RadixTree | None = None,
+        host_values: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.key = key
         self.device_values = device_values
@@ -73,19 +98,18 @@ class MatchResult:
         self.last_device_node = last_device_node
         self.last_host_node = last_host_node
         self.host_nodes = host_nodes
+        self.host_values = host_values
         # The joined device indices, when known (the last device node's cached root path, or a join done
         # by an earlier read of `device_indices`).
         self._indices = indices
-        self._tree = tree  # where a join is offered for caching on the last device node
 
     @property
     def device_indices(self) -> torch.Tensor:
         """Device pool indices of the matched device prefix, one per token (empty if none).
 
-        Joined on first access and then kept; not a copy when a single node matched or when the last device
-        node already held its joined root path (callers must not modify the tensor). A join is also cached
-        on the last device node for later matches ending there, if the node and its ancestors still hold
-        the values this match saw.
+        Joined on first access and then kept in this result (nothing else changes); not a copy when a
+        single node matched or when the last device node held its joined root path at match time (callers
+        must not modify the tensor).
         """
         out = self._indices
         if out is not None:
@@ -97,11 +121,16 @@ class MatchResult:
             out = vals[0]
         else:
             out = torch.cat(vals)
-            tree = self._tree
-            if tree is not None:
-                tree._remember_path(self.last_device_node, vals, out)
         self._indices = out
         return out
+
+    @property
+    def host_indices(self) -> torch.Tensor:
+        """Host pool indices of `host_nodes`, joined root-first (empty if none)."""
+        vals = self.host_values
+        if not vals:
+            return EMPTY_INDICES
+        return vals[0] if len(vals) == 1 else torch.cat(vals)
 
     def __repr__(self) -> str:
         return (
@@ -109,6 +138,27 @@ class MatchResult:
             f"host_len={self.host_len}, last_device_node={self.last_device_node.id}, "
             f"last_host_node={self.last_host_node.id}, host_nodes={[n.id for n in self.host_nodes]})"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPeek:
+    """What a match of a key would find, from `RadixTree.peek` (which changes nothing).
+
+    Attributes:
+        device_len: tokens `match_prefix` would find on the device.
+        host_len: tokens it would find beyond them in host-only nodes.
+        anchor_len: tokens up to the end of the deepest matched node with a host copy (0: the root),
+            where a storage prefetch would continue from.
+    """
+
+    device_len: int
+    host_len: int
+    anchor_len: int
+
+    @property
+    def matched_len(self) -> int:
+        """Tokens found on the device or the host."""
+        return self.device_len + self.host_len
 
 
 class InsertResult:
@@ -122,9 +172,11 @@ class InsertResult:
             executes them (later entries' chains shrink once earlier ones are pending).
         host_insert_dropped: `insert_host` attached nothing because the attach point was not backed up;
             the caller frees every host index it passed.
+        component_frees: component indices the caller returns to their pools (duplicates, and values
+            no node took).
     """
 
-    __slots__ = ("backups", "host_insert_dropped", "node", "prefix_len", "total_len")
+    __slots__ = ("backups", "component_frees", "host_insert_dropped", "node", "prefix_len", "total_len")
 
     def __init__(
         self,
@@ -133,12 +185,14 @@ class InsertResult:
         node: TreeNode,
         backups: tuple[TreeNode, ...] = (),
         host_insert_dropped: bool = False,
+        component_frees: tuple[ComponentFree, ...] = (),
     ) -> None:
         self.prefix_len = prefix_len
         self.total_len = total_len
         self.node = node
         self.backups = backups
         self.host_insert_dropped = host_insert_dropped
+        self.component_frees = component_frees
 
     def __repr__(self) -> str:
         return (
@@ -162,6 +216,7 @@ class EvictResult:
         backup_tokens: host tokens the chains in `backups` need together (at most the `host_free_tokens`
             the plan was given).
         dropped_tokens: device tokens freed without a backup (un-backed nodes deleted).
+        component_frees: component indices of the freed nodes the caller returns to their pools.
     """
 
     freed_device: torch.Tensor
@@ -170,6 +225,7 @@ class EvictResult:
     backups: tuple[tuple[TreeNode, ...], ...] = ()
     backup_tokens: int = 0
     dropped_tokens: int = 0
+    component_frees: tuple[ComponentFree, ...] = ()
 
     @property
     def backup_first(self) -> tuple[TreeNode, ...]:
@@ -179,10 +235,33 @@ class EvictResult:
 
 @dataclass(frozen=True, slots=True)
 class HostEvictResult:
-    """What `evict_host` freed: host indices the caller returns to the host pool."""
+    """What `evict_host` freed: host indices the caller returns to the host pool.
+
+    Attributes:
+        freed_host: host indices of the removed nodes.
+        evicted_tokens: their tokens.
+        component_frees: component indices of the removed nodes.
+    """
 
     freed_host: torch.Tensor
     evicted_tokens: int
+    component_frees: tuple[ComponentFree, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What `attach_loaded` did with pages loaded back from the host.
+
+    Attributes:
+        match: the key's match after the attach (what the load-back's caller uses now).
+        freed_device: loaded device pages no node took (nodes on the device again meanwhile, or beyond
+            where the match now ends); the caller frees them.
+        component_frees: component copies no node took, and component indices let go of.
+    """
+
+    match: MatchResult
+    freed_device: torch.Tensor
+    component_frees: tuple[ComponentFree, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ from hicache.keys import chained_page_hashes
 from hicache.policy import WritePolicy
 
 if TYPE_CHECKING:
+    from hicache.tree.component_book import ComponentBook
     from hicache.tree.node import TreeNode
-    from hicache.tree.radix import RadixTree
+    from hicache.tree.state import TreeState
 
 __all__ = ["check_tree", "collect_violations"]
 
@@ -26,7 +27,7 @@ def _check_value(node: TreeNode, name: str, value: torch.Tensor | None, out: lis
         out.append(f"node {node.id}: {name} has {value.shape[0]} entries for {node.num_tokens} tokens")
 
 
-def collect_violations(tree: RadixTree) -> list[str]:
+def collect_violations(tree: TreeState) -> list[str]:
     """Every violated invariant of `tree`, one line each (empty when the tree is sound)."""
     out: list[str] = []
     root = tree.root
@@ -40,7 +41,7 @@ def collect_violations(tree: RadixTree) -> list[str]:
         out.append("root: must hold no locks")
     if root.components:
         out.append("root: must hold no component data")
-    comp_check = _ComponentCheck(tree)
+    comp_check = _ComponentCheck(tree._book) if tree._book is not None else None
 
     device_leaves: set[TreeNode] = set()
     host_leaves: set[TreeNode] = set()
@@ -48,8 +49,12 @@ def collect_violations(tree: RadixTree) -> list[str]:
         path_cache
     ) = 0
     stack = [root]
+    reachable: set[int] = set()
     while stack:
         node = stack.pop()
+        reachable.add(node.id)
+        if tree._nodes.get(node.id) is not node:
+            out.append(f"node {node.id}: not registered under its id (its handles would not resolve)")
         dev_children = 0
         for k, child in node.children.items():
             stack.append(child)
@@ -128,9 +133,16 @@ def collect_violations(tree: RadixTree) -> list[str]:
             path_cache += node._path_indices.numel()
             _check_path_cache(node, out)
         if node.components is not None:
-            comp_check.visit(node, out)
+            if comp_check is None:
+                out.append(f"node {node.id}: holds component data in a tree without components")
+            else:
+                comp_check.visit(node, out)
 
-    comp_check.finish(out)
+    if comp_check is not None:
+        comp_check.finish(out)
+    stale = sorted(set(tree._nodes) - reachable)
+    if stale:
+        out.append(f"handles of removed nodes still resolve: {stale}")
     for name, actual, expected_set in (
         ("device", tree._device_leaves, device_leaves),
         ("host", tree._host_leaves, host_leaves),
@@ -174,7 +186,7 @@ def _check_path_cache(node: TreeNode, out: list[str]) -> None:
         out.append(f"node {node.id}: cached joined root path differs from its path's device values")
 
 
-def check_tree(tree: RadixTree) -> None:
+def check_tree(tree: TreeState) -> None:
     """Raise `InvariantViolation` listing every violated invariant of `tree`."""
     violations = collect_violations(tree)
     if violations:
@@ -184,18 +196,18 @@ def check_tree(tree: RadixTree) -> None:
 class _ComponentCheck:
     """The component invariants, gathered node by node and compared with the tree's counters at the end."""
 
-    def __init__(self, tree: RadixTree) -> None:
-        self.tree = tree
-        self.slots = {c.name: [0, 0, 0] for c in tree.components}
-        self.members: dict[tuple[str, str], set[TreeNode]] = {key: set() for key in tree._comp_sets}
+    def __init__(self, book: ComponentBook) -> None:
+        self.book = book
+        self.slots = {c.name: [0, 0, 0] for c in book.components}
+        self.members: dict[tuple[str, str], set[TreeNode]] = {key: set() for key in book.sets}
 
     def visit(self, node: TreeNode, out: list[str]) -> None:
-        tree = self.tree
+        book = self.book
         comps = node.components
         assert comps is not None
         n = node.num_tokens
         for name, data in comps.items():
-            comp = tree._component_index.get(name)
+            comp = book.index.get(name)
             if comp is None:
                 out.append(f"node {node.id}: data of unknown component {name!r}")
                 continue
@@ -211,7 +223,7 @@ class _ComponentCheck:
                 if value.dtype != torch.int64 or value.dim() != 1:
                     out.append(f"node {node.id}: {name}.{attr} is not a 1-D int64 tensor")
                     continue
-                problem = comp.check_value(value, n, tree.page_size)
+                problem = comp.check_value(value, n, book.page_size)
                 if problem is not None:
                     out.append(f"node {node.id}: {name}.{attr}: {problem}")
                 if base is None:
@@ -241,19 +253,20 @@ class _ComponentCheck:
                 self.members[(name, "host")].add(node)
 
     def finish(self, out: list[str]) -> None:
-        tree = self.tree
+        book = self.book
         for key, expected in self.members.items():
-            actual = tree._comp_sets[key]
+            actual = book.sets[key]
             extra = sorted(x.id for x in actual.members - expected)
             missing = sorted(x.id for x in expected - actual.members)
             if extra or missing:
                 out.append(f"{key[0]} {key[1]} evictable set: extra {extra}, missing {missing}")
             out.extend(f"{key[0]} {key[1]} evictable set: {v}" for v in actual.check())
         for name, recomputed in self.slots.items():
-            kept = tree._comp_slots[name]
+            slots = book.slots[name]
+            kept = (slots.device, slots.host, slots.pending)
             for label, a, b in zip(("device", "host", "pending"), kept, recomputed, strict=True):
                 if a != b:
                     out.append(f"counter {name} {label} slots: kept {a}, recomputed {b}")
-        for g in tree._garbage:
-            if g.component not in tree._component_index:
+        for g in (*book.queued, *book.frees):
+            if g.component not in book.index:
                 out.append(f"queued free of unknown component {g.component!r}")

@@ -592,7 +592,8 @@ def test_sanity_check_reports_every_violation() -> None:
 
 
 def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
-    """A match caches the joined device indices on its last node; the cache must never outlive the values.
+    """`device_indices(node)` caches the joined device indices on the node; the cache must never outlive
+    the values, and reading a match result caches nothing (results are plain data).
 
     Guards against a stale join: after the path is demoted and loaded back at other device indices, or
     split by a shorter match, every match must return the indices the nodes hold now.
@@ -604,9 +605,12 @@ def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
     first = tree.match_prefix(key)
     expected = torch.cat([indices(0, 8), indices(58, 8)])
     assert torch.equal(first.device_indices, expected)
+    assert tree.match_prefix(key).device_indices is not first.device_indices  # the read cached nothing
+    joined = tree.device_indices(first.last_device_node)
+    assert torch.equal(joined, expected)
     assert tree.statistics().device_tokens == 16
     again = tree.match_prefix(key)
-    assert again.device_indices is first.device_indices  # served from the cache, not joined again
+    assert again.device_indices is joined  # served from the cache, not joined again
     tree.sanity_check()
 
     back_up(tree, leaf)
@@ -622,9 +626,14 @@ def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
     tree.attach_device(leaf, indices(300, 8))
     m = tree.match_prefix(key)
     assert torch.equal(m.device_indices, torch.cat([indices(200, 8), indices(300, 8)]))
+    assert torch.equal(tree.device_indices(leaf), torch.cat([indices(200, 8), indices(300, 8)]))
     tree.sanity_check()
 
     shorter = tree.match_prefix(page_key(0, 2) + page_key(100, 1))  # splits the leaf
     assert torch.equal(shorter.device_indices, torch.cat([indices(200, 8), indices(300, 4)]))
+    assert torch.equal(
+        tree.device_indices(shorter.last_device_node), torch.cat([indices(200, 8), indices(300, 4)])
+    )
     assert torch.equal(tree.match_prefix(key).device_indices, torch.cat([indices(200, 8), indices(300, 8)]))
+    assert torch.equal(tree.device_indices(leaf), torch.cat([indices(200, 8), indices(300, 8)]))
     tree.sanity_check()

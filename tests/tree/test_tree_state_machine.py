@@ -188,11 +188,31 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(choices=page_choices, tail=tails)
     def match(self, choices: list[int], tail: int) -> None:
         key = self.key(choices, tail)
+        # `peek` foretells the match and changes nothing: no split, no clock tick, no LRU touch.
+        before = (
+            self.tree.statistics(),
+            self.tree._clock,
+            {n.id: n.last_access for n in self.tree.iter_nodes()},
+        )
+        peeked = self.tree.peek(key)
+        after = (
+            self.tree.statistics(),
+            self.tree._clock,
+            {n.id: n.last_access for n in self.tree.iter_nodes()},
+        )
+        assert after == before
         m = self.tree.match_prefix(key)
+        anchor_len = self.tree.depth(m.last_host_node)
+        assert (peeked.device_len, peeked.host_len, peeked.anchor_len) == (
+            m.device_len,
+            m.host_len,
+            anchor_len,
+        )
         joined = m.device_indices
         assert joined.shape == (m.device_len,)
         if m.device_values:
             assert torch.equal(joined, torch.cat(m.device_values))
+        assert torch.equal(self.tree.device_indices(m.last_device_node), joined)
         # A second match may serve the joined indices from the path cache: they must be the same.
         assert torch.equal(self.tree.match_prefix(key).device_indices, joined)
         assert m.device_len + m.host_len <= len(key)
@@ -446,7 +466,7 @@ class TreeMachine(RuleBasedStateMachine):
         if m.host_nodes:
             # The prefix ends on the host: it must be valid once its host-only nodes are loaded; the
             # device part before it need not be a valid end on its own.
-            assert self.tree._valid_mixed(m.host_nodes[-1])
+            assert self.tree.valid_end(m.host_nodes[-1], None)
             assert m.last_device_node.device_value is not None or m.last_device_node is self.tree.root
             window = self.tree.component_window(m.last_device_node)
             assert set(window) <= set(self.components)

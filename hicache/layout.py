@@ -1,4 +1,4 @@
-"""The shape of one page of KV cache: what a pool stores per page, page-first."""
+"""The shape of one page of KV cache: what a pool stores per page, page-first (a leaf module: torch only)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,257 @@
+"""Inserting: a computed key's device pages (`insert`) and a storage refill's host pages (`insert_host`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from hicache.keys import KeyLike
+from hicache.policy import WritePolicy
+from hicache.tree.checks import check_indices
+from hicache.tree.matching import key_bytes
+from hicache.tree.node import TreeNode
+from hicache.tree.results import InsertResult
+from hicache.tree.state import TreeState
+
+__all__ = ["Inserting"]
+
+logger = logging.getLogger("hicache.tree")
+
+_WB = WritePolicy.WRITE_BACK
+_INT64 = torch.int64
+
+
+class Inserting(TreeState):
+    """`insert` and `insert_host` (mixed into `RadixTree`)."""
+
+    def _component_values(
+        self, components: Mapping[str, torch.Tensor], aligned: int
+    ) -> dict[str, torch.Tensor] | None:
+        """Validated copies of the caller's component values for a key of `aligned` tokens."""
+        if self._book is None:
+            raise ValueError("components: this tree has no components")
+        return self._book.inputs(components, "components", aligned)
+
+    def insert(
+        self,
+        key: KeyLike,
+        device_indices: torch.Tensor,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> InsertResult:
+        """Insert a key whose KV pages sit at `device_indices` on the device.
+
+        Only the page-aligned part is inserted. Nodes that already hold device data are duplicates (the
+        caller frees `device_indices[:prefix_len]`); host-only nodes on the path get the caller's device
+        values re-attached; the rest becomes a new leaf. Every existing node on the path counts a hit, a
+        new node starts at one hit (zero under write-back); nodes reaching the policy's threshold are
+        returned in `backups`.
+
+        Args:
+            key: the token key.
+            device_indices: a 1-D int64 tensor with one device index per token of the (unaligned) key.
+            components: device indices of hybrid components by name: a sliding window's for a
+                page-aligned suffix of the aligned key, a Mamba state's one slot (taken at the end of the
+                key: kept only when the key is page-aligned). The tree takes ownership of all of them:
+                nodes lacking a value on the device get their part, the rest is queued for
+                `take_component_frees`.
+
+        Raises:
+            TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
+            ValueError: `device_indices` of the wrong shape or length, or malformed component values.
+        """
+        kb = key_bytes(key)
+        ntok = len(kb) >> 3
+        step = self._step
+        end = len(kb)
+        rem = end % step
+        if rem:
+            end -= rem
+            kb = kb[:end]
+        if not (
+            type(device_indices) is torch.Tensor
+            and device_indices.dtype is _INT64
+            and device_indices.dim() == 1
+            and device_indices.numel() == ntok
+        ):
+            check_indices(device_indices, "device_indices", ntok)
+        comp_values = self._component_values(components, end >> 3) if components else None
+        self._clock = tick = self._clock + 1
+        backup_hits = self._backup_hits
+        backups: list[TreeNode] = []
+        root = node = self.root
+        pos = 0
+        prefix_bytes = 0
+        # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
+        values: torch.Tensor | None = None
+        base = 0
+        first = b""
+        while pos < end:
+            first = kb[pos : pos + step]
+            child = node.children.get(first)
+            if child is None:
+                break
+            ck = child.key
+            if kb.startswith(ck, pos):
+                matched = len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+            child.last_access = tick
+            child.hit_count += 1
+            if child.device_value is not None:
+                prefix_bytes += matched
+            else:
+                if values is None:
+                    base = pos >> 3
+                    values = device_indices.narrow_copy(0, base, (end >> 3) - base)
+                self._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
+            if (
+                backup_hits is not None
+                and child.hit_count >= backup_hits
+                and child.host_value is None
+                and child.backup_pending is None
+            ):
+                backups.append(child)
+            pos += matched
+            node = child
+        if pos < end:
+            # A new device leaf below `node` (what `_new_node` and `_set_device` do, inlined: the leaf
+            # holds no lock, no backup and no component yet).
+            start = pos >> 3
+            if values is None:
+                value = device_indices.narrow_copy(0, start, (end >> 3) - start)
+            else:
+                value = values[start - base :]
+            leaf = TreeNode(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
+            node.children[first] = leaf
+            self._nodes[leaf.id] = leaf
+            self._num_nodes += 1
+            leaf.last_access = tick
+            if backup_hits is not None:
+                leaf.hit_count = 1
+                if backup_hits <= 1:
+                    backups.append(leaf)
+            leaf.device_value = value
+            n = (end - pos) >> 3
+            self._device_tokens += n
+            self._evictable_size += n
+            if node is not root:
+                node._dev_children += 1
+                self._refresh(node)
+            else:
+                node._dev_children += 1
+            self._device_leaves.add(leaf)
+            node = leaf
+        if comp_values:
+            assert self._book is not None
+            self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
+        frees = self._take_frees() if self._book is not None else ()
+        return InsertResult(
+            prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else (), False, frees
+        )
+
+    def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
+        """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
+        path: list[TreeNode] = []
+        step = self._step
+        node = start
+        pos = 0
+        while pos < len(kb):
+            child = node.children[kb[pos : pos + step]]
+            path.append(child)
+            pos += len(child.key)
+            node = child
+        return path
+
+    def insert_host(
+        self,
+        anchor: TreeNode,
+        key: KeyLike,
+        host_indices: torch.Tensor,
+        hashes: list[bytes] | None = None,
+        components: Mapping[str, torch.Tensor] | None = None,
+    ) -> InsertResult:
+        """Attach a storage refill (host pages) below `anchor`.
+
+        `key` continues from the end of `anchor`'s key. Tokens already in the tree count as present (the
+        caller frees `host_indices[:prefix_len]`). If the rest would hang below a node that is neither the
+        root nor backed up and the policy is not write-back, nothing is attached and
+        `host_insert_dropped` is set: the caller frees every host index.
+
+        Args:
+            anchor: a live node of this tree (the match's last host node, host-locked by the caller).
+            key: the refill's tokens, continuing from the anchor's end.
+            host_indices: a 1-D int64 tensor with one host index per token of `key`.
+            hashes: the precomputed page hashes of the page-aligned `key`, if known.
+            components: host indices of hybrid components by name, as for `insert` (relative to `key`).
+                Unless the refill is dropped, the tree takes ownership of them (what no node takes is
+                queued for `take_component_frees`); a dropped refill leaves them to the caller.
+
+        Raises:
+            TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
+        """
+        anchor = self._require_live(anchor, "anchor")
+        kb, ntok = self._aligned_key(key)
+        check_indices(host_indices, "host_indices", ntok)
+        comp_values = self._component_values(components, len(kb) >> 3) if components else None
+        step = self._step
+        end = len(kb)
+        if hashes is not None:
+            if not isinstance(hashes, list) or not all(isinstance(h, bytes) and len(h) == 16 for h in hashes):
+                raise TypeError("hashes: expected a list of 16-byte hashes")
+            if len(hashes) != end // step:
+                raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
+        # A dry walk first: a dropped refill must leave the tree untouched (no split either).
+        node = anchor
+        pos = 0
+        attach_backed = True
+        attach_id = node.id
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                attach_backed = node is self.root or node.host_value is not None
+                attach_id = node.id
+                break
+            matched = self._matched_bytes(kb, pos, child.key)
+            pos += matched
+            if matched < len(child.key):
+                attach_backed = child.host_value is not None
+                attach_id = child.id
+                break
+            node = child
+        if pos < end and not attach_backed and self.write_policy is not _WB:
+            logger.info(
+                "insert_host dropped %d refill tokens: attach point node %d is not backed up",
+                (end - pos) >> 3,
+                attach_id,
+            )
+            return InsertResult(0, 0, anchor, (), True)
+        self._clock += 1
+        tick = self._clock
+        node = anchor
+        pos = 0
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            matched = self._matched_bytes(kb, pos, child.key)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            child.last_access = tick
+            pos += matched
+            node = child
+        prefix = pos >> 3
+        if pos < end:
+            leaf = self._new_node(node, kb[pos:])
+            leaf.last_access = tick
+            if hashes is not None:
+                leaf._hashes = hashes[pos // step :]
+            self._set_host(leaf, host_indices[prefix : end >> 3].clone())
+            self._refresh(node)
+            node = leaf
+        if comp_values:
+            assert self._book is not None
+            self._book.attach(self._key_path(kb, anchor), 0, end >> 3, ntok, comp_values, "host")
+        return InsertResult(prefix, end >> 3, node, (), False, self._take_frees())

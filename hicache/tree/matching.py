@@ -1,0 +1,321 @@
+"""Matching: the longest cached prefix of a key (`match_prefix`, which splits and touches the LRU clock;
+`peek`, which changes nothing) and the read-only queries on a node the controller needs."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterator
+
+import torch
+
+from hicache.keys import KeyLike, as_key_bytes
+from hicache.tree.handles import NodeRef, StoredPath
+from hicache.tree.node import TreeNode
+from hicache.tree.results import EMPTY_INDICES, MatchResult, PrefixPeek
+from hicache.tree.state import TreeState
+
+__all__ = ["Matching"]
+
+_LITTLE = sys.byteorder == "little"
+
+
+def key_bytes(key: KeyLike) -> bytes:
+    """`key` as int64 bytes, with a fast path for the common key types (else `as_key_bytes`)."""
+    kt = type(key)
+    if kt is array and key.typecode == "q" and _LITTLE:  # type: ignore[union-attr]
+        return key.tobytes()  # type: ignore[union-attr]
+    if kt is bytes and not len(key) & 7:
+        return key  # type: ignore[return-value]
+    return as_key_bytes(key)
+
+
+class Matching(TreeState):
+    """`match_prefix`, `peek` and the node queries (mixed into `RadixTree`)."""
+
+    def match_prefix(self, key: KeyLike) -> MatchResult:
+        """Find the longest cached page-aligned prefix of `key` on the device and, beyond it, on the host.
+
+        A match ending inside a node splits it; every matched node's `last_access` is advanced. With
+        components the match is truncated to the deepest node where every component allows a prefix to
+        end (a complete sliding window, a Mamba state): at the deepest host-only node that is valid once
+        loaded (device nodes before it need not be valid ends), else at the deepest valid device node.
+
+        Args:
+            key: the token key (bytes, `array('q')`, a 1-D integer tensor or a sequence of ints).
+
+        Raises:
+            TypeError, ValueError: for a key that cannot be converted (see `hicache.keys.as_key_bytes`).
+        """
+        kb = key_bytes(key)
+        step = self._step
+        end = len(kb)
+        rem = end % step
+        if rem:
+            end -= rem
+            kb = kb[:end]
+        if self._book is not None:
+            return self._match_hybrid(kb)
+        self._clock = tick = self._clock + 1
+        node = last_host = self.root
+        pos = 0
+        device_values: list[torch.Tensor] = []
+        # The device stretch of the path (the common case) here; host-only nodes, which by device prefix
+        # continuity only follow it, in `_match_host_tail`.
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            if kb.startswith(ck, pos):
+                pos += len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+                pos += matched
+            child.last_access = tick
+            dv = child.device_value
+            if dv is None:
+                return self._match_host_tail(kb, pos, child, node, last_host, device_values, tick)
+            device_values.append(dv)
+            if child.host_value is not None:
+                last_host = child
+            node = child
+        return MatchResult(kb, tuple(device_values), pos >> 3, 0, node, last_host, (), node._path_indices)
+
+    def _match_host_tail(
+        self,
+        kb: bytes,
+        pos: int,
+        child: TreeNode,
+        last_device: TreeNode,
+        last_host: TreeNode,
+        device_values: list[torch.Tensor],
+        tick: int,
+    ) -> MatchResult:
+        """The rest of `match_prefix` from the first host-only node `child` (ending at `pos`) on."""
+        step = self._step
+        end = len(kb)
+        device_end = pos - len(child.key)
+        host_nodes = [child]
+        if child.host_value is not None:
+            last_host = child
+        node = child
+        while pos < end:
+            nxt = node.children.get(kb[pos : pos + step])
+            if nxt is None:
+                break
+            child = nxt
+            ck = child.key
+            if kb.startswith(ck, pos):
+                pos += len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+                pos += matched
+            child.last_access = tick
+            host_nodes.append(child)
+            if child.host_value is not None:
+                last_host = child
+            node = child
+        return MatchResult(
+            kb,
+            tuple(device_values),
+            device_end >> 3,
+            (pos - device_end) >> 3,
+            last_device,
+            last_host,
+            tuple(host_nodes),
+            last_device._path_indices,
+            tuple(n.host_value for n in host_nodes if n.host_value is not None),
+        )
+
+    def _match_hybrid(self, kb: bytes) -> MatchResult:
+        """`match_prefix` with components: the walk of the base, then truncated to where every component
+        allows a prefix to end (beyond the device part once its host-only nodes are loaded, else at the
+        deepest valid device node)."""
+        self._clock += 1
+        tick = self._clock
+        step = self._step
+        end = len(kb)
+        root = self.root
+        node = root
+        pos = 0
+        path: list[TreeNode] = []
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            ck = child.key
+            if kb.startswith(ck, pos):
+                matched = len(ck)
+            else:
+                matched = self._matched_bytes(kb, pos, ck)
+                child = self._split(child, matched)
+            child.last_access = tick
+            path.append(child)
+            pos += matched
+            node = child
+        k = 0
+        while k < len(path) and path[k].device_value is not None:
+            k += 1
+        # Components need to be valid only where the prefix ends: first try to end beyond the device
+        # part (once its host-only nodes are loaded), else at the deepest valid device node.
+        j = len(path) - k
+        book = self._book
+        assert book is not None
+        while j > 0 and not book.valid_end(path[k + j - 1], root, None):
+            j -= 1
+        i = k
+        if j == 0:
+            while i > 0 and not book.valid_end(path[i - 1], root, "device"):
+                i -= 1
+        device_nodes = path[:i]
+        host_nodes = path[k : k + j]
+        last_device = device_nodes[-1] if device_nodes else root
+        last_host = root
+        for n in reversed(path[: i + j]):
+            if n.host_value is not None:
+                last_host = n
+                break
+        device_values = tuple(n.device_value for n in device_nodes if n.device_value is not None)
+        return MatchResult(
+            kb,
+            device_values,
+            sum(n.num_tokens for n in device_nodes),
+            sum(n.num_tokens for n in host_nodes),
+            last_device,
+            last_host,
+            tuple(host_nodes),
+            last_device._path_indices,
+            tuple(n.host_value for n in host_nodes if n.host_value is not None),
+        )
+
+    # ------------------------------------------------------------------ queries that change nothing
+
+    def peek(self, key: KeyLike) -> PrefixPeek:
+        """What `match_prefix(key)` would find, without splitting a node or touching the LRU clock.
+
+        Args:
+            key: the token key (as for `match_prefix`).
+
+        Raises:
+            TypeError, ValueError: for a key that cannot be converted (see `hicache.keys.as_key_bytes`).
+        """
+        kb = key_bytes(key)
+        step = self._step
+        end = len(kb) - len(kb) % step
+        kb = kb[:end]
+        # The walk: per node, the tokens of it the key matches (only the last may be partial).
+        path: list[tuple[TreeNode, int]] = []
+        node = self.root
+        pos = 0
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                break
+            matched = self._matched_bytes(kb, pos, child.key)
+            path.append((child, matched >> 3))
+            pos += matched
+            if matched < len(child.key):
+                break
+            node = child
+        k = 0
+        while k < len(path) and path[k][0].device_value is not None:
+            k += 1
+        i, j = k, len(path) - k
+        if self._book is not None:
+            # As `_match_hybrid`: end beyond the device part if valid once loaded, else on the device.
+            while j > 0 and not self._peek_valid(path, k + j - 1, None):
+                j -= 1
+            if j == 0:
+                while i > 0 and not self._peek_valid(path, i - 1, "device"):
+                    i -= 1
+        device_len = sum(t for _, t in path[:i])
+        host_len = sum(t for _, t in path[k : k + j])
+        anchor_len = 0
+        pos = 0
+        for n, t in path[: i + j]:
+            pos += t
+            if n.host_value is not None:
+                anchor_len = pos
+        return PrefixPeek(device_len, host_len, anchor_len)
+
+    def _peek_valid(self, path: list[tuple[TreeNode, int]], idx: int, tier: str | None) -> bool:
+        """Whether every component allows a prefix ending `path[idx][1]` tokens into `path[idx][0]`
+        (the value of a partly matched node is what its upper part would get from a split)."""
+        book = self._book
+        assert book is not None
+        for comp in book.components:
+
+            def values(name: str = comp.name) -> Iterator[tuple[int, torch.Tensor | None]]:
+                for m in range(idx, -1, -1):
+                    cur, t = path[m]
+                    cur_tier = tier or ("device" if cur.device_value is not None else "host")
+                    value = book.value(cur, name, cur_tier)
+                    if value is not None and t < cur.num_tokens:
+                        value = book.index[name].split(value, t, cur.num_tokens)[0]
+                    yield t, value
+
+            if not comp.valid_end(values()):
+                return False
+        return True
+
+    def depth(self, node: TreeNode) -> int:
+        """Tokens from the root to the end of `node` (O(depth))."""
+        cur = self._require_live(node)
+        depth = 0
+        while cur is not self.root:
+            depth += len(cur.key) >> 3
+            assert cur.parent is not None
+            cur = cur.parent
+        return depth
+
+    def page_hashes(self, node: TreeNode) -> list[bytes]:
+        """`node`'s own page hashes, one per page (a copy; empty for the root)."""
+        return list(self._require_live(node).hashes)
+
+    def last_hash(self, node: TreeNode) -> bytes:
+        """The hash of `node`'s last page: what the hashes of pages below it continue from."""
+        return self._require_live(node).last_hash
+
+    def device_indices(self, node: TreeNode) -> torch.Tensor:
+        """The device indices of the root path ending at `node`, joined (cached on the node; read-only).
+
+        Raises:
+            ValueError: `node` or one of its ancestors is not on the device.
+        """
+        live = self._require_live(node)
+        if live is self.root:
+            return EMPTY_INDICES
+        if live.device_value is None:
+            raise ValueError(f"node: node {live.id} is not on the device")
+        return self._path_device_indices(live)
+
+    def stored_path(self, node: TreeNode) -> StoredPath | None:
+        """The leading backed-up nodes of the root path to `node`, with their page hashes and host values
+        (what a storage write of that path needs); `None` when `node` left the tree or is not backed up.
+        """
+        try:
+            live = self._require_non_root(node)
+        except ValueError:
+            return None
+        if live.host_value is None:
+            return None
+        path: list[TreeNode] = []
+        cur = live
+        while cur is not self.root:
+            path.append(cur)
+            assert cur.parent is not None
+            cur = cur.parent
+        path.reverse()
+        nodes: list[NodeRef] = []
+        hashes: list[tuple[bytes, ...]] = []
+        values: list[torch.Tensor] = []
+        for n in path:
+            if n.host_value is None:
+                break
+            nodes.append(self._ref(n))
+            hashes.append(tuple(n.hashes))
+            values.append(n.host_value)
+        return StoredPath(tuple(nodes), tuple(hashes), tuple(values))

@@ -9,9 +9,9 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
 	tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
+.PHONY: run test fuzz check native bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py native/hicache_native.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU build of torch first, so the project's torch range installs nothing more (no CUDA wheel).
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Rebuild only the C extension (native/hicache_native.c) in place, e.g. in a second git worktree.
+native: $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace
 
 run: $(STAMP)
 	$(BIN)/hicache demo

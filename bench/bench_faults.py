@@ -49,6 +49,7 @@ from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.metrics import snapshot
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
@@ -270,10 +271,10 @@ class _StuckFileBackend(FileBackend):
         self.stuck_key = ""
         self.entered = threading.Event()
 
-    def _read_one(self, key: str, buf: memoryview, flags: int = 0, fd: int = -1) -> int:
-        if key == self.stuck_key:
+    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        if self.stuck_key in keys:
             self.entered.set()
-        return super()._read_one(key, buf, flags, fd)
+        return super()._read_group(keys, buffers)
 
 
 def _release_fifo(path: str) -> None:

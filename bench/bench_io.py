@@ -17,8 +17,14 @@ lateness: the longest stall of the loop is reported too (goal < 10 ms). Cold pas
 the page cache first (`posix_fadvise(DONTNEED)`, after `os.sync()`); raw and backend passes alternate so
 drift in the machine's load hits both. Figures are medians over `--repeats`.
 
+Side by side with SGLang: when `../shared/baselines/sglang-file/run` is present (and not `--no-sglang`), it runs
+after our passes on the same page sizes, total and filesystem (`--dir`), in its own process: SGLang's
+`HiCacheFile` read through SGLang's real prefetch path (`_page_transfer`, 128-page batches, into a host pool;
+its README says what it times). `vs_sglang_file_1mib_{hot,cold}` is our controller's GB/s over SGLang's (one
+I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-caller variant.
+
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
-       [--sequences 16] [--batch-pages N] [--no-controller]
+       [--sequences 16] [--batch-pages N] [--no-controller] [--no-sglang]
 Ends with one JSON line.
 """
 
@@ -30,6 +36,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -49,6 +56,7 @@ from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
 from storage_backends.protocol import PageStatus
 
+SGLANG_FILE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-file" / "run"
 GOALS = {1 << 20: 0.9, 64 << 10: 0.7}
 STALL_GOAL_MS = 10.0
 PAGE_TOKENS = 64
@@ -330,8 +338,51 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         summary["max_loop_stall_ms_controller"] = round(
             max(r["controller_max_stall_ms"] for s in results.values() for r in s.values()), 2
         )
+    if not args.no_controller:
+        sglang = run_sglang(args)
+        if sglang is not None:
+            summary |= sglang_summary(results, sglang)
+    summary["controller_gbps"] = {
+        f"{label(p).replace(' ', '').lower()}_{state}": round(r["controller_gbps"], 2)
+        for p, states in results.items()
+        for state, r in states.items()
+        if "controller_gbps" in r
+    }
     summary["load_average"] = round(os.getloadavg()[0], 2)
     return summary
+
+
+def run_sglang(args: argparse.Namespace) -> dict[str, Any] | None:
+    """SGLang's file backend on the same page sizes, total and filesystem: its JSON line, or None."""
+    if args.no_sglang or not SGLANG_FILE.exists():
+        return None
+    cmd = [str(SGLANG_FILE), "--total-mib", str(args.total_mib), "--page-kib", "64,1024"]
+    cmd += ["--reps", str(args.repeats), "--dir", args.dir]
+    print(f"running SGLang's file backend baseline: {' '.join(cmd)}", file=sys.stderr)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(f"SGLang baseline failed (exit {done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
+        return None
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def sglang_summary(ours: dict[int, dict[str, dict[str, Any]]], sglang: dict[str, Any]) -> dict[str, object]:
+    """Our controller's GB/s over SGLang's, per page size and cache state, and SGLang's own figures."""
+    out: dict[str, object] = {}
+    for page_bytes, name in ((1 << 20, "1mib"), (64 << 10, "64kib")):
+        for state in ("hot", "cold"):
+            ctl = ours[page_bytes][state].get("controller_gbps")
+            theirs = sglang.get(f"gbps_{name}_{state}")
+            theirs16 = sglang.get(f"gbps_{name}_{state}_t16")
+            if ctl is not None and theirs:
+                out[f"vs_sglang_file_{name}_{state}"] = round(ctl / theirs, 2)
+            if ctl is not None and theirs16:
+                out[f"vs_sglang_file_t16_{name}_{state}"] = round(ctl / theirs16, 2)
+    keep = [k for k in sglang if k.startswith(("gbps_", "raw_gbps_", "ratio_"))]
+    out["sglang_file"] = {k: sglang[k] for k in keep}
+    return out
 
 
 def main() -> None:
@@ -349,6 +400,9 @@ def main() -> None:
         "--batch-pages", type=int, default=None, help="storage_batch_pages of the cache (default: its own)"
     )
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
+    parser.add_argument(
+        "--no-sglang", action="store_true", help="skip SGLang's file backend baseline (../shared/baselines)"
+    )
     parser.add_argument("--dir", default="/tmp")
     args = parser.parse_args()
     summary = anyio.run(main_async, args)

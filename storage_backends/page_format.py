@@ -23,8 +23,10 @@ The key digest guards against careless and accidental aliasing, not against a fo
 (such a writer can write any header it likes).
 
 `encode_header` and `verify_page` hash the whole payload (about 25 GB/s, but still ~40 us per MiB): backends
-call them inside worker threads, never on the event loop. xxhash releases the GIL while hashing, so those
-threads do not stall the loop either.
+call them inside worker threads, never on the event loop. The payload checksum is the C extension's
+`xxh3_64` (`storage_backends.native`), which releases the GIL for any payload of 4 KiB or more, so those
+threads do not stall the loop either (python-xxhash keeps the GIL up to 64 KiB). The file backend's reads
+verify inside the C extension instead, in the same pass as the read (`storage_backends.file_pages`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import NamedTuple
 import xxhash
 
 from hicache.errors import ChecksumMismatch, ForeignPage, OldPageFormat
+from storage_backends.native import xxh3_64
 from storage_backends.protocol import PageStatus
 
 __all__ = [
@@ -170,9 +173,7 @@ def encode_header(payload: memoryview, namespace_digest: bytes, key: str) -> byt
     """
     digest = check_namespace_digest(namespace_digest)
     view = payload if isinstance(payload, memoryview) else memoryview(payload)
-    return _HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, 0, digest, key_digest(key), view.nbytes, xxhash.xxh3_64_intdigest(view)
-    )
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, digest, key_digest(key), view.nbytes, xxh3_64(view))
 
 
 def decode_header(header: bytes | bytearray | memoryview) -> PageHeader:
@@ -258,7 +259,7 @@ def verify_page(
         raise ChecksumMismatch(
             f"page payload length is {payload.nbytes} bytes, header says {fields.payload_length}"
         )
-    actual = xxhash.xxh3_64_intdigest(payload)
+    actual = xxh3_64(payload)
     if actual != fields.checksum:
         raise ChecksumMismatch(
             f"page checksum mismatch: stored {fields.checksum:016x}, computed {actual:016x}"

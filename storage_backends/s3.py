@@ -11,7 +11,8 @@ buffer into the caller's, after its header and xxh3 checksum verify; large pages
 thread that is always waited for, so no thread writes into a buffer after `get` returns.
 
 Every request runs under capped exponential backoff with jitter, at most `max_retries` retries inside a
-per-request deadline; obstore's own retries are disabled so the counts in `statistics()` are exact. The
+per-request deadline (`storage_backends.s3_requests`); obstore's own retries are disabled so the counts in
+`statistics()` are exact. The
 bounds are small by default (3 retries, a 2 s connect timeout) so a dead endpoint fails in well under a
 second and the controller's circuit breaker sees it quickly. A request that still fails fails only its
 own page (`get` → False for it), and once one request of a batch has given up on an unreachable server
@@ -24,38 +25,23 @@ one page of the call succeeded because the server was unreachable or refused us.
 pages succeeded returns its per-page flags.
 
 Credentials come from keyword options, the URL query, or the standard AWS environment variables, in that
-order; they never appear in `repr`, log records or error messages.
+order; they never appear in `repr`, log records or error messages (`storage_backends.s3_options` resolves the
+settings).
 """
 
 from __future__ import annotations
 
-import atexit
-import ipaddress
 import logging
-import math
-import os
-import random
-import re
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any, Final, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from typing import Any, Final
 
-import anyio
 import obstore
-from obstore.exceptions import (
-    InvalidPathError,
-    NotSupportedError,
-    PermissionDeniedError,
-    UnauthenticatedError,
-    UnknownConfigurationKeyError,
-)
 from obstore.store import S3Store
 
-from hicache.errors import ChecksumMismatch, PageNotFound, StorageAuthError, StorageError, StorageUnavailable
+from hicache.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.batching import (
     BackendStatistics,
     StatisticsRecorder,
@@ -65,7 +51,7 @@ from storage_backends.batching import (
     run_in_thread,
 )
 from storage_backends.lifecycle import BackendLifecycle
-from storage_backends.names import prefix_from_url_path, validate_bucket, validate_prefix
+from storage_backends.names import validate_bucket, validate_prefix
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
@@ -76,39 +62,16 @@ from storage_backends.page_format import (
     verify_page,
 )
 from storage_backends.protocol import PageStatus
-from storage_backends.redact import redact_text, redact_url, remember_secrets
+from storage_backends.redact import redact_url
+from storage_backends.s3_options import check_limits, parse_url, store_settings
+from storage_backends.s3_requests import Batch, Requests
 
 __all__ = ["S3Backend", "S3Statistics"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 _THREAD_THRESHOLD: Final = 64 * 1024
 """Pages at least this large are hashed and copied in a worker thread; smaller ones inline."""
-
-_NON_RETRYABLE: Final = (InvalidPathError, NotSupportedError, UnknownConfigurationKeyError, ValueError)
-_AUTH_ERRORS: Final = (PermissionDeniedError, UnauthenticatedError)
-
-_STATUS_RE: Final = re.compile(r"status code: (\d{3})")
-
-_EXIT_GRACE_S: Final = 0.02
-"""How long the interpreter releases the GIL at exit so obstore's threads can leave Python first."""
-
-_INT_OPTIONS: Final = frozenset({"max_concurrency", "max_retries"})
-_FLOAT_OPTIONS: Final = frozenset(
-    {
-        "deadline_s",
-        "read_deadline_s",
-        "write_deadline_s",
-        "attempt_timeout_s",
-        "connect_timeout_s",
-        "backoff_initial_s",
-        "backoff_max_s",
-    }
-)
-_BOOL_OPTIONS: Final = frozenset({"allow_http"})
-_STR_OPTIONS: Final = frozenset({"endpoint", "region", "access_key_id", "secret_access_key", "session_token"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,47 +87,6 @@ class S3Statistics(BackendStatistics):
 
     requests: int = 0
     retries: int = 0
-
-
-class _Batch:
-    """Per-call state shared by the requests of one batch: the fuse that trips when the server is gone
-    (`unavailable`) or refuses our credentials (`auth`), with the first such error."""
-
-    __slots__ = ("auth", "error", "unavailable")
-
-    def __init__(self) -> None:
-        self.unavailable = False
-        self.auth = False
-        self.error: StorageError | None = None
-
-    def fail(self, exc: StorageError) -> StorageError:
-        """Remember the first outage error of the batch; returns `exc` for raising."""
-        if self.error is None:
-            self.error = exc
-        return exc
-
-    def raise_if_all_failed(self, flags: Sequence[PageStatus] | Sequence[bool]) -> None:
-        """Raise the batch's outage error when not one page succeeded: an outage, not missing pages."""
-        if self.error is not None and not any(flags):
-            raise self.error
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _parse_bool(name: str, value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(f"{name}: expected a boolean, got {value!r}")
 
 
 class S3Backend(BackendLifecycle):
@@ -228,95 +150,62 @@ class S3Backend(BackendLifecycle):
         self._closed = True  # until fully constructed: a failed __init__ must not warn in __del__
         validate_bucket(bucket)
         prefix = validate_prefix(prefix)
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-            raise ValueError(f"max_concurrency: expected an int >= 1, got {max_concurrency!r}")
         read_deadline_s = deadline_s if read_deadline_s is None else read_deadline_s
         write_deadline_s = deadline_s if write_deadline_s is None else write_deadline_s
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries: expected an int >= 0, got {max_retries!r}")
-        for name, value in (
-            ("deadline_s", deadline_s),
-            ("read_deadline_s", read_deadline_s),
-            ("write_deadline_s", write_deadline_s),
-            ("attempt_timeout_s", attempt_timeout_s),
-            ("connect_timeout_s", connect_timeout_s),
-            ("backoff_initial_s", backoff_initial_s),
-            ("backoff_max_s", backoff_max_s),
-        ):
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        check_limits(
+            max_concurrency,
+            max_retries,
+            {
+                "deadline_s": deadline_s,
+                "read_deadline_s": read_deadline_s,
+                "write_deadline_s": write_deadline_s,
+                "attempt_timeout_s": attempt_timeout_s,
+                "connect_timeout_s": connect_timeout_s,
+                "backoff_initial_s": backoff_initial_s,
+                "backoff_max_s": backoff_max_s,
+            },
+        )
         self._namespace_digest = check_namespace_digest(namespace_digest)
-
-        env = os.environ
-        endpoint = endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
-        region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
-        access_key_id = access_key_id or env.get("AWS_ACCESS_KEY_ID") or None
-        secret_access_key = secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None
-        session_token = session_token or env.get("AWS_SESSION_TOKEN") or None
-        self._secrets = tuple(s for s in (access_key_id, secret_access_key, session_token) if s)
-        remember_secrets(self._secrets)
-
-        # Single-object DELETEs: the JuiceFS (MinIO) gateway answers DeleteObjects in a shape
-        # object_store rejects.
-        config: dict[str, Any] = {"region": region, "disable_bulk_delete": True}
-        if endpoint is not None:
-            parts = urlsplit(endpoint)
-            if parts.scheme not in {"http", "https"} or not parts.hostname:
-                raise ValueError("endpoint: expected an http(s)://host[:port] URL")
-            if parts.username is not None or parts.password is not None:
-                raise ValueError(
-                    "endpoint: credentials in the endpoint URL are not supported; pass access_key_id"
-                )
-            if allow_http is None:
-                allow_http = _is_loopback(parts.hostname)
-            if parts.scheme == "http" and not allow_http:
-                raise ValueError(
-                    f"endpoint: plain http is allowed only for loopback hosts unless allow_http=True, "
-                    f"got host {parts.hostname!r}"
-                )
-            config["endpoint"] = endpoint.rstrip("/")
-        if access_key_id is not None:
-            config["access_key_id"] = access_key_id
-        if secret_access_key is not None:
-            config["secret_access_key"] = secret_access_key
-        if session_token is not None:
-            config["session_token"] = session_token
-
+        settings = store_settings(
+            endpoint=endpoint,
+            region=region,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            session_token=session_token,
+            allow_http=allow_http,
+        )
         self._bucket = bucket
         self._prefix = prefix
-        self._endpoint = config.get("endpoint")
-        self._region = region
-        self._credentials = "explicit-or-env" if access_key_id else "provider-chain"
+        self._endpoint = settings.endpoint
+        self._region = settings.region
+        self._credentials = "explicit-or-env" if settings.explicit_credentials else "provider-chain"
         self._max_concurrency = max_concurrency
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
-        self._deadline_s = float(deadline_s)
-        self._read_deadline_s = float(read_deadline_s)
-        self._write_deadline_s = float(write_deadline_s)
-        self._attempt_timeout_s = min(
-            float(attempt_timeout_s), max(self._read_deadline_s, self._write_deadline_s)
+        attempt_s = min(float(attempt_timeout_s), max(float(read_deadline_s), float(write_deadline_s)))
+        self._requests = Requests(
+            max_concurrency=max_concurrency,
+            read_deadline_s=float(read_deadline_s),
+            write_deadline_s=float(write_deadline_s),
+            attempt_timeout_s=attempt_s,
+            max_retries=max_retries,
+            backoff_initial_s=float(backoff_initial_s),
+            backoff_max_s=float(backoff_max_s),
+            secrets=settings.secrets,
         )
-        self._max_retries = max_retries
-        self._backoff_initial_s = float(backoff_initial_s)
-        self._backoff_max_s = float(backoff_max_s)
         try:
             self._store: S3Store | None = S3Store(
                 bucket,
-                config=config,  # type: ignore[arg-type]
+                config=settings.config,  # type: ignore[arg-type]
                 client_options={
-                    "allow_http": bool(allow_http),
-                    "connect_timeout": timedelta(
-                        seconds=min(self._attempt_timeout_s, float(connect_timeout_s))
-                    ),
-                    "timeout": timedelta(seconds=self._attempt_timeout_s),
+                    "allow_http": settings.allow_http,
+                    "connect_timeout": timedelta(seconds=min(attempt_s, float(connect_timeout_s))),
+                    "timeout": timedelta(seconds=attempt_s),
                 },
-                # Retries happen here, in Python, so they are counted and share one deadline with backoff.
+                # Retries happen in `Requests`, in Python, so they are counted and share one deadline
+                # with backoff.
                 retry_config={"max_retries": 0},
             )
         except Exception as exc:
-            raise ValueError(f"invalid S3 configuration: {self._redact(exc)}") from None
-
-        self._requests = 0
-        self._retries = 0
+            raise ValueError(f"invalid S3 configuration: {self._requests.redact(exc)}") from None
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -336,35 +225,7 @@ class S3Backend(BackendLifecycle):
                 prefix (naming `prefix`), an unknown or repeated query parameter, or a value that does not
                 parse (the message never echoes credential values).
         """
-        if not isinstance(url, str):
-            raise TypeError(f"url: expected str, got {type(url).__name__}")
-        parts = urlsplit(url)
-        if parts.scheme != "s3":
-            raise ValueError(f"url: expected the s3:// scheme, got {parts.scheme!r}")
-        if not parts.netloc or "@" in parts.netloc:
-            raise ValueError("url: expected s3://bucket/prefix with a bucket name and no user info")
-        bucket = validate_bucket(parts.netloc)
-        prefix = prefix_from_url_path(parts.path)
-        merged: dict[str, Any] = {}
-        for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)):
-            if name in merged:
-                raise ValueError(f"url: query parameter {name!r} given twice")
-            if name in _INT_OPTIONS:
-                try:
-                    merged[name] = int(value)
-                except ValueError:
-                    raise ValueError(f"{name}: expected an integer, got {value!r}") from None
-            elif name in _FLOAT_OPTIONS:
-                try:
-                    merged[name] = float(value)
-                except ValueError:
-                    raise ValueError(f"{name}: expected a number, got {value!r}") from None
-            elif name in _BOOL_OPTIONS:
-                merged[name] = _parse_bool(name, value)
-            elif name in _STR_OPTIONS:
-                merged[name] = value
-            else:
-                raise ValueError(f"url: unknown query parameter {name!r}")
+        bucket, prefix, merged = parse_url(url)
         merged.update(options)
         return cls(bucket, prefix, namespace_digest=namespace_digest, **merged)
 
@@ -384,7 +245,9 @@ class S3Backend(BackendLifecycle):
 
     def statistics(self) -> S3Statistics:
         """A frozen snapshot of the counters since the backend was opened."""
-        return S3Statistics(**self._stats.counters(), requests=self._requests, retries=self._retries)
+        return S3Statistics(
+            **self._stats.counters(), requests=self._requests.requests, retries=self._requests.retries
+        )
 
     def object_path(self, key: str) -> str:
         """The object name of page `key` inside the bucket (`<prefix>/<key[:2]>/<key>`)."""
@@ -407,7 +270,7 @@ class S3Backend(BackendLifecycle):
         store = self._open_store()
         check_keys(keys)
         validate_keys(keys)
-        batch = _Batch()
+        batch = Batch()
         found = 0
         for start in range(0, len(keys), self._max_concurrency):
             window = keys[start : start + self._max_concurrency]
@@ -440,7 +303,7 @@ class S3Backend(BackendLifecycle):
         for i, buf in enumerate(buffers):
             if buf.readonly:
                 raise ValueError(f"buffers[{i}]: expected a writable memoryview")
-        batch = _Batch()
+        batch = Batch()
         flags = await gather_bounded(
             [
                 partial(self._get_one, store, i, key, buf, batch)
@@ -463,7 +326,7 @@ class S3Backend(BackendLifecycle):
         store = self._open_store()
         check_batch(keys, buffers)
         validate_keys(keys)
-        batch = _Batch()
+        batch = Batch()
         flags = await gather_bounded(
             [partial(self._put_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
             self._max_concurrency,
@@ -481,7 +344,7 @@ class S3Backend(BackendLifecycle):
         store = self._open_store()
         check_keys(keys)
         validate_keys(keys)
-        batch = _Batch()
+        batch = Batch()
         failures = await gather_bounded(
             [partial(self._delete_one, store, key, batch) for key in keys], self._max_concurrency
         )
@@ -491,10 +354,10 @@ class S3Backend(BackendLifecycle):
 
     # ------------------------------------------------------------------ per-page primitives
 
-    async def _head_one(self, store: S3Store, key: str, batch: _Batch) -> bool:
+    async def _head_one(self, store: S3Store, key: str, batch: Batch) -> bool:
         path = self.object_path(key)
         try:
-            await self._call(partial(obstore.head_async, store, path), batch, "HEAD", path)
+            await self._requests.call(partial(obstore.head_async, store, path), batch, "HEAD", path)
         except PageNotFound:
             return False
         except StorageError:
@@ -503,11 +366,11 @@ class S3Backend(BackendLifecycle):
         return True
 
     async def _get_one(
-        self, store: S3Store, index: int, key: str, buf: memoryview, batch: _Batch
+        self, store: S3Store, index: int, key: str, buf: memoryview, batch: Batch
     ) -> PageStatus:
         path = self.object_path(key)
         try:
-            body = await self._call(partial(_fetch, store, path), batch, "GET", path)
+            body = await self._requests.call(partial(_fetch, store, path), batch, "GET", path)
         except PageNotFound:
             self._stats.misses += 1
             return PageStatus.MISS
@@ -538,7 +401,7 @@ class S3Backend(BackendLifecycle):
         self._stats.bytes_read += buf.nbytes
         return PageStatus.HIT
 
-    async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: _Batch) -> bool:
+    async def _put_one(self, store: S3Store, key: str, buf: memoryview, batch: Batch) -> bool:
         path = self.object_path(key)
         encode = partial(_encode_body, buf, self._namespace_digest, key)
         if buf.nbytes >= _THREAD_THRESHOLD:
@@ -546,7 +409,7 @@ class S3Backend(BackendLifecycle):
         else:
             body = encode()
         try:
-            await self._call(
+            await self._requests.call(
                 partial(obstore.put_async, store, path, body, use_multipart=False), batch, "PUT", path
             )
         except StorageError:
@@ -556,10 +419,10 @@ class S3Backend(BackendLifecycle):
         self._stats.bytes_written += buf.nbytes
         return True
 
-    async def _delete_one(self, store: S3Store, key: str, batch: _Batch) -> StorageError | None:
+    async def _delete_one(self, store: S3Store, key: str, batch: Batch) -> StorageError | None:
         path = self.object_path(key)
         try:
-            await self._call(partial(obstore.delete_async, store, path), batch, "DELETE", path)
+            await self._requests.call(partial(obstore.delete_async, store, path), batch, "DELETE", path)
         except PageNotFound:
             return None
         except StorageError as exc:
@@ -567,87 +430,10 @@ class S3Backend(BackendLifecycle):
             return exc
         return None
 
-    # ------------------------------------------------------------------ retries and error translation
-
-    async def _call(self, op: Callable[[], Awaitable[T]], batch: _Batch, method: str, path: str) -> T:
-        """Run one request with retries; translate every failure into a `hicache.errors` class.
-
-        Raises:
-            PageNotFound: the object does not exist (never retried).
-            StorageError: a non-retryable failure (permissions, bad configuration).
-            StorageUnavailable: transient failures lasted past the deadline, or the batch already gave up.
-        """
-        if batch.auth:
-            raise StorageAuthError(
-                f"{method} {path}: skipped, the server refused our credentials in this batch"
-            )
-        if batch.unavailable:
-            raise StorageUnavailable(
-                f"{method} {path}: skipped, the server was unreachable earlier in this batch"
-            )
-        limit_s = self._read_deadline_s if method in ("GET", "HEAD") else self._write_deadline_s
-        deadline = anyio.current_time() + limit_s
-        attempt = 0
-        while True:
-            attempt += 1
-            self._requests += 1
-            remaining = deadline - anyio.current_time()
-            try:
-                with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
-                    async with self._limiter:
-                        return await op()
-            except FileNotFoundError:
-                raise PageNotFound(f"{method} {path}: no such object") from None
-            except _AUTH_ERRORS as exc:
-                batch.auth = True
-                raise batch.fail(StorageAuthError(f"{method} {path} refused: {self._redact(exc)}")) from None
-            except _NON_RETRYABLE as exc:
-                raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
-            except Exception as exc:
-                status = _http_status(exc)
-                if status in {401, 403}:
-                    batch.auth = True
-                    raise batch.fail(
-                        StorageAuthError(f"{method} {path} refused: {self._redact(exc)}")
-                    ) from None
-                if status is not None and 400 <= status < 500 and status not in {408, 429}:
-                    raise StorageError(f"{method} {path} failed: {self._redact(exc)}") from None
-                # Three cases left: 5xx and throttling, connection errors, and our attempt timeout.
-                reason = "attempt timed out" if isinstance(exc, TimeoutError) else self._redact(exc)
-                delay = min(self._backoff_max_s, self._backoff_initial_s * 2 ** (attempt - 1))
-                delay *= 0.5 + random.random() / 2  # jitter: spread retries of a batch apart
-                if (
-                    batch.unavailable
-                    or attempt > self._max_retries
-                    or anyio.current_time() + delay >= deadline
-                ):
-                    batch.unavailable = True
-                    raise batch.fail(
-                        StorageUnavailable(
-                            f"{method} {path} failed after {attempt} attempt(s) within {limit_s}s: {reason}"
-                        )
-                    ) from None
-                self._retries += 1
-                logger.debug(
-                    "s3 %s %s attempt %d failed (%s); retrying in %.3fs", method, path, attempt, reason, delay
-                )
-                await anyio.sleep(delay)
-
-    def _redact(self, exc: BaseException) -> str:
-        """The first line of a native error, with every credential replaced by `***`."""
-        text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        return redact_text(text, self._secrets)
-
     def _open_store(self) -> S3Store:
         self._check_open()
         assert self._store is not None, "an open S3Backend holds its store"
         return self._store
-
-
-def _http_status(exc: BaseException) -> int | None:
-    """The HTTP status a native error reports, if any (object_store has no typed field for it)."""
-    match = _STATUS_RE.search(str(exc))
-    return int(match.group(1)) if match else None
 
 
 async def _fetch(store: S3Store, path: str) -> obstore.Bytes:
@@ -666,19 +452,3 @@ def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: byt
 def _encode_body(buf: memoryview, namespace_digest: bytes, key: str) -> bytes:
     payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
     return b"".join((encode_header(payload, namespace_digest, key), payload))
-
-
-def _let_client_threads_leave_python() -> None:
-    """Release the GIL for a moment at exit, before the interpreter starts finalizing.
-
-    obstore completes each request on a tokio thread that calls back into Python
-    (`loop.call_soon_threadsafe`) and releases the GIL inside that call while it wakes the event loop. If
-    the program returns and finalization starts in that window, Python < 3.14 answers the thread's GIL
-    re-acquire with `pthread_exit`, and unwinding through Rust frames aborts the process (SIGABRT after a
-    successful run: about 3 in 100 short runs here). A thread waiting for the GIL gets it during this sleep
-    and finishes its callback; atexit handlers run before finalization.
-    """
-    time.sleep(_EXIT_GRACE_S)
-
-
-atexit.register(_let_client_threads_leave_python)

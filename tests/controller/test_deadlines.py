@@ -38,6 +38,7 @@ from hicache.keys import Namespace, as_key_bytes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
 PAGE = 4
@@ -122,14 +123,14 @@ def stuck(stored: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuc
     """Page STUCK_PAGE's file replaced by a FIFO; released and removed at teardown, whatever happened."""
     key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
     fifo = StuckFile(stored.path_of(key))
-    real_read_one = stored._read_one
+    real_read_group = stored._read_group
 
-    def read_one(page_key: str, buf: memoryview, *args: int) -> int:
-        if page_key == key:
+    def read_group(keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        if key in keys:
             fifo.entered.set()
-        return real_read_one(page_key, buf, *args)
+        return real_read_group(keys, buffers)
 
-    monkeypatch.setattr(stored, "_read_one", read_one)
+    monkeypatch.setattr(stored, "_read_group", read_group)
     try:
         yield fifo
     finally:
@@ -471,5 +472,5 @@ async def test_an_s3_tier_opened_from_its_url_gets_the_cache_timeouts_as_its_dea
     async with HiCache(cfg) as cache:
         storage = cache.storage
         assert storage is not None
-        assert storage._read_deadline_s == 0.75  # type: ignore[attr-defined]
-        assert storage._write_deadline_s == 1.5  # type: ignore[attr-defined]
+        assert storage._requests._read_deadline_s == 0.75  # type: ignore[attr-defined]
+        assert storage._requests._write_deadline_s == 1.5  # type: ignore[attr-defined]

@@ -6,7 +6,6 @@ another process, and the guarantee that a cancelled get waits for its worker thr
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
 import random
@@ -225,14 +224,14 @@ async def test_cancelled_get_returns_at_once_and_registers_its_stray_thread(
     keys, pages = make_keys(1), make_pages(1, 4096)
     await backend.put(keys, pages)
     entered, gate = threading.Event(), threading.Event()
-    real_read_one = backend._read_one
+    real_read_group = backend._read_group
 
-    def gated_read_one(key: str, buf: memoryview, *args: int) -> int:
+    def gated_read_group(keys: list[str], buffers: list[memoryview]) -> list[PageStatus]:
         entered.set()
         assert gate.wait(timeout=30), "test gate never opened"
-        return real_read_one(key, buf, *args)
+        return real_read_group(keys, buffers)
 
-    monkeypatch.setattr(backend, "_read_one", gated_read_one)
+    monkeypatch.setattr(backend, "_read_group", gated_read_group)
     out = empty_pages(1, 4096)
     other = empty_pages(1, 4096)
     strays = stray_threads.count
@@ -317,107 +316,92 @@ def test_bad_arguments_are_rejected(tmp_path: Path) -> None:
         FileBackend(tmp_path, namespace_digest=b"short")
 
 
-def nowait_blocks_after(count: int) -> tuple[list[int], object]:
-    """A stand-in for `os.preadv` whose `RWF_NOWAIT` reads succeed `count` times, then would block.
+_REFUSED_FLAG = 1 << 30
+"""A `preadv2` flag no kernel defines: every read asking for it fails with EOPNOTSUPP, as `RWF_NOWAIT` does on
+filesystems that cannot tell (some FUSE mounts)."""
 
-    Returns the list of flags every call was made with, and the function.
-    """
-    real_preadv = os.preadv
-    calls: list[int] = []
 
-    def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
-        calls.append(flags)
-        if flags & os.RWF_NOWAIT and calls.count(os.RWF_NOWAIT) > count:
-            raise BlockingIOError(11, "Resource temporarily unavailable")
-        return real_preadv(fd, buffers, offset, flags)
+async def store_mixed(b: FileBackend) -> tuple[list[str], list[memoryview]]:
+    """Eight 4 KiB pages stored in `b`: keys[5] absent, keys[7]'s last byte flipped, the rest valid."""
+    keys, pages = make_keys(8), make_pages(8, 4096)
+    assert await b.put(keys[:5] + keys[6:], pages[:5] + pages[6:]) == [True] * 7
+    path = b.path_of(keys[7])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    return keys, pages
 
-    return calls, preadv
+
+MIXED = [PageStatus.HIT] * 5 + [PageStatus.MISS, PageStatus.HIT, PageStatus.CORRUPT]
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux-only")
-async def test_a_cold_page_reads_the_rest_of_its_group_ahead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Once a page would wait for the device, the rest of its group is advised WILLNEED, then read.
-
-    Guards the switch from `RWF_NOWAIT` probing to the readahead path: every page must still land
-    verified, a missing page after the switch is a miss, a corrupt one is counted, and no page is
-    read twice into its buffer with a wrong result.
-    """
+async def test_cold_pages_are_read_ahead_and_verified(tmp_path: Path) -> None:
+    """Pages dropped from the page cache after two hot ones: the group switches from `RWF_NOWAIT` probing to
+    readahead at the first cold page, and every page still lands verified, the absent one a miss and the
+    corrupt one counted (the pages are synced, then dropped with `POSIX_FADV_DONTNEED`)."""
     async with FileBackend(tmp_path, namespace_digest=NS, max_concurrency=1) as b:
-        keys, pages = make_keys(8), make_pages(8, 4096)
-        assert await b.put(keys[:5] + keys[6:], pages[:5] + pages[6:]) == [True] * 7  # keys[5] absent
-        path = b.path_of(keys[7])
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0x01
-        path.write_bytes(bytes(data))
-        calls, preadv = nowait_blocks_after(2)
-        advised: list[int] = []
-        real_fadvise = os.posix_fadvise
-
-        def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
-            advised.append(advice)
-            real_fadvise(fd, offset, length, advice)
-
-        monkeypatch.setattr(os, "preadv", preadv)
-        monkeypatch.setattr(os, "posix_fadvise", fadvise)
+        keys, pages = await store_mixed(b)
+        os.sync()
+        for key in keys[2:5] + keys[6:]:
+            fd = os.open(b.path_of(key), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
         out = empty_pages(8, 4096)
-        flags = await b.get(keys, out)
-        assert flags == [PageStatus.HIT] * 5 + [PageStatus.MISS, PageStatus.HIT, PageStatus.CORRUPT]
+        assert await b.get(keys, out) == MIXED
         assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
         assert bytes(out[6]) == bytes(pages[6])
-        # pages 0-1 hot; page 2 would block, so pages 2..7 are opened (5 is absent) and advised
-        assert calls[:3] == [os.RWF_NOWAIT] * 3
-        assert calls[3:] == [0] * 5
-        assert advised == [os.POSIX_FADV_WILLNEED] * 5
         stats = b.statistics()
         assert (stats.pages_read, stats.misses, stats.checksum_failures) == (6, 1, 1)
+        assert b._files.nowait == os.RWF_NOWAIT, "a cold page is no reason to stop probing"
 
 
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="RWF_NOWAIT is Linux-only")
-async def test_a_filesystem_without_nowait_reads_plainly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A filesystem that rejects `RWF_NOWAIT` (EOPNOTSUPP, some FUSE mounts) is read without it."""
+async def test_a_filesystem_refusing_the_probe_is_read_plainly(tmp_path: Path) -> None:
+    """A filesystem that rejects the `RWF_NOWAIT` probe (EOPNOTSUPP, some FUSE mounts) is read without it:
+    the refused page and the rest of its group are read (ahead), classified as usual, and no later read
+    probes again."""
     async with FileBackend(tmp_path, namespace_digest=NS, max_concurrency=1) as b:
-        keys, pages = make_keys(4), make_pages(4, 1024)
-        await b.put(keys, pages)
-        real_preadv = os.preadv
-        calls: list[int] = []
-
-        def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
-            calls.append(flags)
-            if flags:
-                raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-            return real_preadv(fd, buffers, offset, flags)
-
-        monkeypatch.setattr(os, "preadv", preadv)
-        out = empty_pages(4, 1024)
-        assert await b.get(keys, out) == [PageStatus.HIT] * 4
-        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
-        assert await b.get(keys, empty_pages(4, 1024)) == [PageStatus.HIT] * 4
-        assert calls[0] == os.RWF_NOWAIT
-        # the refused page is read again plainly, with the rest of its group; then never a probe again
-        assert calls[1:] == [0] * 8, "after the first refusal no read asks for RWF_NOWAIT again"
+        keys, pages = await store_mixed(b)
+        b._files.nowait = _REFUSED_FLAG
+        out = empty_pages(8, 4096)
+        assert await b.get(keys, out) == MIXED
+        assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
+        assert bytes(out[6]) == bytes(pages[6])
+        assert b._files.nowait == 0, "after the first refusal no read asks for the probe again"
+        assert await b.get(keys, empty_pages(8, 4096)) == MIXED
+        stats = b.statistics()
+        assert (stats.pages_read, stats.misses, stats.checksum_failures) == (12, 2, 2)
 
 
-async def test_readahead_off_never_probes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`readahead=False` reads every page with a plain preadv and never advises the kernel."""
+async def test_readahead_off_never_probes(tmp_path: Path) -> None:
+    """`readahead=False` reads every page plainly: no probe flags reach the reader, and results are the same."""
     async with FileBackend(tmp_path, namespace_digest=NS, readahead=False) as b:
-        keys, pages = make_keys(6), make_pages(6, 1024)
-        await b.put(keys, pages)
-        real_preadv = os.preadv
-        calls: list[int] = []
+        assert b._files.nowait == 0
+        keys, pages = await store_mixed(b)
+        out = empty_pages(8, 4096)
+        assert await b.get(keys, out) == MIXED
+        assert [bytes(o) for o in out[:5]] == [bytes(p) for p in pages[:5]]
+        assert b._files.nowait == 0
 
-        def preadv(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
-            calls.append(flags)
-            return real_preadv(fd, buffers, offset, flags)
 
-        monkeypatch.setattr(os, "preadv", preadv)
-        out = empty_pages(6, 1024)
-        assert await b.get(keys, out) == [PageStatus.HIT] * 6
-        assert calls == [0] * 6
-        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+async def test_a_failed_read_is_an_error_named_in_the_log(
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page whose file cannot be read (here: a directory where the file should be, EISDIR) is an ERROR,
+    logged with the errno, counted, and its neighbours still load."""
+    keys, pages = make_keys(3), make_pages(3, 4096)
+    await backend.put(keys, pages)
+    path = backend.path_of(keys[1])
+    path.unlink()
+    path.mkdir()
+    out = empty_pages(3, 4096)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.ERROR, PageStatus.HIT]
+    assert bytes(out[2]) == bytes(pages[2])
+    assert backend.statistics().errors == 1
+    assert "cannot read page" in caplog.text
+    assert "EISDIR" in caplog.text
 
 
 def test_default_concurrency_follows_the_cpus(tmp_path: Path) -> None:

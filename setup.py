@@ -1,0 +1,51 @@
+"""Builds hicache's one C extension, `_hicache_native` (the file backend's read+verify path); the rest of
+the project's metadata lives in pyproject.toml.
+
+`pip install -e .` (and `make venv`) compiles it in place. It needs a C compiler and Python's headers; where
+either is missing the build stops with an error naming what is missing and how to get it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildNative(build_ext):
+    """`build_ext` that first checks for what compiling needs and says plainly what is missing."""
+
+    def run(self) -> None:
+        missing = []
+        include = sysconfig.get_paths()["include"]
+        if not os.path.exists(os.path.join(include, "Python.h")):
+            missing.append(
+                f"Python's development headers (no Python.h in {include}; on Debian/Ubuntu: "
+                "apt-get install python3-dev)"
+            )
+        compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+        if shutil.which(compiler) is None:
+            missing.append(f"a C compiler ({compiler!r} is not on PATH; on Debian/Ubuntu: apt-get install gcc)")
+        if missing:
+            raise SystemExit(
+                "hicache: cannot build its C extension _hicache_native (native/hicache_native.c), "
+                "which the file storage backend reads through. Missing: " + "; ".join(missing) + "."
+            )
+        super().run()
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "_hicache_native",
+            sources=["native/hicache_native.c"],
+            include_dirs=["native"],
+            depends=["native/xxhash/xxhash.h"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        )
+    ],
+    cmdclass={"build_ext": BuildNative},
+)

@@ -1,0 +1,24 @@
+"""The project's C extension, `_hicache_native` (native/hicache_native.c), imported with a clear error.
+
+It holds the storage data path that must not hold the GIL: `read_pages`, the file backend's batched read
+and verify (one memory pass per page, the whole batch without the GIL), and `xxh3_64`, the page payload
+checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `pip install -e .` or `make venv`
+builds it; see the README's "Dependencies and why".
+"""
+
+from __future__ import annotations
+
+try:
+    import _hicache_native
+except ImportError as exc:  # pragma: no cover - only on an install that skipped the build
+    raise ImportError(
+        "hicache's C extension _hicache_native is not built (it holds the storage read path). Build it "
+        "with `make venv`, `pip install -e .` or `python setup.py build_ext --inplace` in the repository "
+        "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
+    ) from exc
+
+from _hicache_native import CHUNK_BYTES, ERROR, HEADER_SIZE, HIT, MISS, RETRY, read_pages, xxh3_64
+
+__all__ = ["CHUNK_BYTES", "ERROR", "HEADER_SIZE", "HIT", "MISS", "RETRY", "read_pages", "xxh3_64"]
+
+del _hicache_native

@@ -1,0 +1,61 @@
+"""The C extension `_hicache_native`: its checksum is page format v2's, and its reader refuses misuse.
+
+The reader's behaviour on real page files (hits, misses, truncated, foreign, old-format, corrupt and cold
+pages, cancellation) is covered by the backend contract and `test_file_backend.py`, which read through it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from storage_backends import native
+
+SIZES = [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 4095, 4096, 4097, 65535, 65536, 65537, 1 << 20]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_checksum_is_python_xxhash_xxh3_64(size: int) -> None:
+    """Every length class of xxh3 (0, 1-3, 4-8, 9-16, 17-128, 129-240, long, around the GIL threshold)
+    gives python-xxhash's digest, so pages written before the C extension still verify."""
+    data = random.Random(size).randbytes(size)
+    assert native.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+    assert native.xxh3_64(memoryview(bytearray(data))) == xxhash.xxh3_64_intdigest(data)
+
+
+@given(st.binary(max_size=3000))
+def test_checksum_matches_on_any_bytes(data: bytes) -> None:
+    """The same digest as python-xxhash for arbitrary bytes."""
+    assert native.xxh3_64(data) == xxhash.xxh3_64_intdigest(data)
+
+
+def test_checksum_refuses_a_non_contiguous_buffer() -> None:
+    """A strided view is refused, not hashed as if it were contiguous."""
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        native.xxh3_64(memoryview(bytearray(64))[::2])
+
+
+def test_reader_refuses_misuse(tmp_path: object) -> None:
+    """Bad arguments raise, naming the argument, before any file is opened."""
+    ns = bytes(16)
+    with pytest.raises(ValueError, match="namespace_digest"):
+        native.read_pages("/nonexistent", ".kvp", ["abcd"], [bytearray(8)], b"short", 0)
+    with pytest.raises(ValueError, match="buffers"):
+        native.read_pages("/nonexistent", ".kvp", ["abcd", "abce"], [bytearray(8)], ns, 0)
+    with pytest.raises(TypeError, match=r"keys\[0\]"):
+        native.read_pages("/nonexistent", ".kvp", [b"abcd"], [bytearray(8)], ns, 0)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=r"buffers\[0\]"):
+        native.read_pages("/nonexistent", ".kvp", ["abcd"], [b"read-only"], ns, 0)
+
+
+def test_reader_reports_absent_pages_as_misses() -> None:
+    """Pages under a root that does not exist are misses, with no error listed."""
+    codes, flags, errors = native.read_pages(
+        "/nonexistent", ".kvp", ["abcd", "abce"], [bytearray(8)] * 2, bytes(16), 0
+    )
+    assert list(codes) == [native.MISS, native.MISS]
+    assert (flags, errors) == (0, [])

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="write_through",
         help="when device pages are backed up to host (default write_through)",
     )
+    demo.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="serve one request at a time and let the cache settle in between: the same hits on every run",
+    )
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     demo.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and TTFT over time")
     demo.add_argument("--snapshot", metavar="PATH", help="write a JSON snapshot for `hicache inspect`")
@@ -149,6 +154,7 @@ def _demo(args: argparse.Namespace) -> int:
             backend_url=args.backend,
             write_policy=WritePolicy(args.write_policy),
             metrics_port=args.metrics_port,
+            lockstep=args.lockstep,
             workload=dataclasses.replace(base.workload, system_prompts=args.system_prompts),
             **overrides,
         )
@@ -160,6 +166,7 @@ def _demo(args: argparse.Namespace) -> int:
             backend_url=args.backend,
             write_policy=WritePolicy(args.write_policy),
             metrics_port=args.metrics_port,
+            lockstep=args.lockstep,
             workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
             **overrides,
         )

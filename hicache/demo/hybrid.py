@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hicache.demo.model import full_logits, seeded_model
+from hicache.demo.model import Steps, full_logits, run_steps, seeded_model
 
 __all__ = [
     "HybridDecode",
@@ -434,12 +434,20 @@ class HybridModel:
             steps: tokens to generate (>= 1); all but the last are fed back.
             snapshot_at: a position (prefill end < it <= prefill end + steps - 1) whose state to keep.
         """
+        return run_steps(self.decode_steps(prefill, steps, snapshot_at))
+
+    def decode_steps(
+        self, prefill: HybridPrefill, steps: int, snapshot_at: int | None = None
+    ) -> Steps[HybridDecode]:
+        """`decode`, one forward pass per `next()`; the generator's return value is the `HybridDecode`."""
         if steps < 1:
             raise ValueError(f"steps: must be >= 1, got {steps}")
         cache = prefill.cache
         logits = [prefill.logits_last]
         tokens = [int(torch.argmax(prefill.logits_last))]
-        for _ in range(steps - 1):
+        for step in range(steps - 1):
+            if step:  # between forward passes, not before the first or after the last
+                yield
             step_logits = self._forward(cache, torch.tensor([tokens[-1]], dtype=torch.int64))
             if int(cache.get_seq_length()) == snapshot_at:
                 prefill.state_at[snapshot_at] = self.pack_state(cache)

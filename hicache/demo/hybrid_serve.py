@@ -35,7 +35,7 @@ from hicache.demo.hybrid import HybridDecode, HybridModel, HybridPrefill, Hybrid
 from hicache.demo.hybrid_oracle import HybridOracle
 from hicache.demo.loop import ServingLoop
 from hicache.demo.records import DemoConfig, DemoResult, ProgressFn, Served, noop_progress
-from hicache.demo.run import demo_cache_config, run_serving
+from hicache.demo.run import demo_cache_config, intra_op_threads, run_serving
 from hicache.demo.snapshot import pool_json
 from hicache.demo.workload import WorkloadSpec, make_workload
 from hicache.memory import KVLayout
@@ -75,15 +75,19 @@ class HybridDemoConfig:
 def hybrid_demo_config(**overrides: Any) -> DemoConfig:
     """The main demo's `DemoConfig` with the hybrid run's defaults, then `overrides` on top.
 
-    Smaller than the Llama run's: 8-token pages, a 64-token system prompt, short turns, and pools small
-    enough that eviction, host hits and storage prefetch all happen.
+    8-token pages (the window is two), a 384-token system prompt per user and turns of 16 to 64 tokens, so
+    that a prefill's cost grows with its length as in a real model rather than being the fixed cost of a
+    forward pass; pools small enough that eviction, host hits and storage prefetch all happen. A request
+    decodes `page_size + 1` tokens, so that its sequence always crosses a page boundary while decoding:
+    the state kept there is snapshotted between decode steps, and the prefill (the time to first token)
+    runs as one forward pass, never cut for a snapshot.
     """
     values: dict[str, Any] = {
         "page_size": 8,
-        "device_pages": 72,
-        "host_pages": 96,
+        "device_pages": 256,
+        "host_pages": 384,
         "prefetch_threshold": 16,
-        "workload": WorkloadSpec(system_prompt_tokens=64, user_tokens=(12, 40), decode_tokens=6),
+        "workload": WorkloadSpec(system_prompt_tokens=384, user_tokens=(16, 64), decode_tokens=9),
     }
     values.update(overrides)
     return DemoConfig(**values)
@@ -103,11 +107,15 @@ class _HybridRunner(ServingLoop[HybridModel]):
     def __init__(self, config: HybridDemoConfig, model: HybridModel, progress: ProgressFn) -> None:
         demo = config.demo
         workload = make_workload(replace(demo.workload_spec(), vocab_size=config.model.vocab_size))
-        super().__init__(model, workload, demo.max_running, demo.torch_threads, progress)
+        super().__init__(model, workload, demo.max_running, demo.torch_threads, progress, demo.lockstep)
         self.config = config
         self.demo = demo
         self.oracle = HybridOracle(model, demo.page_size)
         self.restored: dict[str, _Restored] = {}
+        # What each request computed itself, recorded in the oracle by `verify`: the oracle is the
+        # checks' bookkeeping, not the cache's, so it stays off the serving path.
+        self.to_record: list[tuple[torch.Tensor, HybridPrefill]] = []
+        self.split_prefills = 0
 
     # ------------------------------------------------------------------ with the cache
 
@@ -125,14 +133,17 @@ class _HybridRunner(ServingLoop[HybridModel]):
             state=state_pool.read_tokens(lease.component_indices["mamba"]).cpu().reshape(-1),
         )
 
-    def _decode_and_record(
-        self, prefill: HybridPrefill, prompt: torch.Tensor, steps: int, snapshot_at: int | None
-    ) -> HybridDecode:
-        """Decode, then record what the model computed itself in the oracle (in the worker thread)."""
-        decoded = self.model.decode(prefill, steps, snapshot_at)
-        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
-        self.oracle.record(seq, prefill.cache, prefill.start, seq.numel(), prefill.state_at)
-        return decoded
+    def _restore_and_prefill(
+        self, cache: HiCache, lease: Lease, prompt: torch.Tensor, reused: int, snapshot_at: int | None
+    ) -> tuple[HybridPrefix | None, HybridPrefill]:
+        """Read the prefix out of the pools and prefill the rest (in the worker thread, under the model lock).
+
+        The lease keeps the prefix's pages and slots locked until it is released, after this returns. Read
+        on the event loop instead, the copies would wait for the GIL behind the other request's forward
+        pass (up to a switch interval per handoff), on this request's time to first token.
+        """
+        prefix = self._read_prefix(cache, lease, reused) if reused else None
+        return prefix, self.model.prefill(prompt, prefix, snapshot_at)
 
     async def _run(
         self, cache: HiCache, lease: Lease, request_id: str, prompt: torch.Tensor, arrival: float
@@ -148,20 +159,21 @@ class _HybridRunner(ServingLoop[HybridModel]):
             # A state exists only at the cached end; a fully cached prompt (no token left to run from
             # there) is recomputed.
             reused = cached if cached < n_prompt else 0
-            prefix = self._read_prefix(cache, lease, reused) if reused else None
             n_seq = n_prompt + steps - 1
             aligned = n_seq // page * page
             snapshot_at = aligned if aligned > reused else None
-            prefill: HybridPrefill = await self.compute(
-                partial(self.model.prefill, prompt, prefix, snapshot_at)
-            )
+            restore = partial(self._restore_and_prefill, cache, lease, prompt, reused, snapshot_at)
+            prefix, prefill = await self.compute(restore)
             ttft = time.perf_counter() - arrival
-            decode = partial(self._decode_and_record, prefill, prompt, steps, snapshot_at)
-            decoded: HybridDecode = await self.compute(decode)
+            self.split_prefills += bool(prefill.splits)
+            decoded: HybridDecode = await self.compute_steps(
+                self.model.decode_steps(prefill, steps, snapshot_at)
+            )
             if prefix is not None:
                 self.restored[request_id] = _Restored(prefix, prefill.splits)
             reply = decoded.tokens
             seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
+            self.to_record.append((seq, prefill))
             # A state is kept only at the end of an inserted key, and keys end on page boundaries: the
             # sequence is inserted up to its last boundary, where the forward pass was cut.
             inserted = aligned <= cached
@@ -211,6 +223,9 @@ class _HybridRunner(ServingLoop[HybridModel]):
     # ------------------------------------------------------------------ checks 1 and 2
 
     def verify(self) -> None:
+        for seq, prefill in self.to_record:
+            self.oracle.record(seq, prefill.cache, prefill.start, seq.numel(), prefill.state_at)
+        self.to_record.clear()
         for i, record in enumerate(self.records):
             restored = self.restored.pop(record.request_id, None)
             if restored is not None:
@@ -234,6 +249,13 @@ async def run_hybrid_demo(
         progress: called as requests complete, per phase.
         announce: called with the metrics URL once it is being served.
     """
+    with intra_op_threads(config.demo.torch_threads):
+        return await _run_hybrid_demo(config, progress, announce)
+
+
+async def _run_hybrid_demo(
+    config: HybridDemoConfig, progress: ProgressFn, announce: Callable[[str], None] | None
+) -> DemoResult:
     demo = config.demo
     spec = config.model
     wall: dict[str, float] = {}
@@ -276,6 +298,7 @@ async def run_hybrid_demo(
             "requests": sum(1 for r in records if r.reused_len),
             "window_tokens": sum(min(spec.window, r.reused_len) for r in records),
             "states": sum(1 for r in records if r.reused_len),
+            "split_prefills": runner.split_prefills,
         },
         **result.details,
     }

@@ -26,7 +26,7 @@ from hicache.demo.loop import ServingLoop
 from hicache.demo.model import DecodeResult, DemoModel, PrefillResult, cache_from_kv
 from hicache.demo.oracle import KVOracle
 from hicache.demo.records import DemoConfig, DemoResult, ProgressFn, Served, noop_progress
-from hicache.demo.run import demo_cache_config, run_serving
+from hicache.demo.run import demo_cache_config, intra_op_threads, run_serving
 from hicache.demo.workload import Workload, make_workload
 from hicache.memory import KVLayout
 
@@ -39,18 +39,26 @@ class LlamaRunner(ServingLoop[DemoModel]):
     def __init__(
         self, config: DemoConfig, model: DemoModel, workload: Workload, progress: ProgressFn
     ) -> None:
-        super().__init__(model, workload, config.max_running, config.torch_threads, progress)
+        super().__init__(model, workload, config.max_running, config.torch_threads, progress, config.lockstep)
         self.config = config
         self.oracle = KVOracle(config.page_size)
+        # What each request computed itself, recorded in the oracle by `verify`: the oracle is the
+        # checks' bookkeeping, not the cache's, so it stays off the serving path.
+        self.to_record: list[tuple[torch.Tensor, PrefillResult, int]] = []
 
     # ------------------------------------------------------------------ with the cache
 
-    def _decode_and_record(self, prefill: PrefillResult, prompt: torch.Tensor, reused: int) -> DecodeResult:
-        """Decode, then record the K/V the model computed itself in the oracle (in the worker thread)."""
-        decoded = self.model.decode(prefill, self.workload.spec.decode_tokens)
-        seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
-        self.oracle.record(seq, prefill.cache, reused, seq.numel())
-        return decoded
+    def _restore_and_prefill(
+        self, cache: HiCache, lease: Lease, prompt: torch.Tensor, reused: int
+    ) -> tuple[torch.Tensor | None, PrefillResult]:
+        """Read the prefix's K/V out of the device pool and prefill the rest (in the worker thread).
+
+        The lease keeps the prefix's pages locked until it is released, after this returns. Read on the
+        event loop instead, the copy would wait for the GIL behind the other request's forward pass (up to
+        a switch interval per handoff), on this request's time to first token.
+        """
+        restored = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu() if reused else None
+        return restored, self.model.prefill(prompt, restored)
 
     async def _run(
         self, cache: HiCache, lease: Lease, request_id: str, prompt: torch.Tensor, arrival: float
@@ -61,13 +69,15 @@ class LlamaRunner(ServingLoop[DemoModel]):
             cached = lease.cached_len
             # A fully cached prompt still needs one token run through the model for its logits.
             reused = min(cached, (prompt.numel() - 1) // page * page)
-            restored = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu() if reused else None
-            prefill: PrefillResult = await self.compute(partial(self.model.prefill, prompt, restored))
+            restored, prefill = await self.compute(
+                partial(self._restore_and_prefill, cache, lease, prompt, reused)
+            )
             ttft = time.perf_counter() - arrival
-            decode = partial(self._decode_and_record, prefill, prompt, reused)
-            decoded: DecodeResult = await self.compute(decode)
+            steps = self.workload.spec.decode_tokens
+            decoded: DecodeResult = await self.compute_steps(self.model.decode_steps(prefill, steps))
             reply = decoded.tokens
             seq = torch.cat([prompt, torch.tensor(reply[:-1], dtype=torch.int64)])
+            self.to_record.append((seq, prefill, reused))
             kv_all = torch.cat([prefill.kv_new, decoded.kv], dim=2)  # K/V of seq[reused:]
             padded = -(-seq.numel() // page) * page
             new_indices = await cache.alloc_device(padded - cached)
@@ -86,6 +96,9 @@ class LlamaRunner(ServingLoop[DemoModel]):
 
     def verify(self) -> None:
         config = self.model.model.config
+        for seq, prefill, reused in self.to_record:
+            self.oracle.record(seq, prefill.cache, reused, seq.numel())
+        self.to_record.clear()
         for i, record in enumerate(self.records):
             if record.restored_kv is not None:
                 restored = cache_from_kv(record.restored_kv, config=config)
@@ -107,6 +120,13 @@ async def run_demo(
         progress: called as requests complete, per phase.
         announce: called with the metrics URL once it is being served.
     """
+    with intra_op_threads(config.torch_threads):
+        return await _run_demo(config, progress, announce)
+
+
+async def _run_demo(
+    config: DemoConfig, progress: ProgressFn, announce: Callable[[str], None] | None
+) -> DemoResult:
     wall: dict[str, float] = {}
     t = time.perf_counter()
     model = await anyio.to_thread.run_sync(DemoModel, config.model)

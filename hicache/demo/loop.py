@@ -11,18 +11,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import anyio
 import torch
 
 from hicache.controller import HiCache, Lease
+from hicache.demo.model import Steps
 from hicache.demo.records import ProgressFn, RequestRecord, Served
 from hicache.demo.workload import Session, Workload
 
 __all__ = ["ServingLoop"]
 
 ModelT = TypeVar("ModelT")
+T = TypeVar("T")
 
 
 class ServingLoop(Generic[ModelT]):
@@ -30,7 +32,7 @@ class ServingLoop(Generic[ModelT]):
 
     A runner subclasses this and implements `_run` (one request through the cache under its lease, which
     it releases); the user loops with the cache, the no-cache recompute run and the model worker thread
-    are here. The model must offer `prefill(prompt, None)` and `decode(prefill, steps)` returning objects
+    are here. The model must offer `prefill(prompt, None)` and `decode_steps(prefill, steps)` returning objects
     with `tokens` and `logits`.
 
     Args:
@@ -39,6 +41,7 @@ class ServingLoop(Generic[ModelT]):
         max_running: requests in flight at once.
         torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
         progress: called as requests complete, per phase.
+        lockstep: serve one request at a time and let the cache settle in between (see `serve_cached`).
     """
 
     def __init__(
@@ -48,8 +51,10 @@ class ServingLoop(Generic[ModelT]):
         max_running: int,
         torch_threads: int | None,
         progress: ProgressFn,
+        lockstep: bool = False,
     ) -> None:
         self.model = model
+        self.lockstep = lockstep
         self.workload = workload
         self.progress = progress
         self.torch_threads = torch_threads
@@ -71,29 +76,57 @@ class ServingLoop(Generic[ModelT]):
         async with self.model_lock:
             return await anyio.to_thread.run_sync(call)
 
+    async def compute_steps(self, steps: Steps[T]) -> T:
+        """Run a model call cut into steps (a decode), taking the model lock once per step.
+
+        The lock is fair, so a request that arrives meanwhile waits for one step, not for a whole decode,
+        before its prefill runs: as in a server that interleaves prefills with other requests' decoding.
+        """
+        while True:
+            done, value = await self.compute(partial(_advance, steps))
+            if done:
+                return cast(T, value)
+
     # ------------------------------------------------------------------ with the cache
 
     async def serve_cached(self, cache: HiCache) -> None:
-        """Serve every user's conversation through `cache`, recording each request."""
-        async with anyio.create_task_group() as tg:
-            for conversation in self.workload.conversations:
-                tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+        """Serve every user's conversation through `cache`, recording each request.
+
+        In lockstep, one request at a time (turn by turn, users in arrival order, no pauses), and the cache
+        finishes its backups and storage writes before the next request: which tier each hit comes from
+        then depends on the workload only, not on timing.
+        """
+        if not self.lockstep:
+            async with anyio.create_task_group() as tg:
+                for conversation in self.workload.conversations:
+                    tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+            return
+        sessions = [Session(self.workload, conversation) for conversation in self.workload.conversations]
+        while any(not session.done for session in sessions):
+            for session in sessions:
+                if not session.done:
+                    await self._turn_cached(cache, session)
+                    await cache.wait_idle()
 
     async def _user_cached(self, cache: HiCache, session: Session) -> None:
         conv = session.conversation
         await anyio.sleep(conv.start_delay_s)
         while not session.done:
-            prompt = session.next_prompt()
             turn = session.turn
-            arrival = time.perf_counter()
-            async with self.running:
-                record = await self._serve_one(
-                    cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival
-                )
-            self.records.append(record)
-            self.progress("cache", len(self.records), self.workload.num_requests)
-            session.record_reply(prompt, record.reply)
+            await self._turn_cached(cache, session)
             await anyio.sleep(conv.think_times_s[turn])
+
+    async def _turn_cached(self, cache: HiCache, session: Session) -> None:
+        """Serve the session's next turn through `cache` and record it."""
+        conv = session.conversation
+        prompt = session.next_prompt()
+        turn = session.turn
+        arrival = time.perf_counter()
+        async with self.running:
+            record = await self._serve_one(cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival)
+        self.records.append(record)
+        self.progress("cache", len(self.records), self.workload.num_requests)
+        session.record_reply(prompt, record.reply)
 
     async def _serve_one(
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float
@@ -117,6 +150,7 @@ class ServingLoop(Generic[ModelT]):
             reply=served.reply,
             logits=served.logits,
             restored_kv=served.restored_kv,
+            queue_s=t_acquire - arrival,
             acquire_s=acquire_s,
         )
 
@@ -134,6 +168,10 @@ class ServingLoop(Generic[ModelT]):
         for record in sorted(self.records, key=lambda r: (r.user, r.turn)):
             by_user.setdefault(record.user, []).append(record)
         done = [0]
+        if self.lockstep:  # the cached run's order, one request at a time
+            for record in sorted(self.records, key=lambda r: (r.turn, r.user)):
+                await self._recompute_one(record, done)
+            return
         async with anyio.create_task_group() as tg:
             for conv in self.workload.conversations:
                 tg.start_soon(
@@ -144,23 +182,36 @@ class ServingLoop(Generic[ModelT]):
         self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
     ) -> None:
         await anyio.sleep(delay)
+        for record in records:
+            await self._recompute_one(record, done)
+            await anyio.sleep(think[record.turn])
+
+    async def _recompute_one(self, record: RequestRecord, done: list[int]) -> None:
+        """Serve `record`'s prompt with full recompute and compare the reply."""
         steps = self.workload.spec.decode_tokens
         model: Any = self.model
-        for record in records:
-            arrival = time.perf_counter()
-            record.arrival_nocache_s = arrival - self.t0
-            async with self.running:
-                prefill = await self.compute(partial(model.prefill, record.prompt, None))
-                record.ttft_nocache_s = time.perf_counter() - arrival
-                decoded = await self.compute(partial(model.decode, prefill, steps))
-            record.reply_equal = decoded.tokens == record.reply
-            record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
-            done[0] += 1
-            self.progress("recompute", done[0], len(self.records))
-            await anyio.sleep(think[record.turn])
+        arrival = time.perf_counter()
+        record.arrival_nocache_s = arrival - self.t0
+        async with self.running:
+            prefill = await self.compute(partial(model.prefill, record.prompt, None))
+            record.ttft_nocache_s = time.perf_counter() - arrival
+            decoded = await self.compute_steps(model.decode_steps(prefill, steps))
+        record.reply_equal = decoded.tokens == record.reply
+        record.recompute_max_diff = float((decoded.logits - record.logits).abs().max())
+        done[0] += 1
+        self.progress("recompute", done[0], len(self.records))
 
     # ------------------------------------------------------------------ checks 1 and 2
 
     def verify(self) -> None:
         """Run checks 1 and 2 on every record (in the worker thread)."""
         raise NotImplementedError
+
+
+def _advance(steps: Steps[Any]) -> tuple[bool, Any]:
+    """Run the next step: `(False, None)`, or `(True, result)` once the call has returned."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return True, done.value
+    return False, None

@@ -10,8 +10,9 @@ Everything here is synchronous and CPU-bound: the serving loop runs it in a work
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,10 +21,12 @@ __all__ = [
     "DemoModel",
     "ModelSpec",
     "PrefillResult",
+    "Steps",
     "build_model",
     "cache_from_kv",
     "full_logits",
     "kv_from_cache",
+    "run_steps",
     "seeded_model",
 ]
 
@@ -152,6 +155,21 @@ def cache_from_kv(kv: torch.Tensor, config: Any = None) -> Any:
     return cache
 
 
+T = TypeVar("T")
+
+Steps = Generator[None, None, T]
+"""A model call cut into steps: each `next()` runs one step; the return value is the call's result."""
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run every step of `steps` at once and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """What a prefill produced.
@@ -234,21 +252,31 @@ class DemoModel:
             prefill: the prefill to continue; its cache is extended in place.
             steps: tokens to generate (>= 1).
         """
+        return run_steps(self.decode_steps(prefill, steps))
+
+    def decode_steps(self, prefill: PrefillResult, steps: int) -> Steps[DecodeResult]:
+        """`decode`, one forward pass per `next()`: a serving loop can let other requests in between.
+
+        The generator's return value (`StopIteration.value`) is the `DecodeResult`.
+        """
         if steps < 1:
             raise ValueError(f"steps: must be >= 1, got {steps}")
         cache = prefill.cache
         start = int(cache.get_seq_length())
         logits = [prefill.logits_last]
         tokens = [int(torch.argmax(prefill.logits_last))]
-        with torch.inference_mode():
-            for _ in range(steps - 1):
+        for step in range(steps - 1):
+            if step:  # between forward passes, not before the first or after the last
+                yield
+            # Per step: the next step may run in another worker thread, and inference mode is per thread.
+            with torch.inference_mode():
                 out = self.model(
                     input_ids=torch.tensor([[tokens[-1]]], dtype=torch.int64), cache=cache, use_cache=True
                 )
-                cache = out.cache
-                step_logits = out.logits[0, -1].clone()
-                logits.append(step_logits)
-                tokens.append(int(torch.argmax(step_logits)))
+            cache = out.cache
+            step_logits = out.logits[0, -1].clone()
+            logits.append(step_logits)
+            tokens.append(int(torch.argmax(step_logits)))
         return DecodeResult(
             tokens=tokens,
             logits=torch.stack(logits),

@@ -53,9 +53,14 @@ class DemoConfig:
         model: the model's shape and weight seed.
         workload: workload knobs other than users, turns and seed (those come from above).
         metrics_port: serve Prometheus text on this loopback port while running (0 picks one).
-        torch_threads: intra-op threads for the model's forward passes (`None` leaves torch's setting).
-            One by default: the event loop and storage I/O threads share the CPU, and an oversubscribed
-            thread pool makes small forward passes up to ten times slower on a loaded two-core machine.
+        torch_threads: intra-op threads for the model's forward passes and for the cache's pool copies
+            on the event loop thread (`None` leaves torch's setting). One by default: the event loop and
+            storage I/O threads share the CPU, and an oversubscribed thread pool makes small forward
+            passes up to ten times slower, and a small pool copy a hundred times slower, on a loaded
+            two-core machine.
+        lockstep: serve one request at a time (turn by turn, no pauses) and let the cache finish its
+            backups and storage writes in between, with prefetches that wait for every page: the hits
+            then depend on the workload only, not on timing (for tests and for comparing policies).
     """
 
     users: int = 8
@@ -73,6 +78,7 @@ class DemoConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     metrics_port: int | None = None
     torch_threads: int | None = 1
+    lockstep: bool = False
 
     def __repr__(self) -> str:
         """The fields, with secrets in `backend_url` and `storage_options` replaced by `***`."""

@@ -51,13 +51,17 @@ def test_custom_backend_example_serves_a_restarted_cache_from_storage() -> None:
 
 @pytest.mark.slow
 def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: Path) -> None:
-    """Two users sharing a system prompt, pools small enough to evict: every output matches recompute."""
+    """Two users sharing a system prompt, pools small enough to evict: every output matches recompute.
+
+    `--lockstep` makes the tiers hit a function of the workload: served concurrently, whether a prefix was
+    still on the device or already demoted to host shifted with the machine's load (a flaky test).
+    """
     snapshot = tmp_path / "snap.json"
     plot = tmp_path / "plot.png"
     done = run(
         "-m", "hicache.cli", "demo", "--users", "2", "--turns", "3", "--json", "--system-prompts", "1",
-        "--device-pages", "40", "--host-pages", "72", "--snapshot", str(snapshot), "--plot", str(plot),
-        "--metrics-port", "0",
+        "--device-pages", "40", "--host-pages", "72", "--lockstep", "--snapshot", str(snapshot),
+        "--plot", str(plot), "--metrics-port", "0",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     summary = json.loads(done.stdout)
@@ -65,8 +69,12 @@ def test_small_demo_is_identical_to_recompute_with_hits_on_two_tiers(tmp_path: P
     assert summary["identical"] == summary["requests"]
     assert summary["checks"]["kv_bitwise"] == 6
     assert summary["checks"]["max_recompute_logit_diff"] <= 1e-4
-    assert sum(1 for tokens in summary["hit_tokens"].values() if tokens > 0) > 1
+    assert summary["hit_tokens"]["device"] > 0
+    assert summary["hit_tokens"]["host"] > 0
+    assert summary["requests_with_hits"]["host"] >= 1
     assert summary["prefill_tokens_saved"] > 0
+    assert summary["ttft_ms"]["cache"]["p50"] > 0
+    assert summary["ttft_ms"]["no_cache"]["p50"] > 0
     assert summary["metrics_url"].startswith("http://127.0.0.1:")
     assert summary["bytes_moved"]["storage_written"] > 0  # read from hicache_storage_written_bytes_total
     image = imread(plot)

@@ -16,6 +16,7 @@ import torch
 from hicache.demo.hybrid import HybridModel, HybridPrefix, HybridSpec
 from hicache.demo.hybrid_oracle import HybridOracle
 from hicache.demo.hybrid_serve import HybridDemoConfig, hybrid_demo_config, run_hybrid_demo
+from hicache.demo.workload import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,19 +88,26 @@ def test_window_must_be_whole_pages() -> None:
 
 def test_small_hybrid_run_restores_every_component_bitwise() -> None:
     """Three users with their own system prompts, pools small enough to evict to storage: every request is
-    identical to recompute, and prefixes come back with their window and state from more than one tier."""
+    identical to recompute, and prefixes come back with their window and state from host and storage.
+
+    In lockstep (one request at a time, the cache settled in between) the hits depend on the workload only:
+    under concurrency they shifted with the machine's load, and this test failed under heavy load.
+    """
     config = HybridDemoConfig(
-        hybrid_demo_config(users=3, turns=3, device_pages=24, host_pages=40),
-        swa_device_pages=8,
-        swa_host_pages=16,
-        state_device_slots=3,
-        state_host_slots=6,
-    )
-    config = dataclasses.replace(
-        config,
-        demo=dataclasses.replace(
-            config.demo, workload=dataclasses.replace(config.demo.workload, system_prompts=3)
+        hybrid_demo_config(
+            users=3,
+            turns=3,
+            device_pages=48,
+            host_pages=64,
+            lockstep=True,
+            workload=WorkloadSpec(
+                system_prompts=3, system_prompt_tokens=128, user_tokens=(16, 40), decode_tokens=9
+            ),
         ),
+        swa_device_pages=12,
+        swa_host_pages=24,
+        state_device_slots=4,
+        state_host_slots=8,
     )
     result = anyio.run(run_hybrid_demo, config)
     records = result.records
@@ -111,9 +119,13 @@ def test_small_hybrid_run_restores_every_component_bitwise() -> None:
     ]
     assert not bad
     reused = [r for r in records if r.reused_len]
-    assert len(reused) >= 3
-    assert sum(1 for tier in ("device", "host", "storage") if any(r.hits[tier] for r in records)) >= 2
+    assert len(reused) >= 4  # of the 6 returning turns
+    assert all(r.turn > 0 for r in reused)  # a user's own earlier turn: states are per conversation
+    assert any(r.hits["host"] for r in reused)
+    assert any(r.hits["storage"] for r in reused)
     assert result.details["restored"]["states"] == len(reused)
+    # Every request decodes past a page boundary, where its state is kept: no prefill is cut in two.
+    assert result.details["restored"]["split_prefills"] == 0
     assert result.details["component_tree"]["mamba"]["host_slots"] >= 1
 
 

@@ -1,0 +1,90 @@
+"""The serving loop's run modes: lockstep runs are reproducible, and the demo pins torch's intra-op threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+
+import anyio
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hicache.demo.llama_serve import run_demo
+from hicache.demo.loop import ServingLoop
+from hicache.demo.model import ModelSpec
+from hicache.demo.records import DemoConfig, DemoResult, noop_progress
+from hicache.demo.run import intra_op_threads
+from hicache.demo.workload import WorkloadSpec, make_workload
+
+SMALL = DemoConfig(
+    users=2,
+    turns=3,
+    page_size=16,
+    device_pages=24,
+    host_pages=24,
+    prefetch_threshold=16,
+    lockstep=True,
+    model=ModelSpec(
+        num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16
+    ),
+    workload=WorkloadSpec(system_prompts=1, system_prompt_tokens=96, user_tokens=(16, 48), decode_tokens=4),
+)
+
+
+def hits_by_request(result: DemoResult) -> dict[str, tuple[int, dict[str, int], str | None]]:
+    return {r.request_id: (r.reused_len, r.hits, r.prefetch) for r in result.records}
+
+
+def test_lockstep_runs_hit_the_same_tiers_every_time() -> None:
+    """In lockstep, requests run one at a time in turn order and the cache settles in between: two runs
+    give every request the same hits from the same tiers (and every output matches recompute)."""
+    first = anyio.run(run_demo, SMALL)
+    second = anyio.run(run_demo, SMALL)
+    assert first.all_identical
+    assert second.all_identical
+    assert [r.request_id for r in first.records] == ["u0t0", "u1t0", "u0t1", "u1t1", "u0t2", "u1t2"]
+    assert hits_by_request(first) == hits_by_request(second)
+    assert sum(r.reused_len for r in first.records) > 0
+
+
+def test_intra_op_threads_sets_and_restores_the_calling_threads_setting() -> None:
+    before = torch.get_num_threads()
+    with intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before
+
+
+async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> None:
+    """A decode takes the model lock once per step, and the lock is fair: a prefill that queues while a
+    step runs goes next, rather than waiting for the whole decode (its time to first token)."""
+    loop = ServingLoop(None, make_workload(WorkloadSpec(users=1, turns=1)), 2, None, noop_progress)
+    order: list[str] = []
+    gate = threading.Event()
+
+    def steps() -> Generator[None, None, str]:
+        order.append("step 1")
+        assert gate.wait(30)  # holds the model lock until the prefill has queued for it
+        yield
+        order.append("step 2")
+        yield
+        order.append("step 3")
+        return "decoded"
+
+    results: list[str] = []
+
+    async def decode() -> None:
+        results.append(await loop.compute_steps(steps()))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(decode)
+        await anyio.wait_all_tasks_blocked()
+        tg.start_soon(loop.compute, lambda: order.append("prefill"))
+        await anyio.wait_all_tasks_blocked()
+        assert loop.model_lock.statistics().tasks_waiting == 1
+        gate.set()
+    assert order == ["step 1", "prefill", "step 2", "step 3"]
+    assert results == ["decoded"]

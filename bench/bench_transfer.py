@@ -46,7 +46,7 @@ from _loop_timing import run_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, WritePolicy
 from hicache.memory import KVPool, copy_pages_async, make_device_pool, make_host_pool
-from hicache.tree.node import TreeNode
+from hicache.tree import NodeRef, RadixTree
 
 STALL_GOAL_MS = 10.0
 MARKER = 0xA5
@@ -166,17 +166,17 @@ def fragment(pool: KVPool, generator: torch.Generator) -> None:
     pool.free(tokens_of(pool, pages))
 
 
-def path_values(node: TreeNode) -> tuple[torch.Tensor, torch.Tensor]:
+def path_values(tree: RadixTree, node: NodeRef) -> tuple[torch.Tensor, torch.Tensor]:
     """Device and host token indices of the root path ending at `node`, root first."""
     devices: list[torch.Tensor] = []
     hosts: list[torch.Tensor] = []
-    current: TreeNode | None = node
-    while current is not None and current.parent is not None:
-        assert current.device_value is not None, current
-        assert current.host_value is not None, current
-        devices.append(current.device_value)
-        hosts.append(current.host_value)
-        current = current.parent
+    info = tree.node_info(node)
+    while info.parent is not None:
+        assert info.device_value is not None, info
+        assert info.host_value is not None, info
+        devices.append(info.device_value)
+        hosts.append(info.host_value)
+        info = tree.node_info(info.parent)
     return torch.cat(devices[::-1]), torch.cat(hosts[::-1])
 
 
@@ -280,7 +280,8 @@ async def controller_pass(
         result.controller_backup.add(*await timed_with_ticker(backup))
         assert cache.statistics().tree.host_tokens == n_sequences * per * page, cache.statistics()
         d, h = map(
-            torch.cat, zip(*(path_values(cache.match(seq).last_device_node) for seq in seqs), strict=True)
+            torch.cat,
+            zip(*(path_values(cache._tree, cache.match(seq).last_device_node) for seq in seqs), strict=True),
         )
         assert same_pages(device, device.page_ids(d), host, host.page_ids(h)), "backup moved wrong bytes"
 
@@ -303,7 +304,9 @@ async def controller_pass(
         loaded = [cache.match(seq) for seq in seqs]
         for m, seq in zip(loaded, seqs, strict=True):
             assert m.device_len == seq.numel(), f"load-back left {seq.numel() - m.device_len} tokens on host"
-        d, h = map(torch.cat, zip(*(path_values(m.last_device_node) for m in loaded), strict=True))
+        d, h = map(
+            torch.cat, zip(*(path_values(cache._tree, m.last_device_node) for m in loaded), strict=True)
+        )
         assert same_pages(host, host.page_ids(h), device, device.page_ids(d)), "load-back moved wrong bytes"
         cache.sanity_check()
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from hicache.memory import KVPool, PoolStatistics
     from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
     from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
-    from hicache.tree import ComponentStatistics, InsertResult, MatchResult, TreeStatistics
+    from hicache.tree import ComponentStatistics, InsertResult, MatchResult, NodeRef, TreeStatistics
     from storage_backends.protocol import PageStatus, StorageBackend
 
 # Public names load their module on first use (PEP 562), so importing a submodule (`hicache.tree`,
@@ -78,6 +78,7 @@ _MODULE_OF = {
     "MambaState": "hicache.components",
     "MatchResult": "hicache.tree",
     "Namespace": "hicache.keys",
+    "NodeRef": "hicache.tree",
     "OldPageFormat": "hicache.errors",
     "PageNotFound": "hicache.errors",
     "PageStatus": "storage_backends.protocol",
@@ -127,6 +128,7 @@ __all__ = [
     "MambaState",
     "MatchResult",
     "Namespace",
+    "NodeRef",
     "OldPageFormat",
     "PageNotFound",
     "PageStatus",

@@ -22,10 +22,11 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from hicache.layout import KVLayout
+from hicache.tiers import Tier
 
 __all__ = ["TIERS", "Component", "PathValues"]
 
-TIERS = ("device", "host")
+TIERS = (Tier.DEVICE, Tier.HOST)
 """The tiers a component value can live on."""
 
 PathValues = Iterable[tuple[int, "torch.Tensor | None"]]

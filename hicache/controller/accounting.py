@@ -12,7 +12,6 @@ from hicache.controller.prefetch import Prefetch
 from hicache.controller.release import ReleaseQueue
 from hicache.errors import InvariantViolation
 from hicache.memory import KVPool, Owner
-from hicache.tiers import Tier
 from hicache.tree import RadixTree
 
 __all__ = ["Accounting"]
@@ -66,26 +65,9 @@ class Accounting:
             tree.sanity_check()
         except InvariantViolation as exc:
             violations.extend(exc.violations)
-        device: list[torch.Tensor] = []
-        host: list[torch.Tensor] = []
-        pending: list[torch.Tensor] = []
-        comp: dict[tuple[str, str], list[torch.Tensor]] = {}
-        for node in tree.iter_nodes():
-            for part, out in (
-                (node.device_value, device),
-                (node.host_value, host),
-                (node.backup_pending, pending),
-            ):
-                if part is not None:
-                    out.append(part)
-            for name, data in (node.components or {}).items():
-                for attr in ("device_value", "host_value", "backup_pending"):
-                    value = getattr(data, attr)
-                    if value is not None:
-                        comp.setdefault((name, attr), []).append(value)
-        loose: dict[tuple[str, str], list[torch.Tensor]] = {}
-        for free in tree.queued_component_frees():
-            loose.setdefault((free.component, free.tier), []).append(free.indices)
+        owned = tree.held_indices()
+        device, host, pending = list(owned.device), list(owned.host), list(owned.backup_pending)
+        comp = {key: list(values) for key, values in owned.components.items()}
         prefetches = list(self._prefetches())
 
         def in_flight(pool: KVPool) -> dict[Owner, list[torch.Tensor]]:
@@ -104,32 +86,23 @@ class Accounting:
         claims[Owner.TREE] = device
         if held_device is not None:
             claims[Owner.LEASE] = list(held_device)
-        check_owners(self._device_pool, "device pool", claims, [], held_device_tokens, violations)
+        check_owners(self._device_pool, "device pool", claims, held_device_tokens, violations)
         claims = in_flight(self._host_pool)
         claims[Owner.TREE] = host
         claims[Owner.COPY] = claims[Owner.COPY] + pending
-        check_owners(self._host_pool, "host pool", claims, [], 0, violations)
+        check_owners(self._host_pool, "host pool", claims, 0, violations)
         for c in tree.components:
             pools = self._component_pools[c.name]
             claims = in_flight(pools.device)
-            claims[Owner.TREE] = comp.get((c.name, "device_value"), [])
+            claims[Owner.TREE] = comp.get((c.name, "device"), [])
             if held_components is not None and c.name in held_components:
                 claims[Owner.LEASE] = list(held_components[c.name])
             held = held_component_slots.get(c.name, 0) if held_component_slots else 0
-            check_owners(
-                pools.device,
-                f"{c.name} device pool",
-                claims,
-                loose.get((c.name, Tier.DEVICE), []),
-                held,
-                violations,
-            )
+            check_owners(pools.device, f"{c.name} device pool", claims, held, violations)
             claims = in_flight(pools.host)
-            claims[Owner.TREE] = comp.get((c.name, "host_value"), [])
-            claims[Owner.COPY] = claims[Owner.COPY] + comp.get((c.name, "backup_pending"), [])
-            check_owners(
-                pools.host, f"{c.name} host pool", claims, loose.get((c.name, Tier.HOST), []), 0, violations
-            )
+            claims[Owner.TREE] = comp.get((c.name, "host"), [])
+            claims[Owner.COPY] = claims[Owner.COPY] + comp.get((c.name, "pending"), [])
+            check_owners(pools.host, f"{c.name} host pool", claims, 0, violations)
         if violations:
             raise InvariantViolation(violations)
 
@@ -138,14 +111,12 @@ def check_owners(
     pool: KVPool,
     label: str,
     claims: Mapping[Owner, Sequence[torch.Tensor]],
-    loose: Sequence[torch.Tensor],
     held_tokens: int,
     out: list[str],
 ) -> None:
     """Check that `pool`'s owner tags are exactly the partition `claims` describes (see `sanity_check`).
 
-    `claims` maps an owner to the indices found held by it; `loose` indices may carry any tag but must be
-    allocated. Without an `Owner.LEASE` claim, pages tagged LEASE and found nowhere are the caller's:
+    `claims` maps an owner to the indices found held by it. Without an `Owner.LEASE` claim, pages tagged LEASE and found nowhere are the caller's:
     they must hold `held_tokens` indices.
     """
     size = pool.page_size
@@ -154,8 +125,6 @@ def check_owners(
     expected = torch.zeros(num_pages, dtype=torch.int64)  # Owner.FREE: found nowhere
     claimed = torch.zeros(num_pages, dtype=torch.int64)
     claim_sets: list[tuple[str, list[torch.Tensor]]] = [(o.name, list(p)) for o, p in claims.items()]
-    claim_sets.append(("queued free", list(loose)))
-    is_loose = torch.zeros(num_pages, dtype=torch.bool)
     for name, parts in claim_sets:
         parts = [p for p in parts if p.numel()]
         if not parts:
@@ -168,10 +137,7 @@ def check_owners(
             out.append(f"{label}: {name} holds the same index more than once")
         pages = torch.unique(indices // size)
         claimed[pages] += 1
-        if name == "queued free":
-            is_loose[pages] = True
-        else:
-            expected[pages] = int(Owner[name])
+        expected[pages] = int(Owner[name])
     twice = (claimed > 1).nonzero().flatten()
     if twice.numel():
         out.append(f"{label}: pages {twice[:8].tolist()} are held by more than one owner")
@@ -179,7 +145,7 @@ def check_owners(
     claimed_free = (free & (claimed > 0)).nonzero().flatten()
     if claimed_free.numel():
         out.append(f"{label}: pages {claimed_free[:8].tolist()} are held but free in the pool")
-    mismatch = (tags != expected) & ~is_loose & ~free
+    mismatch = (tags != expected) & ~free
     if Owner.LEASE not in claims:
         lease = (tags == int(Owner.LEASE)) & (expected == int(Owner.FREE))
         mismatch &= ~lease

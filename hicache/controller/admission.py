@@ -22,7 +22,7 @@ from hicache.keys import TOKEN_BYTES, chained_page_hashes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.tiers import SkipReason, Tier
-from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
 
 __all__ = ["Admission", "PrefetchPlan"]
 
@@ -46,7 +46,7 @@ class PrefetchPlan:
         staged_reads: per staged buffer, the storage keys and page views to read.
     """
 
-    anchor: TreeNode
+    anchor: NodeRef
     key: bytes
     hashes: list[bytes]
     page_keys: list[str]
@@ -96,7 +96,7 @@ class Admission:
         self,
         request_id: str,
         key: bytes,
-        match: MatchResult,
+        match: MatchResult | PrefixPeek,
         storage: GuardedStorage | None,
         inflight_tokens: int,
     ) -> PrefetchPlan | SkipReason:
@@ -104,7 +104,9 @@ class Admission:
 
         Skipped when there is no storage, the remainder beyond the match is below `prefetch_threshold`,
         `inflight_tokens` plus it would exceed the capacity, storage is down or holds too few of the
-        pages, or the host pool cannot take enough of them. Nothing stays held on a skip.
+        pages, or the host pool cannot take enough of them. Nothing stays held on a skip. A `peek` is
+        anchored here (the tree splits the node its anchor ends in, touching no LRU clock) only once the
+        cheap checks pass.
         """
         config = self._config
         page = config.page_size
@@ -120,12 +122,15 @@ class Admission:
         if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
             return SkipReason.STORAGE_UNAVAILABLE
         tree = self._tree
-        anchor = match.last_host_node
-        anchor_end = node_depth(anchor)
+        if isinstance(match, PrefixPeek):
+            anchor = tree.node_at(key, match.anchor_len)
+        else:
+            anchor = match.last_host_node
+        anchor_end = tree.depth(anchor)
         tree.lock_host(anchor)
         try:
             hashes = chained_page_hashes(
-                key[anchor_end * TOKEN_BYTES :], page, config.namespace, anchor.last_hash
+                key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
             )
             page_keys = [h.hex() for h in hashes]
             hit_pages: int | None = None
@@ -193,7 +198,7 @@ class Admission:
         hashes: Sequence[bytes],
         num_tokens: int,
         host_indices: torch.Tensor,
-        anchor: TreeNode,
+        anchor: NodeRef,
     ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
         """`_stage_components` for a prefetch holding `host_indices` and a lock on `anchor`: if staging
         fails, or the cache closes meanwhile, the host pages, the lock and anything staged are let go."""
@@ -262,13 +267,3 @@ class Admission:
                 transfer.pool.free(transfer.indices)
             return reason
         return staged, reads
-
-
-def node_depth(node: TreeNode) -> int:
-    """Tokens from the root to the end of `node`."""
-    total = 0
-    current: TreeNode | None = node
-    while current is not None:
-        total += current.num_tokens
-        current = current.parent
-    return total

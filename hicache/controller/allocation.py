@@ -14,7 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
 from hicache.tiers import Tier
-from hicache.tree import RadixTree
+from hicache.tree import ComponentFree, RadixTree
 
 __all__ = ["Allocator", "CachePools", "ComponentPools", "make_pools"]
 
@@ -55,11 +55,9 @@ class Allocator:
         self._release_queue = release_queue
         self._page_size = host_pool.page_size
 
-    def free_component_garbage(self) -> None:
-        """Return every component index the tree let go of to its pool."""
-        if not self._component_pools:
-            return
-        for free in self._tree.take_component_frees():
+    def free_components(self, frees: Sequence[ComponentFree]) -> None:
+        """Return the component indices a tree operation's result says it let go of to their pools."""
+        for free in frees:
             self._component_pools[free.component].on(free.tier).free(free.indices)
 
     def alloc_component_slots(
@@ -75,8 +73,7 @@ class Allocator:
             self._release_queue.flush()
         free = pool.statistics().free_pages * pool.page_size
         if free < num_slots:
-            self._tree.evict_component(name, num_slots - free, tier)
-            self.free_component_garbage()
+            self.free_components(self._tree.evict_component(name, num_slots - free, tier).component_frees)
         return pool.alloc(num_slots, owner)
 
     def host_room(self) -> int:
@@ -100,7 +97,7 @@ class Allocator:
             evicted = self._tree.evict_host(num_tokens - free)
             if evicted.freed_host.numel():
                 pool.free(evicted.freed_host)
-            self.free_component_garbage()
+            self.free_components(evicted.component_frees)
         indices = pool.alloc(num_tokens, owner)
         if indices is None and partial:
             free = pool.statistics().free_pages * self._page_size

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 
 import torch
 
-from hicache.controller.admission import node_depth
 from hicache.controller.allocation import Allocator, ComponentPools
 from hicache.controller.prefetch import PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
@@ -54,17 +53,20 @@ class Leases:
         self._page_size = device_pool.page_size
 
     async def acquire(self, request_id: str, key: bytes) -> Lease:
-        """Match `key`, prefetch its storage hit and commit it, load host hits back, lock the prefix."""
-        first = self._tree.match_prefix(key)
+        """Match `key`, prefetch its storage hit and commit it, load host hits back, lock the prefix.
+
+        One match: the prefetch is admitted on a `peek` (which changes nothing), and the tree is matched
+        once, after any await, for the load-back and the lease.
+        """
         outcome: PrefetchOutcome | None = None
         skipped: SkipReason | None = None
         anchor_end = 0
         if self._prefetcher.storage is not None:
-            started = await self._prefetcher.start(request_id, key, first, ())
+            started = await self._prefetcher.start(request_id, key, self._tree.peek(key), ())
             if isinstance(started, SkipReason):
                 skipped = started
             else:
-                anchor_end = node_depth(started.anchor)  # where the prefetch's tokens start
+                anchor_end = self._tree.depth(started.anchor)  # where the prefetch's tokens start
                 try:
                     outcome = await self._prefetcher.commit(request_id)
                 except BaseException:
@@ -73,8 +75,8 @@ class Leases:
                         await self._prefetcher.stop_and_cancel(started)
                     raise
             self._state.check_open("acquire")
-        # Match again after any await: eviction may have changed the tree meanwhile.
-        match = self._tree.match_prefix(key) if self._prefetcher.storage is not None else first
+        # Matched after any await: eviction may have changed the tree meanwhile.
+        match = self._tree.match_prefix(key)
         # Storage hits are only the tokens this request's prefetch loaded: [start, end) below. Tokens
         # that other requests inserted or loaded meanwhile count by where this match finds them.
         loaded_end = loaded_start = 0
@@ -86,7 +88,6 @@ class Leases:
         match = await self._mover.load_back(match)
         node = match.last_device_node
         self._tree.lock_device(node)
-        self._allocator.free_component_garbage()
         cached = match.device_len
         storage_hit = max(0, min(loaded_end, cached) - loaded_start)
         on_device = min(found_on_device, cached)
@@ -175,6 +176,6 @@ class Leases:
         if padded > aligned:
             self._device_pool.free(device_indices[aligned:])
         self.release(lease, None, None)
-        self._allocator.free_component_garbage()
+        self._allocator.free_components(result.component_frees)
         self._mover.schedule_backups(result.backups)
         return result

@@ -19,7 +19,7 @@ import torch
 from hicache.controller.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tiers import DropReason, PrefetchStatus
-from hicache.tree import TreeNode
+from hicache.tree import NodeRef
 from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -82,7 +82,7 @@ class PrefetchOutcome:
     loaded_tokens: int
     released_tokens: int
     failed_pages: int
-    node: TreeNode | None = field(repr=False, default=None)
+    node: NodeRef | None = field(repr=False, default=None)
     quarantined_tokens: int = 0
     drop_reason: DropReason | None = None
 
@@ -108,7 +108,7 @@ class Prefetch:
         self,
         *,
         request_id: str,
-        anchor: TreeNode,
+        anchor: NodeRef,
         key: bytes,
         hashes: Sequence[bytes],
         page_keys: Sequence[str],

@@ -26,7 +26,7 @@ from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.tiers import DropReason, PrefetchStatus, SkipReason
-from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.tree import ComponentFree, MatchResult, NodeRef, PrefixPeek, RadixTree
 from storage_backends.threads import stray_threads
 
 __all__ = ["Prefetcher"]
@@ -117,7 +117,7 @@ class Prefetcher:
         self,
         request_id: str,
         key: bytes,
-        match: MatchResult | None,
+        match: MatchResult | PrefixPeek | None,
         transfers: Sequence[ComponentTransfer],
     ) -> Prefetch | SkipReason:
         """Admit and start streaming a prefetch (see `HiCache.prefetch`), or count and return why not."""
@@ -128,7 +128,7 @@ class Prefetcher:
         aligned = len(key) // TOKEN_BYTES // page * page
         key = key[: aligned * TOKEN_BYTES]
         if match is None:
-            match = self._tree.match_prefix(key)
+            match = self._tree.peek(key)  # anchored by admission only if the prefetch goes ahead
         self._metrics.prefetch_requested.inc()
         storage = self.storage
         plan = await self._admission.plan(request_id, key, match, storage, self.inflight_tokens)
@@ -251,7 +251,8 @@ class Prefetcher:
         host = prefetch.host_indices
         drop: DropReason | None = None
         loaded = present = quarantined = 0
-        node: TreeNode | None = prefetch.anchor
+        node: NodeRef | None = prefetch.anchor
+        frees: tuple[ComponentFree, ...] = ()
         if prefetch.staged and (completed < prefetch.num_tokens or not prefetch.components_complete):
             # All or nothing: a partial window or a missing state makes every page useless.
             drop = DropReason.COMPONENT_INCOMPLETE
@@ -267,6 +268,7 @@ class Prefetcher:
                 drop = DropReason.ANCHOR_NOT_BACKED_UP
             present = result.prefix_len
             node = result.node
+            frees = result.component_frees
         if drop is not None:
             # One release call: the host pages and every component transfer, in a stable order.
             released, quarantined = self._release_pages(prefetch, host[:0], 0, prefetch.transfers)
@@ -283,7 +285,7 @@ class Prefetcher:
             released, quarantined = self._release_pages(
                 prefetch, host[:present], completed // page, caller_transfers
             )
-            self._allocator.free_component_garbage()
+            self._allocator.free_components(frees)
             prefetch.state = PrefetchState.COMMITTED
             self._metrics.prefetch_committed.inc()
             self._metrics.prefetch_loaded_tokens.inc(loaded)

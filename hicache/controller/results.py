@@ -12,7 +12,7 @@ from hicache.controller.prefetch import PrefetchOutcome
 from hicache.controller.release import ReleaseStatistics
 from hicache.memory import PoolStatistics
 from hicache.tiers import SkipReason
-from hicache.tree import ComponentStatistics, TreeNode, TreeStatistics
+from hicache.tree import ComponentStatistics, NodeRef, TreeStatistics
 
 __all__ = ["CacheStatistics", "ComponentPoolStatistics", "Lease"]
 
@@ -41,7 +41,7 @@ class Lease:
 
     request_id: str
     key: bytes
-    node: TreeNode
+    node: NodeRef
     device_indices: torch.Tensor
     cached_len: int
     hit_tokens_by_tier: dict[str, int]

@@ -17,7 +17,7 @@ from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics
 from hicache.tiers import ShedReason, Tier
-from hicache.tree import RadixTree, TreeNode
+from hicache.tree import NodeRef, RadixTree, StoredPath
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -112,11 +112,11 @@ class StorageWriter:
         self._touched: list[memoryview] = []
         """Host page buffers handed to `put` by the job running now."""
 
-    async def store(self, target: TreeNode) -> None:
+    async def store(self, target: NodeRef) -> None:
         """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
         await self.store_many([target])
 
-    async def store_many(self, targets: Sequence[TreeNode]) -> None:
+    async def store_many(self, targets: Sequence[NodeRef]) -> None:
         """Write the backed-up pages on every target's path that storage lacks, in one `exists` and one
         `put` call for all of them (pages shared by several paths once).
 
@@ -126,24 +126,25 @@ class StorageWriter:
         """
         tree = self._tree
         page = self._host_pool.page_size
-        locked: list[TreeNode] = []
+        locked: list[NodeRef] = []
         keys: list[str] = []
         views: list[memoryview] = []
         seen: set[str] = set()
         self._touched = []
         try:
-            paths: list[tuple[TreeNode, list[TreeNode]]] = []
+            paths: list[tuple[NodeRef, StoredPath]] = []
             evicted = 0
             for target in targets:
-                if target.parent is None or target.host_value is None:
+                path = tree.stored_path(target)
+                if path is None:
                     evicted += 1  # evicted from host (or detached) while its write was queued
                     continue
-                path, hashes, values = _backed_up_path(target)
+                hashes, values = path.hashes, path.host_values
                 if not hashes:
                     continue
                 tree.lock_host(target)
                 locked.append(target)
-                paths.append((target, path[: len(values)]))
+                paths.append((target, path))
                 target_keys = [h.hex() for h in hashes]
                 stored = self.known.known_prefix(target_keys)
                 if stored >= len(target_keys):
@@ -215,7 +216,7 @@ class StorageWriter:
         if not all(ok):
             metrics.storage_page_failures.labels(reason="write").inc(len(ok) - sum(ok))
 
-    async def _store_components(self, path: list[TreeNode], target: TreeNode) -> None:
+    async def _store_components(self, path: StoredPath, target: NodeRef) -> None:
         """Write the host component pages of `path` (host-locked by the caller) that storage lacks.
 
         Keys are the page hash plus the component name; pages use the component pool's page format.
@@ -227,11 +228,12 @@ class StorageWriter:
             host_pool = self._component_pools[comp.name].host
             keys: list[str] = []
             views: list[memoryview] = []
-            for node in path if comp.lock_path else [target]:
+            nodes = path.nodes if comp.lock_path else (target,)
+            node_hashes = path.node_hashes if comp.lock_path else (tuple(self._tree.page_hashes(target)),)
+            for node, hashes in zip(nodes, node_hashes, strict=True):
                 value = self._tree.component_value(node, comp.name, Tier.HOST)
                 if value is None:
                     continue
-                hashes = node.hashes
                 keys.extend(
                     component_storage_key(hashes[i], comp.name)
                     for i in comp.page_hash_index(len(hashes), value, page)
@@ -248,28 +250,9 @@ class StorageWriter:
             await self._put(keys, views)
 
 
-def _unlock_all(tree: RadixTree, nodes: Sequence[TreeNode]) -> None:
+def _unlock_all(tree: RadixTree, nodes: Sequence[NodeRef]) -> None:
     for node in nodes:
         tree.unlock_host(node)
-
-
-def _backed_up_path(target: TreeNode) -> tuple[list[TreeNode], list[bytes], list[torch.Tensor]]:
-    """The path from the root's child to `target`, and the page hashes and host values of its leading
-    backed-up nodes (write-back: pages below an un-backed node cannot be found by prefix)."""
-    path: list[TreeNode] = []
-    node: TreeNode | None = target
-    while node is not None and node.parent is not None:
-        path.append(node)
-        node = node.parent
-    path.reverse()
-    hashes: list[bytes] = []
-    values: list[torch.Tensor] = []
-    for node in path:
-        if node.host_value is None:
-            break
-        hashes.extend(node.hashes)
-        values.append(node.host_value)
-    return path, hashes, values
 
 
 def _tokens_from(values: Sequence[torch.Tensor], start: int) -> torch.Tensor:

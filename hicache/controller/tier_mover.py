@@ -21,7 +21,7 @@ from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.tiers import ShedReason, Tier
-from hicache.tree import MatchResult, RadixTree, TreeNode
+from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
 
 __all__ = ["TierMover"]
 
@@ -35,7 +35,7 @@ _BACKPRESSURE_WAIT_S = 0.005
 """The most one `insert` waits for a background queue above half its limit to drain below it."""
 
 # (node, component) -> (source indices, destination indices) of a component copy.
-_ComponentCopies = dict[tuple[TreeNode, str], tuple[torch.Tensor, torch.Tensor]]
+_ComponentCopies = dict[tuple[NodeRef, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class TierMover:
@@ -74,10 +74,10 @@ class TierMover:
         self._metrics = metrics
         self._breaker = storage_breaker
         self._page_size = config.page_size
-        self.backups: WorkQueue[TreeNode] = WorkQueue(
+        self.backups: WorkQueue[NodeRef] = WorkQueue(
             "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
         )
-        self.storage_writes: WorkQueue[TreeNode] = WorkQueue(
+        self.storage_writes: WorkQueue[NodeRef] = WorkQueue(
             "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
         )
         self.writer: StorageWriter | None = None
@@ -99,7 +99,7 @@ class TierMover:
             room = self._allocator.host_room() if offer_host else 0
             result = self._tree.evict_device(need, host_free_tokens=room)
             self._device_pool.free(result.freed_device)
-            self._allocator.free_component_garbage()
+            self._allocator.free_components(result.component_frees)
             if result.freed_host.numel():
                 self._host_pool.free(result.freed_host)
             if result.dropped_tokens:
@@ -129,22 +129,23 @@ class TierMover:
                 with anyio.move_on_after(_BACKPRESSURE_WAIT_S):
                     await queue.wait_below(watermark)
 
-    def schedule_backups(self, targets: Sequence[TreeNode]) -> None:
+    def schedule_backups(self, targets: Sequence[NodeRef]) -> None:
         """Queue backups of `targets` (shedding, and counting, what the queue cannot take)."""
         shed = self.backups.put(targets)
         if shed:
             self._shed(len(shed), Tier.HOST, ShedReason.QUEUE_FULL)
 
-    async def _backup_batch(self, targets: list[TreeNode]) -> None:
+    async def _backup_batch(self, targets: list[NodeRef]) -> None:
         await self.back_up(targets)
 
-    async def back_up(self, targets: Sequence[TreeNode]) -> int:
+    async def back_up(self, targets: Sequence[NodeRef]) -> int:
         """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
         copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
         were committed (those backed up already, pending or without host room are not)."""
         async with self._backup_lock:
-            chains: list[tuple[TreeNode, list[TreeNode]]] = []
-            nodes: list[TreeNode] = []
+            chains: list[tuple[NodeRef, list[NodeRef]]] = []
+            nodes: list[NodeRef] = []
+            device_parts: list[torch.Tensor] = []
             host_parts: list[torch.Tensor] = []
             comp_copies: _ComponentCopies = {}
             try:
@@ -154,7 +155,8 @@ class TierMover:
                     chain = self._tree.backup_chain(target)
                     if not chain:
                         continue
-                    sizes = [node.num_tokens for node in chain]
+                    infos = [self._tree.node_info(node) for node in chain]
+                    sizes = [info.num_tokens for info in infos]
                     host_indices = self._allocator.alloc_host(sum(sizes), owner=Owner.COPY)
                     if host_indices is None:
                         self._metrics.backup_skipped.inc()
@@ -162,44 +164,46 @@ class TierMover:
                     staged_comps = self._stage_component_backup(chain) if self._components else {}
                     comp_copies.update(staged_comps)
                     offset = 0
-                    for node, size in zip(chain, sizes, strict=True):
-                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n is node}
+                    for node, info in zip(chain, infos, strict=True):
+                        size = info.num_tokens
+                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n == node}
                         self._tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
                         nodes.append(node)
+                        assert info.device_value is not None
+                        device_parts.append(info.device_value)
                         offset += size
                     host_parts.append(host_indices)
                     chains.append((target, chain))
                 if not chains:
                     return 0
-                device_values = torch.cat(
-                    [node.device_value for node in nodes if node.device_value is not None]
-                )
                 await self._copies.copy(
-                    self._device_pool, device_values, self._host_pool, torch.cat(host_parts)
+                    self._device_pool, torch.cat(device_parts), self._host_pool, torch.cat(host_parts)
                 )
                 for (_, name), (device, host) in comp_copies.items():
                     pools = self._component_pools[name]
                     await self._copies.copy(pools.device, device, pools.host, host)
             except BaseException:
                 for node in reversed(nodes):
-                    self._host_pool.free(self._tree.abort_backup(node))
-                self._allocator.free_component_garbage()
+                    aborted = self._tree.abort_backup(node)
+                    self._host_pool.free(aborted.freed_host)
+                    self._allocator.free_components(aborted.component_frees)
                 raise
             # Root first. A node split while copying is committed together with its split-off upper part.
+            frees: list[ComponentFree] = []
             for node in nodes:
-                self._tree.commit_backup(node)
+                frees.extend(self._tree.commit_backup(node).component_frees)
             # The host copies now belong to the tree (before freeing what it let go of among them).
             for part in host_parts:
                 self._host_pool.set_owner(part, Owner.TREE)
             for (_, name), (_, host) in comp_copies.items():
                 self._component_pools[name].host.set_owner(host, Owner.TREE)
-            self._allocator.free_component_garbage()
-            self._metrics.backup_tokens.inc(sum(node.num_tokens for node in nodes))
+            self._allocator.free_components(frees)
+            self._metrics.backup_tokens.inc(sum(int(part.numel()) for part in host_parts))
         if self.writer is not None and self._config.backup_to_storage:
             self._queue_storage_writes([target for target, _ in chains])
         return len(chains)
 
-    def _stage_component_backup(self, chain: Sequence[TreeNode]) -> _ComponentCopies:
+    def _stage_component_backup(self, chain: Sequence[NodeRef]) -> _ComponentCopies:
         """Host slots for the component device values of `chain`: (node, name) -> (device, host).
 
         A component whose host slots cannot be had is not backed up (the node is a tombstone there).
@@ -222,7 +226,7 @@ class TierMover:
     def _shed(self, count: int, tier: Tier, reason: ShedReason) -> None:
         self._metrics.writes_shed.inc(count, tier=tier.value, reason=reason.value)
 
-    def _queue_storage_writes(self, targets: list[TreeNode]) -> None:
+    def _queue_storage_writes(self, targets: list[NodeRef]) -> None:
         """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
         if not self._breaker.allows():
             self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
@@ -231,7 +235,7 @@ class TierMover:
         if shed:
             self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
 
-    async def _store(self, targets: list[TreeNode]) -> None:
+    async def _store(self, targets: list[NodeRef]) -> None:
         if self.writer is None:
             return
         if not self._breaker.allows():
@@ -258,9 +262,7 @@ class TierMover:
         tree.lock_device(match.last_device_node)
         tree.lock_host(last_host)
         try:
-            host_values = torch.cat(
-                [node.host_value for node in match.host_nodes if node.host_value is not None]
-            )
+            host_values = match.host_indices
             device_indices = await self.alloc_device(length)
             if device_indices is None:
                 # No room: the device part alone, cut back to where every component is valid.
@@ -279,18 +281,22 @@ class TierMover:
                 self._copies.untrack_load(device_indices)
                 for _, device in loaded.values():
                     self._copies.untrack_load(device)
-            # The copies are the tree's now; `_attach_loaded` frees those no node takes.
+            # The copies are the tree's now; it hands back those no node takes (the tree may have changed
+            # while the copy ran: splits, a concurrent load of the same nodes).
             self._device_pool.set_owner(device_indices, Owner.TREE)
             for (_, name), (_, device) in loaded.items():
                 self._component_pools[name].device.set_owner(device, Owner.TREE)
-            self._attach_loaded(key, start, device_indices, loaded)
+            attached = tree.attach_loaded(key, start, device_indices, loaded)
+            if attached.freed_device.numel():
+                self._device_pool.free(attached.freed_device)
+            self._allocator.free_components(attached.component_frees)
             self._metrics.load_back_tokens.inc(length)
         finally:
             tree.unlock_host(last_host)
             tree.unlock_device(match.last_device_node)
-        return tree.match_prefix(key)
+        return attached.match
 
-    async def _load_components(self, nodes: Sequence[TreeNode]) -> _ComponentCopies:
+    async def _load_components(self, nodes: Sequence[NodeRef]) -> _ComponentCopies:
         """Copy the host component values of `nodes` to fresh device slots: (node, name) -> (host, device).
 
         A component whose device slots cannot be had is not loaded (its nodes stay tombstones there).
@@ -317,45 +323,3 @@ class TierMover:
                 self._component_pools[name].device.free(device)
             raise
         return loaded
-
-    def _attach_loaded(
-        self, key: bytes, start: int, device_indices: torch.Tensor, components: _ComponentCopies
-    ) -> None:
-        """Attach freshly loaded device pages to the nodes covering tokens [start, start + n) now.
-
-        Re-walks the tree so that splits or a concurrent load of the same nodes while the copy ran are
-        handled: pages of nodes already on device again are freed as duplicates.
-        """
-        end = start + int(device_indices.numel())
-        pending = dict(components)
-        current = self._tree.match_prefix(key[: end * TOKEN_BYTES])
-        offset = current.device_len
-        duplicate_end = min(end, offset)
-        if duplicate_end > start:
-            self._device_pool.free(device_indices[: duplicate_end - start])
-        for node in current.host_nodes:
-            node_end = offset + node.num_tokens
-            if node_end > end:
-                break
-            if offset >= start:
-                comps: dict[str, torch.Tensor] = {}
-                for comp in self._components:
-                    entry = pending.pop((node, comp.name), None)
-                    # The host value may have been split meanwhile: attach the copy only if it still fits.
-                    if (
-                        entry is not None
-                        and self._tree.component_value(node, comp.name, Tier.HOST) is entry[0]
-                    ):
-                        comps[comp.name] = entry[1]
-                    elif entry is not None:
-                        self._component_pools[comp.name].device.free(entry[1])
-                self._tree.attach_device(
-                    node, device_indices[offset - start : node_end - start], comps or None
-                )
-            offset = node_end
-        if offset < end:
-            # A tail not attached: nodes loaded meanwhile by another request, or beyond where the re-match
-            # now ends (a component's valid end moved; it may end before `start`, on the device part).
-            self._device_pool.free(device_indices[max(offset, start) - start :])
-        for (_, name), (_, copy) in pending.items():  # copies of nodes not attached here
-            self._component_pools[name].device.free(copy)

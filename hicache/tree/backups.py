@@ -9,7 +9,9 @@ import torch
 
 from hicache.policy import WritePolicy
 from hicache.tree.checks import cat_indices, check_indices
+from hicache.tree.handles import NodeRef
 from hicache.tree.node import TreeNode
+from hicache.tree.results import FreeResult
 from hicache.tree.state import TreeState
 
 __all__ = ["BackupsAndLocks"]
@@ -22,16 +24,20 @@ class BackupsAndLocks(TreeState):
 
     # ------------------------------------------------------------------ device -> host backups
 
-    def backup_chain(self, node: TreeNode) -> list[TreeNode]:
+    def backup_chain(self, node: NodeRef) -> list[NodeRef]:
         """The nodes to back up so that `node` can be backed up: from the topmost un-backed, not-pending
-        ancestor down to `node`, root-first ([] if `node` is detached, backed up or pending)."""
+        ancestor down to `node`, root-first ([] if `node` left the tree, is backed up or pending).
+
+        Raises:
+            TypeError: `node` is not a `NodeRef`.
+        """
         try:
             cur = self._require_non_root(node)
         except ValueError:
             return []
-        chain: list[TreeNode] = []
-        while cur is not self.root and cur.host_value is None and cur.backup_pending is None:
-            chain.append(cur)
+        chain: list[NodeRef] = []
+        while cur is not self._root and cur.host_value is None and cur.backup_pending is None:
+            chain.append(self._ref(cur))
             assert cur.parent is not None
             cur = cur.parent
         chain.reverse()
@@ -39,7 +45,7 @@ class BackupsAndLocks(TreeState):
 
     def begin_backup(
         self,
-        node: TreeNode,
+        node: NodeRef,
         host_indices: torch.Tensor,
         components: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
@@ -54,23 +60,23 @@ class BackupsAndLocks(TreeState):
         Raises:
             ValueError: the node holds no device data, is backed up or pending, or the indices mismatch.
         """
-        node = self._require_non_root(node)
-        check_indices(host_indices, "host_indices", node.num_tokens)
-        if node.device_value is None:
-            raise ValueError(f"node: node {node.id} holds no device data to back up")
-        if node.host_value is not None or node.backup_pending is not None:
-            raise ValueError(f"node: node {node.id} is already backed up or has a backup in flight")
+        live = self._require_non_root(node)
+        check_indices(host_indices, "host_indices", live.num_tokens)
+        if live.device_value is None:
+            raise ValueError(f"node: node {live.id} holds no device data to back up")
+        if live.host_value is not None or live.backup_pending is not None:
+            raise ValueError(f"node: node {live.id} is already backed up or has a backup in flight")
         if components:
             if self._book is None:
                 raise ValueError("components: this tree has no components")
-            self._book.check_backup(node, components)
-        node.backup_pending = host_indices
-        node._backup_owner = None
-        self._pending_tokens += node.num_tokens
+            self._book.check_backup(live, components)
+        live.backup_pending = host_indices
+        live._backup_owner = None
+        self._pending_tokens += live.num_tokens
         if components:
             assert self._book is not None
-            self._book.begin_backup(node, components)
-        self.lock_device(node)
+            self._book.begin_backup(live, components)
+        self._lock_device(self._path(live))
 
     def _pending_group(self, node: TreeNode) -> list[TreeNode]:
         """`node` and the upper parts split off it while its backup was in flight, root-first."""
@@ -82,25 +88,26 @@ class BackupsAndLocks(TreeState):
         group.reverse()
         return group
 
-    def commit_backup(self, node: TreeNode) -> None:
+    def commit_backup(self, node: NodeRef) -> FreeResult:
         """The backup of `node` completed: its pending host indices become its host value; unlocks.
 
-        Upper parts split off the node while the backup was in flight are committed with it.
+        Upper parts split off the node while the backup was in flight are committed with it. Returns the
+        component host indices the commit let go of (a component value dropped while it was copied).
 
         Raises:
             ValueError: no backup in flight, or (except under write-back) the parent is neither the root
                 nor backed up: chains are committed root-first.
         """
-        node = self._require_non_root(node)
-        if node.backup_pending is None:
-            raise ValueError(f"node: node {node.id} has no backup in flight")
-        group = self._pending_group(node)
+        live = self._require_non_root(node)
+        if live.backup_pending is None:
+            raise ValueError(f"node: node {live.id} has no backup in flight")
+        group = self._pending_group(live)
         top_parent = group[0].parent
-        if self.write_policy is not _WB and top_parent is not self.root:
+        if self.write_policy is not _WB and top_parent is not self._root:
             assert top_parent is not None
             if top_parent.host_value is None:
                 raise ValueError(
-                    f"node: cannot commit the backup of node {node.id} before its parent {top_parent.id} "
+                    f"node: cannot commit the backup of node {live.id} before its parent {top_parent.id} "
                     "is backed up (commit chains root-first)"
                 )
         for member in group:
@@ -112,21 +119,21 @@ class BackupsAndLocks(TreeState):
             if member.components is not None:
                 assert self._book is not None
                 self._book.settle_backup(member, True)
-        self.unlock_device(node)
+        self._unlock_device(self._path(live))
+        return FreeResult(component_frees=self._take_frees())
 
-    def abort_backup(self, node: TreeNode) -> torch.Tensor:
-        """The backup of `node` failed or was cancelled: unlock and return its host indices to free.
-
-        Component host indices of the backup are queued for `take_component_frees`.
+    def abort_backup(self, node: NodeRef) -> FreeResult:
+        """The backup of `node` failed or was cancelled: unlock, and return its host indices (and its
+        components') for the caller to free.
 
         Raises:
             ValueError: no backup in flight.
         """
-        node = self._require_non_root(node)
-        if node.backup_pending is None:
-            raise ValueError(f"node: node {node.id} has no backup in flight")
+        live = self._require_non_root(node)
+        if live.backup_pending is None:
+            raise ValueError(f"node: node {live.id} has no backup in flight")
         parts = []
-        for member in self._pending_group(node):
+        for member in self._pending_group(live):
             pending = member.backup_pending
             assert pending is not None
             parts.append(pending)
@@ -136,14 +143,14 @@ class BackupsAndLocks(TreeState):
             if member.components is not None:
                 assert self._book is not None
                 self._book.settle_backup(member, False)
-        self.unlock_device(node)
-        return cat_indices(parts)
+        self._unlock_device(self._path(live))
+        return FreeResult(freed_host=cat_indices(parts), component_frees=self._take_frees())
 
     # ------------------------------------------------------------------ host -> device and demotion
 
     def attach_device(
         self,
-        node: TreeNode,
+        node: NodeRef,
         device_indices: torch.Tensor,
         components: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
@@ -158,13 +165,17 @@ class BackupsAndLocks(TreeState):
         Raises:
             ValueError: the node is not host-only, its parent is not on the device, or a length mismatch.
         """
-        node = self._require_non_root(node)
+        self._attach_device(self._require_non_root(node), device_indices, components)
+
+    def _attach_device(
+        self, node: TreeNode, device_indices: torch.Tensor, components: Mapping[str, torch.Tensor] | None
+    ) -> None:
         check_indices(device_indices, "device_indices", node.num_tokens)
         if node.device_value is not None or node.host_value is None:
             raise ValueError(f"node: node {node.id} is not host-only")
         parent = node.parent
         assert parent is not None
-        if parent is not self.root and parent.device_value is None:
+        if parent is not self._root and parent.device_value is None:
             raise ValueError(f"node: the parent {parent.id} of node {node.id} is not on the device")
         book = self._book
         if components:
@@ -177,34 +188,37 @@ class BackupsAndLocks(TreeState):
             for name, value in components.items():
                 book.set(node, name, "device", value)
 
-    def demote(self, node: TreeNode) -> torch.Tensor:
-        """Drop the device copy of a backed-up node and return its device indices for the caller to free.
+    def demote(self, node: NodeRef) -> FreeResult:
+        """Drop the device copy of a backed-up node and return its device indices (and its components')
+        for the caller to free.
 
         Raises:
             ValueError: the node is not backed up, holds no device data, is device-locked, or has a child
                 on the device.
         """
-        node = self._require_non_root(node)
-        dv = node.device_value
+        live = self._require_non_root(node)
+        dv = live.device_value
         if dv is None:
-            raise ValueError(f"node: node {node.id} holds no device data")
-        if node.host_value is None:
-            raise ValueError(f"node: node {node.id} is not backed up")
-        if node.device_lock:
-            raise ValueError(f"node: node {node.id} is device-locked")
-        if node._dev_children:
-            raise ValueError(f"node: node {node.id} has a child on the device")
-        self._set_device(node, None)
-        return dv
+            raise ValueError(f"node: node {live.id} holds no device data")
+        if live.host_value is None:
+            raise ValueError(f"node: node {live.id} is not backed up")
+        if live.device_lock:
+            raise ValueError(f"node: node {live.id} is device-locked")
+        if live._dev_children:
+            raise ValueError(f"node: node {live.id} has a child on the device")
+        self._set_device(live, None)
+        return FreeResult(freed_device=dv, component_frees=self._take_frees())
 
     # ------------------------------------------------------------------ locks and priority
 
-    def lock_device(self, node: TreeNode) -> None:
+    def lock_device(self, node: NodeRef) -> None:
         """Protect `node` and its ancestors from device eviction (counted; the root is excluded).
 
         Components are locked too: along the path, or only at `node` for those without `lock_path`.
         """
-        path = self._path(node)
+        self._lock_device(self._path(self._require_live(node)))
+
+    def _lock_device(self, path: list[TreeNode]) -> None:
         for cur in path:
             cur.device_lock += 1
             if cur.device_lock == 1:
@@ -218,13 +232,15 @@ class BackupsAndLocks(TreeState):
         if self._book is not None and path:
             self._book.lock(path, "device", 1)
 
-    def unlock_device(self, node: TreeNode) -> None:
+    def unlock_device(self, node: NodeRef) -> None:
         """Release one device lock on `node` and its ancestors.
 
         Raises:
             ValueError: the node is not device-locked.
         """
-        path = self._path(node)
+        self._unlock_device(self._path(self._require_live(node)))
+
+    def _unlock_device(self, path: list[TreeNode]) -> None:
         if path and path[0].device_lock <= 0:
             raise ValueError(f"node: node {path[0].id} is not device-locked")
         for cur in path:
@@ -240,9 +256,9 @@ class BackupsAndLocks(TreeState):
         if self._book is not None and path:
             self._book.lock(path, "device", -1)
 
-    def lock_host(self, node: TreeNode) -> None:
+    def lock_host(self, node: NodeRef) -> None:
         """Protect `node` and its ancestors from host eviction (counted; the root is excluded)."""
-        path = self._path(node)
+        path = self._path(self._require_live(node))
         for cur in path:
             cur.host_lock += 1
             if cur.host_lock == 1:
@@ -254,13 +270,13 @@ class BackupsAndLocks(TreeState):
         if self._book is not None and path:
             self._book.lock(path, "host", 1)
 
-    def unlock_host(self, node: TreeNode) -> None:
+    def unlock_host(self, node: NodeRef) -> None:
         """Release one host lock on `node` and its ancestors.
 
         Raises:
             ValueError: the node is not host-locked.
         """
-        path = self._path(node)
+        path = self._path(self._require_live(node))
         if path and path[0].host_lock <= 0:
             raise ValueError(f"node: node {path[0].id} is not host-locked")
         for cur in path:
@@ -274,17 +290,17 @@ class BackupsAndLocks(TreeState):
         if self._book is not None and path:
             self._book.lock(path, "host", -1)
 
-    def set_priority(self, node: TreeNode, priority: int) -> None:
+    def set_priority(self, node: NodeRef, priority: int) -> None:
         """Set the eviction priority of `node` (lower goes first under the priority policy)."""
-        node = self._require_non_root(node)
+        live = self._require_non_root(node)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority: expected an int, got {type(priority).__name__}")
-        node.priority = priority
-        if node in self._device_leaves:
-            self._device_leaves.push(node)
-        if node in self._host_leaves:
-            self._host_leaves.push(node)
+        live.priority = priority
+        if live in self._device_leaves:
+            self._device_leaves.push(live)
+        if live in self._host_leaves:
+            self._host_leaves.push(live)
         if self._book is not None:
             for leaves in self._book.sets.values():
-                if node in leaves:
-                    leaves.push(node)
+                if live in leaves:
+                    leaves.push(live)

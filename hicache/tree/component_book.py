@@ -3,7 +3,7 @@
 Hybrid components keep their per-node data in `node.components` (`ComponentData` records); the rules
 that differ between kinds (splitting, where a prefix may end, spreading inserted values) are the
 components' hooks, which see values and token counts, never nodes. Every index the book lets go of is
-collected in `frees` until the operation that caused it hands it to its caller.
+collected in `frees` until the operation that caused it returns it in its result.
 """
 
 from __future__ import annotations
@@ -68,24 +68,15 @@ class ComponentBook:
         self.components: tuple[Component, ...] = tuple(sorted(components, key=lambda c: c.rank))
         self.index = seen
         self.slots = {comp.name: _Slots() for comp in self.components}
-        self.sets = {(c.name, tier): LeafSet(policy) for c in self.components for tier in TIERS}
+        self.sets: dict[tuple[str, str], LeafSet] = {
+            (c.name, str(tier)): LeafSet(policy) for c in self.components for tier in TIERS
+        }
         self.frees: list[ComponentFree] = []
-        # What operations returned, kept until `RadixTree.take_component_frees` (the old side queue, until
-        # every caller frees what the results carry).
-        self.queued: list[ComponentFree] = []
 
     def take_frees(self) -> tuple[ComponentFree, ...]:
         """The indices let go of since the last call (what the operation that just ran returns)."""
         out = tuple(self.frees)
         self.frees.clear()
-        self.queued.extend(out)
-        return out
-
-    def drain_queue(self) -> list[ComponentFree]:
-        """Everything let go of and not yet drained (the old side queue)."""
-        out = self.queued + self.frees
-        self.queued = []
-        self.frees = []
         return out
 
     # ------------------------------------------------------------------ one node's data
@@ -346,14 +337,10 @@ class ComponentBook:
         return out
 
     def statistics(self) -> dict[str, ComponentStatistics]:
-        """Per component: slots on each tier, in backups in flight, and let go of but not yet handed out."""
+        """Per component: slots on each tier and in backups in flight, and evictable nodes."""
         out: dict[str, ComponentStatistics] = {}
         for comp in self.components:
             slots = self.slots[comp.name]
-            garbage = [0, 0]
-            for g in (*self.queued, *self.frees):
-                if g.component == comp.name:
-                    garbage[TIERS.index(g.tier)] += int(g.indices.numel())
             out[comp.name] = ComponentStatistics(
                 name=comp.name,
                 device_slots=slots.device,
@@ -361,13 +348,11 @@ class ComponentBook:
                 pending_backup_slots=slots.pending,
                 evictable_device_nodes=len(self.sets[(comp.name, "device")]),
                 evictable_host_nodes=len(self.sets[(comp.name, "host")]),
-                queued_free_device_slots=garbage[0],
-                queued_free_host_slots=garbage[1],
             )
         return out
 
     def indices_owned(self, nodes: list[TreeNode], name: str, tier: str) -> torch.Tensor:
-        """Every index of `name` on `tier` held by `nodes` or not yet handed out (pending backups on the host)."""
+        """Every index of `name` on `tier` held by `nodes` (pending backups on the host tier)."""
         parts: list[torch.Tensor] = []
         for node in nodes:
             comps = node.components
@@ -379,5 +364,4 @@ class ComponentBook:
                 parts.append(value)
             if tier == "host" and data.backup_pending is not None:
                 parts.append(data.backup_pending)
-        parts.extend(g.indices for g in (*self.queued, *self.frees) if g.component == name and g.tier == tier)
         return cat_indices(parts)

@@ -8,8 +8,9 @@ import torch
 from hicache.components.base import TIERS
 from hicache.policy import WritePolicy
 from hicache.tree.checks import cat_indices, check_count
+from hicache.tree.handles import NodeRef
 from hicache.tree.node import TreeNode
-from hicache.tree.results import EvictResult, HostEvictResult
+from hicache.tree.results import ComponentEvictResult, EvictResult, HostEvictResult
 from hicache.tree.state import TreeState
 
 __all__ = ["Eviction"]
@@ -43,10 +44,10 @@ class Eviction(TreeState):
         room = check_count(host_free_tokens, "host_free_tokens")
         leaves = self._device_leaves
         write_back = self.write_policy is _WB
-        root = self.root
+        root = self._root
         freed_device: list[torch.Tensor] = []
         freed_host: list[torch.Tensor] = []
-        backups: list[tuple[TreeNode, ...]] = []
+        backups: list[tuple[NodeRef, ...]] = []
         planned: set[TreeNode] = set()  # nodes of the chains in `backups`
         skipped: dict[TreeNode, None] = {}  # kept (pushed back at the end), in order
         got = dropped = 0
@@ -86,7 +87,7 @@ class Eviction(TreeState):
                     room -= cost
                     chain.reverse()
                     planned.update(chain)
-                    backups.append(tuple(chain))
+                    backups.append(tuple(self._ref(n) for n in chain))
                     skipped[node] = None
                     got += n
                     continue
@@ -156,12 +157,12 @@ class Eviction(TreeState):
             self._detach(node)
         return HostEvictResult(cat_indices(freed), got, self._take_frees())
 
-    def evict_component(self, name: str, num_slots: int, tier: str = "device") -> int:
+    def evict_component(self, name: str, num_slots: int, tier: str = "device") -> ComponentEvictResult:
         """Free at least `num_slots` slots of component `name` on `tier` while the nodes stay.
 
         Unlocked values go in policy order; each also drops the higher-ranked components of its node
-        (a sliding-window tombstone drops the node's Mamba state). The freed indices are queued for
-        `take_component_frees`. Returns the slots of `name` freed (fewer when nothing more is evictable).
+        (a sliding-window tombstone drops the node's Mamba state). Stops early (a value, not an error)
+        when nothing more is evictable.
 
         Raises:
             ValueError: an unknown component or tier; TypeError: a count that is not an int.
@@ -181,4 +182,4 @@ class Eviction(TreeState):
             if node is None:
                 break
             got += book.drop_cascade(node, comp, tier)
-        return got
+        return ComponentEvictResult(got, self._take_frees())

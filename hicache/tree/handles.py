@@ -41,6 +41,7 @@ class NodeInfo:
         ref: the node's handle.
         parent: the parent's handle (`None` for the root).
         children: the children's handles.
+        key: the node's tokens as little-endian int64 bytes (whole pages).
         num_tokens: tokens of the node's key.
         device_value: device pool indices, or `None` when not on the device.
         host_value: host pool indices, or `None` when not backed up.
@@ -55,6 +56,7 @@ class NodeInfo:
     ref: NodeRef
     parent: NodeRef | None
     children: tuple[NodeRef, ...]
+    key: bytes
     num_tokens: int
     device_value: torch.Tensor | None
     host_value: torch.Tensor | None
@@ -69,6 +71,11 @@ class NodeInfo:
     def backed_up(self) -> bool:
         """Whether the node has a host copy."""
         return self.host_value is not None
+
+    @property
+    def evicted(self) -> bool:
+        """Whether the node's device copy is gone."""
+        return self.device_value is None
 
 
 @dataclass(frozen=True, slots=True)

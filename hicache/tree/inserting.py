@@ -10,6 +10,7 @@ import torch
 from hicache.keys import KeyLike
 from hicache.policy import WritePolicy
 from hicache.tree.checks import check_indices
+from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
 from hicache.tree.node import TreeNode
 from hicache.tree.results import InsertResult
@@ -80,7 +81,7 @@ class Inserting(TreeState):
         self._clock = tick = self._clock + 1
         backup_hits = self._backup_hits
         backups: list[TreeNode] = []
-        root = node = self.root
+        root = node = self._root
         pos = 0
         prefix_bytes = 0
         # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
@@ -148,8 +149,14 @@ class Inserting(TreeState):
             assert self._book is not None
             self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
         frees = self._take_frees() if self._book is not None else ()
+        ref = self._ref
         return InsertResult(
-            prefix_bytes >> 3, end >> 3, node, tuple(backups) if backups else (), False, frees
+            prefix_bytes >> 3,
+            end >> 3,
+            ref(node),
+            tuple([ref(n) for n in backups]) if backups else (),
+            False,
+            frees,
         )
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
@@ -167,7 +174,7 @@ class Inserting(TreeState):
 
     def insert_host(
         self,
-        anchor: TreeNode,
+        anchor: NodeRef,
         key: KeyLike,
         host_indices: torch.Tensor,
         hashes: list[bytes] | None = None,
@@ -192,7 +199,7 @@ class Inserting(TreeState):
         Raises:
             TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
         """
-        anchor = self._require_live(anchor, "anchor")
+        start = self._require_live(anchor, "anchor")
         kb, ntok = self._aligned_key(key)
         check_indices(host_indices, "host_indices", ntok)
         comp_values = self._component_values(components, len(kb) >> 3) if components else None
@@ -204,14 +211,14 @@ class Inserting(TreeState):
             if len(hashes) != end // step:
                 raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
         # A dry walk first: a dropped refill must leave the tree untouched (no split either).
-        node = anchor
+        node = start
         pos = 0
         attach_backed = True
         attach_id = node.id
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
             if child is None:
-                attach_backed = node is self.root or node.host_value is not None
+                attach_backed = node is self._root or node.host_value is not None
                 attach_id = node.id
                 break
             matched = self._matched_bytes(kb, pos, child.key)
@@ -227,10 +234,10 @@ class Inserting(TreeState):
                 (end - pos) >> 3,
                 attach_id,
             )
-            return InsertResult(0, 0, anchor, (), True)
+            return InsertResult(0, 0, self._ref(start), (), True)
         self._clock += 1
         tick = self._clock
-        node = anchor
+        node = start
         pos = 0
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
@@ -253,5 +260,5 @@ class Inserting(TreeState):
             node = leaf
         if comp_values:
             assert self._book is not None
-            self._book.attach(self._key_path(kb, anchor), 0, end >> 3, ntok, comp_values, "host")
-        return InsertResult(prefix, end >> 3, node, (), False, self._take_frees())
+            self._book.attach(self._key_path(kb, start), 0, end >> 3, ntok, comp_values, "host")
+        return InsertResult(prefix, end >> 3, self._ref(node), (), False, self._take_frees())

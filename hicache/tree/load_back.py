@@ -11,12 +11,11 @@ from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import cat_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import Matching
-from hicache.tree.node import TreeNode
 from hicache.tree.results import ComponentFree, LoadResult
 
 __all__ = ["LoadBack"]
 
-LoadedComponents = Mapping[tuple[NodeRef | TreeNode, str], tuple[torch.Tensor, torch.Tensor]]
+LoadedComponents = Mapping[tuple[NodeRef, str], tuple[torch.Tensor, torch.Tensor]]
 """Per (host node of the match, component name): (the host value copied, its device copy)."""
 
 
@@ -86,7 +85,7 @@ class LoadBack(Matching, BackupsAndLocks):
                         comps[comp] = entry[1]
                     else:
                         frees.append(ComponentFree(comp, "device", entry[1]))
-                self.attach_device(node, device_indices[offset - start : node_end - start], comps or None)
+                self._attach_device(node, device_indices[offset - start : node_end - start], comps or None)
             offset = node_end
         if offset < end:
             # A tail not attached: nodes loaded meanwhile by another request, or beyond where the match now

@@ -57,7 +57,7 @@ class Matching(TreeState):
         if self._book is not None:
             return self._match_hybrid(kb)
         self._clock = tick = self._clock + 1
-        node = last_host = self.root
+        node = last_host = self._root
         pos = 0
         device_values: list[torch.Tensor] = []
         # The device stretch of the path (the common case) here; host-only nodes, which by device prefix
@@ -81,7 +81,17 @@ class Matching(TreeState):
             if child.host_value is not None:
                 last_host = child
             node = child
-        return MatchResult(kb, tuple(device_values), pos >> 3, 0, node, last_host, (), node._path_indices)
+        ref = self._ref
+        return MatchResult(
+            kb,
+            tuple(device_values),
+            pos >> 3,
+            0,
+            node._ref or ref(node),
+            last_host._ref or ref(last_host),
+            (),
+            node._path_indices,
+        )
 
     def _match_host_tail(
         self,
@@ -123,9 +133,9 @@ class Matching(TreeState):
             tuple(device_values),
             device_end >> 3,
             (pos - device_end) >> 3,
-            last_device,
-            last_host,
-            tuple(host_nodes),
+            self._ref(last_device),
+            self._ref(last_host),
+            tuple([self._ref(n) for n in host_nodes]),
             last_device._path_indices,
             tuple(n.host_value for n in host_nodes if n.host_value is not None),
         )
@@ -138,7 +148,7 @@ class Matching(TreeState):
         tick = self._clock
         step = self._step
         end = len(kb)
-        root = self.root
+        root = self._root
         node = root
         pos = 0
         path: list[TreeNode] = []
@@ -184,9 +194,9 @@ class Matching(TreeState):
             device_values,
             sum(n.num_tokens for n in device_nodes),
             sum(n.num_tokens for n in host_nodes),
-            last_device,
-            last_host,
-            tuple(host_nodes),
+            self._ref(last_device),
+            self._ref(last_host),
+            tuple([self._ref(n) for n in host_nodes]),
             last_device._path_indices,
             tuple(n.host_value for n in host_nodes if n.host_value is not None),
         )
@@ -208,7 +218,7 @@ class Matching(TreeState):
         kb = kb[:end]
         # The walk: per node, the tokens of it the key matches (only the last may be partial).
         path: list[tuple[TreeNode, int]] = []
-        node = self.root
+        node = self._root
         pos = 0
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
@@ -261,38 +271,38 @@ class Matching(TreeState):
                 return False
         return True
 
-    def depth(self, node: TreeNode) -> int:
+    def depth(self, node: NodeRef) -> int:
         """Tokens from the root to the end of `node` (O(depth))."""
         cur = self._require_live(node)
         depth = 0
-        while cur is not self.root:
+        while cur is not self._root:
             depth += len(cur.key) >> 3
             assert cur.parent is not None
             cur = cur.parent
         return depth
 
-    def page_hashes(self, node: TreeNode) -> list[bytes]:
+    def page_hashes(self, node: NodeRef) -> list[bytes]:
         """`node`'s own page hashes, one per page (a copy; empty for the root)."""
         return list(self._require_live(node).hashes)
 
-    def last_hash(self, node: TreeNode) -> bytes:
+    def last_hash(self, node: NodeRef) -> bytes:
         """The hash of `node`'s last page: what the hashes of pages below it continue from."""
         return self._require_live(node).last_hash
 
-    def device_indices(self, node: TreeNode) -> torch.Tensor:
+    def device_indices(self, node: NodeRef) -> torch.Tensor:
         """The device indices of the root path ending at `node`, joined (cached on the node; read-only).
 
         Raises:
             ValueError: `node` or one of its ancestors is not on the device.
         """
         live = self._require_live(node)
-        if live is self.root:
+        if live is self._root:
             return EMPTY_INDICES
         if live.device_value is None:
             raise ValueError(f"node: node {live.id} is not on the device")
         return self._path_device_indices(live)
 
-    def stored_path(self, node: TreeNode) -> StoredPath | None:
+    def stored_path(self, node: NodeRef) -> StoredPath | None:
         """The leading backed-up nodes of the root path to `node`, with their page hashes and host values
         (what a storage write of that path needs); `None` when `node` left the tree or is not backed up.
         """
@@ -304,7 +314,7 @@ class Matching(TreeState):
             return None
         path: list[TreeNode] = []
         cur = live
-        while cur is not self.root:
+        while cur is not self._root:
             path.append(cur)
             assert cur.parent is not None
             cur = cur.parent
@@ -319,3 +329,39 @@ class Matching(TreeState):
             hashes.append(tuple(n.hashes))
             values.append(n.host_value)
         return StoredPath(tuple(nodes), tuple(hashes), tuple(values))
+
+    def node_at(self, key: KeyLike, tokens: int) -> NodeRef:
+        """The node of `key`'s cached path that ends exactly `tokens` tokens in, splitting the node that
+        spans that point if needed; the LRU clock is not touched (what `peek`'s `anchor_len` names).
+
+        Args:
+            key: the token key.
+            tokens: a page-aligned position on the cached path of `key` (0: the root).
+
+        Raises:
+            TypeError, ValueError: a malformed key, a position that is not page-aligned, or a path that
+                ends before it.
+        """
+        kb, _ = self._aligned_key(key)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0 or tokens % self.page_size:
+            raise ValueError(f"tokens: expected a page-aligned int >= 0, got {tokens!r}")
+        end = tokens * 8
+        if end > len(kb):
+            raise ValueError(f"tokens: {tokens} is beyond the page-aligned key")
+        step = self._step
+        node = self._root
+        pos = 0
+        while pos < end:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
+                raise ValueError(f"tokens: the cached path of the key ends at {pos >> 3}, before {tokens}")
+            matched = self._matched_bytes(kb[:end], pos, child.key)
+            if matched < len(child.key):
+                if pos + matched < end:
+                    raise ValueError(
+                        f"tokens: the cached path of the key ends at {(pos + matched) >> 3}, before {tokens}"
+                    )
+                child = self._split(child, matched)
+            pos += matched
+            node = child
+        return self._ref(node)

@@ -166,16 +166,6 @@ class TreeNode:
             return ROOT_HASH
         return self.hashes[-1]
 
-    @property
-    def backed_up(self) -> bool:
-        """Whether the node's pages have a host copy."""
-        return self.host_value is not None
-
-    @property
-    def evicted(self) -> bool:
-        """Whether the node's device copy is gone."""
-        return self.device_value is None
-
     def __repr__(self) -> str:
         tiers = []
         if self.device_value is not None:

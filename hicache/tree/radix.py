@@ -14,10 +14,10 @@ import torch
 
 from hicache.components.base import TIERS, Component
 from hicache.tree.eviction import Eviction
+from hicache.tree.handles import NodeRef
 from hicache.tree.inserting import Inserting
 from hicache.tree.load_back import LoadBack
-from hicache.tree.node import TreeNode
-from hicache.tree.results import EMPTY_INDICES, ComponentFree, ComponentStatistics
+from hicache.tree.results import EMPTY_INDICES, ComponentStatistics
 from hicache.tree.sanity import check_tree
 
 __all__ = ["RadixTree"]
@@ -55,56 +55,47 @@ class RadixTree(LoadBack, Inserting, Eviction):
         """The tree's components in eviction order (lowest rank first); empty without components."""
         return self._book.components if self._book is not None else ()
 
-    def take_component_frees(self) -> list[ComponentFree]:
-        """Component indices the tree let go of since the last call; the caller returns them to the pools.
-
-        Every operation that drops a node's value (eviction, demotion, a cascade, a duplicate insert)
-        queues the component indices here instead of returning them, so the base API stays unchanged.
-        """
-        return self._book.drain_queue() if self._book is not None else []
-
-    def queued_component_frees(self) -> tuple[ComponentFree, ...]:
-        """The component indices queued for `take_component_frees`, without taking them (for checks)."""
-        return (*self._book.queued, *self._book.frees) if self._book is not None else ()
-
-    def component_value(self, node: TreeNode, name: str, tier: str = "device") -> torch.Tensor | None:
+    def component_value(self, node: NodeRef, name: str, tier: str = "device") -> torch.Tensor | None:
         """`node`'s value of component `name` on `tier` (`None` when it holds none there)."""
+        live = self._require_live(node)
         if self._book is None:
             return None
-        return self._book.value(node, name, tier)
+        return self._book.value(live, name, tier)
 
-    def component_window(self, node: TreeNode, tier: str = "device") -> dict[str, torch.Tensor]:
+    def component_window(self, node: NodeRef, tier: str = "device") -> dict[str, torch.Tensor]:
         """The component indices a prefix ending at `node` uses on `tier`, root-first per component.
 
         For each component whose `valid_end` holds there: the values it reads (sliding window: the
         window's suffix values; Mamba: the node's state). Empty entries are omitted.
         """
-        if self._book is None or node is self.root:
+        live = self._require_live(node)
+        if self._book is None or live is self._root:
             return {}
-        return self._book.window(node, self.root, tier)
+        return self._book.window(live, self._root, tier)
 
-    def valid_end(self, node: TreeNode, tier: str | None = "device") -> bool:
+    def valid_end(self, node: NodeRef, tier: str | None = "device") -> bool:
         """Whether every component allows a prefix ending at `node` on `tier` (always without components).
 
         Tier `None` reads the device value on device nodes and the host value on the others: whether the
         prefix is valid once its host-only nodes are loaded back.
         """
-        if self._book is None or node is self.root:
+        live = self._require_live(node)
+        if self._book is None or live is self._root:
             return True
-        return self._book.valid_end(node, self.root, tier)
+        return self._book.valid_end(live, self._root, tier)
 
     def component_statistics(self) -> dict[str, ComponentStatistics]:
-        """Per component: slots on each tier, in backups in flight, and queued for freeing (O(1))."""
+        """Per component: slots on each tier and in backups in flight, and evictable nodes (O(1))."""
         return self._book.statistics() if self._book is not None else {}
 
     def component_indices_owned(self, name: str, tier: str) -> torch.Tensor:
-        """Every index of component `name` on `tier` the tree holds or queued for freeing (O(tree), tests).
+        """Every index of component `name` on `tier` the tree holds (O(tree), for tests).
 
         Host indices of backups in flight are included on the host tier.
         """
         if self._book is None:
             return EMPTY_INDICES
-        return self._book.indices_owned(self.iter_nodes(), name, _check_tier(tier))
+        return self._book.indices_owned(self._iter_nodes(), name, _check_tier(tier))
 
     # ------------------------------------------------------------------ observation
 

@@ -11,13 +11,15 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from hicache.tree.node import TreeNode
+    from hicache.tree.handles import NodeRef
 
 __all__ = [
     "EMPTY_INDICES",
+    "ComponentEvictResult",
     "ComponentFree",
     "ComponentStatistics",
     "EvictResult",
+    "FreeResult",
     "HostEvictResult",
     "InsertResult",
     "LoadResult",
@@ -85,9 +87,9 @@ class MatchResult:
         device_values: tuple[torch.Tensor, ...],
         device_len: int,
         host_len: int,
-        last_device_node: TreeNode,
-        last_host_node: TreeNode,
-        host_nodes: tuple[TreeNode, ...],
+        last_device_node: NodeRef,
+        last_host_node: NodeRef,
+        host_nodes: tuple[NodeRef, ...],
         indices: torch.Tensor | None = None,
         host_values: tuple[torch.Tensor, ...] = (),
     ) -> None:
@@ -182,8 +184,8 @@ class InsertResult:
         self,
         prefix_len: int,
         total_len: int,
-        node: TreeNode,
-        backups: tuple[TreeNode, ...] = (),
+        node: NodeRef,
+        backups: tuple[NodeRef, ...] = (),
         host_insert_dropped: bool = False,
         component_frees: tuple[ComponentFree, ...] = (),
     ) -> None:
@@ -222,13 +224,13 @@ class EvictResult:
     freed_device: torch.Tensor
     freed_host: torch.Tensor
     evicted_tokens: int
-    backups: tuple[tuple[TreeNode, ...], ...] = ()
+    backups: tuple[tuple[NodeRef, ...], ...] = ()
     backup_tokens: int = 0
     dropped_tokens: int = 0
     component_frees: tuple[ComponentFree, ...] = ()
 
     @property
-    def backup_first(self) -> tuple[TreeNode, ...]:
+    def backup_first(self) -> tuple[NodeRef, ...]:
         """The leaf that ends each chain of `backups` (what `backup_chain` expands to the chain)."""
         return tuple(chain[-1] for chain in self.backups)
 
@@ -245,6 +247,36 @@ class HostEvictResult:
 
     freed_host: torch.Tensor
     evicted_tokens: int
+    component_frees: tuple[ComponentFree, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FreeResult:
+    """Indices an operation let go of (`demote`, `commit_backup`, `abort_backup`); the caller frees them.
+
+    Attributes:
+        freed_device: device indices for the device pool.
+        freed_host: host indices for the host pool.
+        component_frees: component indices for the components' pools.
+    """
+
+    freed_device: torch.Tensor = EMPTY_INDICES
+    freed_host: torch.Tensor = EMPTY_INDICES
+    component_frees: tuple[ComponentFree, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentEvictResult:
+    """What `evict_component` freed.
+
+    Attributes:
+        evicted_slots: slots of the component asked for that were freed (fewer when nothing more is
+            evictable).
+        component_frees: every component index let go of (the cascade to higher-ranked components
+            included); the caller returns them to their pools.
+    """
+
+    evicted_slots: int
     component_frees: tuple[ComponentFree, ...] = ()
 
 
@@ -310,8 +342,6 @@ class ComponentStatistics:
         pending_backup_slots: host slots of backups in flight.
         evictable_device_nodes: nodes whose device value can be evicted now.
         evictable_host_nodes: nodes whose host value can be evicted now.
-        queued_free_device_slots: device slots let go of, waiting for `take_component_frees`.
-        queued_free_host_slots: host slots let go of, waiting for `take_component_frees`.
     """
 
     name: str
@@ -320,5 +350,3 @@ class ComponentStatistics:
     pending_backup_slots: int
     evictable_device_nodes: int
     evictable_host_nodes: int
-    queued_free_device_slots: int
-    queued_free_host_slots: int

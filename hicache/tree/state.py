@@ -86,9 +86,9 @@ class TreeState:
             WritePolicy.WRITE_BACK: None,
         }[self.write_policy]
         self._serial = next(_TREE_SERIALS)  # tells this tree's handles from another's
-        self.root = TreeNode(0, None, b"", self._ctx)
-        self.root.hashes = []
-        self._nodes: dict[int, TreeNode] = {0: self.root}  # every live node by id, to resolve handles
+        self._root = TreeNode(0, None, b"", self._ctx)
+        self._root.hashes = []
+        self._nodes: dict[int, TreeNode] = {0: self._root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
         self._host_leaves = LeafSet(self.eviction_policy)
         self._num_nodes = 0
@@ -284,24 +284,19 @@ class TreeState:
             if node is None:
                 raise ValueError(f"{name}: {ref!r} is not a live node of this tree")
             return node
-        if isinstance(ref, TreeNode):  # the controller's old call sites, until they hold handles
-            if self._nodes.get(ref.id) is not ref:
-                raise ValueError(f"{name}: node {ref.id} is not a live node of this tree")
-            return ref
         raise TypeError(f"{name}: expected a NodeRef, got {type(ref).__name__}")
 
     def _require_non_root(self, node: object, name: str = "node") -> TreeNode:
         live = self._require_live(node, name)
-        if live is self.root:
+        if live is self._root:
             raise ValueError(f"{name}: the root holds no pages")
         return live
 
-    def _path(self, node: object) -> list[TreeNode]:
+    def _path(self, node: TreeNode) -> list[TreeNode]:
         """`node` and its ancestors below the root, deepest first."""
-        live = self._require_live(node)
         path = []
-        cur = live
-        while cur is not self.root:
+        cur = node
+        while cur is not self._root:
             path.append(cur)
             assert cur.parent is not None
             cur = cur.parent
@@ -320,7 +315,7 @@ class TreeState:
             return cached
         parts: list[torch.Tensor] = []
         cur = node
-        while cur is not self.root:
+        while cur is not self._root:
             assert cur.device_value is not None
             assert cur.parent is not None
             parts.append(cur.device_value)
@@ -335,32 +330,42 @@ class TreeState:
 
     # ------------------------------------------------------------------ observation
 
-    def node_info(self, ref: NodeRef) -> NodeInfo:
-        """A snapshot of the node `ref` names (its tensors are the tree's: read, never write).
+    def node_info(self, node: NodeRef) -> NodeInfo:
+        """A snapshot of `node` (its tensors are the tree's: read, never write into them).
 
         Raises:
-            TypeError, ValueError: `ref` is not a handle on a live node of this tree.
+            TypeError, ValueError: `node` is not a handle on a live node of this tree.
         """
-        node = self._require_live(ref, "ref")
-        parent = node.parent
+        live = self._require_live(node)
+        parent = live.parent
         return NodeInfo(
-            ref=self._ref(node),
+            ref=self._ref(live),
             parent=None if parent is None else self._ref(parent),
-            children=tuple(self._ref(c) for c in node.children.values()),
-            num_tokens=len(node.key) >> 3,
-            device_value=node.device_value,
-            host_value=node.host_value,
-            backup_pending=node.backup_pending,
-            device_lock=node.device_lock,
-            host_lock=node.host_lock,
-            hit_count=node.hit_count,
-            last_access=node.last_access,
-            priority=node.priority,
+            children=tuple(self._ref(c) for c in live.children.values()),
+            key=live.key,
+            num_tokens=len(live.key) >> 3,
+            device_value=live.device_value,
+            host_value=live.host_value,
+            backup_pending=live.backup_pending,
+            device_lock=live.device_lock,
+            host_lock=live.host_lock,
+            hit_count=live.hit_count,
+            last_access=live.last_access,
+            priority=live.priority,
         )
 
-    def is_live(self, ref: NodeRef) -> bool:
-        """Whether `ref` names a node still in this tree."""
-        return type(ref) is NodeRef and ref.tree == self._serial and ref.id in self._nodes
+    def is_live(self, node: NodeRef) -> bool:
+        """Whether `node` names a node still in this tree."""
+        return type(node) is NodeRef and node.tree == self._serial and node.id in self._nodes
+
+    @property
+    def root(self) -> NodeRef:
+        """The root's handle (the empty prefix; it holds no pages)."""
+        return self._ref(self._root)
+
+    def iter_nodes(self) -> list[NodeRef]:
+        """Every node except the root, parents before children (O(tree): for tests and diagnostics)."""
+        return [self._ref(n) for n in self._iter_nodes()]
 
     def held_indices(self) -> HeldIndices:
         """Every index the tree holds, per pool (O(tree): for the controller's ownership check)."""
@@ -368,7 +373,7 @@ class TreeState:
         host: list[torch.Tensor] = []
         pending: list[torch.Tensor] = []
         comps: dict[tuple[str, str], list[torch.Tensor]] = {}
-        for node in self.iter_nodes():
+        for node in self._iter_nodes():
             for part, out in (
                 (node.device_value, device),
                 (node.host_value, host),
@@ -409,10 +414,10 @@ class TreeState:
         """Device tokens in device-locked nodes."""
         return self._protected_size
 
-    def iter_nodes(self) -> list[TreeNode]:
-        """Every node except the root, parents before children (O(tree): for tests and diagnostics)."""
+    def _iter_nodes(self) -> list[TreeNode]:
+        """Every node except the root, parents before children."""
         out: list[TreeNode] = []
-        stack = list(self.root.children.values())
+        stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
             out.append(node)
@@ -421,12 +426,12 @@ class TreeState:
 
     def device_tokens_owned(self) -> torch.Tensor:
         """Every device index the tree holds (O(tree): for exact pool accounting in tests)."""
-        return cat_indices([n.device_value for n in self.iter_nodes() if n.device_value is not None])
+        return cat_indices([n.device_value for n in self._iter_nodes() if n.device_value is not None])
 
     def host_tokens_owned(self) -> torch.Tensor:
         """Every host index the tree holds, pending backups included (O(tree): for pool accounting)."""
         parts = []
-        for n in self.iter_nodes():
+        for n in self._iter_nodes():
             if n.host_value is not None:
                 parts.append(n.host_value)
             if n.backup_pending is not None:

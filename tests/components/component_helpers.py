@@ -141,7 +141,7 @@ def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:
                 for name, d in (n.components or {}).items()
             ),
         )
-        for n in tree_of(cache).iter_nodes()
+        for n in map(tree_of(cache)._require_live, tree_of(cache).iter_nodes())  # white-box: whole nodes
     )
     pools = [
         cache.device_pool,

@@ -62,9 +62,9 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
         assert device is not None
         tree_of(cache).insert(seq[:16], device)  # full attention only, not backed up yet
         anchor = tree_of(cache).match_prefix(seq[:16])
-        parent = next(iter(tree_of(cache).root.children.values()))
-        assert parent.device_value is not None
-        assert not parent.backed_up
+        (parent,) = tree_of(cache).node_info(tree_of(cache).root).children
+        assert tree_of(cache).node_info(parent).device_value is not None
+        assert not tree_of(cache).node_info(parent).backed_up
         assert anchor.device_len == 0  # no window, no state: not a usable prefix
         release_queue_of(cache).history = []
         prefetch = await cache.prefetch("r1", seq)
@@ -84,7 +84,7 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
         assert [t.component for t in release.transfers] == ["swa", "mamba"]
         stats = tree_of(cache).component_statistics()
         assert all(s.host_slots == 0 and s.pending_backup_slots == 0 for s in stats.values())
-        assert parent.children == {}
+        assert tree_of(cache).node_info(parent).children == ()
         cache.sanity_check()
         evicted = tree_of(cache).evict_device(16)
         cache.device_pool.free(evicted.freed_device)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import pytest
 import torch
 
 from hicache.components import MambaState, SlidingWindow
 from hicache.errors import InvariantViolation
-from hicache.memory import KVLayout
-from hicache.tree import RadixTree
+from hicache.layout import KVLayout
+from hicache.tree import ComponentFree, RadixTree
+
+
+class HasFrees(Protocol):
+    @property
+    def component_frees(self) -> tuple[ComponentFree, ...]: ...
+
 
 PAGE = 4
 WINDOW = 8
@@ -35,10 +43,12 @@ def seq(n: int, start: int = 0) -> list[int]:
     return list(range(start, start + n))
 
 
-def frees(tree: RadixTree) -> dict[tuple[str, str], list[int]]:
+def frees(*results: HasFrees) -> dict[tuple[str, str], list[int]]:
+    """The component indices the results say the tree let go of, by (component, tier)."""
     out: dict[tuple[str, str], list[int]] = {}
-    for f in tree.take_component_frees():
-        out.setdefault((f.component, f.tier), []).extend(f.indices.tolist())
+    for r in results:
+        for f in r.component_frees:
+            out.setdefault((f.component, f.tier), []).extend(f.indices.tolist())
     return out
 
 
@@ -47,13 +57,13 @@ def test_a_match_ends_only_where_the_sliding_window_is_complete() -> None:
     previous node end: the window before the split point has no KV."""
     tree = make_tree("swa")
     a, b = seq(16), seq(16, 100)
-    tree.insert(a, ids(0, 16), {"swa": ids(0, 8)})
-    tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8)})
+    r1 = tree.insert(a, ids(0, 16), {"swa": ids(0, 8)})
+    r2 = tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8)})
     assert tree.match_prefix(a + b).device_len == 32
     assert tree.match_prefix(a).device_len == 16
     # Ending after b's first 8 tokens: b's window KV covers only its last 8 tokens.
     assert tree.match_prefix(a + b[:8]).device_len == 16
-    assert frees(tree) == {}  # every window index found a node
+    assert frees(r1, r2) == {}  # every window index found a node
     tree.sanity_check()
 
 
@@ -64,17 +74,18 @@ def test_old_window_pages_become_a_tombstone_while_the_node_keeps_serving_full_a
     a, b = seq(16), seq(16, 100)
     tree.insert(a, ids(0, 16), {"swa": ids(0, 8)})
     tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8)})
-    tree.take_component_frees()
     upper = tree.match_prefix(a).last_device_node
     tree.lock_device(tree.match_prefix(a + b).last_device_node)  # protects b's window (and a's)
-    assert tree.evict_component("swa", 8) == 0
+    assert tree.evict_component("swa", 8).evicted_slots == 0
     tree.unlock_device(tree.match_prefix(a + b).last_device_node)
     # LRU: a was touched by the last match too; both are candidates; evict until a's window is gone.
+    evicted = []
     while tree.component_value(upper, "swa") is not None:
-        assert tree.evict_component("swa", 1) > 0
-    assert upper.device_value is not None  # the node stays for full attention
+        evicted.append(tree.evict_component("swa", 1))
+        assert evicted[-1].evicted_slots > 0
+    assert tree.node_info(upper).device_value is not None  # the node stays for full attention
     assert tree.match_prefix(a).device_len == 0
-    assert set(range(8)) <= set(frees(tree)[("swa", "device")])
+    assert set(range(8)) <= set(frees(*evicted)[("swa", "device")])
     tree.sanity_check()
 
 
@@ -101,20 +112,19 @@ def test_a_host_match_may_pass_a_shared_prefix_that_holds_no_state() -> None:
     tree.insert(a + b, ids(0, 32), {"mamba": ids(0, 1)})
     tree.insert(a + c, ids(32, 32), {"mamba": ids(1, 1)})
     own = tree.match_prefix(a + b).last_device_node
-    upper = own.parent
+    upper = tree.node_info(own).parent
     assert upper is not None
     assert tree.component_value(upper, "mamba") is None  # the split point holds no state
     tree.begin_backup(upper, ids(100, 16))
     tree.commit_backup(upper)
     tree.begin_backup(own, ids(116, 16), {"mamba": ids(5, 1)})
     tree.commit_backup(own)
-    tree.demote(own)
-    frees(tree)
+    assert frees(tree.demote(own)) == {("mamba", "device"): [0]}
     m = tree.match_prefix(a + b)
     assert (m.device_len, m.host_len) == (16, 16)
     assert m.host_nodes == (own,)
     # Without the host state the same prefix matches nothing: the shared node is no valid end.
-    assert tree.evict_component("mamba", 1, "host") == 1
+    assert tree.evict_component("mamba", 1, "host").evicted_slots == 1
     m = tree.match_prefix(a + b)
     assert (m.device_len, m.host_len) == (0, 0)
     tree.sanity_check()
@@ -123,8 +133,8 @@ def test_a_host_match_may_pass_a_shared_prefix_that_holds_no_state() -> None:
 def test_a_state_on_an_unaligned_key_is_handed_back() -> None:
     """A state taken after a partial last page does not sit at a node end: the tree frees it."""
     tree = make_tree("mamba")
-    tree.insert(seq(18), ids(0, 18), {"mamba": ids(5, 1)})
-    assert frees(tree) == {("mamba", "device"): [5]}
+    r = tree.insert(seq(18), ids(0, 18), {"mamba": ids(5, 1)})
+    assert frees(r) == {("mamba", "device"): [5]}
     assert tree.match_prefix(seq(16)).device_len == 0
     tree.sanity_check()
 
@@ -136,20 +146,20 @@ def test_evicting_the_window_cascades_to_the_state_and_evicting_full_attention_t
     a = seq(16)
     tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
     node = tree.match_prefix(a).last_device_node
-    assert tree.evict_component("mamba", 1) == 1
+    r = tree.evict_component("mamba", 1)
+    assert r.evicted_slots == 1
     assert tree.component_value(node, "swa") is not None  # a state eviction leaves the window
-    assert frees(tree) == {("mamba", "device"): [0]}
-    tree.insert(a, ids(100, 16), {"mamba": ids(3, 1)})
+    assert frees(r) == {("mamba", "device"): [0]}
+    assert frees(tree.insert(a, ids(100, 16), {"mamba": ids(3, 1)})) == {}
     assert tree.component_value(node, "mamba") is not None
-    frees(tree)
-    assert tree.evict_component("swa", 8) == 8
+    r = tree.evict_component("swa", 8)
+    assert r.evicted_slots == 8
     assert tree.component_value(node, "mamba") is None
-    assert frees(tree) == {("swa", "device"): list(range(8)), ("mamba", "device"): [3]}
-    tree.insert(a, ids(100, 16), {"swa": ids(8, 8), "mamba": ids(4, 1)})
-    frees(tree)
+    assert frees(r) == {("swa", "device"): list(range(8)), ("mamba", "device"): [3]}
+    assert frees(tree.insert(a, ids(100, 16), {"swa": ids(8, 8), "mamba": ids(4, 1)})) == {}
     evicted = tree.evict_device(16)
     assert evicted.freed_device.tolist() == list(range(16))
-    assert frees(tree) == {("swa", "device"): list(range(8, 16)), ("mamba", "device"): [4]}
+    assert frees(evicted) == {("swa", "device"): list(range(8, 16)), ("mamba", "device"): [4]}
     tree.sanity_check()
 
 
@@ -160,20 +170,20 @@ def test_component_locks_are_per_component_and_never_above_the_base_lock() -> No
     a, b = seq(16), seq(16, 100)
     tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
     tree.insert(a + b, ids(0, 32), {"swa": ids(8, 8), "mamba": ids(1, 1)})
-    frees(tree)
     leaf = tree.match_prefix(a + b).last_device_node
     upper = tree.match_prefix(a).last_device_node
     tree.lock_device(leaf)
-    assert tree.evict_component("swa", 100) == 0
-    assert tree.evict_component("mamba", 100) == 1  # the ancestor's state only
+    assert tree.evict_component("swa", 100).evicted_slots == 0
+    assert tree.evict_component("mamba", 100).evicted_slots == 1  # the ancestor's state only
     assert tree.component_value(upper, "mamba") is None
     assert tree.component_value(leaf, "mamba") is not None
     tree.sanity_check()
-    assert upper.components is not None
-    upper.components["swa"].device_lock = upper.device_lock + 1
+    node = tree._require_live(upper)  # white-box: corrupt a lock
+    assert node.components is not None
+    node.components["swa"].device_lock = node.device_lock + 1
     with pytest.raises(InvariantViolation, match="swa device lock 2 exceeds the base lock 1"):
         tree.sanity_check()
-    upper.components["swa"].device_lock = upper.device_lock
+    node.components["swa"].device_lock = node.device_lock
     tree.unlock_device(leaf)
     tree.sanity_check()
 
@@ -190,29 +200,28 @@ def test_backup_and_load_back_carry_components_and_a_host_match_needs_them_on_th
         tree.begin_backup(node, ids(0, 16))
     tree.commit_backup(node)
     assert tree.component_statistics()["swa"].host_slots == 8
-    tree.demote(node)
-    assert frees(tree) == {("swa", "device"): list(range(8)), ("mamba", "device"): [0]}
+    assert frees(tree.demote(node)) == {("swa", "device"): list(range(8)), ("mamba", "device"): [0]}
     m = tree.match_prefix(a)
     assert (m.device_len, m.host_len) == (0, 16)
     tree.attach_device(node, ids(50, 16), {"swa": ids(60, 8), "mamba": ids(2, 1)})
     assert tree.match_prefix(a).device_len == 16
     # Without the host state, the same host node is not a match.
-    tree.demote(node)
-    frees(tree)
-    assert tree.evict_component("mamba", 1, "host") == 1
+    assert frees(tree.demote(node)) == {("swa", "device"): list(range(60, 68)), ("mamba", "device"): [2]}
+    assert tree.evict_component("mamba", 1, "host").evicted_slots == 1
     assert tree.match_prefix(a).host_len == 0
     tree.sanity_check()
 
 
 def test_aborted_component_backup_is_handed_back() -> None:
-    """An aborted backup returns the base host indices and queues the component's for freeing."""
+    """An aborted backup returns the base host indices and the component's, for the caller to free."""
     tree = make_tree("swa")
     tree.insert(seq(16), ids(0, 16), {"swa": ids(0, 16)})
     node = tree.match_prefix(seq(16)).last_device_node
     tree.begin_backup(node, ids(0, 16), {"swa": ids(16, 16)})
     assert tree.component_statistics()["swa"].pending_backup_slots == 16
-    assert tree.abort_backup(node).tolist() == list(range(16))
-    assert frees(tree) == {("swa", "host"): list(range(16, 32))}
+    aborted = tree.abort_backup(node)
+    assert aborted.freed_host.tolist() == list(range(16))
+    assert frees(aborted) == {("swa", "host"): list(range(16, 32))}
     tree.sanity_check()
 
 
@@ -223,7 +232,7 @@ def test_a_dropped_refill_leaves_its_component_buffers_to_the_caller() -> None:
     tree.insert(seq(16), ids(0, 16))
     r = tree.insert_host(tree.root, seq(32), ids(0, 32), components={"swa": ids(0, 8), "mamba": ids(0, 1)})
     assert r.host_insert_dropped
-    assert tree.take_component_frees() == []
+    assert r.component_frees == ()
     assert all(s.host_slots == 0 for s in tree.component_statistics().values())
     tree.sanity_check()
 
@@ -245,7 +254,7 @@ def test_sanity_check_reports_component_data_without_base_data_and_counter_drift
     are all reported."""
     tree = make_tree("swa")
     tree.insert(seq(16), ids(0, 16), {"swa": ids(0, 8)})
-    node = tree.match_prefix(seq(16)).last_device_node
+    node = tree._require_live(tree.match_prefix(seq(16)).last_device_node)  # white-box: corrupt it
     assert node.components is not None
     node.components["swa"].host_value = ids(0, 8)
     with pytest.raises(InvariantViolation) as info:
@@ -260,12 +269,12 @@ def test_sanity_check_reports_component_data_without_base_data_and_counter_drift
 
 
 def test_without_components_nodes_carry_no_component_data() -> None:
-    """The base case is untouched: no records, no queued frees, and components are refused."""
+    """The base case is untouched: no records, no component frees, and components are refused."""
     tree = RadixTree(PAGE)
-    tree.insert(seq(16), ids(0, 16))
+    assert tree.insert(seq(16), ids(0, 16)).component_frees == ()
     tree.lock_device(tree.match_prefix(seq(16)).last_device_node)
-    assert all(n.components is None for n in tree.iter_nodes())
-    assert tree.take_component_frees() == []
+    assert all(tree._require_live(n).components is None for n in tree.iter_nodes())
+    assert tree.component_statistics() == {}
     with pytest.raises(ValueError, match="no components"):
         tree.insert(seq(32), ids(0, 32), {"swa": ids(0, 8)})
     with pytest.raises(ValueError, match="taken"):

@@ -145,23 +145,24 @@ def check_component_kv(cache: HiCache) -> int:
     oracle payload of its node's path; returns the values checked."""
     ns, page = cache.config.namespace, cache.page_size
     checked = 0
-    for node in tree_of(cache).iter_nodes():
-        if not node.components:
+    tree = tree_of(cache)
+    for node in tree.iter_nodes():
+        values = [
+            (name, tier, pool, value)
+            for name, (device_pool, host_pool) in component_pools_of(cache).items()
+            for tier, pool in (("device", device_pool), ("host", host_pool))
+            if (value := tree.component_value(node, name, tier)) is not None
+        ]
+        if not values:
             continue
-        full = path_key(node)
+        full = path_key(tree, node)
         end = len(full) // TOKEN_BYTES
-        for name, (device_pool, host_pool) in component_pools_of(cache).items():
-            for tier, pool in (("device", device_pool), ("host", host_pool)):
-                value = tree_of(cache).component_value(node, name, tier)
-                if value is None:
-                    continue
-                start = end - int(value.numel()) if name == "swa" else end
-                expected = _expected(name, full, start, end, page, ns)
-                got = pool.read_tokens(value)
-                assert torch.equal(got, expected), (
-                    f"{tier} {name} of {node!r} differs from its path's payload"
-                )
-                checked += 1
+        for name, tier, pool, value in values:
+            start = end - int(value.numel()) if name == "swa" else end
+            expected = _expected(name, full, start, end, page, ns)
+            got = pool.read_tokens(value)
+            assert torch.equal(got, expected), f"{tier} {name} of {node!r} differs from its path's payload"
+            checked += 1
     return checked
 
 

@@ -20,7 +20,7 @@ from controller_helpers import PassThroughBackend
 from hicache import HiCache, KVLayout
 from hicache.errors import StorageError
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
-from hicache.tree import TreeNode
+from hicache.tree import NodeRef, RadixTree
 from storage_backends.protocol import PageStatus, StorageBackend
 
 __all__ = [
@@ -102,13 +102,14 @@ def v1_page(payload: bytes, namespace_digest: bytes) -> bytes:
     return header + payload
 
 
-def path_key(node: TreeNode) -> bytes:
-    """The key from the root to the end of `node`."""
+def path_key(tree: RadixTree, node: NodeRef) -> bytes:
+    """The key from the root to the end of `node` (asked of the tree, node by node)."""
     parts: list[bytes] = []
-    current: TreeNode | None = node
+    current: NodeRef | None = node
     while current is not None:
-        parts.append(current.key)
-        current = current.parent
+        info = tree.node_info(current)
+        parts.append(info.key)
+        current = info.parent
     return b"".join(reversed(parts))
 
 
@@ -123,21 +124,23 @@ def check_tree_kv(cache: HiCache) -> int:
     layout, ns = cache.config.layout, cache.config.namespace
     memo: dict[bytes, torch.Tensor] = {}
     checked = 0
-    for node in tree_of(cache).iter_nodes():
-        if node.device_value is None and node.host_value is None:
+    tree = tree_of(cache)
+    for node in tree.iter_nodes():
+        info = tree.node_info(node)
+        if info.device_value is None and info.host_value is None:
             continue
-        full = path_key(node)
+        full = path_key(tree, node)
         expected_all = memo.get(full)
         if expected_all is None:
             expected_all = memo[full] = chain_payload(full, layout, ns)
-        n = node.num_tokens
+        n = info.num_tokens
         expected = expected_all[:, :, -n:]
-        for host, value in ((False, node.device_value), (True, node.host_value)):
+        for host, value in ((False, info.device_value), (True, info.host_value)):
             if value is None:
                 continue
             got = read_tokens_kv(cache, value, host=host)
             tier = "host" if host else "device"
-            assert torch.equal(got, expected), f"{tier} KV of {node!r} differs from its path's payload"
+            assert torch.equal(got, expected), f"{tier} KV of {info!r} differs from its path's payload"
             checked += n
     return checked
 

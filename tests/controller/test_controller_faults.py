@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_internals import host_pool_of
+from cache_internals import host_pool_of, tree_of
 from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_for, store_chain
 
 from hicache import HiCache, HiCacheConfig
@@ -108,12 +108,12 @@ def failures(cache: HiCache) -> dict[str, float]:
 
 def loaded_host_kv(cache: HiCache) -> tuple[int, torch.Tensor]:
     """Tokens of SEQ backed up on host from the root (to the match's last host node), and their KV."""
-    node = cache.match(SEQ).last_host_node
+    info = tree_of(cache).node_info(cache.match(SEQ).last_host_node)
     values: list[torch.Tensor] = []
-    while node.parent is not None:
-        assert node.host_value is not None
-        values.append(node.host_value)
-        node = node.parent
+    while info.parent is not None:
+        assert info.host_value is not None
+        values.append(info.host_value)
+        info = tree_of(cache).node_info(info.parent)
     if not values:
         return 0, torch.empty(0)
     indices = torch.cat(values[::-1])

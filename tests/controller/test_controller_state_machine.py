@@ -45,6 +45,7 @@ from kv_oracle import (
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes, key_to_tensor
 from hicache.policy import StopPolicy, WritePolicy
+from hicache.tree import ComponentFree
 from storage_backends.memory import MemoryBackend
 from storage_backends.page_format import encode_header
 from storage_backends.protocol import PageStatus
@@ -319,19 +320,22 @@ class ControllerMachine(RuleBasedStateMachine):
         assert self.backend.reads_started == self.backend.reads_done
         await self.check_storage()
         # No host room offered: under write-back, un-backed leaves are dropped rather than backed up.
+        frees: list[ComponentFree] = []
         while True:
             evicted = tree_of(cache).evict_device(DEVICE_PAGES * self.page_size, host_free_tokens=0)
             assert not evicted.backup_first
             cache.device_pool.free(evicted.freed_device)
             host_pool_of(cache).free(evicted.freed_host)
+            frees.extend(evicted.component_frees)  # component values evicted with their nodes
             if evicted.evicted_tokens == 0:
                 break
         while True:
             host = tree_of(cache).evict_host(HOST_PAGES * self.page_size)
             host_pool_of(cache).free(host.freed_host)
+            frees.extend(host.component_frees)
             if host.evicted_tokens == 0:
                 break
-        for free in tree_of(cache).take_component_frees():  # component values evicted with their nodes
+        for free in frees:
             device_pool, host_pool = component_pools_of(cache)[free.component]
             (device_pool if free.tier == "device" else host_pool).free(free.indices)
         cache.sanity_check()
@@ -376,7 +380,8 @@ class ControllerMachine(RuleBasedStateMachine):
         if refused.foreign_pages or refused.old_format_pages:
             event("a planted page was read and refused")
         for h in self.leases.values():
-            assert h.lease.node.parent is None or h.lease.node.device_lock > 0
+            node = h.lease.node
+            assert node == tree_of(cache).root or tree_of(cache).node_info(node).device_lock > 0
             check_leased_kv(cache, h.lease.key, h.lease.device_indices)
 
     async def check_storage(self) -> None:

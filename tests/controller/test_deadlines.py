@@ -30,7 +30,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import torch
-from cache_internals import host_pool_of, release_queue_of
+from cache_internals import host_pool_of, release_queue_of, tree_of
 from kv_oracle import check_pools_exact, layout_for, page_keys, store_chain
 
 from hicache import HiCache, HiCacheConfig
@@ -444,7 +444,7 @@ async def test_a_write_past_the_write_timeout_keeps_its_pages_locked_until_the_t
             assert backend.entered.is_set()
             assert failures(cache) == {"write_timeout": N_PAGES}
             node = cache.match(SEQ).last_host_node
-            assert node.host_lock > 0, "pages a stray write reads were unlocked"
+            assert tree_of(cache).node_info(node).host_lock > 0, "pages a stray write reads were unlocked"
             assert cache.statistics().release_queue.quarantined_calls == 1
             assert cache.statistics().quarantined_pages == 0  # still the tree's pages, only locked
             await assert_exact(cache)
@@ -452,7 +452,7 @@ async def test_a_write_past_the_write_timeout_keeps_its_pages_locked_until_the_t
             with anyio.fail_after(30):
                 while cache.statistics().release_queue.quarantined_calls:  # noqa: ASYNC110 - a thread
                     await anyio.sleep(0.01)
-            assert node.host_lock == 0
+            assert tree_of(cache).node_info(node).host_lock == 0
             await assert_exact(cache)
     finally:
         backend.release.set()

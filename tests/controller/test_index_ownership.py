@@ -69,7 +69,7 @@ def snapshot(cache: HiCache) -> tuple[Any, ...]:
                 for name, d in (n.components or {}).items()
             ),
         )
-        for n in tree_of(cache).iter_nodes()
+        for n in map(tree_of(cache)._require_live, tree_of(cache).iter_nodes())  # white-box: whole nodes
     )
     tags = {name: pool.owner_tags().tolist() for name, pool in pools(cache).items()}
     return cache.statistics(), nodes, tags
@@ -149,7 +149,7 @@ async def misuse_setup(cache: HiCache) -> tuple[Any, list[int], torch.Tensor, di
     held_by_tree = cache.match(a).device_indices[-PAGE:]
     used = set((cache.device_pool.owner_tags() != Owner.FREE).nonzero().flatten().tolist())
     free_page = next(p for p in range(32) if p not in used)
-    host_value = cache.match(b).last_device_node.host_value
+    host_value = tree_of(cache).node_info(cache.match(b).last_device_node).host_value
     assert host_value is not None  # backed up under write-through
     host = host_value[-PAGE:]  # the host pool's index of one of b's pages
     assert not set(host.tolist()) & set(new.tolist())  # not numerically one of the caller's own pages
@@ -264,7 +264,7 @@ async def test_sanity_check_finds_a_page_held_twice_or_lost() -> None:
             cache.sanity_check(held_device=[])
         with pytest.raises(AssertionError, match="the caller holds 4 indices, expected 0"):
             cache.sanity_check()
-        node = cache.match(tokens(0, 4 * PAGE)).last_device_node
+        node = tree_of(cache).node_info(cache.match(tokens(0, 4 * PAGE)).last_device_node)
         assert node.device_value is not None
         cache.device_pool.set_owner(node.device_value[:PAGE], Owner.RELEASE)
         with pytest.raises(AssertionError, match="tagged RELEASE but found TREE"):
@@ -381,7 +381,7 @@ async def test_prefetch_refuses_transfers_the_caller_does_not_hold() -> None:
         HiCache(make_config(), storage=backend) as cache,  # type: ignore[arg-type]
     ):
         await fill(cache, tokens(0, 4 * PAGE))
-        tree_host = cache.match(tokens(0, 4 * PAGE)).last_device_node.host_value
+        tree_host = tree_of(cache).node_info(cache.match(tokens(0, 4 * PAGE)).last_device_node).host_value
         assert tree_host is not None
         seq = tokens(500, 8 * PAGE)
         await store_sequence(backend, cache, seq)

@@ -63,7 +63,7 @@ async def test_commit_attaches_storage_pages_and_a_match_reports_them(backend: M
         assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.released_tokens) == (32, 32, 0)
         match = cache.match(seq)
         assert (match.device_len, match.host_len) == (0, 32)
-        host = match.host_nodes[-1].host_value
+        host = tree_of(cache).node_info(match.host_nodes[-1]).host_value
         assert host is not None
         assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq)))
         assert_accounting(cache)
@@ -106,7 +106,7 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         assert device is not None
         tree_of(cache).insert(seq[:16], device)
         parent = cache.match(seq[:16]).last_device_node
-        assert not parent.backed_up
+        assert not tree_of(cache).node_info(parent).backed_up
         swa = host_pool_of(cache).alloc(2 * PAGE)
         assert swa is not None
         transfer = ComponentTransfer("swa", host_pool_of(cache), swa)
@@ -125,7 +125,7 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         release = release_queue_of(cache).history[0]
         assert torch.equal(release.host_indices, host_indices)
         assert release.transfers == (transfer,)
-        assert parent.children == {}
+        assert tree_of(cache).node_info(parent).children == ()
         tree_of(cache).sanity_check()
         evicted = tree_of(cache).evict_device(10 * PAGE)
         cache.device_pool.free(evicted.freed_device)
@@ -341,7 +341,7 @@ async def test_damaged_page_ends_the_prefetch_there(backend: MemoryBackend, dama
         assert outcome.failed_pages == 1
         match = cache.match(seq)
         assert match.host_len == 20
-        host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
+        host = match.host_indices
         assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq[:20])))
         await release_queue_of(cache).drain()
         assert_accounting(cache)
@@ -458,7 +458,7 @@ async def test_concurrent_batches_count_only_the_verified_prefix(backend: Memory
         outcome = await cache.commit_prefetch("r1")
         assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.failed_pages) == (16, 16, 1)
         match = cache.match(seq)
-        host = torch.cat([n.host_value for n in match.host_nodes if n.host_value is not None])
+        host = match.host_indices
         assert torch.equal(host_pool_of(cache).read_tokens(host), page_payload(as_key_bytes(seq[:16])))
         await release_queue_of(cache).drain()
         assert_accounting(cache)

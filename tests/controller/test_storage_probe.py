@@ -109,7 +109,7 @@ async def test_a_prefetch_over_a_missed_hole_stops_there_and_releases_the_rest(
         assert outcome.failed_pages == 1
         match = cache.match(seq)
         assert (match.device_len, match.host_len) == (0, 150 * PAGE)
-        host = host_pool_of(cache).read_tokens(match.host_nodes[-1].host_value)
+        host = host_pool_of(cache).read_tokens(match.host_indices)
         assert host.equal(page_payload(as_key_bytes(seq[: 150 * PAGE])))
         await cache.wait_idle()
         cache.sanity_check()

@@ -83,17 +83,24 @@ BAD_CALLS: list[tuple[str, Callable[[RadixTree], object], type[Exception], str]]
     ),
     (
         "priority type",
-        lambda t: t.set_priority(next(iter(t.root.children.values())), 1.5),
+        lambda t: t.set_priority(t.node_info(t.root).children[0], 1.5),
         TypeError,
         "priority",
     ),  # type: ignore[arg-type]
     (
         "unlock unlocked",
-        lambda t: t.unlock_device(next(iter(t.root.children.values()))),
+        lambda t: t.unlock_device(t.node_info(t.root).children[0]),
         ValueError,
         "not device-locked",
     ),
     ("demote root", lambda t: t.demote(t.root), ValueError, "root"),
+    ("tuple as a handle", lambda t: t.lock_device((t.root.tree, t.root.id)), TypeError, "NodeRef"),  # type: ignore[arg-type]
+    (
+        "handle of another tree",
+        lambda t: t.lock_device(RadixTree(P).insert([1] * 4, torch.arange(4)).node),
+        ValueError,
+        "not a live node of this tree",
+    ),
 ]
 
 

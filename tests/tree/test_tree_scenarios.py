@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
-from hicache.tree import InsertResult, RadixTree, TreeNode
+from hicache.tree import InsertResult, NodeRef, RadixTree
 
 P = 4
 
@@ -30,18 +30,18 @@ def insert_device_chain(tree: RadixTree, key: list[int], first_index: int = 0) -
     return result
 
 
-def back_up(tree: RadixTree, node: TreeNode, first_host: int = 1000) -> None:
+def back_up(tree: RadixTree, node: NodeRef, first_host: int = 1000) -> None:
     """Run the whole backup chain of `node` to completion, root-first."""
     chain = tree.backup_chain(node)
     for i, n in enumerate(chain):
-        tree.begin_backup(n, indices(first_host + 100 * i, n.num_tokens))
+        tree.begin_backup(n, indices(first_host + 100 * i, tree.node_info(n).num_tokens))
     for n in chain:
         tree.commit_backup(n)
     tree.sanity_check()
 
 
 def attach_host_child(
-    tree: RadixTree, anchor: TreeNode, key: list[int], first_host: int = 5000
+    tree: RadixTree, anchor: NodeRef, key: list[int], first_host: int = 5000
 ) -> InsertResult:
     """Attach a storage refill below `anchor`."""
     result = tree.insert_host(anchor, key, indices(first_host, len(key)))
@@ -56,8 +56,8 @@ def test_match_on_an_empty_tree_finds_nothing_and_reports_the_root() -> None:
     assert m.device_len == 0
     assert m.host_len == 0
     assert m.device_indices.numel() == 0
-    assert m.last_device_node is tree.root
-    assert m.last_host_node is tree.root
+    assert m.last_device_node == tree.root
+    assert m.last_host_node == tree.root
     assert m.host_nodes == ()
 
 
@@ -96,14 +96,18 @@ def test_partial_match_splits_a_node_by_page_with_values_and_hashes() -> None:
     m = tree.match_prefix(page_key(0, 1) + page_key(500, 1))
     assert m.device_len == 4
     upper = m.last_device_node
-    assert upper is node.parent
-    assert upper.num_tokens == 4
-    assert node.num_tokens == 8
-    assert torch.equal(upper.device_value, indices(0, 4))  # type: ignore[arg-type]
-    assert torch.equal(node.host_value, indices(1004, 8))  # type: ignore[arg-type]
-    assert (upper.device_lock, upper.priority, upper.hit_count) == (1, 7, node.hit_count)
+    assert upper == tree.node_info(node).parent
+    assert tree.node_info(upper).num_tokens == 4
+    assert tree.node_info(node).num_tokens == 8
+    assert torch.equal(tree.node_info(upper).device_value, indices(0, 4))  # type: ignore[arg-type]
+    assert torch.equal(tree.node_info(node).host_value, indices(1004, 8))  # type: ignore[arg-type]
+    assert (
+        tree.node_info(upper).device_lock,
+        tree.node_info(upper).priority,
+        tree.node_info(upper).hit_count,
+    ) == (1, 7, tree.node_info(node).hit_count)
     full = chained_page_hashes(as_key_bytes(page_key(0, 3)), P, Namespace(), ROOT_HASH)
-    assert upper.hashes + node.hashes == full
+    assert tree.page_hashes(upper) + tree.page_hashes(node) == full
     tree.sanity_check()
 
 
@@ -111,10 +115,10 @@ def test_hit_counts_follow_sglang_every_matched_node_plus_one() -> None:
     """Selective write-through depends on insert hit counts: existing nodes +1, new nodes start at 1."""
     tree = RadixTree(P, write_policy="write_through_selective", write_through_threshold=2)
     r1 = insert_device_chain(tree, page_key(0, 2), 0)
-    assert r1.node.hit_count == 1
+    assert tree.node_info(r1.node).hit_count == 1
     assert r1.backups == ()
     r2 = insert_device_chain(tree, page_key(0, 2), 100)
-    assert r2.node.hit_count == 2
+    assert tree.node_info(r2.node).hit_count == 2
     assert r2.backups == (r2.node,)
 
 
@@ -126,7 +130,7 @@ def test_write_through_backs_up_new_nodes_at_once_and_write_back_never_at_insert
     wb = RadixTree(P, write_policy="write_back")
     r = insert_device_chain(wb, page_key(0, 2))
     assert r.backups == ()
-    assert r.node.hit_count == 0
+    assert wb.node_info(r.node).hit_count == 0
 
 
 def test_backup_chain_runs_root_first_from_the_topmost_unbacked_ancestor() -> None:
@@ -152,7 +156,7 @@ def test_commit_refuses_a_child_before_its_parent_under_write_through() -> None:
     tree.sanity_check()
     tree.commit_backup(parent)
     tree.commit_backup(child)
-    assert child.backed_up
+    assert tree.node_info(child).backed_up
     tree.sanity_check()
 
 
@@ -164,7 +168,7 @@ def test_pending_backup_protects_the_path_from_eviction_and_abort_returns_the_ho
     assert tree.evict_device(100).evicted_tokens == 0
     assert tree.statistics().pending_backup_tokens == 8
     freed = tree.abort_backup(node)
-    assert torch.equal(freed, indices(1000, 8))
+    assert torch.equal(freed.freed_host, indices(1000, 8))
     tree.sanity_check()
     assert tree.evict_device(100).evicted_tokens == 8
 
@@ -175,14 +179,16 @@ def test_a_node_split_while_its_backup_is_in_flight_commits_as_a_whole() -> None
     node = insert_device_chain(tree, page_key(0, 3)).node
     tree.begin_backup(node, indices(1000, 12))
     tree.match_prefix(page_key(0, 1))
-    upper = node.parent
+    upper = tree.node_info(node).parent
     assert upper is not None
-    assert upper is not tree.root
+    assert upper != tree.root
     tree.sanity_check()
     tree.commit_backup(node)
-    assert upper.backed_up
-    assert node.backed_up
-    assert torch.equal(torch.cat([upper.host_value, node.host_value]), indices(1000, 12))  # type: ignore[list-item]
+    assert tree.node_info(upper).backed_up
+    assert tree.node_info(node).backed_up
+    assert torch.equal(
+        torch.cat([tree.node_info(upper).host_value, tree.node_info(node).host_value]), indices(1000, 12)
+    )  # type: ignore[list-item]
     tree.sanity_check()
 
 
@@ -195,11 +201,11 @@ def test_lru_eviction_demotes_backed_up_leaves_and_deletes_unbacked_ones() -> No
     tree.match_prefix(page_key(100, 1))  # b is now more recent than a
     r = tree.evict_device(4)
     assert torch.equal(r.freed_device, indices(0, 4))
-    assert a.evicted
-    assert a.backed_up
+    assert tree.node_info(a).evicted
+    assert tree.node_info(a).backed_up
     r = tree.evict_device(4)
     assert torch.equal(r.freed_device, indices(10, 4))
-    assert b.parent is None
+    assert not tree.is_live(b)
     tree.sanity_check()
     m = tree.match_prefix(page_key(0, 1))
     assert (m.device_len, m.host_len, m.host_nodes) == (0, 4, (a,))
@@ -213,8 +219,8 @@ def test_demoting_a_leaf_makes_its_parent_the_next_device_leaf() -> None:
     back_up(tree, child)
     r = tree.evict_device(8)
     assert r.evicted_tokens == 8
-    assert parent.evicted
-    assert child.evicted
+    assert tree.node_info(parent).evicted
+    assert tree.node_info(child).evicted
     tree.sanity_check()
 
 
@@ -226,15 +232,15 @@ def test_lfu_and_priority_policies_order_leaves() -> None:
     insert_device_chain(lfu, page_key(100, 1), 20)
     lfu.match_prefix(page_key(0, 1))
     assert torch.equal(lfu.evict_device(1).freed_device, indices(0, 4))
-    assert cold.parent is None
+    assert not lfu.is_live(cold)
     prio = RadixTree(P, eviction_policy="priority")
     low = insert_device_chain(prio, page_key(0, 1), 0).node
     high = insert_device_chain(prio, page_key(100, 1), 10).node
     prio.set_priority(low, 10)
     prio.set_priority(high, 1)
     prio.evict_device(1)
-    assert high.parent is None
-    assert low.parent is prio.root
+    assert not prio.is_live(high)
+    assert prio.node_info(low).parent == prio.root
     prio.sanity_check()
 
 
@@ -244,7 +250,7 @@ def test_device_lock_protects_a_node_and_its_ancestors_and_unlock_below_zero_is_
     parent = insert_device_chain(tree, page_key(0, 1)).node
     child = insert_device_chain(tree, page_key(0, 1) + page_key(50, 1), 4).node
     tree.lock_device(child)
-    assert (parent.device_lock, child.device_lock) == (1, 1)
+    assert (tree.node_info(parent).device_lock, tree.node_info(child).device_lock) == (1, 1)
     s = tree.statistics()
     assert (s.protected_device_tokens, s.evictable_device_tokens) == (8, 0)
     assert tree.evict_device(100).evicted_tokens == 0
@@ -292,7 +298,7 @@ def test_insert_reattaches_device_values_to_host_only_nodes() -> None:
     tree.evict_device(8)
     r = insert_device_chain(tree, page_key(0, 2) + page_key(50, 1), 100)
     assert r.prefix_len == 0
-    assert torch.equal(node.device_value, indices(100, 8))  # type: ignore[arg-type]
+    assert torch.equal(tree.node_info(node).device_value, indices(100, 8))  # type: ignore[arg-type]
     assert tree.match_prefix(page_key(0, 2) + page_key(50, 1)).device_len == 12
 
 
@@ -326,7 +332,7 @@ def test_demote_refuses_locked_unbacked_or_parent_of_device_child() -> None:
     with pytest.raises(ValueError, match="device-locked"):
         tree.demote(child)
     tree.unlock_device(child)
-    assert torch.equal(tree.demote(child), indices(8, 4))
+    assert torch.equal(tree.demote(child).freed_device, indices(8, 4))
     tree.sanity_check()
 
 
@@ -341,7 +347,7 @@ def test_seed_refill_under_unbacked_parent_is_dropped_under_write_through(
         r = tree.insert_host(parent, page_key(500, 2), indices(7000, 8))
     assert r.host_insert_dropped
     assert (r.prefix_len, r.node) == (0, parent)
-    assert parent.children == {}
+    assert tree.node_info(parent).children == ()
     assert any(
         "dropped 8" in rec.getMessage() and f"node {parent.id}" in rec.getMessage() for rec in caplog.records
     )
@@ -356,8 +362,8 @@ def test_seed_refill_under_unbacked_parent_is_attached_under_write_back() -> Non
     parent = insert_device_chain(tree, page_key(0, 10)).node
     r = attach_host_child(tree, parent, page_key(500, 2))
     assert not r.host_insert_dropped
-    assert r.node.parent is parent
-    assert r.node.host_value is not None
+    assert tree.node_info(r.node).parent == parent
+    assert tree.node_info(r.node).host_value is not None
     assert tree.match_prefix(page_key(0, 10) + page_key(500, 2)).host_len == 8
 
 
@@ -372,7 +378,7 @@ def test_seed_refill_attaches_once_the_parent_is_backed_up() -> None:
     m = tree.match_prefix(page_key(0, 10) + page_key(500, 2))
     assert (m.device_len, m.host_len) == (40, 8)
     assert m.host_nodes == (r.node,)
-    assert m.last_host_node is r.node
+    assert m.last_host_node == r.node
 
 
 def test_refill_of_already_cached_tokens_reports_the_existing_node() -> None:
@@ -393,11 +399,11 @@ def test_refill_uses_precomputed_hashes_and_validates_their_count() -> None:
     parent = insert_device_chain(tree, page_key(0, 1)).node
     back_up(tree, parent)
     key = page_key(500, 2)
-    hashes = chained_page_hashes(as_key_bytes(key), P, Namespace(), parent.last_hash)
+    hashes = chained_page_hashes(as_key_bytes(key), P, Namespace(), tree.last_hash(parent))
     with pytest.raises(ValueError, match="hashes"):
         tree.insert_host(parent, key, indices(7000, 8), hashes[:1])
     r = tree.insert_host(parent, key, indices(7000, 8), hashes)
-    assert r.node.hashes == hashes
+    assert tree.page_hashes(r.node) == hashes
     tree.sanity_check()
 
 
@@ -419,18 +425,18 @@ def test_write_back_eviction_asks_for_backups_while_host_room_lasts_then_drops()
     assert r.backup_first == (a,)
     assert torch.equal(r.freed_device, indices(10, 4))
     assert r.evicted_tokens == 8
-    assert b.parent is None
-    assert a.device_value is not None
+    assert not tree.is_live(b)
+    assert tree.node_info(a).device_value is not None
     tree.sanity_check()
 
 
-def shared_prefix_with_two_children(tree: RadixTree) -> tuple[TreeNode, TreeNode, TreeNode]:
+def shared_prefix_with_two_children(tree: RadixTree) -> tuple[NodeRef, NodeRef, NodeRef]:
     """A 4-page parent with two 2-page children (issue 10's repro at page size 4): parent, a, b."""
     a = insert_device_chain(tree, page_key(0, 4) + page_key(100, 2), 0).node
     b = insert_device_chain(tree, page_key(0, 4) + page_key(200, 2), 100).node
-    parent = a.parent
+    parent = tree.node_info(a).parent
     assert parent is not None
-    assert parent is b.parent
+    assert parent == tree.node_info(b).parent
     return parent, a, b
 
 
@@ -457,8 +463,8 @@ def test_write_back_drops_leaves_whose_chain_does_not_fit_then_backs_up_the_pare
     assert r.backup_tokens == 16
     assert r.dropped_tokens == 16
     assert torch.equal(r.freed_device.sort().values, torch.cat([indices(16, 8), indices(116, 8)]))
-    assert a.parent is None
-    assert b.parent is None
+    assert not tree.is_live(a)
+    assert not tree.is_live(b)
     assert r.evicted_tokens == 32
     tree.sanity_check()
 
@@ -556,7 +562,7 @@ def test_statistics_and_repr_are_informative() -> None:
     assert "device=8" in repr(s)
     assert "page_size=4" in repr(tree)
     assert f"id={node.id}" in repr(node)
-    assert "tokens=8" in repr(node)
+    assert "num_tokens=8" in repr(tree.node_info(node))
     assert torch.equal(tree.device_tokens_owned(), indices(0, 8))
 
 
@@ -570,9 +576,12 @@ def test_hashes_chain_from_the_parent_and_the_namespace() -> None:
         insert_device_chain(t, key)
     na = a.match_prefix(key).last_device_node
     nb = b.match_prefix(key).last_device_node
-    assert na.hashes != nb.hashes
-    assert na.parent is not None
-    assert na.parent.hashes + na.hashes == chained_page_hashes(as_key_bytes(key), P, Namespace(model_id="a"))
+    assert a.page_hashes(na) != b.page_hashes(nb)
+    parent = a.node_info(na).parent
+    assert parent is not None
+    assert a.page_hashes(parent) + a.page_hashes(na) == chained_page_hashes(
+        as_key_bytes(key), P, Namespace(model_id="a")
+    )
 
 
 def test_sanity_check_reports_every_violation() -> None:
@@ -580,7 +589,7 @@ def test_sanity_check_reports_every_violation() -> None:
     from hicache.errors import InvariantViolation
 
     tree = RadixTree(P)
-    node = insert_device_chain(tree, page_key(0, 2)).node
+    node = tree._require_live(insert_device_chain(tree, page_key(0, 2)).node)  # white-box: corrupt it
     node.device_lock = -1
     node.device_value = indices(0, 3)
     with pytest.raises(InvariantViolation) as info:
@@ -614,7 +623,7 @@ def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
     tree.sanity_check()
 
     back_up(tree, leaf)
-    upper = leaf.parent
+    upper = tree.node_info(leaf).parent
     assert upper is not None
     tree.demote(leaf)
     tree.demote(upper)

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hicache.components import Component, MambaState, SlidingWindow
 from hicache.memory import KVLayout
 from hicache.policy import EvictionPolicy, WritePolicy
-from hicache.tree import RadixTree, TreeNode
+from hicache.tree import ComponentFree, NodeInfo, NodeRef, RadixTree
 
 DEVICE_PAGES = 40
 HOST_PAGES = 40
@@ -74,8 +74,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.tree: RadixTree
         self.device: Pool
         self.host: Pool
-        self.device_locks: list[TreeNode] = []
-        self.host_locks: list[TreeNode] = []
+        self.device_locks: list[NodeRef] = []
+        self.host_locks: list[NodeRef] = []
         self.comp_pools: dict[tuple[str, str], Pool] = {}
 
     @initialize(
@@ -108,15 +108,27 @@ class TreeMachine(RuleBasedStateMachine):
     def key(self, choices: list[int], tail: int) -> list[int]:
         return make_key(choices, tail, self.tree.page_size)
 
-    def pick(self, nodes: list[TreeNode], index: int) -> TreeNode | None:
+    def pick(self, nodes: list[NodeRef], index: int) -> NodeRef | None:
         return nodes[index % len(nodes)] if nodes else None
 
-    def start_backup(self, node: TreeNode) -> None:
+    def info(self, node: NodeRef) -> NodeInfo:
+        return self.tree.node_info(node)
+
+    def on_device_children(self, node: NodeRef) -> bool:
+        return any(self.info(c).device_value is not None for c in self.info(node).children)
+
+    def free_components(self, frees: tuple[ComponentFree, ...]) -> None:
+        """Return what a result says the tree let go of (there is no queue to drain)."""
+        for free in frees:
+            self.comp_pools[(free.component, free.tier)].release(free.indices)
+
+    def start_backup(self, node: NodeRef) -> None:
         for n in self.tree.backup_chain(node):
-            idx = self.host.alloc(n.num_tokens)
+            size = self.info(n).num_tokens
+            idx = self.host.alloc(size)
             if idx is None:
                 return
-            self.host.release(idx[n.num_tokens :])
+            self.host.release(idx[size:])
             comps: dict[str, torch.Tensor] = {}
             for name in self.components:
                 value = self.tree.component_value(n, name, "device")
@@ -124,7 +136,7 @@ class TreeMachine(RuleBasedStateMachine):
                     host = self.comp_pools[(name, "host")].alloc(value.numel())
                     if host is not None:
                         comps[name] = host
-            self.tree.begin_backup(n, idx[: n.num_tokens], comps or None)
+            self.tree.begin_backup(n, idx[:size], comps or None)
 
     def component_values(self, tier: str, aligned: int, key_len: int) -> dict[str, torch.Tensor]:
         """Fresh component indices for a key of `aligned` page-aligned tokens (`key_len` before aligning)."""
@@ -145,10 +157,6 @@ class TreeMachine(RuleBasedStateMachine):
                 out[name] = idx
         return out
 
-    def drain_component_frees(self) -> None:
-        for free in self.tree.take_component_frees():
-            self.comp_pools[(free.component, free.tier)].release(free.indices)
-
     # ------------------------------------------------------------------ rules
 
     @rule(choices=page_choices, tail=tails, back_up=st.booleans())
@@ -159,12 +167,14 @@ class TreeMachine(RuleBasedStateMachine):
             r = self.tree.evict_device(len(key) + self.tree.page_size)
             self.device.release(r.freed_device)
             self.host.release(r.freed_host)
+            self.free_components(r.component_frees)
             idx = self.device.alloc(len(key))
             if idx is None:
                 return
         aligned = len(key) - len(key) % self.tree.page_size
         comps = self.component_values("device", aligned, len(key))
         result = self.tree.insert(key, idx[: len(key)], comps or None)
+        self.free_components(result.component_frees)
         if aligned != len(key) and "mamba" in comps:
             event("insert mamba state on an unaligned key")
         if (
@@ -192,13 +202,13 @@ class TreeMachine(RuleBasedStateMachine):
         before = (
             self.tree.statistics(),
             self.tree._clock,
-            {n.id: n.last_access for n in self.tree.iter_nodes()},
+            {n.id: self.info(n).last_access for n in self.tree.iter_nodes()},
         )
         peeked = self.tree.peek(key)
         after = (
             self.tree.statistics(),
             self.tree._clock,
-            {n.id: n.last_access for n in self.tree.iter_nodes()},
+            {n.id: self.info(n).last_access for n in self.tree.iter_nodes()},
         )
         assert after == before
         m = self.tree.match_prefix(key)
@@ -216,10 +226,12 @@ class TreeMachine(RuleBasedStateMachine):
         # A second match may serve the joined indices from the path cache: they must be the same.
         assert torch.equal(self.tree.match_prefix(key).device_indices, joined)
         assert m.device_len + m.host_len <= len(key)
-        assert sum(n.num_tokens for n in m.host_nodes) == m.host_len
+        assert sum(self.info(n).num_tokens for n in m.host_nodes) == m.host_len
         for n in m.host_nodes:
-            assert n.device_value is None
-            assert n.host_value is not None
+            assert self.info(n).device_value is None
+            assert self.info(n).host_value is not None
+        host_values = [self.info(n).host_value for n in m.host_nodes]
+        assert m.host_values == tuple(host_values)
 
     @rule(choices=page_choices, extra=page_choices, tail=tails)
     def refill(self, choices: list[int], extra: list[int], tail: int) -> None:
@@ -228,11 +240,7 @@ class TreeMachine(RuleBasedStateMachine):
         anchor = m.last_host_node
         start = m.device_len + m.host_len
         # The anchor is the deepest backed-up node: the refill continues from its end.
-        depth = 0
-        n: TreeNode | None = anchor
-        while n is not None and n is not self.tree.root:
-            depth += n.num_tokens
-            n = n.parent
+        depth = self.tree.depth(anchor)
         rest = key[depth:]
         assert depth <= start
         if not rest:
@@ -240,7 +248,7 @@ class TreeMachine(RuleBasedStateMachine):
         idx = self.host.alloc(len(rest))
         if idx is None:
             return
-        if anchor is not self.tree.root:
+        if anchor != self.tree.root:
             self.tree.lock_host(anchor)
         aligned = len(rest) - len(rest) % self.tree.page_size
         comps = self.component_values("host", aligned, len(rest))
@@ -255,18 +263,28 @@ class TreeMachine(RuleBasedStateMachine):
         else:
             self.host.release(idx[: r.prefix_len])
             self.host.release(idx[r.total_len :])
-        if anchor is not self.tree.root:
+            self.free_components(r.component_frees)
+        if anchor != self.tree.root:
             self.tree.unlock_host(anchor)
 
     @rule(index=st.integers(0, 1000))
     def begin_backup(self, index: int) -> None:
-        nodes = [n for n in self.tree.iter_nodes() if n.device_value is not None and n.host_value is None]
+        nodes = [
+            n
+            for n in self.tree.iter_nodes()
+            if self.info(n).device_value is not None and self.info(n).host_value is None
+        ]
         node = self.pick(nodes, index)
         if node is not None:
             self.start_backup(node)
 
-    def pending(self) -> list[TreeNode]:
-        return [n for n in self.tree.iter_nodes() if n.backup_pending is not None and n._backup_owner is None]
+    def pending(self) -> list[NodeRef]:
+        """Nodes the controller began a backup on (white-box: not the upper parts split off them)."""
+        return [
+            n
+            for n in self.tree.iter_nodes()
+            if self.info(n).backup_pending is not None and self.tree._require_live(n)._backup_owner is None
+        ]
 
     @rule(index=st.integers(0, 1000))
     def commit_backup(self, index: int) -> None:
@@ -274,31 +292,35 @@ class TreeMachine(RuleBasedStateMachine):
         if node is None:
             return
         try:
-            self.tree.commit_backup(node)
+            done = self.tree.commit_backup(node)
         except ValueError:
             event("commit refused")
             assert self.tree.write_policy is not WritePolicy.WRITE_BACK
-            assert node.backup_pending is not None
+            assert self.info(node).backup_pending is not None
             return
         event("commit")
-        assert node.backed_up
+        self.free_components(done.component_frees)
+        assert self.info(node).backed_up
 
     @rule(index=st.integers(0, 1000))
     def abort_backup(self, index: int) -> None:
         node = self.pick(self.pending(), index)
         if node is not None:
-            self.host.release(self.tree.abort_backup(node))
+            aborted = self.tree.abort_backup(node)
+            self.host.release(aborted.freed_host)
+            self.free_components(aborted.component_frees)
 
     @rule(index=st.integers(0, 1000))
     def demote(self, index: int) -> None:
         node = self.pick(self.tree.iter_nodes(), index)
         if node is None:
             return
+        i = self.info(node)
         legal = (
-            node.device_value is not None
-            and node.host_value is not None
-            and node.device_lock == 0
-            and not any(c.device_value is not None for c in node.children.values())
+            i.device_value is not None
+            and i.host_value is not None
+            and i.device_lock == 0
+            and not self.on_device_children(node)
         )
         try:
             freed = self.tree.demote(node)
@@ -307,7 +329,8 @@ class TreeMachine(RuleBasedStateMachine):
             return
         assert legal
         event("demote")
-        self.device.release(freed)
+        self.device.release(freed.freed_device)
+        self.free_components(freed.component_frees)
 
     @rule(index=st.integers(0, 1000), host=st.booleans())
     def lock(self, index: int, host: bool) -> None:
@@ -358,55 +381,57 @@ class TreeMachine(RuleBasedStateMachine):
             # Stopped early: every device leaf left is locked, backing up, or kept for a reason.
             targets = set(r.backup_first)
             for n in self.tree.iter_nodes():
+                i = self.info(n)
                 if (
-                    n.device_value is not None
-                    and not n.device_lock
-                    and n.backup_pending is None
-                    and not any(c.device_value is not None for c in n.children.values())
+                    i.device_value is not None
+                    and not i.device_lock
+                    and i.backup_pending is None
+                    and not self.on_device_children(n)
                 ):
-                    assert n.host_lock or n in targets, f"evictable leaf {n} kept"
+                    assert i.host_lock or n in targets, f"evictable leaf {i} kept"
         event(
             f"evict_device freed={bool(r.freed_device.numel())} host={bool(r.freed_host.numel())} "
             f"backups={bool(r.backups)} dropped={r.dropped_tokens > 0} real_room={real_room}"
         )
         self.device.release(r.freed_device)
         self.host.release(r.freed_host)
+        self.free_components(r.component_frees)
         if back_up:
             for chain in r.backups:
                 self.back_up_chain(chain, must_fit=real_room)
 
-    def check_plan(self, backups: tuple[tuple[TreeNode, ...], ...], backup_tokens: int, room: int) -> None:
+    def check_plan(self, backups: tuple[tuple[NodeRef, ...], ...], backup_tokens: int, room: int) -> None:
         """Each chain root-first from a backed-up, pending or earlier-planned parent down to an un-backed
         device leaf; chains disjoint; their tokens counted exactly and within the room given."""
         root = self.tree.root
-        planned: set[TreeNode] = set()
+        planned: set[NodeRef] = set()
         total = 0
         for chain in backups:
             assert chain, "an empty backup chain"
-            top = chain[0].parent
+            top = self.info(chain[0]).parent
             assert top is not None
-            assert (
-                top is root or top.host_value is not None or top.backup_pending is not None or top in planned
-            )
+            t = self.info(top)
+            assert top == root or t.host_value is not None or t.backup_pending is not None or top in planned
             for upper, lower in itertools.pairwise(chain):
-                assert lower.parent is upper
+                assert self.info(lower).parent == upper
             for n in chain:
-                assert n.device_value is not None
-                assert n.host_value is None
-                assert n.backup_pending is None
+                i = self.info(n)
+                assert i.device_value is not None
+                assert i.host_value is None
+                assert i.backup_pending is None
                 assert n not in planned
-                total += n.num_tokens
-            assert not any(c.device_value is not None for c in chain[-1].children.values())
+                total += i.num_tokens
+            assert not self.on_device_children(chain[-1])
             planned.update(chain)
         assert total == backup_tokens <= room
 
-    def back_up_chain(self, chain: tuple[TreeNode, ...], must_fit: bool) -> None:
+    def back_up_chain(self, chain: tuple[NodeRef, ...], must_fit: bool) -> None:
         """Begin the backups of a planned chain root-first, reclaiming host pages as the controller does."""
-        need = sum(n.num_tokens for n in chain)
+        need = sum(self.info(n).num_tokens for n in chain)
         if len(self.host.free) < need:
             freed = self.tree.evict_host(need - len(self.host.free))
             self.host.release(freed.freed_host)
-            self.drain_component_frees()
+            self.free_components(freed.component_frees)
         if len(self.host.free) < need:
             assert not must_fit, f"planned backup of {need} tokens finds {len(self.host.free)} host tokens"
             return
@@ -420,20 +445,21 @@ class TreeMachine(RuleBasedStateMachine):
         assert r.freed_host.numel() == r.evicted_tokens
         event(f"evict_host freed={r.evicted_tokens > 0}")
         self.host.release(r.freed_host)
+        self.free_components(r.component_frees)
 
     @rule(index=st.integers(0, 1000))
     def attach_device(self, index: int) -> None:
         root = self.tree.root
-        nodes = [
-            n
-            for n in self.tree.iter_nodes()
-            if n.device_value is None
-            and (n.parent is root or (n.parent and n.parent.device_value is not None))
-        ]
+        nodes = []
+        for n in self.tree.iter_nodes():
+            i = self.info(n)
+            assert i.parent is not None
+            if i.device_value is None and (i.parent == root or self.info(i.parent).device_value is not None):
+                nodes.append(n)
         node = self.pick(nodes, index)
         if node is None:
             return
-        idx = self.device.alloc(node.num_tokens)
+        idx = self.device.alloc(self.info(node).num_tokens)
         if idx is None:
             return
         comps: dict[str, torch.Tensor] = {}
@@ -451,12 +477,12 @@ class TreeMachine(RuleBasedStateMachine):
         if not self.components:
             return
         name = self.components[which % len(self.components)]
-        got = self.tree.evict_component(name, slots, tier)
+        r = self.tree.evict_component(name, slots, tier)
+        got = r.evicted_slots
         event(f"evict_component {name} {tier} freed={got > 0}")
-        frees = self.tree.take_component_frees()
+        frees = r.component_frees
         assert sum(f.indices.numel() for f in frees if f.component == name and f.tier == tier) == got
-        for free in frees:
-            self.comp_pools[(free.component, free.tier)].release(free.indices)
+        self.free_components(frees)
 
     @rule(choices=page_choices, tail=tails)
     def match_is_valid_for_every_component(self, choices: list[int], tail: int) -> None:
@@ -467,7 +493,8 @@ class TreeMachine(RuleBasedStateMachine):
             # The prefix ends on the host: it must be valid once its host-only nodes are loaded; the
             # device part before it need not be a valid end on its own.
             assert self.tree.valid_end(m.host_nodes[-1], None)
-            assert m.last_device_node.device_value is not None or m.last_device_node is self.tree.root
+            last = m.last_device_node
+            assert last == self.tree.root or self.info(last).device_value is not None
             window = self.tree.component_window(m.last_device_node)
             assert set(window) <= set(self.components)
         else:
@@ -487,7 +514,6 @@ class TreeMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         self.tree.sanity_check()
-        self.drain_component_frees()
         pools = [
             (self.device, self.tree.device_tokens_owned().tolist()),
             (self.host, self.tree.host_tokens_owned().tolist()),

@@ -2,7 +2,8 @@
 
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
-streams. Every method that changes the tree does so synchronously between awaits, so the tree is always
+streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
+`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between awaits, so the tree is always
 consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe: a
 device <-> host copy is waited for even when the caller is cancelled (a copy is short and cannot be
 abandoned), and a storage read is abandoned at once, its buffers quarantined until its thread returns.
@@ -15,7 +16,6 @@ copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclos
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -37,6 +37,7 @@ from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
+from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.tier_mover import TierMover
 from hicache.controller.workers import Workers
@@ -48,11 +49,8 @@ from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
-from storage_backends.registry import open_backend
 
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
-
-logger = logging.getLogger("hicache.cache")
 
 
 class HiCache:
@@ -192,11 +190,7 @@ class HiCache:
             return
         try:
             if self.storage is None and self.config.storage_url is not None:
-                self.storage = open_backend(
-                    self.config.storage_url,
-                    namespace_digest=self.config.namespace.digest,
-                    **self._backend_options(self.config.storage_url),
-                )
+                self.storage = open_configured_storage(self.config)
             if self.storage is not None:
                 self._open_storage_tier(self.storage)
             if self._device_pool.device.type == "cuda":
@@ -241,21 +235,7 @@ class HiCache:
         self._mover.writer = writer
         self._prefetcher.storage = guarded
         self._prefetcher.known = writer.known
-        if not self.config.namespace.model_id:
-            logger.warning(
-                "HiCache has a storage tier but namespace.model_id is empty: every cache with the "
-                "same KV layout and an empty model_id shares pages with this one; pass "
-                "Namespace(model_id=<model name and revision, or a config hash>)"
-            )
-
-    def _backend_options(self, url: str) -> dict[str, object]:
-        """The backend's options: `storage_options`, plus the cache's timeouts for a client that has its
-        own (S3: per-request read and write deadlines), unless the options set them."""
-        options = dict(self.config.storage_options)
-        if url.startswith("s3://"):
-            options.setdefault("read_deadline_s", self.config.storage_read_timeout_s)
-            options.setdefault("write_deadline_s", self.config.storage_write_timeout_s)
-        return options
+        warn_if_shared(self.config)
 
     async def aclose(self) -> None:
         """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.

@@ -21,7 +21,7 @@ from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement
-from hicache.tiers import Tier
+from hicache.tiers import ShedReason, Tier
 from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
 
 __all__ = ["TierMover"]
@@ -138,7 +138,7 @@ class TierMover:
         """Queue backups of `targets` (shedding, and counting, what the queue cannot take)."""
         shed = self.backups.put(targets)
         if shed:
-            self._metrics.writes_shed.inc(len(shed), tier=Tier.HOST.value, reason="queue_full")
+            self._shed(len(shed), Tier.HOST, ShedReason.QUEUE_FULL)
 
     async def _backup_batch(self, targets: list[NodeRef]) -> None:
         await self.back_up(targets)
@@ -228,25 +228,28 @@ class TierMover:
 
     # ------------------------------------------------------------------ host -> storage
 
+    def _shed(self, count: int, tier: Tier, reason: ShedReason) -> None:
+        self._metrics.writes_shed.inc(count, tier=tier.value, reason=reason.value)
+
     def _queue_storage_writes(self, targets: list[NodeRef]) -> None:
         """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
         if not self._breaker.allows():
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             return
         shed = self.storage_writes.put(targets)
         if shed:
-            self._metrics.writes_shed.inc(len(shed), tier=Tier.STORAGE.value, reason="queue_full")
+            self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
 
     async def _store(self, targets: list[NodeRef]) -> None:
         if self.writer is None:
             return
         if not self._breaker.allows():
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             return
         try:
             await self.writer.store_many(targets)
         except StorageCircuitOpen:
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
         except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
             logger.warning("storage write-through of %d node(s) failed: %r", len(targets), exc)
 

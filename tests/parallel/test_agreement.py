@@ -105,13 +105,16 @@ async def test_a_single_rank_resolves_on_settle_without_any_collective() -> None
     assert ag.statistics().pending == 0
 
 
-async def test_an_unsettled_decision_settles_its_default_after_its_timeout_at_a_step() -> None:
-    """A rank-local timeout settles the safe default; the minimum then carries it to every rank."""
+async def test_an_unsettled_decision_settles_its_default_after_its_timeout() -> None:
+    """A rank-local timeout settles the safe default (the minimum then carries it to every rank); a value
+    settled later is ignored."""
     ag = Agreement(None)
     d = ag.propose("commit", "req", default=0, timeout_s=0.0)
-    assert d.settled is False
+    assert not d.settled
+    assert await ag.agree(d) == 0
+    assert ag.statistics().timed_out == 1
     d.settle(5)
-    assert d.result == 5
+    assert d.result == 0
 
 
 def test_a_slow_local_part_on_one_rank_does_not_time_the_group_out() -> None:

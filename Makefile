@@ -9,7 +9,7 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
 	tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check native bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership gpu-check venv clean
+.PHONY: run test fuzz check native bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership bench-tp gpu-check venv clean
 .PHONY: bench-layerwise bench-refill
 
 $(STAMP): pyproject.toml setup.py native/hicache_native.c
@@ -61,6 +61,10 @@ bench-faults: $(STAMP)
 
 bench-ownership: $(STAMP)
 	$(BIN)/python bench/bench_ownership.py
+
+# Tensor-parallel agreement cost at 1, 2 and 4 gloo ranks, and the TP demo's savings at TP 1, 2 and 4.
+bench-tp: $(STAMP)
+	$(BIN)/python bench/bench_tp.py
 
 bench-layerwise: $(STAMP)
 	$(BIN)/python bench/bench_layerwise.py

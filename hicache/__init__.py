@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from hicache.layout import KVLayout
     from hicache.memory import KVPool, PoolStatistics
     from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
-    from hicache.tiers import DropReason, PrefetchStatus, SkipReason, Tier
+    from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
     from hicache.tree import ComponentStatistics, InsertResult, MatchResult, NodeRef, TreeStatistics
     from storage_backends.protocol import PageStatus, StorageBackend
 
@@ -89,6 +89,7 @@ _MODULE_OF = {
     "PrefetchState": "hicache.controller",
     "PrefetchStatus": "hicache.tiers",
     "ReleaseStatistics": "hicache.controller",
+    "ShedReason": "hicache.tiers",
     "SkipReason": "hicache.tiers",
     "SlidingWindow": "hicache.components",
     "StopPolicy": "hicache.policy",
@@ -138,6 +139,7 @@ __all__ = [
     "PrefetchState",
     "PrefetchStatus",
     "ReleaseStatistics",
+    "ShedReason",
     "SkipReason",
     "SlidingWindow",
     "StopPolicy",

@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a storage refill below a prefix not backed up yet: drop it, or back the prefix up and attach "
         "it (refill_under_unbacked; default drop)",
     )
+    demo.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism: serve with N gloo ranks on CPU, each caching its slice of the KV heads "
+        "(1, 2 or 4; see hicache.demo.tp)",
+    )
     demo.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout")
     demo.add_argument("--plot", metavar="PATH", help="write a PNG of hit rate and TTFT over time")
     demo.add_argument("--snapshot", metavar="PATH", help="write a JSON snapshot for `hicache inspect`")
@@ -120,6 +128,8 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.demo.workload import WorkloadSpec
     from hicache.policy import RefillPolicy, WritePolicy
 
+    if args.tp is not None:
+        return _demo_tp(args)
     hybrid = args.model == "hybrid"
     if args.system_prompts is None:
         # A hybrid prefix is reusable only where a state was stored (at the end of a request): a system
@@ -234,6 +244,38 @@ def _demo(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _demo_tp(args: argparse.Namespace) -> int:
+    from hicache.demo.tp import TPDemoConfig, run_tp_demo
+
+    try:
+        config = TPDemoConfig(tp=args.tp, users=min(args.users, 4), turns=min(args.turns, 3), seed=args.seed)
+    except ValueError as exc:
+        print(f"hicache demo: --{exc}", file=sys.stderr)
+        return 2
+    result = run_tp_demo(config, None if args.backend is None else _file_root(args.backend))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(
+            f"tp={result.tp}: {result.requests} requests, {result.saved_tokens} of {result.prompt_tokens} "
+            f"prompt tokens served from the cache (hits by tier {result.hits}), {result.wall_s:.1f} s"
+        )
+    if not result.all_identical:
+        for failure in result.failures[:20]:
+            print(f"MISMATCH: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _file_root(url: str) -> str:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        raise SystemExit("hicache demo: --tp runs over the file backend only (--backend file:///dir)")
+    return parsed.path
 
 
 # ---------------------------------------------------------------------- inspect

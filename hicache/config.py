@@ -12,6 +12,7 @@ from typing import Any
 from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
+from hicache.parallel.group import RankGroup
 from hicache.policy import EvictionPolicy, RefillPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
 from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
@@ -122,6 +123,10 @@ class HiCacheConfig:
             Ignored with `components` (loaded whole).
         refill_under_unbacked: what a prefetch commit does with a refill whose attach point is not
             backed up: `drop` it (the default), or `backup_then_attach` (see `RefillPolicy`).
+        tp_group: the tensor-parallel rank group (`hicache.parallel.RankGroup`), or None for one rank.
+            With more than one rank, every decision that depends on rank-local facts (the storage probe,
+            the pages a prefetch completed) is agreed across the group before the tree changes (README,
+            "Tensor parallelism"). Its rank and size must equal `namespace.tp_rank` and `tp_size`.
     """
 
     layout: KVLayout
@@ -154,6 +159,7 @@ class HiCacheConfig:
     components: tuple[Component, ...] = ()
     layerwise_load_back: bool = False
     refill_under_unbacked: RefillPolicy = RefillPolicy.DROP
+    tp_group: RankGroup | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -224,6 +230,25 @@ class HiCacheConfig:
             names.add(comp.name)
             comp.pool_layout(self.page_size)  # raises on a page size mismatch
         object.__setattr__(self, "components", components)
+        if self.tp_group is not None:
+            if not isinstance(self.tp_group, RankGroup):
+                raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
+            if components and self.tp_group.tp_size > 1:
+                raise ValueError("tp_group: hybrid components are not supported under tensor parallelism yet")
+            if self.tp_group.tp_size > 1 and self.layerwise_load_back:
+                # A layer-wise copy lands outside an agreement step: its failure would be rank-local.
+                raise ValueError("layerwise_load_back: not supported under tensor parallelism yet (tp_group)")
+            if self.tp_group.tp_size > 1 and self.refill_under_unbacked is not RefillPolicy.DROP:
+                # The rescue's backups commit rank-locally (backup completion is not agreed yet).
+                raise ValueError(
+                    "refill_under_unbacked: backup_then_attach is not supported under tensor parallelism yet"
+                )
+            ns = self.namespace
+            if (ns.tp_rank, ns.tp_size) != (self.tp_group.tp_rank, self.tp_group.tp_size):
+                raise ValueError(
+                    f"tp_group: rank {self.tp_group.tp_rank} of {self.tp_group.tp_size}, but the namespace "
+                    f"says tp_rank={ns.tp_rank}, tp_size={ns.tp_size}"
+                )
         signature = layout_signature(self.layout, components)
         if self.namespace.layout != signature:
             object.__setattr__(self, "namespace", dataclasses.replace(self.namespace, layout=signature))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["DropReason", "PrefetchStatus", "SkipReason", "Tier"]
+__all__ = ["DropReason", "PrefetchStatus", "ShedReason", "SkipReason", "Tier"]
 
 
 class Tier(StrEnum):
@@ -50,6 +50,18 @@ class DropReason(StrEnum):
     """Under write-through, the node the pages hang from is not backed up to host."""
     COMPONENT_INCOMPLETE = "component_incomplete"
     """A hybrid component's pages did not all arrive: every page is useless without them."""
+
+
+class ShedReason(StrEnum):
+    """Why a queued backup or storage write was let go unwritten (the `reason` label of
+    `writes_shed_total`)."""
+
+    QUEUE_FULL = "queue_full"
+    """Its queue was at its limit (`backup_queue_limit`, `storage_write_queue_limit`)."""
+    STORAGE_UNAVAILABLE = "storage_unavailable"
+    """The storage tier's circuit breaker is open."""
+    EVICTED = "evicted"
+    """Its node left the host tier while the write was queued."""
 
 
 class PrefetchStatus(StrEnum):

@@ -21,12 +21,16 @@ from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES, chained_page_hashes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
+from hicache.parallel.agreement import Agreement
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
 
 __all__ = ["Admission", "PrefetchPlan"]
 
 logger = logging.getLogger("hicache.cache")
+
+_NO_EVICTION = 1 << 60
+"""The eviction decision carries `_NO_EVICTION - tokens` so that the agreed minimum is the largest need."""
 
 _StagedReads = list[tuple[list[str], list[memoryview]]]
 
@@ -68,6 +72,8 @@ class Admission:
         storage_breaker: the storage tier's breaker (no I/O at all while it is open).
         state: whether the cache is still open after an await.
         forget_stored: called with page keys storage was found to lack.
+        agreement: the tensor-parallel agreement (None for one rank): the probe's hit and the host room
+            to make are then agreed across the ranks (`_plan_agreed`).
     """
 
     def __init__(
@@ -81,6 +87,7 @@ class Admission:
         storage_breaker: CircuitBreaker,
         state: OpenState,
         forget_stored: Callable[[Sequence[str]], None],
+        agreement: Agreement | None = None,
     ) -> None:
         self._config = config
         self._tree = tree
@@ -91,6 +98,7 @@ class Admission:
         self._breaker = storage_breaker
         self._state = state
         self._forget_stored = forget_stored
+        self._agreement = agreement
 
     async def plan(
         self,
@@ -117,6 +125,8 @@ class Admission:
             return SkipReason.NO_STORAGE
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
+        if self._agreement is not None:  # every rank reaches this point alike (the tree is identical)
+            return await self._plan_agreed(request_id, key, match, storage, inflight_tokens, self._agreement)
         if inflight_tokens + remainder > config.capacity_tokens:
             return SkipReason.CAPACITY
         if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
@@ -190,6 +200,93 @@ class Admission:
             host_indices=host_indices,
             staged=staged,
             staged_reads=reads,
+        )
+
+    async def _probe(
+        self, request_id: str, storage: GuardedStorage, page_keys: list[str], remainder: int
+    ) -> int:
+        """Storage's hit in pages for `page_keys` (0 on an error or timeout, counted)."""
+        config = self._config
+        try:
+            budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
+            with anyio.move_on_after(budget):
+                return await probe_hit_pages(storage, page_keys)
+            storage.record_timeout("exists")
+            self._metrics.storage_page_failures.labels(reason="timeout").inc()
+        except StorageCircuitOpen:
+            pass
+        except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
+            logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
+            self._metrics.storage_page_failures.labels(reason="exists").inc()
+        return 0
+
+    async def _plan_agreed(
+        self,
+        request_id: str,
+        key: bytes,
+        match: MatchResult | PrefixPeek,
+        storage: GuardedStorage,
+        inflight_tokens: int,
+        agreement: Agreement,
+    ) -> PrefetchPlan | SkipReason:
+        """`plan` under tensor parallelism: what depends on this rank (capacity, the breaker, storage's
+        hit, free host pages) becomes its value in two decisions agreed in one step: the hit (minimum
+        over the ranks) and the host tokens to evict for it (maximum). Every rank then evicts the same
+        from its identical tree and takes what its pool has free, never evicting on its own; a rank that
+        gets fewer pages reads fewer, and the commit's agreement shortens every rank's prefix to match.
+        """
+        config = self._config
+        page = config.page_size
+        tree = self._tree
+        matched = match.device_len + match.host_len
+        remainder = len(key) // TOKEN_BYTES - matched
+        probe = agreement.propose("probe", request_id)
+        evict = agreement.propose("probe_evict", request_id, default=_NO_EVICTION)
+        anchor = (
+            tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
+        )
+        anchor_end = tree.depth(anchor)
+        hashes = chained_page_hashes(
+            key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
+        )
+        page_keys = [h.hex() for h in hashes]
+
+        async def local() -> int:
+            try:
+                if inflight_tokens + remainder > config.capacity_tokens or not self._breaker.allows():
+                    return 0
+                hit_pages = await self._probe(request_id, storage, page_keys, remainder)
+                self._forget_stored(page_keys[hit_pages:])
+                need = hit_pages * page - self._allocator.free_host_tokens()
+                evict.settle(_NO_EVICTION - max(0, need))
+                return hit_pages
+            finally:
+                evict.settle(_NO_EVICTION)  # every path settles it (a no-op once settled above)
+
+        tree.lock_host(anchor)
+        try:
+            hit_pages = await agreement.agree_on(probe, local)
+            to_evict = _NO_EVICTION - await agreement.agree(evict)
+            self._state.check_open("prefetch")
+            if anchor_end + hit_pages * page - matched < config.prefetch_threshold:
+                tree.unlock_host(anchor)
+                return SkipReason.STORAGE_MISS
+            if to_evict:
+                self._allocator.evict_host(to_evict)
+            host_indices = self._allocator.alloc_host_free(hit_pages * page, owner=Owner.PREFETCH)
+        except BaseException:
+            evict.settle(_NO_EVICTION)
+            tree.unlock_host(anchor)
+            raise
+        n_pages = host_indices.numel() // page
+        return PrefetchPlan(
+            anchor=anchor,
+            key=key[anchor_end * TOKEN_BYTES : (anchor_end + n_pages * page) * TOKEN_BYTES],
+            hashes=hashes[:n_pages],
+            page_keys=page_keys[:n_pages],
+            host_indices=host_indices,
+            staged=[],
+            staged_reads=[],
         )
 
     async def _stage_components_or_free(

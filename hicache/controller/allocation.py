@@ -104,6 +104,25 @@ class Allocator:
             indices = pool.alloc(free, owner) if free > 0 else None
         return indices
 
+    def free_host_tokens(self) -> int:
+        """Host tokens free now (the release queue flushed first)."""
+        self._release_queue.flush()
+        return self._host_pool.statistics().free_pages * self._page_size
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Evict `num_tokens` host tokens of host-only leaves and free them; returns the tokens freed."""
+        evicted = self._tree.evict_host(num_tokens)
+        if evicted.freed_host.numel():
+            self._host_pool.free(evicted.freed_host)
+        self.free_components(evicted.component_frees)
+        return int(evicted.freed_host.numel())
+
+    def alloc_host_free(self, num_tokens: int, *, owner: Owner) -> torch.Tensor:
+        """Up to `num_tokens` host tokens (whole pages) from what is free, evicting nothing (maybe none)."""
+        free = self.free_host_tokens()
+        indices = self._host_pool.alloc(min(num_tokens, free), owner) if min(num_tokens, free) > 0 else None
+        return indices if indices is not None else torch.empty(0, dtype=torch.int64)
+
     def caller_claims(
         self,
         device_indices: torch.Tensor | npt.NDArray[np.int64] | None,

@@ -2,7 +2,8 @@
 
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
-streams. Every method that changes the tree does so synchronously between awaits, so the tree is always
+streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
+`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between awaits, so the tree is always
 consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe: a
 device <-> host copy is waited for even when the caller is cancelled (a copy is short and cannot be
 abandoned), and a storage read is abandoned at once, its buffers quarantined until its thread returns.
@@ -15,7 +16,6 @@ copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclos
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -39,6 +39,7 @@ from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
+from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
 from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.tier_mover import TierMover
 from hicache.controller.workers import Workers
@@ -47,15 +48,13 @@ from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
+from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree
 from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
-from storage_backends.registry import open_backend
 
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
-
-logger = logging.getLogger("hicache.cache")
 
 
 class HiCache:
@@ -136,11 +135,22 @@ class HiCache:
         )
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
         self._allocator = Allocator(tree, device, host, comps, queue)
+        self.agreement = Agreement.for_group(config.tp_group)
         self._mover = TierMover(
-            config, tree, device, host, comps, self._allocator, self._copies, counters, breaker
+            config,
+            tree,
+            device,
+            host,
+            comps,
+            self._allocator,
+            self._copies,
+            counters,
+            breaker,
+            self.agreement,
         )
+        """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._prefetcher = Prefetcher(
-            config, tree, host, comps, queue, self._allocator, counters, breaker, state
+            config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement
         )
         if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
             self._prefetcher.rescue = RefillRescue(tree, self._mover)
@@ -197,11 +207,7 @@ class HiCache:
             return
         try:
             if self.storage is None and self.config.storage_url is not None:
-                self.storage = open_backend(
-                    self.config.storage_url,
-                    namespace_digest=self.config.namespace.digest,
-                    **self._backend_options(self.config.storage_url),
-                )
+                self.storage = open_configured_storage(self.config)
             if self.storage is not None:
                 self._open_storage_tier(self.storage)
             if self._device_pool.device.type == "cuda":
@@ -209,6 +215,8 @@ class HiCache:
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
                 self._copies.limiter = anyio.CapacityLimiter(1)
+            if self.agreement is not None:
+                await anyio.to_thread.run_sync(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
             # A failed start: close what it opened and the pools; the cache stays closed.
@@ -216,6 +224,17 @@ class HiCache:
             await self._workers.abort(self.storage if self._owns_storage else None)
             raise
         self._state.started = True
+
+    async def tp_sync(self) -> int:
+        """Under tensor parallelism, step until no rank has a decision pending (call it on every rank at
+        the same point, a scheduling step's end); returns the steps (0 without a TP group).
+
+        Raises:
+            RankFailed: a peer died or stopped responding for longer than the group's timeout.
+        """
+        if self.agreement is None:
+            return 0
+        return await self.agreement.drive(lambda: False)
 
     def _open_storage_tier(self, storage: StorageBackend) -> None:
         """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
@@ -233,21 +252,7 @@ class HiCache:
         self._mover.writer = writer
         self._prefetcher.storage = guarded
         self._prefetcher.known = writer.known
-        if not self.config.namespace.model_id:
-            logger.warning(
-                "HiCache has a storage tier but namespace.model_id is empty: every cache with the "
-                "same KV layout and an empty model_id shares pages with this one; pass "
-                "Namespace(model_id=<model name and revision, or a config hash>)"
-            )
-
-    def _backend_options(self, url: str) -> dict[str, object]:
-        """The backend's options: `storage_options`, plus the cache's timeouts for a client that has its
-        own (S3: per-request read and write deadlines), unless the options set them."""
-        options = dict(self.config.storage_options)
-        if url.startswith("s3://"):
-            options.setdefault("read_deadline_s", self.config.storage_read_timeout_s)
-            options.setdefault("write_deadline_s", self.config.storage_write_timeout_s)
-        return options
+        warn_if_shared(self.config)
 
     async def aclose(self) -> None:
         """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
@@ -260,6 +265,8 @@ class HiCache:
         if not self._state.closed:
             self._state.closed = True
             self._prefetcher.cancel_all()
+            if self.agreement is not None:
+                self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache was closed"))
             self._workers.begin_close()
         await self._workers.wait_closed()
 
@@ -333,6 +340,7 @@ class HiCache:
         held_component_slots: Mapping[str, int] | None = None,
         held_device: Sequence[torch.Tensor] | None = None,
         held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        across_ranks: bool = False,
     ) -> None:
         """Check the tree's invariants and that every page of every pool has exactly one owner.
 
@@ -351,10 +359,19 @@ class HiCache:
                 count); ignored for components named in `held_components`.
             held_device: the device indices the caller holds, checked page by page.
             held_components: per component, the device indices the caller holds, checked page by page.
+            across_ranks: also compare this rank's tree fingerprint (structure, tiers, backed-up flags,
+                locks) with every other rank's: a collective, so call it on every rank at the same point,
+                between agreement steps; it blocks until every rank has called it (at most the group's
+                timeout). Without a TP group there is nothing to compare.
 
         Raises:
             InvariantViolation: listing every violation found.
+            TreeDivergence: the ranks' trees differ; the message names the first differing node.
+            RankFailed: a peer died or stopped responding.
         """
+        if across_ranks and self.agreement is not None:
+            assert self.config.tp_group is not None
+            check_same_tree(self.config.tp_group, self._tree)
         self._accounting.check(
             held_device_tokens=held_device_tokens,
             held_component_slots=held_component_slots,

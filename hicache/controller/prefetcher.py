@@ -26,6 +26,7 @@ from hicache.errors import CacheClosed, UnknownRequest
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
+from hicache.parallel.agreement import Agreement, Decision
 from hicache.tiers import DropReason, PrefetchStatus, SkipReason
 from hicache.tree import ComponentFree, MatchResult, NodeRef, PrefixPeek, RadixTree
 from storage_backends.threads import stray_threads
@@ -53,6 +54,8 @@ class Prefetcher:
         metrics: the cache's metric set.
         storage_breaker: the storage tier's breaker.
         state: whether the cache is open.
+        agreement: the tensor-parallel agreement (None for one rank): admission's probe and each commit's
+            completed pages are then agreed across the ranks.
     """
 
     def __init__(
@@ -66,8 +69,12 @@ class Prefetcher:
         metrics: CacheMetrics,
         storage_breaker: CircuitBreaker,
         state: OpenState,
+        agreement: Agreement | None = None,
     ) -> None:
         self._config = config
+        self._agreement = agreement
+        self._commits: dict[str, Decision] = {}
+        """Under tensor parallelism, each launched prefetch's commit decision (pages every rank has)."""
         self._tree = tree
         self._host_pool = host_pool
         self._component_pools = component_pools
@@ -86,6 +93,7 @@ class Prefetcher:
             storage_breaker,
             state,
             self.forget_stored,
+            agreement,
         )
         self._prefetches: dict[str, Prefetch] = {}
         self.inflight_tokens = 0
@@ -167,6 +175,8 @@ class Prefetcher:
             if isinstance(transfer.pool, KVPool):
                 transfer.pool.set_owner(transfer.indices, Owner.PREFETCH)
         self._prefetches[request_id] = prefetch
+        if self._agreement is not None:  # proposed where every rank launches it: right after admission
+            self._commits[request_id] = self._agreement.propose("commit", request_id)
         self.inflight_tokens += prefetch.num_tokens
         self._metrics.prefetch_hit_tokens.inc(prefetch.num_tokens)
         assert self.task_group is not None
@@ -240,9 +250,7 @@ class Prefetcher:
         """Stop the prefetch after its stop policy, wait for its I/O, then attach or drop its pages (see
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
-        await prefetch.wait_for_stop_policy()
-        prefetch.request_stop()
-        await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
+        agreed_pages = await self._stop_and_agree(prefetch)
         self._check_still_in_flight(request_id, prefetch)
         rescued = False
         if self.rescue is not None and not prefetch.staged:
@@ -256,6 +264,8 @@ class Prefetcher:
             self._metrics.storage_page_failures.labels(reason="timeout").inc()
         completed = prefetch.completed_tokens
         page = self._page_size
+        if agreed_pages is not None:  # a page counts only if every rank verified it
+            completed = min(completed, agreed_pages * page)
         host = prefetch.host_indices
         drop: DropReason | None = None
         loaded = present = quarantined = 0
@@ -323,6 +333,24 @@ class Prefetcher:
         )
         return outcome
 
+    async def _stop_and_agree(self, prefetch: Prefetch) -> int | None:
+        """Wait for the stop policy and the stream to stop; under tensor parallelism, agree the pages
+        completed (the minimum over the ranks; this rank keeps stepping while it waits)."""
+
+        async def stop() -> int:
+            await prefetch.wait_for_stop_policy()
+            prefetch.request_stop()
+            await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
+            return prefetch.completed_pages
+
+        decision = self._commits.get(prefetch.request_id)
+        if self._agreement is None or decision is None:
+            await stop()
+            return None
+        agreed = await self._agreement.agree_on(decision, stop)
+        self._commits.pop(prefetch.request_id, None)
+        return agreed
+
     async def cancel(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch and give its pages back (see `HiCache.cancel_prefetch`)."""
         prefetch = self.get(request_id)
@@ -362,6 +390,9 @@ class Prefetcher:
         stopped, otherwise when it stops (`finish_detached`)."""
         request_id = prefetch.request_id
         prefetch.request_stop()
+        decision = self._commits.pop(request_id, None)
+        if decision is not None:  # this rank has none of its pages: the ranks agree 0 at its next step
+            decision.settle(0)
         del self._prefetches[request_id]
         self.inflight_tokens -= prefetch.num_tokens
         prefetch.state = PrefetchState.CANCELLED

@@ -16,7 +16,7 @@ from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics
-from hicache.tiers import Tier
+from hicache.tiers import ShedReason, Tier
 from hicache.tree import NodeRef, RadixTree, StoredPath
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
@@ -156,7 +156,9 @@ class StorageWriter:
                         keys.append(key)
                         views.append(view)
             if evicted:
-                self._metrics.writes_shed.inc(evicted, tier=Tier.STORAGE.value, reason="evicted")
+                self._metrics.writes_shed.inc(
+                    evicted, tier=Tier.STORAGE.value, reason=ShedReason.EVICTED.value
+                )
             if keys:
                 found = await self._exists(keys)
                 if found is None:

@@ -20,7 +20,8 @@ from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
-from hicache.tiers import Tier
+from hicache.parallel.agreement import Agreement
+from hicache.tiers import ShedReason, Tier
 from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
 
 __all__ = ["TierMover"]
@@ -62,8 +63,10 @@ class TierMover:
         copies: CopyTracker,
         metrics: CacheMetrics,
         storage_breaker: CircuitBreaker,
+        agreement: Agreement | None = None,
     ) -> None:
         self._config = config
+        self._agreement = agreement
         self._tree = tree
         self._components: tuple[Component, ...] = tree.components
         self._device_pool = device_pool
@@ -97,6 +100,8 @@ class TierMover:
             need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
             # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
             room = self._allocator.host_room() if offer_host else 0
+            if self._agreement is not None:  # rank-local: every rank plans with the smallest room
+                room = await self._agreement.agree_value("host_room", room)
             result = self._tree.evict_device(need, host_free_tokens=room)
             self._device_pool.free(result.freed_device)
             self._allocator.free_components(result.component_frees)
@@ -133,7 +138,7 @@ class TierMover:
         """Queue backups of `targets` (shedding, and counting, what the queue cannot take)."""
         shed = self.backups.put(targets)
         if shed:
-            self._metrics.writes_shed.inc(len(shed), tier=Tier.HOST.value, reason="queue_full")
+            self._shed(len(shed), Tier.HOST, ShedReason.QUEUE_FULL)
 
     async def _backup_batch(self, targets: list[NodeRef]) -> None:
         await self.back_up(targets)
@@ -223,25 +228,28 @@ class TierMover:
 
     # ------------------------------------------------------------------ host -> storage
 
+    def _shed(self, count: int, tier: Tier, reason: ShedReason) -> None:
+        self._metrics.writes_shed.inc(count, tier=tier.value, reason=reason.value)
+
     def _queue_storage_writes(self, targets: list[NodeRef]) -> None:
         """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
         if not self._breaker.allows():
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             return
         shed = self.storage_writes.put(targets)
         if shed:
-            self._metrics.writes_shed.inc(len(shed), tier=Tier.STORAGE.value, reason="queue_full")
+            self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
 
     async def _store(self, targets: list[NodeRef]) -> None:
         if self.writer is None:
             return
         if not self._breaker.allows():
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             return
         try:
             await self.writer.store_many(targets)
         except StorageCircuitOpen:
-            self._metrics.writes_shed.inc(len(targets), tier=Tier.STORAGE.value, reason="storage_unavailable")
+            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
         except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
             logger.warning("storage write-through of %d node(s) failed: %r", len(targets), exc)
 
@@ -267,17 +275,26 @@ class TierMover:
             self._device_pool.set_owner(device_indices, Owner.COPY)
             self._copies.track_load(self._device_pool, device_indices)
             loaded: _ComponentCopies = {}
+            # Under tensor parallelism the load-back counts only if it succeeded on every rank.
+            agreed = self._agreement.propose("load_back", "") if self._agreement is not None else None
             try:
                 await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
                 if self._components:
                     loaded = await self._load_components(match.host_nodes)
             except BaseException:
+                if agreed is not None:
+                    agreed.settle(0)
                 self._device_pool.free(device_indices)
                 raise
             finally:
                 self._copies.untrack_load(device_indices)
                 for _, device in loaded.values():
                     self._copies.untrack_load(device)
+            if agreed is not None and self._agreement is not None:
+                agreed.settle(1)
+                if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
+                    self._device_pool.free(device_indices)
+                    return tree.match_prefix(key[: start * TOKEN_BYTES])
             # The copies are the tree's now; it hands back those no node takes (the tree may have changed
             # while the copy ran: splits, a concurrent load of the same nodes).
             self._device_pool.set_owner(device_indices, Owner.TREE)

@@ -20,7 +20,7 @@ from component_helpers import (
     tokens,
 )
 
-from hicache import HiCache, PrefetchState
+from hicache import DropReason, HiCache, PrefetchState
 from hicache.components import component_storage_key
 from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
@@ -126,6 +126,7 @@ async def test_a_prefetch_that_stops_short_of_its_window_is_dropped_in_one_call(
         await backend.delete([keys[5]])  # streaming stops at page 5 (20 tokens)
         outcome = await cache.commit_prefetch("r1")
         assert (outcome.status, outcome.completed_tokens, outcome.loaded_tokens) == ("dropped", 20, 0)
+        assert outcome.drop_reason is DropReason.COMPONENT_INCOMPLETE
         (release,) = release_queue_of(cache).history
         assert torch.equal(release.host_indices, prefetch.host_indices)
         assert release.transfers == prefetch.transfers
@@ -150,8 +151,11 @@ async def test_backup_storage_prefetch_and_load_back_carry_every_component_bitwi
         await serve_hybrid(first, seq)
         await first.wait_idle()
         first.sanity_check()
-        stats = tree_of(first).component_statistics()
-        assert (stats["swa"].host_slots, stats["mamba"].host_slots) == (WINDOW, 1)
+        stats = first.statistics()  # components and their pools are observable without the internals
+        assert stats.components == tree_of(first).component_statistics()
+        assert (stats.components["swa"].host_slots, stats.components["mamba"].host_slots) == (WINDOW, 1)
+        for name, pools in component_pools_of(first).items():
+            assert stats.component_pools[name] == (pools.device.statistics(), pools.host.statistics())
         hashes = chained_page_hashes(key, PAGE, first.config.namespace, ROOT_HASH)
         comp_keys = [component_storage_key(h, "swa") for h in hashes[-WINDOW // PAGE :]]
         comp_keys.append(component_storage_key(hashes[-1], "mamba"))

@@ -20,7 +20,7 @@ from controller_helpers import (
     tokens,
 )
 
-from hicache import HiCache, PrefetchState, UnknownRequest
+from hicache import DropReason, HiCache, PrefetchState, PrefetchStatus, UnknownRequest
 from hicache.controller.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
@@ -58,6 +58,8 @@ async def test_commit_attaches_storage_pages_and_a_match_reports_them(backend: M
         assert prefetch.num_tokens == 32
         outcome = await cache.commit_prefetch("r1")
         assert outcome.status == "committed"
+        assert outcome.status is PrefetchStatus.COMMITTED
+        assert (outcome.committed, outcome.dropped, outcome.drop_reason) == (True, False, None)
         assert (outcome.completed_tokens, outcome.loaded_tokens, outcome.released_tokens) == (32, 32, 0)
         match = cache.match(seq)
         assert (match.device_len, match.host_len) == (0, 32)
@@ -114,6 +116,9 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         host_indices = prefetch.host_indices
         outcome = await cache.commit_prefetch("r1")
         assert outcome.status == "dropped"
+        assert outcome.status is PrefetchStatus.DROPPED
+        assert (outcome.dropped, outcome.committed) == (True, False)
+        assert outcome.drop_reason is DropReason.ANCHOR_NOT_BACKED_UP
         assert outcome.loaded_tokens == 0
         assert prefetch.state is PrefetchState.DROPPED
         assert len(release_queue_of(cache).history) == 1

@@ -22,6 +22,7 @@ from hicache import (
     HiCache,
     HiCacheConfig,
     PageNotFound,
+    SkipReason,
     StorageAuthError,
     StorageUnavailable,
 )
@@ -86,6 +87,7 @@ async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage
         for i in range(2):
             lease = await cache.acquire(f"hung-{i}", tokens(0, 8 * PAGE))
             assert lease.cached_len == 0
+            assert lease.prefetch_skipped is SkipReason.STORAGE_ERROR
             cache.release(lease)
         assert breaker.state is BreakerState.OPEN
         assert counter(cache, "storage_errors_total", op="exists", kind="timeout") == 2
@@ -93,6 +95,7 @@ async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage
         calls = storage.calls
         for i in range(5):
             lease = await cache.acquire(f"open-{i}", tokens(0, 8 * PAGE))
+            assert lease.prefetch_skipped is SkipReason.STORAGE_UNAVAILABLE
             cache.release(lease)
         assert storage.calls == calls
         assert counter(cache, "prefetch_skipped_total", reason="storage_unavailable") == 5

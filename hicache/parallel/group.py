@@ -1,0 +1,181 @@
+"""A tensor-parallel rank group: one `torch.distributed` process group with this process's rank in it.
+
+Every collective here is synchronous and bounded by the group's `timeout_s`: a dead peer or one that stops
+responding makes it raise `RankFailed` instead of hanging. Callers on an event loop run them in a worker
+thread (`hicache.parallel.Agreement` does).
+
+On gloo, a MIN reduction runs as one `all_gather` of the fixed-shape tensor followed by a local minimum:
+on this 2-core machine at 4 ranks, gloo's `all_reduce(MIN)` of a small int64 tensor took about five times
+as long as `all_gather_single` of it (see BENCHMARKS.md); on NCCL it is one `all_reduce`. Either way it
+is exactly one collective per call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hicache.parallel.errors import RankFailed
+
+__all__ = ["RankGroup"]
+
+
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a number of seconds, got {type(value).__name__} {value!r}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+class RankGroup:
+    """This process's place in a tensor-parallel group: `tp_rank`, `tp_size` and the process group.
+
+    Args:
+        process_group: the `torch.distributed` process group of the TP ranks (gloo or NCCL); `None` uses
+            the default (world) group, which must then be initialised.
+        timeout_s: the most one collective may wait for the other ranks before `RankFailed` is raised.
+
+    Raises:
+        ValueError: naming `process_group` when torch.distributed is not initialised, or `timeout_s`
+            when it is not a positive finite number.
+    """
+
+    def __init__(self, process_group: Any = None, *, timeout_s: float = 30.0) -> None:
+        self.timeout_s = _check_seconds("timeout_s", timeout_s)
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("process_group: torch.distributed is not initialised in this process")
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.tp_rank: int = dist.get_rank(self.process_group)
+        self.tp_size: int = dist.get_world_size(self.process_group)
+        self.backend: str = str(dist.get_backend(self.process_group))
+        self._lock = threading.Lock()
+        self._failed: RankFailed | None = None
+        self._owned = False
+        self.collectives = 0
+        """Collectives this rank has run on the group (every rank runs the same number)."""
+
+    @classmethod
+    def init_local(
+        cls,
+        rank: int,
+        size: int,
+        rendezvous: str | Path,
+        *,
+        timeout_s: float = 30.0,
+    ) -> RankGroup:
+        """Initialise a gloo group on 127.0.0.1 through a rendezvous file shared by the ranks (tests,
+        the demo and the benchmark; a serving engine passes its own TP group to the constructor).
+
+        Args:
+            rank: this process's rank, 0 <= rank < size.
+            size: the number of ranks.
+            rendezvous: a path every rank passes; it must not exist before the group is formed.
+            timeout_s: the collective timeout of the group.
+        """
+        timeout_s = _check_seconds("timeout_s", timeout_s)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size: expected an int >= 1, got {size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"rank: expected an int in [0, {size}), got {rank!r}")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(str(rendezvous), size)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        group = cls(timeout_s=timeout_s)
+        group._owned = True
+        return group
+
+    @property
+    def failed(self) -> RankFailed | None:
+        """The error that broke the group, or None while it works."""
+        return self._failed
+
+    def _run(self, what: str, op: Any) -> None:
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            try:
+                work = op()
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except Exception as exc:
+                self._failed = RankFailed(
+                    f"rank {self.tp_rank}/{self.tp_size}: {what} did not complete within "
+                    f"{self.timeout_s:g} s (a peer rank died, closed its group or stopped responding): {exc}"
+                )
+                raise self._failed from exc
+            finally:
+                self.collectives += 1
+
+    def min_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise minimum of `tensor` over the ranks (an int64 CPU tensor of the same shape on
+        every rank); one collective.
+
+        Raises:
+            RankFailed: the collective did not complete within `timeout_s`, now or earlier.
+        """
+        if self.tp_size == 1:
+            return tensor.clone()
+        if self.backend == "gloo":
+            flat = tensor.contiguous().view(-1)
+            out = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
+            self._run(
+                "all_gather",
+                lambda: dist.all_gather_single(out, flat, group=self.process_group, async_op=True),
+            )
+            return out.view(self.tp_size, *tensor.shape).amin(dim=0)
+        result = tensor.clone()
+        self._run(
+            "all_reduce(MIN)",
+            lambda: dist.all_reduce(result, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True),
+        )
+        return result
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` stacked by rank (same shape and dtype on every rank); one collective."""
+        if self.tp_size == 1:
+            return tensor.clone().unsqueeze(0)
+        flat = tensor.contiguous().view(-1)
+        out = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
+        self._run(
+            "all_gather", lambda: dist.all_gather_single(out, flat, group=self.process_group, async_op=True)
+        )
+        return out.view(self.tp_size, *tensor.shape)
+
+    def gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload` by rank (any lengths): two collectives, the lengths then the padded bytes."""
+        lengths = self.gather(torch.tensor([len(payload)], dtype=torch.int64)).view(-1).tolist()
+        width = max(1, *lengths)
+        buf = torch.zeros(width, dtype=torch.uint8)
+        if payload:
+            buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = self.gather(buf)
+        return [bytes(rows[r, : lengths[r]].numpy().tobytes()) for r in range(self.tp_size)]
+
+    def close(self) -> None:
+        """Leave the group: later collectives raise `RankFailed` here, and peers waiting in one see the
+        connection close. Destroys the process group only if `init_local` created it. Idempotent."""
+        with self._lock:
+            if self._failed is None:
+                self._failed = RankFailed(f"rank {self.tp_rank}/{self.tp_size}: the rank group was closed")
+            if self._owned and dist.is_initialized():
+                self._owned = False
+                dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._failed is not None else "ok"
+        return (
+            f"RankGroup(tp_rank={self.tp_rank}, tp_size={self.tp_size}, backend={self.backend}, "
+            f"timeout_s={self.timeout_s:g}, collectives={self.collectives}, {state})"
+        )

@@ -1,0 +1,353 @@
+"""Per-rank workloads for the tensor-parallel cache tests (module level: spawned ranks import them).
+
+Every rank runs a `HiCache` over a shared file storage directory with its own namespace (rank and size in
+it) and `tp_group` set; the workload is drawn from a seed shared by the ranks, the faults from one that
+is not. The KV a rank writes is its content oracle: `payload(tokens, rank)` differs per rank, so a page of
+another rank loaded here would show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.errors import StorageError
+from hicache.keys import Namespace
+from hicache.memory import KVLayout
+from hicache.parallel import RankGroup
+from storage_backends.file import FileBackend
+from storage_backends.protocol import PageStatus, StorageBackend
+
+PAGE = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
+
+
+def payload(tokens: Sequence[int], rank: int) -> torch.Tensor:
+    """Rank `rank`'s KV of `tokens` (ids < 2,000), shaped for `KVPool.write_tokens`, exact in float32."""
+    ids = torch.tensor(list(tokens), dtype=torch.float32)
+    n = ids.numel()
+    layer = torch.arange(LAYOUT.num_layers, dtype=torch.float32).view(-1, 1, 1, 1, 1)
+    plane = torch.arange(2, dtype=torch.float32).view(1, 2, 1, 1, 1)
+    dim = torch.arange(LAYOUT.head_dim, dtype=torch.float32).view(1, 1, 1, 1, -1)
+    value = ids.view(1, 1, n, 1, 1) * 1000 + layer * 100 + plane * 10 + dim + rank * 3_000_000
+    return value.expand(LAYOUT.num_layers, 2, n, 1, LAYOUT.head_dim).contiguous()
+
+
+class FlakyBackend:
+    """Wraps a backend: on its rank only, drops pages from reads and lookups at random, or reads slowly.
+
+    `miss_p`: each page of a `get` is reported missing with this probability (its buffer untouched);
+    `error_p`: a whole `get` raises `StorageError`; `short_p`: `exists` reports one page fewer;
+    `gate`: when set, each `get` signals `read_started` and waits for the gate (cancellation tests).
+    """
+
+    def __init__(self, inner: StorageBackend, rng: random.Random, **faults: float) -> None:
+        self.inner = inner
+        self.rng = rng
+        self.miss_p = faults.get("miss_p", 0.0)
+        self.error_p = faults.get("error_p", 0.0)
+        self.short_p = faults.get("short_p", 0.0)
+        self.slow_s = faults.get("slow_s", 0.0)
+        self.gate: anyio.Event | None = None
+        self.read_started = anyio.Event()
+        self.faults = 0
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        n = await self.inner.exists(keys)
+        if n and self.rng.random() < self.short_p:
+            self.faults += 1
+            return n - 1
+        return n
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        self.read_started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.slow_s:
+            await anyio.sleep(self.slow_s)  # a slow disk on this rank (a fault, not an ordering device)
+        if self.rng.random() < self.error_p:
+            self.faults += 1
+            raise StorageError("injected: get failed on this rank")
+        statuses = await self.inner.get(keys, buffers)
+        out = []
+        for status in statuses:
+            if status is PageStatus.HIT and self.rng.random() < self.miss_p:
+                self.faults += 1
+                out.append(PageStatus.MISS)
+            else:
+                out.append(status)
+        return out
+
+    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
+        return await self.inner.put(keys, buffers)
+
+    async def delete(self, keys: Sequence[str]) -> None:
+        await self.inner.delete(keys)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def tp_config(group: RankGroup | None, rank: int, size: int, **overrides: Any) -> HiCacheConfig:
+    options: dict[str, Any] = {
+        "layout": LAYOUT,
+        "device_pages": 16,
+        "host_pages": 24,
+        "prefetch_threshold": PAGE,
+        "prefetch_stop_policy": "wait_complete",
+        "storage_batch_pages": 2,
+        "namespace": Namespace(model_id="tp-tests", tp_rank=rank, tp_size=size),
+        "tp_group": group,
+        "close_timeout_s": 2.0,
+    }
+    options.update(overrides)
+    return HiCacheConfig(**options)
+
+
+@contextlib.asynccontextmanager
+async def rank_cache(
+    group: RankGroup | None,
+    root: str,
+    *,
+    rank: int | None = None,
+    size: int | None = None,
+    flaky: dict[str, float] | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> AsyncIterator[tuple[HiCache, FlakyBackend]]:
+    """This rank's open cache over the shared directory `root` (storage wrapped in `FlakyBackend`);
+    closes both on exit."""
+    if group is not None:
+        rank, size = group.tp_rank, group.tp_size
+    config = tp_config(group, rank or 0, size or 1, **overrides)
+    backend = FlakyBackend(
+        FileBackend(Path(root), namespace_digest=config.namespace.digest),
+        random.Random(seed),
+        **(flaky or {}),
+    )
+    try:
+        async with HiCache(config, storage=backend) as cache:
+            yield cache, backend
+    finally:
+        await backend.aclose()
+
+
+async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) -> dict[str, Any]:
+    """Serve `seq`: acquire, check the cached prefix against this rank's oracle, compute and insert the
+    rest, release. Returns the cached length and the hits by tier."""
+    lease = await cache.acquire(request_id, seq)
+    new: torch.Tensor | None = None
+    try:
+        cached = lease.cached_len
+        if cached:
+            got = cache.device_pool.read_tokens(lease.device_indices[:cached]).cpu()
+            assert torch.equal(got, payload(seq[:cached], rank)), (
+                f"{request_id}: cached KV is not this rank's"
+            )
+        n = len(seq)
+        padded = -(-n // PAGE) * PAGE
+        new = await cache.alloc_device(padded - cached)
+        if new is not None:
+            cache.device_pool.write_tokens(new[: n - cached], payload(seq[cached:], rank))
+            indices = torch.cat([lease.device_indices[:cached], new])
+            new = None
+            await cache.insert(lease, seq, indices)
+    finally:
+        cache.release(lease, new)
+    return {"cached": cached, "hits": dict(lease.hit_tokens_by_tier)}
+
+
+def draw_requests(seed: int, n: int) -> list[list[int]]:
+    """A workload shared by the ranks: three system prompts, conversations that grow and come back."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 2000) for _ in range(8 * PAGE)] for _ in range(3)]
+    seen: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        base = rng.choice(seen) if seen and rng.random() < 0.5 else list(rng.choice(prompts))
+        seq = base + [rng.randrange(1, 2000) for _ in range(rng.randrange(1, 4) * PAGE + rng.randrange(PAGE))]
+        seen.append(seq)
+        out.append(seq)
+    return out
+
+
+def agree_equal(group: RankGroup, value: int, what: str) -> None:
+    values = group.gather(torch.tensor([value], dtype=torch.int64)).view(-1).tolist()
+    assert all(v == values[0] for v in values), f"the ranks disagree on {what}: {values}"
+
+
+async def random_workload(
+    group: RankGroup,
+    root: str,
+    seed: int,
+    fault_rank: int,
+    n: int,
+    flaky: dict[str, float],
+    overrides: dict[str, Any] | None = None,
+    busy_rank: int | None = None,
+) -> dict[str, Any]:
+    """`n` requests from the shared workload; storage faults on `fault_rank` only, and on `busy_rank` an
+    event loop kept busy by a task that blocks it for a millisecond at a time. After every request the
+    ranks step to the end of the scheduling step, background work settles, and the trees must agree
+    (fingerprints), as must the cached lengths."""
+    rank = group.tp_rank
+    hits = {"device": 0, "host": 0, "storage": 0}
+    flaky_here = flaky if rank == fault_rank else None
+    async with (
+        rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **(overrides or {})) as (
+            cache,
+            backend,
+        ),
+        anyio.create_task_group() as tg,
+    ):
+        if rank == busy_rank:
+
+            async def hog() -> None:
+                while True:
+                    time.sleep(0.001)  # noqa: ASYNC251 - blocks the loop on purpose: a busier scheduler
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(hog)
+        for i, seq in enumerate(draw_requests(seed, n)):
+            served = await serve(cache, rank, f"r{i}", seq)
+            agree_equal(group, served["cached"], f"the cached length of r{i}")
+            for tier, k in served["hits"].items():
+                hits[tier] += k
+            await cache.tp_sync()
+            await cache.wait_idle()
+            cache.sanity_check(across_ranks=True)
+        stats = cache.statistics()
+        tg.cancel_scope.cancel()
+    return {"hits": hits, "faults": backend.faults, "stats": repr(stats)}
+
+
+SEQ = [500 + i for i in range(10 * PAGE)]
+
+
+async def write_through(group: RankGroup, root: str) -> None:
+    """Serve SEQ once and let it reach storage (a previous run on the same ranks)."""
+    async with rank_cache(group, root) as (cache, _):
+        await serve(cache, group.tp_rank, "w", SEQ)
+        await cache.wait_idle()
+
+
+async def cancel_on_one_rank(group: RankGroup, root: str, canceller: int) -> dict[str, Any]:
+    """A fresh cache per rank prefetches SEQ from storage; `canceller`'s reads block and its acquire is
+    cancelled once one has started, while the other ranks' prefetches complete and commit. The commit
+    agrees 0 pages (a page counts only if every rank verified it): nothing is attached anywhere, the
+    trees agree, and every page of the cancelled prefetch is back in the pool."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, backend):
+        cached = -1
+        if rank == canceller:
+            backend.gate = anyio.Event()  # never set: the reads hang until cancelled
+            async with anyio.create_task_group() as tg:
+
+                async def acquire() -> None:
+                    await cache.acquire("r", SEQ)
+
+                tg.start_soon(acquire)
+                await backend.read_started.wait()
+                tg.cancel_scope.cancel()
+        else:
+            lease = await cache.acquire("r", SEQ)
+            cached = lease.cached_len
+            cache.release(lease)
+        await cache.tp_sync()
+        await cache.wait_idle()
+        cache.sanity_check(across_ranks=True)
+        stats = cache.statistics()
+    return {
+        "cached": cached,
+        "host_used": stats.host_pool.used_pages,
+        "tree_nodes": stats.tree.num_nodes,
+    }
+
+
+async def killed_mid_prefetch(group: RankGroup, root: str, victim: int) -> dict[str, Any]:
+    """`victim` dies (exits) as its first prefetch read starts; the others raise `RankFailed` within the
+    group timeout from `acquire`, and their caches are sane with no prefetch page left held."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, backend):
+        if rank == victim:
+            backend.gate = anyio.Event()
+            async with anyio.create_task_group() as tg:
+
+                async def acquire() -> None:
+                    await cache.acquire("r", SEQ)
+
+                tg.start_soon(acquire)
+                await backend.read_started.wait()
+                os._exit(23)
+        error = ""
+        try:
+            await cache.acquire("r", SEQ)
+        except Exception as exc:
+            error = type(exc).__name__
+        cache.sanity_check()  # local: every page free or owned, no prefetch left holding pages
+        stats = cache.statistics()
+    return {
+        "error": error,
+        "in_flight": stats.prefetches_in_flight + stats.detached_prefetches,
+        "prefetch_tokens": stats.prefetch_tokens_in_flight,
+    }
+
+
+async def unequal_pools(group: RankGroup, root: str) -> str:
+    """Rank 1's host pool is smaller: the caches refuse to start, on every rank, naming the sizes."""
+    host = 16 if group.tp_rank == 1 else 24
+    try:
+        async with rank_cache(group, root, host_pages=host):
+            return "started"
+    except ValueError as exc:
+        return str(exc)
+
+
+async def load_back_fails_on_one_rank(group: RankGroup, root: str, failing: int) -> dict[str, Any]:
+    """SEQ is served, then pushed off the device to host by two other sequences; serving it again loads it
+    back, and `failing`'s host-to-device copy raises. The load-back counts only if every rank's copy
+    succeeded: the other rank frees its copy and returns the device part only, and the trees agree."""
+    rank = group.tp_rank
+    async with rank_cache(group, root, host_pages=48) as (cache, _):
+        await serve(cache, rank, "a", SEQ)
+        for i, other in enumerate(([700 + j for j in range(10 * PAGE)], [900 + j for j in range(10 * PAGE)])):
+            await serve(cache, rank, f"fill{i}", other)
+            await cache.tp_sync()
+            await cache.wait_idle()
+        if rank == failing:
+            copies = cache._mover._copies  # the test's fault injection point: the copy of a load-back
+            real = copies.copy
+
+            async def broken(*args: Any, **kwargs: Any) -> None:
+                copies.copy = real  # type: ignore[method-assign]
+                raise RuntimeError("injected: host-to-device copy failed")
+
+            copies.copy = broken  # type: ignore[method-assign]
+        outcome: dict[str, Any] = {}
+        try:
+            lease = await cache.acquire("b", SEQ)
+            outcome = {"cached": lease.cached_len, "host_hit": lease.hit_tokens_by_tier["host"]}
+            cache.release(lease)
+        except RuntimeError as exc:
+            outcome = {"error": str(exc)}
+        await cache.tp_sync()
+        await cache.wait_idle()
+        cache.sanity_check(across_ranks=True)
+        lease = await cache.acquire("c", SEQ)  # the copy works again: now every rank loads it back
+        outcome["then_host_hit"] = lease.hit_tokens_by_tier["host"]
+        cache.release(lease)
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+    return outcome

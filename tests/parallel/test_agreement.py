@@ -1,0 +1,130 @@
+"""The batched agreement step on real gloo ranks (spawned processes on 127.0.0.1).
+
+Every test runs under `run_ranks`' watchdog: a hang fails the test (the ranks are killed) instead of
+hanging CI. The single-rank tests run in-process.
+"""
+
+from __future__ import annotations
+
+import tp_workers
+
+from hicache.parallel import Agreement
+from hicache.parallel.launch import run_ranks
+
+WATCHDOG_S = 120.0
+
+
+def test_the_agreed_value_is_the_minimum_on_every_rank() -> None:
+    """Two ranks settle 20 decisions in their own random orders and paces, 8 slots per step."""
+    out = run_ranks(tp_workers.minimum_of_rank_values, 2, (20, 1), timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    a, b = out[0].value, out[1].value
+    assert a["agreed"] == b["agreed"] == [min(x, y) for x, y in zip(a["local"], b["local"], strict=True)]
+    assert a["steps"] == b["steps"]
+    assert a["collectives"] == b["collectives"] == a["steps"]
+
+
+def test_four_ranks_agree_the_minimum() -> None:
+    out = run_ranks(tp_workers.minimum_of_rank_values, 4, (12, 2), timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    locals_ = [o.value["local"] for o in out]
+    expected = [min(col) for col in zip(*locals_, strict=True)]
+    assert all(o.value["agreed"] == expected for o in out)
+    assert len({o.value["collectives"] for o in out}) == 1
+
+
+def test_a_rank_that_proposes_late_delays_the_decision_without_error() -> None:
+    """Rank 0 proposed and settled 3 decisions 4 steps before rank 1: nothing resolved meanwhile."""
+    out = run_ranks(tp_workers.late_proposer, 2, timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value["resolved_before"] == [False, False, False]
+    assert out[0].value["agreed"] == out[1].value["agreed"] == [5, 5, 5]
+
+
+def test_a_rank_local_early_break_cannot_skip_a_collective() -> None:
+    """SGLang #30760: one rank's batch fills first and its walk breaks early. Here the walk holds no
+    collective, so both ranks run the same number of them and every decision resolves."""
+    out = run_ranks(tp_workers.early_break, 2, (7,), timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value["agreed"] == out[1].value["agreed"] == [1] * 7
+    assert out[0].value["collectives"] == out[1].value["collectives"]
+
+
+def test_different_decisions_in_one_place_raise_on_every_rank() -> None:
+    out = run_ranks(tp_workers.divergent_proposals, 2, timeout_s=WATCHDOG_S)
+    assert [o.error_type for o in out] == ["RankDivergence", "RankDivergence"]
+    assert "decision #0 differs between the ranks" in (out[0].error or "")
+
+
+def test_a_rank_killed_mid_agreement_makes_the_others_raise() -> None:
+    """Rank 1 exits abruptly; rank 0's step raises RankFailed, and its waiter fails with it (so the code
+    awaiting the decision releases what it holds); nothing stays pending."""
+    out = run_ranks(tp_workers.dies_mid_agreement, 2, (1,), timeout_s=WATCHDOG_S, group_timeout_s=10.0)
+    assert out[1].exitcode == 17
+    assert out[0].ok, out[0].error
+    assert sorted(out[0].value["errors"]) == ["RankFailed", "RankFailed"]
+    assert out[0].value["pending"] == 0
+
+
+def test_a_silent_rank_makes_the_others_raise_within_the_timeout() -> None:
+    """Rank 2 of 4 stops stepping without exiting: the others raise RankFailed naming the timeout."""
+    out = run_ranks(tp_workers.goes_silent, 4, (2,), timeout_s=WATCHDOG_S, group_timeout_s=2.0)
+    for o in out:
+        assert o.ok, o.error
+    for r in (0, 1, 3):
+        errors = out[r].value["errors"]
+        assert errors[0] == "RankFailed"
+        assert "within 2 s" in errors[1]
+        assert "failed: RankFailed" in out[r].value["decision"]
+
+
+def test_fingerprints_agree_and_a_difference_names_the_node() -> None:
+    same = run_ranks(tp_workers.trees_compare, 2, (None, ""), timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in same)
+    assert same[0].value == same[1].value
+    differ = run_ranks(tp_workers.trees_compare, 2, (1, "lock"), timeout_s=WATCHDOG_S)
+    for o in differ:
+        assert o.value["error"] == "TreeDivergence"
+        # The lock of the second prompt's leaf locks its path: the shared prefix differs first.
+        assert "at node #0" in o.value["message"]
+        assert (
+            "rank 1 has node 2 tokens [0, 4) starting [1, 2, 3, 4] tiers=device device_lock=1"
+            in (o.value["message"])
+        )
+
+
+async def test_a_single_rank_resolves_on_settle_without_any_collective() -> None:
+    ag = Agreement(None)
+    d = ag.propose("probe", "req")
+    assert not d.resolved
+    d.settle(3)
+    assert d.resolved
+    assert await d.wait() == 3
+    result = await ag.step()
+    assert not result.more
+    assert ag.statistics().pending == 0
+
+
+async def test_an_unsettled_decision_settles_its_default_after_its_timeout() -> None:
+    """A rank-local timeout settles the safe default (the minimum then carries it to every rank); a value
+    settled later is ignored."""
+    ag = Agreement(None)
+    d = ag.propose("commit", "req", default=0, timeout_s=0.0)
+    assert not d.settled
+    assert await ag.agree(d) == 0
+    assert ag.statistics().timed_out == 1
+    d.settle(5)
+    assert d.result == 0
+
+
+def test_a_slow_local_part_on_one_rank_does_not_time_the_group_out() -> None:
+    """Rank 1's local part takes 3 s, the group timeout is 2 s: both ranks step while waiting, so no
+    collective waits long; the minimum is agreed. A local part that raises settles its default (0) on
+    every rank and re-raises on its own rank only."""
+    out = run_ranks(tp_workers.slow_local_part, 2, (1, 3.0), timeout_s=WATCHDOG_S, group_timeout_s=2.0)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert out[0].value["agreed"] == out[1].value["agreed"] == 3
+    assert out[0].value["commit"] == out[1].value["commit"] == 0
+    assert out[0].value["error"] == ""
+    assert out[1].value["error"] == "injected: local I/O failed"
+    assert out[0].value["steps"] == out[1].value["steps"] > 1

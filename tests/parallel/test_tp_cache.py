@@ -1,0 +1,95 @@
+"""`HiCache` on 2 and 4 gloo ranks: the ranks agree every decision that depends on rank-local facts.
+
+Each test spawns the ranks (`run_ranks`, with a watchdog that kills them and fails the test rather than
+hanging). The workload is drawn from a seed shared by the ranks; faults, slowness and cancellations hit
+one rank only. After every request the ranks compare tree fingerprints (`sanity_check(across_ranks=True)`)
+and cached lengths, and each checks the KV it got against its own content oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cache_workers
+
+from hicache.parallel.launch import run_ranks
+
+WATCHDOG_S = 240.0
+FAULTS = {"miss_p": 0.25, "error_p": 0.1, "short_p": 0.3}
+
+
+def _ok(outcomes: list) -> None:  # type: ignore[type-arg]
+    assert all(o.ok for o in outcomes), [(o.rank, o.error_type, o.error) for o in outcomes if not o.ok]
+
+
+def test_storage_faults_on_one_rank_shorten_every_ranks_prefix(tmp_path: Path) -> None:
+    """Rank 1's storage drops pages, fails reads and undercounts lookups; rank 0's is healthy and its
+    event loop is kept busy. Both get the same cached lengths and hits from every tier, and identical
+    trees after every request."""
+    out = run_ranks(
+        cache_workers.random_workload,
+        2,
+        (str(tmp_path), 3, 1, 40, FAULTS, None, 0),
+        timeout_s=WATCHDOG_S,
+    )
+    _ok(out)
+    assert out[1].value["faults"] > 0
+    assert out[0].value["hits"] == out[1].value["hits"]
+    assert out[0].value["hits"]["storage"] > 0
+
+
+def test_four_ranks_with_one_slow_and_faulty_storage_whose_prefetches_time_out(tmp_path: Path) -> None:
+    """Four ranks; rank 2's storage is slow and faulty and its prefetches hit their 50 ms timeout while
+    the others' complete: no divergence, no hang, the same hits on every rank."""
+    faults = dict(FAULTS, slow_s=0.03)
+    timeouts = {
+        "prefetch_stop_policy": "timeout",
+        "prefetch_timeout_base": 0.05,
+        "prefetch_timeout_per_1k_tokens": 0.0,
+        "prefetch_timeout_max": 0.05,
+    }
+    out = run_ranks(
+        cache_workers.random_workload, 4, (str(tmp_path), 5, 2, 16, faults, timeouts), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    assert len({repr(o.value["hits"]) for o in out}) == 1
+    assert out[2].value["faults"] > 0
+
+
+def test_a_cancelled_acquire_on_one_rank_while_the_other_commits(tmp_path: Path) -> None:
+    """Rank 0's acquire is cancelled mid-prefetch; rank 1's prefetch completes. The commit agrees 0
+    pages: rank 1 attaches nothing, both trees agree, and no prefetch page stays held."""
+    out = run_ranks(cache_workers.cancel_on_one_rank, 2, (str(tmp_path), 0), timeout_s=WATCHDOG_S)
+    _ok(out)
+    assert out[1].value["cached"] == 0
+    assert out[0].value["tree_nodes"] == out[1].value["tree_nodes"] == 0
+    assert out[0].value["host_used"] == out[1].value["host_used"] == 0
+
+
+def test_a_rank_killed_mid_prefetch_makes_the_others_raise_and_release(tmp_path: Path) -> None:
+    """Rank 1 exits while its prefetch reads; rank 0's acquire raises RankFailed within the group
+    timeout, and its cache then holds no prefetch and passes its own sanity check."""
+    out = run_ranks(
+        cache_workers.killed_mid_prefetch, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S, group_timeout_s=5.0
+    )
+    assert out[1].exitcode == 23
+    _ok(out[:1])
+    assert out[0].value == {"error": "RankFailed", "in_flight": 0, "prefetch_tokens": 0}
+
+
+def test_ranks_with_different_pool_sizes_refuse_to_start(tmp_path: Path) -> None:
+    """A smaller host pool on one rank would evict where the others do not: refused at start, everywhere."""
+    out = run_ranks(cache_workers.unequal_pools, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value.startswith("tp_group: every rank needs the same device_pages, host_pages")
+        assert "[[16, 24, 4], [16, 16, 4]]" in o.value
+
+
+def test_a_load_back_that_fails_on_one_rank_loads_nothing_anywhere(tmp_path: Path) -> None:
+    """Rank 1's host-to-device copy fails: its acquire raises; rank 0 frees its finished copy and gets
+    no host hit, and the trees agree afterwards. The next acquire loads the prefix back on both."""
+    out = run_ranks(cache_workers.load_back_fails_on_one_rank, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S)
+    _ok(out)
+    assert out[1].value == {"error": "injected: host-to-device copy failed", "then_host_hit": 40}
+    assert out[0].value == {"cached": 0, "host_hit": 0, "then_host_hit": 40}

@@ -17,6 +17,11 @@ reads `device_indices` (one `torch.cat` per first match of a path; a later match
 reuses the joined tensor cached there). `vs_sglang_match` uses the former, `vs_sglang_match_joined` the
 latter.
 
+Per request through the cache: `acquire` + `release` of a 1,024-token prompt given as a Python list (one of
+the workload's sequences, all of it a device hit in a `HiCache` holding 50 of them), timed call by call:
+`acquire_device_hit_us_p50` / `_p99`, set beside SGLang's `match_prefix` on the same 1,024-token sequences (the
+baseline's `match_us`, whose keys are `RadixKey`s over `array('q')`: it matches and does not lock).
+
 Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens, in CPU time of this process
 (`time.process_time`, minimum of --reps): a ratio of our own costs, which wall time on a machine shared
 with other jobs does not measure. Prints a table, then one JSON line.
@@ -37,8 +42,10 @@ from array import array
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import torch
 
+from hicache import HiCache, HiCacheConfig, KVLayout
 from hicache.tree import RadixTree
 
 BASELINE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-radix" / "run"
@@ -164,6 +171,38 @@ def bench_scale(page_size: int, reps: int, seed: int, vocab: int) -> dict[str, d
     return out
 
 
+async def bench_acquire(seqs: list[array[int]], page_size: int, rounds: int) -> dict[str, float]:
+    """`acquire` + `release` of 1,024-token lists that are all device hits, timed one request at a time."""
+    prompts = [list(s) for s in seqs[:50]]  # 50 distinct prefixes: no two share a page
+    pages = sum(len(p) for p in prompts) // page_size
+    config = HiCacheConfig(layout=KVLayout.flat(8, page_size), device_pages=pages + 64, host_pages=pages + 64)
+    async with HiCache(config) as cache:
+        for i, prompt in enumerate(prompts):
+            lease = await cache.acquire(f"seed-{i}", prompt)
+            indices = await cache.alloc_device(len(prompt))
+            assert indices is not None
+            await cache.insert(lease, prompt, indices)
+        times: list[float] = []
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(rounds):
+                for i, prompt in enumerate(prompts):
+                    t0 = time.perf_counter()
+                    lease = await cache.acquire(f"r{r}-{i}", prompt)
+                    cache.release(lease)
+                    times.append(time.perf_counter() - t0)
+                    assert lease.cached_len == len(prompt), "not a full device hit"
+        finally:
+            gc.enable()
+        cache.sanity_check()
+    times.sort()
+    return {
+        "p50_us": times[len(times) // 2] * 1e6,
+        "p99_us": times[int(len(times) * 0.99)] * 1e6,
+    }
+
+
 def run_baseline(reps: int) -> dict[str, float] | None:
     cmd = [str(BASELINE.resolve()), "--reps", str(reps), "--page-sizes", "16", "--no-scaling"]
     print(f"running SGLang baseline: {' '.join(cmd)}", file=sys.stderr)
@@ -192,6 +231,7 @@ def main() -> None:
     load_start = round(os.getloadavg()[0], 2)
     mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}
     scales = {ps: bench_scale(ps, a.reps, a.seed, vocab) for ps in (1, 16)}
+    acquire = anyio.run(bench_acquire, seqs, 16, 40 * a.reps)
     base = None if a.no_baseline else run_baseline(a.reps)
 
     print("Reference workload (2,000 x 1,024 tokens, 50 shared prefixes), per op in microseconds")
@@ -239,6 +279,15 @@ def main() -> None:
     else:
         for op in ("match", "match_joined", "insert", "evict"):
             result[f"vs_sglang_{op}"] = None
+    result["acquire_device_hit_us_p50"] = round(acquire["p50_us"], 2)
+    result["acquire_device_hit_us_p99"] = round(acquire["p99_us"], 2)
+    if base is not None:
+        result["sglang_match_prefix_us"] = round(base["match_us"], 2)
+    print(
+        f"\nacquire + release, 1,024-token list, all device hit: p50 {acquire['p50_us']:.2f} us, "
+        f"p99 {acquire['p99_us']:.2f} us"
+        + (f" (SGLang match_prefix of the same keys: {base['match_us']:.2f} us)" if base is not None else "")
+    )
     result["match_us"] = round(s16["1e6"]["match_us"], 2)
     result["match_distinct_keys_us"] = round(s16["1e6"]["match_distinct_us"], 2)
     result["insert_us"] = round(s16["1e6"]["insert_us"], 2)

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hicache import HiCache, HiCacheConfig, KVLayout
 from hicache.keys import as_key_bytes
 
 INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
@@ -74,3 +75,32 @@ def test_keys_of_many_lengths_stay_correct() -> None:
     for n in range(0, 5000, 7):
         ids = list(range(n))
         assert as_key_bytes(ids) == array("q", ids).tobytes()
+
+
+async def test_the_cache_takes_numpy_tokens_and_a_converted_key_alike() -> None:
+    """`acquire`, `match` and `insert` take a list, a numpy array or the converted bytes, with one result."""
+    config = HiCacheConfig(layout=KVLayout.flat(8, 4), device_pages=64, host_pages=64)
+    ids = list(range(100, 132))
+    key = as_key_bytes(ids, name="tokens")
+    async with HiCache(config) as cache:
+        lease = await cache.acquire("first", np.array(ids, dtype=np.int32))
+        assert lease.key == key
+        indices = await cache.alloc_device(len(ids))
+        assert indices is not None
+        await cache.insert(lease, key, indices)
+        for i, tokens in enumerate((ids, np.array(ids, dtype=np.uint16), key, torch.tensor(ids))):
+            assert cache.match(tokens).device_len == len(ids)
+            hit = await cache.acquire(f"again-{i}", tokens)
+            assert (hit.cached_len, hit.key) == (len(ids), key)
+            cache.release(hit)
+        cache.sanity_check()
+
+
+async def test_the_cache_names_tokens_for_a_bad_numpy_array() -> None:
+    config = HiCacheConfig(layout=KVLayout.flat(8, 4), device_pages=8, host_pages=8)
+    async with HiCache(config) as cache:
+        with pytest.raises(TypeError, match=r"^tokens: expected an integer array, got dtype float64"):
+            await cache.acquire("r", np.zeros(8))
+        with pytest.raises(ValueError, match=r"^tokens: expected a 1-D array"):
+            await cache.acquire("r", np.zeros((2, 4), dtype=np.int64))
+        cache.sanity_check()

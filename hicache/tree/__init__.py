@@ -1,19 +1,20 @@
 """The pure, synchronous radix tree core: matching, inserting, splitting, locking and eviction choice.
 
 It imports neither the pools nor anyio: nothing here awaits or touches memory beyond index tensors.
+Callers hold `NodeRef` handles; the nodes themselves (`hicache.tree.node`) are the tree's own records.
 """
 
 from __future__ import annotations
 
 from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef, StoredPath
-from hicache.tree.leaf_set import LeafSet
-from hicache.tree.node import TreeNode
 from hicache.tree.radix import RadixTree
 from hicache.tree.results import (
     EMPTY_INDICES,
+    ComponentEvictResult,
     ComponentFree,
     ComponentStatistics,
     EvictResult,
+    FreeResult,
     HostEvictResult,
     InsertResult,
     LoadResult,
@@ -24,13 +25,14 @@ from hicache.tree.results import (
 
 __all__ = [
     "EMPTY_INDICES",
+    "ComponentEvictResult",
     "ComponentFree",
     "ComponentStatistics",
     "EvictResult",
+    "FreeResult",
     "HeldIndices",
     "HostEvictResult",
     "InsertResult",
-    "LeafSet",
     "LoadResult",
     "MatchResult",
     "NodeInfo",
@@ -38,6 +40,5 @@ __all__ = [
     "PrefixPeek",
     "RadixTree",
     "StoredPath",
-    "TreeNode",
     "TreeStatistics",
 ]

@@ -153,8 +153,8 @@ class Inserting(BackupsAndLocks):
         return InsertResult(
             prefix_bytes >> 3,
             end >> 3,
-            ref(node),
-            tuple([ref(n) for n in backups]) if backups else (),
+            node._ref or ref(node),
+            tuple([n._ref or ref(n) for n in backups]) if backups else (),
             False,
             frees,
         )

@@ -26,6 +26,7 @@ from hicache.tree.results import ComponentFree, TreeStatistics
 __all__ = ["TreeState"]
 
 _TREE_SERIALS = itertools.count(1)
+_new_ref = tuple.__new__
 
 
 class TreeState:
@@ -269,7 +270,8 @@ class TreeState:
         """`node`'s handle (made once per node)."""
         ref = node._ref
         if ref is None:
-            ref = node._ref = NodeRef(self._serial, node.id)
+            # tuple.__new__ directly: a NamedTuple's Python-level __new__ costs twice as much, per new node.
+            ref = node._ref = _new_ref(NodeRef, (self._serial, node.id))
         return ref
 
     def _require_live(self, ref: object, name: str = "node") -> TreeNode:

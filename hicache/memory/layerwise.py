@@ -37,7 +37,7 @@ import torch
 
 from hicache.errors import LoadBackFailed
 from hicache.memory.pool import KVPool
-from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _validated_pages, _wait_event
+from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _runs, _validated_pages, _wait_event
 
 __all__ = [
     "ALL_READY",
@@ -148,19 +148,32 @@ class CudaLayerReadiness(LayerReadiness):
         self._enqueued = threading.Event()  # set once every layer's event is recorded
 
     def wait_layer(self, layer: int) -> None:
-        """Make the caller's current CUDA stream wait for layer `layer`'s copy; returns at once."""
+        """Make the caller's current CUDA stream wait for layer `layer`'s copy; returns at once.
+
+        Raises:
+            LoadBackFailed: when enqueueing the copy failed before this layer's event was recorded.
+        """
         _check_layer(layer, self.num_layers)
         self._enqueued.wait()  # the enqueue of a copy is short: its launches, never the copy itself
+        if layer >= len(self.events):
+            raise LoadBackFailed(f"load-back failed before layer {layer} was enqueued")
         event = self.events[layer]
         torch.cuda.current_stream(event.device).wait_event(event)
 
     def is_ready(self, layer: int) -> bool:
         _check_layer(layer, self.num_layers)
-        return self._enqueued.is_set() and bool(self.events[layer].query())  # type: ignore[no-untyped-call]
+        if not self._enqueued.is_set() or layer >= len(self.events):
+            return False
+        return bool(self.events[layer].query())  # type: ignore[no-untyped-call]
 
     @property
     def done(self) -> bool:
-        return self._enqueued.is_set() and bool(self.events[-1].query())  # type: ignore[no-untyped-call]
+        """Every layer landed, or the enqueue stopped short of one (a failed copy)."""
+        if not self._enqueued.is_set():
+            return False
+        if len(self.events) < self.num_layers:
+            return True
+        return bool(self.events[-1].query())  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         return f"<CudaLayerReadiness {len(self.events)}/{self.num_layers} layers enqueued>"
@@ -273,7 +286,10 @@ class LayerwiseCopy:
         assert self._cuda is not None
         after = torch.cuda.current_stream(self._cuda)
         with anyio.CancelScope(shield=True):  # every layer enqueued before anything else happens
-            await anyio.to_thread.run_sync(self._enqueue_cuda, readiness, after, limiter=limiter)
+            try:
+                await anyio.to_thread.run_sync(self._enqueue_cuda, readiness, after, limiter=limiter)
+            except Exception as exc:  # the readiness already says so: its events stop short
+                raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
             await _wait_event(readiness.events[-1])
         await anyio.lowlevel.checkpoint_if_cancelled()
 
@@ -344,14 +360,3 @@ def _layer_bytes(pool: KVPool) -> np.ndarray:
     layout = pool.layout
     return flat.reshape(-1, layout.num_layers, layout.page_nbytes // layout.num_layers)
 
-
-def _runs(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Runs of pages consecutive on both sides: (src start, dst start, count)."""
-    n = int(src_pages.numel())
-    if n == 0:
-        return []
-    breaks = ((src_pages[1:] - src_pages[:-1]) != 1) | ((dst_pages[1:] - dst_pages[:-1]) != 1)
-    starts = [0, *(torch.nonzero(breaks).view(-1) + 1).tolist()]
-    ends = [*starts[1:], n]
-    s, d = src_pages.tolist(), dst_pages.tolist()
-    return [(s[a], d[a], b - a) for a, b in zip(starts, ends, strict=True)]

@@ -9,8 +9,11 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
 	tests/memory/test_memory_allocator.py
 
-.PHONY: run test fuzz check native bench bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership bench-tp gpu-check venv clean
-.PHONY: bench-layerwise bench-refill
+# `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs the first six.
+BENCHES := tree io s3 transfer faults ownership tp layerwise refill
+BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
+
+.PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv clean
 
 $(STAMP): pyproject.toml setup.py native/hicache_native.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,33 +47,9 @@ check: $(STAMP)
 
 bench: bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership
 
-bench-tree: $(STAMP)
-	$(BIN)/python bench/bench_tree.py
-
-bench-io: $(STAMP)
-	$(BIN)/python bench/bench_io.py
-
-bench-s3: $(STAMP)
-	$(BIN)/python bench/bench_s3.py
-
-bench-transfer: $(STAMP)
-	$(BIN)/python bench/bench_transfer.py
-
-bench-faults: $(STAMP)
-	$(BIN)/python bench/bench_faults.py
-
-bench-ownership: $(STAMP)
-	$(BIN)/python bench/bench_ownership.py
-
-# Tensor-parallel agreement cost at 1, 2 and 4 gloo ranks, and the TP demo's savings at TP 1, 2 and 4.
-bench-tp: $(STAMP)
-	$(BIN)/python bench/bench_tp.py
-
-bench-layerwise: $(STAMP)
-	$(BIN)/python bench/bench_layerwise.py
-
-bench-refill: $(STAMP)
-	$(BIN)/python bench/bench_refill.py
+# bench-tp: tensor-parallel agreement cost at 1, 2 and 4 gloo ranks, and the TP demo's savings there.
+$(BENCH_TARGETS): bench-%: $(STAMP)
+	$(BIN)/python bench/bench_$*.py
 
 # On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
 gpu-check:

@@ -125,7 +125,6 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.demo.plot import save_plot
     from hicache.demo.records import DemoConfig, DemoResult
     from hicache.demo.report import render_summary, save_snapshot, summarize
-    from hicache.demo.workload import WorkloadSpec
     from hicache.policy import RefillPolicy, WritePolicy
 
     if args.tp is not None:
@@ -154,40 +153,27 @@ def _demo(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"hicache demo: --backend: {exc}", file=sys.stderr)
             return 2
-    overrides: dict[str, Any] = {}
+    fields: dict[str, Any] = {
+        "users": args.users,
+        "turns": args.turns,
+        "seed": args.seed,
+        "backend_url": args.backend,
+        "write_policy": WritePolicy(args.write_policy),
+        "refill_policy": RefillPolicy(args.refill_policy),
+        "metrics_port": args.metrics_port,
+        "lockstep": args.lockstep,
+    }
     if args.device_pages is not None:
-        overrides["device_pages"] = args.device_pages
+        fields["device_pages"] = args.device_pages
     if args.host_pages is not None:
-        overrides["host_pages"] = args.host_pages
-    overrides["refill_policy"] = RefillPolicy(args.refill_policy)
+        fields["host_pages"] = args.host_pages
+    base = DemoConfig()
     if hybrid:
         from hicache.demo.hybrid_serve import HybridDemoConfig, hybrid_demo_config, run_hybrid_demo
 
         base = hybrid_demo_config()
-        config = dataclasses.replace(
-            base,
-            users=args.users,
-            turns=args.turns,
-            seed=args.seed,
-            backend_url=args.backend,
-            write_policy=WritePolicy(args.write_policy),
-            metrics_port=args.metrics_port,
-            lockstep=args.lockstep,
-            workload=dataclasses.replace(base.workload, system_prompts=args.system_prompts),
-            **overrides,
-        )
-    else:
-        config = DemoConfig(
-            users=args.users,
-            turns=args.turns,
-            seed=args.seed,
-            backend_url=args.backend,
-            write_policy=WritePolicy(args.write_policy),
-            metrics_port=args.metrics_port,
-            lockstep=args.lockstep,
-            workload=dataclasses.replace(WorkloadSpec(), system_prompts=args.system_prompts),
-            **overrides,
-        )
+    workload = dataclasses.replace(base.workload, system_prompts=args.system_prompts)
+    config = dataclasses.replace(base, workload=workload, **fields)
     # With --json, stdout carries only the JSON; progress and messages go to stderr.
     err = Console(stderr=True)
     out = err if args.json else Console()

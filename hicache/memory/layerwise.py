@@ -359,4 +359,3 @@ def _layer_bytes(pool: KVPool) -> np.ndarray:
     flat = np.frombuffer(pool.byte_view(), dtype=np.uint8)
     layout = pool.layout
     return flat.reshape(-1, layout.num_layers, layout.page_nbytes // layout.num_layers)
-

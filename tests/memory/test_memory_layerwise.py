@@ -131,7 +131,8 @@ def test_a_cuda_enqueue_that_stops_short_fails_the_waiters() -> None:
     """A CUDA copy whose enqueue failed after layer 0's event: waiters on later layers raise
     `LoadBackFailed` (not an IndexError) and the readiness reports itself done, so no poller spins."""
     readiness = CudaLayerReadiness(3)
-    assert not readiness.done and not readiness.is_ready(0)
+    assert not readiness.done
+    assert not readiness.is_ready(0)
     readiness._enqueued.set()  # what `_enqueue_cuda`'s `finally` does, here with no event recorded
     assert readiness.done
     assert not readiness.is_ready(1)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import threading
 from collections.abc import Generator
+from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -88,3 +93,47 @@ async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> N
         gate.set()
     assert order == ["step 1", "prefill", "step 2", "step 3"]
     assert results == ["decoded"]
+
+
+def test_a_password_in_the_backend_url_reaches_no_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The storage URL's user info is shown as `***` everywhere the demo shows it: the summary (`--json`),
+    the table, the snapshot file, the Prometheus text and the chart's title."""
+    from matplotlib.figure import Figure
+    from rich.console import Console
+
+    from hicache.demo.plot import save_plot
+    from hicache.demo.report import render_summary, save_snapshot, summarize
+
+    secret = "hunter2secret"
+    config = dataclasses.replace(SMALL, turns=1, backend_url=f"memory://alice:{secret}@redaction-test")
+    result = anyio.run(run_demo, config)
+    assert result.all_identical
+    summary = summarize(result)
+    assert summary["backend"] == "memory://***@redaction-test"
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render_summary(summary))
+    save_snapshot(result, summary, tmp_path / "snap.json")
+    shown = {
+        "json": json.dumps(summary),
+        "table": console.export_text(),
+        "snapshot": (tmp_path / "snap.json").read_text(),
+        "prometheus": result.prometheus,
+        "repr": repr(result.config),
+    }
+    for where, text in shown.items():
+        assert secret not in text, where
+    assert "***@redaction-test" in shown["table"]
+    titles: list[str] = []
+    suptitle = Figure.suptitle
+
+    def recording_suptitle(fig: Figure, t: str, **kwargs: Any) -> Any:
+        titles.append(t)
+        return suptitle(fig, t, **kwargs)
+
+    monkeypatch.setattr(Figure, "suptitle", recording_suptitle)
+    save_plot(result, tmp_path / "plot.png")
+    assert len(titles) == 1
+    assert "***@redaction-test" in titles[0]
+    assert secret not in titles[0]

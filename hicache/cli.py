@@ -268,9 +268,6 @@ def _file_root(url: str) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     path = Path(args.snapshot)
     try:
         data = json.loads(path.read_text())
@@ -280,10 +277,27 @@ def _inspect(args: argparse.Namespace) -> int:
     if not isinstance(data, dict) or "pools" not in data or "tree" not in data:
         print(f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file", file=sys.stderr)
         return 2
-    data = _redact_snapshot(data)
-    if args.json:
-        print(json.dumps({k: data.get(k) for k in ("pools", "tree", "top_prefixes", "summary")}, indent=2))
-        return 0
+    try:
+        data = _redact_snapshot(data)
+        if args.json:
+            shown = {k: data.get(k) for k in ("pools", "tree", "top_prefixes", "summary")}
+            print(json.dumps(shown, indent=2))
+        else:
+            _show_snapshot(data)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a field missing or of another type
+        print(
+            f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file: {exc!r}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _show_snapshot(data: dict[str, Any]) -> None:
+    """Print a snapshot's pools, tree and top prefixes as tables."""
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     pools = Table(title="pool occupancy per tier")
     for column in ("tier", "placement", "used pages", "capacity", "occupancy", "page size", "page bytes"):
@@ -332,7 +346,6 @@ def _inspect(args: argparse.Namespace) -> int:
             f"run: {summary['requests']} requests, {summary['identical']}/{summary['requests']} identical to "
             f"recompute, backend {summary['backend']}"
         )
-    return 0
 
 
 def _redact_snapshot(data: dict[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,18 @@ def test_cli_rejects_bad_arguments_and_missing_snapshots(tmp_path: Path) -> None
     assert "cannot read snapshot" in missing.stderr
 
 
+def test_inspect_refuses_a_snapshot_with_malformed_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file with the snapshot's keys but not their fields is refused with status 2, not a traceback."""
+    from hicache.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"pools": {"storage": {"url": 7}, "device": {}}, "tree": {}}))
+    assert main(["inspect", str(bad)]) == 2
+    assert "is not a `hicache demo --snapshot` file" in capsys.readouterr().err
+
+
 def test_bench_lists_the_scripts_in_bench() -> None:
     done = run("-m", "hicache.cli", "bench", "--list")
     assert done.returncode == 0, done.stderr

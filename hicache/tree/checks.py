@@ -10,7 +10,7 @@ __all__ = ["cat_indices", "check_count", "check_indices"]
 
 
 def check_indices(value: object, name: str, expected: int) -> torch.Tensor:
-    """Validate a 1-D int64 CPU tensor of `expected` entries; raise naming `name` otherwise."""
+    """Validate a 1-D int64 tensor of `expected` entries; raise naming `name` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a 1-D int64 tensor, got {type(value).__name__}")
     if value.dtype != torch.int64:

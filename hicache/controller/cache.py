@@ -342,10 +342,12 @@ class HiCache(CacheLifecycle):
                 they are freed.
 
         Raises:
+            TypeError: naming `lease` when it is not a `Lease`.
             PoolError: naming `device_indices` or `components`, when an index is not one the caller holds
                 (out of range, misaligned, repeated, free, held by the tree or in flight); nothing is
                 freed and the lease stays as it was then.
         """
+        _check_lease(lease)
         self._leases.release(lease, device_indices, components)
 
     async def insert(
@@ -374,7 +376,8 @@ class HiCache(CacheLifecycle):
         wait, nothing was inserted and the lease is still held.
 
         Raises:
-            TypeError: when `device_indices` is not an int64 tensor.
+            TypeError: naming `lease` when it is not a `Lease`, or `device_indices` when it is not an
+                int64 tensor.
             ValueError, PoolError: naming `device_indices` when it has the wrong length, does not start
                 with the lease's prefix, or holds a page the caller does not hold (out of range,
                 negative, misaligned, repeated, never allocated, freed, in the tree, in flight);
@@ -382,6 +385,7 @@ class HiCache(CacheLifecycle):
                 released lease or tokens not extending its prefix. Nothing changes then: the pools,
                 the tree and the lease stay as they were.
         """
+        _check_lease(lease)
         return await self._leases.insert(lease, tokens, device_indices, components)
 
     # ------------------------------------------------------------------ allocation
@@ -439,7 +443,13 @@ class HiCache(CacheLifecycle):
         return await self._loader.load_back(match)
 
     def layer_readiness(self, device_indices: torch.Tensor) -> LayerReadiness:
-        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight)."""
+        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight).
+
+        Raises:
+            TypeError: naming `device_indices` when it is not an int64 tensor.
+        """
+        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
+            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
         return self._loader.readiness_for(device_indices)
 
     # ------------------------------------------------------------------ prefetch
@@ -517,3 +527,9 @@ def _check_request_id(request_id: object) -> None:
         )
     if not request_id:
         raise ValueError("request_id: expected a non-empty str, got ''")
+
+
+def _check_lease(lease: object) -> None:
+    """Refuse a lease that is not a `Lease` (naming `lease`) before anything reads its fields."""
+    if not isinstance(lease, Lease):
+        raise TypeError(f"lease: expected a Lease from acquire, got {type(lease).__name__}")

@@ -131,3 +131,29 @@ def test_tp_group_must_match_the_namespace_rank_and_size() -> None:
         make_config(namespace=Namespace(model_id="m", tp_rank=0, tp_size=2), tp_group=_rank_view(1, 2))
     with pytest.raises(TypeError, match=r"^tp_group: expected a RankGroup, got object"):
         make_config(tp_group=object())
+
+
+async def test_release_and_insert_name_a_lease_that_is_not_one() -> None:
+    """A lease that is not a `Lease` was read field by field (an AttributeError, or worse, a duck-typed
+    object unlocking a node); it is refused naming `lease`, and nothing changes."""
+    async with HiCache(make_config()) as cache:
+        seq = tokens(0, 8)
+        lease = await cache.acquire("r", seq)
+        indices = await cache.alloc_device(8)
+        assert indices is not None
+        with pytest.raises(TypeError, match=r"^lease: expected a Lease from acquire, got dict"):
+            cache.release({"node": lease.node})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^lease: expected a Lease from acquire, got dict"):
+            await cache.insert({"node": lease.node}, seq, indices)  # type: ignore[arg-type]
+        assert lease.active
+        await cache.insert(lease, seq, indices)
+        cache.sanity_check()
+
+
+async def test_layer_readiness_names_device_indices_that_are_not_a_tensor() -> None:
+    async with HiCache(make_config()) as cache:
+        with pytest.raises(TypeError, match=r"^device_indices: expected an int64 tensor"):
+            cache.layer_readiness([0, 1, 2, 3])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^device_indices: expected an int64 tensor"):
+            cache.layer_readiness(torch.zeros(4, dtype=torch.int32))
+        assert cache.layer_readiness(torch.arange(4)).done

@@ -27,6 +27,7 @@ from hicache.memory import KVLayout
 from hicache.parallel import RankGroup
 from storage_backends.file import FileBackend
 from storage_backends.protocol import PageStatus, StorageBackend
+from tests.controller.controller_helpers import PassThroughBackend
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
@@ -43,7 +44,7 @@ def payload(tokens: Sequence[int], rank: int) -> torch.Tensor:
     return value.expand(LAYOUT.num_layers, 2, n, 1, LAYOUT.head_dim).contiguous()
 
 
-class FlakyBackend:
+class FlakyBackend(PassThroughBackend):
     """Wraps a backend: on its rank only, drops pages from reads and lookups at random, or reads slowly.
 
     `miss_p`: each page of a `get` is reported missing with this probability (its buffer untouched);
@@ -52,7 +53,7 @@ class FlakyBackend:
     """
 
     def __init__(self, inner: StorageBackend, rng: random.Random, **faults: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rng = rng
         self.miss_p = faults.get("miss_p", 0.0)
         self.error_p = faults.get("error_p", 0.0)
@@ -87,15 +88,6 @@ class FlakyBackend:
             else:
                 out.append(status)
         return out
-
-    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        return await self.inner.put(keys, buffers)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.inner.delete(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def tp_config(group: RankGroup | None, rank: int, size: int, **overrides: Any) -> HiCacheConfig:

@@ -136,7 +136,8 @@ async def rank_cache(
 
 async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) -> dict[str, Any]:
     """Serve `seq`: acquire, check the cached prefix against this rank's oracle, compute and insert the
-    rest, release. Returns the cached length and the hits by tier."""
+    rest, release. Returns the cached length, the hits by tier and whether the prefetch stopped short of
+    what storage matched with no page failing."""
     lease = await cache.acquire(request_id, seq)
     new: torch.Tensor | None = None
     try:
@@ -156,7 +157,12 @@ async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) 
             await cache.insert(lease, seq, indices)
     finally:
         cache.release(lease, new)
-    return {"cached": cached, "hits": dict(lease.hit_tokens_by_tier)}
+    outcome = lease.prefetch
+    # Short with no page failing: stopped by its timeout, or by the agreement (another rank's pages).
+    short = (
+        outcome is not None and not outcome.failed_pages and outcome.completed_tokens < outcome.matched_tokens
+    )
+    return {"cached": cached, "hits": dict(lease.hit_tokens_by_tier), "stopped_short": int(short)}
 
 
 def draw_requests(seed: int, n: int) -> list[list[int]]:
@@ -194,6 +200,7 @@ async def random_workload(
     (fingerprints), as must the cached lengths."""
     rank = group.tp_rank
     hits = {"device": 0, "host": 0, "storage": 0}
+    stopped_short = 0
     flaky_here = flaky if rank == fault_rank else None
     async with (
         rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **(overrides or {})) as (
@@ -215,12 +222,13 @@ async def random_workload(
             agree_equal(group, served["cached"], f"the cached length of r{i}")
             for tier, k in served["hits"].items():
                 hits[tier] += k
+            stopped_short += served["stopped_short"]
             await cache.tp_sync()
             await cache.wait_idle()
             cache.sanity_check(across_ranks=True)
         stats = cache.statistics()
         tg.cancel_scope.cancel()
-    return {"hits": hits, "faults": backend.faults, "stats": repr(stats)}
+    return {"hits": hits, "faults": backend.faults, "stopped_short": stopped_short, "stats": repr(stats)}
 
 
 SEQ = [500 + i for i in range(10 * PAGE)]

@@ -6,6 +6,7 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+import pytest
 import tp_workers
 
 from hicache.parallel import Agreement
@@ -78,6 +79,17 @@ def test_a_silent_rank_makes_the_others_raise_within_the_timeout() -> None:
         assert "failed: RankFailed" in out[r].value["decision"]
 
 
+def test_a_decision_one_rank_never_proposes_raises_instead_of_stepping_forever() -> None:
+    """Rank 0 proposes a decision rank 1 never proposes, while rank 1 keeps stepping: rank 0 raises
+    RankDivergence naming the decision after the group timeout, and rank 1's next collective fails."""
+    out = run_ranks(tp_workers.never_proposes, 2, (0,), timeout_s=WATCHDOG_S, group_timeout_s=1.0)
+    for o in out:
+        assert o.ok, o.error
+    assert out[0].value["errors"][0] == "RankDivergence"
+    assert "decision #0 (commit 'req-0')" in out[0].value["errors"][1]
+    assert out[1].value["errors"][0] in ("RankFailed", "RankDivergence")
+
+
 def test_fingerprints_agree_and_a_difference_names_the_node() -> None:
     same = run_ranks(tp_workers.trees_compare, 2, (None, ""), timeout_s=WATCHDOG_S)
     assert all(o.ok for o in same)
@@ -128,3 +140,10 @@ def test_a_slow_local_part_on_one_rank_does_not_time_the_group_out() -> None:
     assert out[0].value["error"] == ""
     assert out[1].value["error"] == "injected: local I/O failed"
     assert out[0].value["steps"] == out[1].value["steps"] > 1
+
+
+@pytest.mark.parametrize("size", [0, -1, True])
+def test_run_ranks_refuses_a_size_that_runs_no_rank(size: int) -> None:
+    """An empty outcome list would let `all(o.ok for o in out)` pass with nothing run."""
+    with pytest.raises(ValueError, match="size"):
+        run_ranks(tp_workers.minimum_of_rank_values, size, (1, 0))

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from hicache.keys import Namespace
     from hicache.layout import KVLayout
     from hicache.memory import KVPool, PoolStatistics
-    from hicache.policy import EvictionPolicy, StopPolicy, WritePolicy
+    from hicache.policy import EvictionPolicy, RefillPolicy, StopPolicy, WritePolicy
     from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
     from hicache.tree import ComponentStatistics, InsertResult, MatchResult, NodeRef, TreeStatistics
     from storage_backends.protocol import PageStatus, StorageBackend
@@ -88,6 +88,7 @@ _MODULE_OF = {
     "PrefetchOutcome": "hicache.controller",
     "PrefetchState": "hicache.controller",
     "PrefetchStatus": "hicache.tiers",
+    "RefillPolicy": "hicache.policy",
     "ReleaseStatistics": "hicache.controller",
     "ShedReason": "hicache.tiers",
     "SkipReason": "hicache.tiers",
@@ -138,6 +139,7 @@ __all__ = [
     "PrefetchOutcome",
     "PrefetchState",
     "PrefetchStatus",
+    "RefillPolicy",
     "ReleaseStatistics",
     "ShedReason",
     "SkipReason",

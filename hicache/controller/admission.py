@@ -143,25 +143,10 @@ class Admission:
                 key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
             )
             page_keys = [h.hex() for h in hashes]
-            hit_pages: int | None = None
-            skip = SkipReason.STORAGE_ERROR
-            try:
-                # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
-                budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
-                with anyio.move_on_after(budget) as lookup:
-                    hit_pages = await probe_hit_pages(storage, page_keys)
-                if lookup.cancelled_caught:
-                    storage.record_timeout("exists")
-            except StorageCircuitOpen:  # another request holds the probe, or the breaker just opened
-                skip = SkipReason.STORAGE_UNAVAILABLE
-            except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
-                logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
-            if hit_pages is None:
-                if skip == SkipReason.STORAGE_ERROR:
-                    reason = "timeout" if lookup.cancelled_caught else "exists"
-                    self._metrics.storage_page_failures.labels(reason=reason).inc()
+            hit_pages = await self._probe(request_id, storage, page_keys, remainder)
+            if isinstance(hit_pages, SkipReason):
                 tree.unlock_host(anchor)
-                return skip
+                return hit_pages
             self._state.check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
             hit = hit_pages * page
@@ -204,21 +189,23 @@ class Admission:
 
     async def _probe(
         self, request_id: str, storage: GuardedStorage, page_keys: list[str], remainder: int
-    ) -> int:
-        """Storage's hit in pages for `page_keys` (0 on an error or timeout, counted)."""
+    ) -> int | SkipReason:
+        """Storage's hit in pages for `page_keys`, or why it is not known: `STORAGE_UNAVAILABLE` (the
+        breaker refused the call) or `STORAGE_ERROR` (an error or a timeout, counted)."""
         config = self._config
         try:
+            # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
             budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
             with anyio.move_on_after(budget):
                 return await probe_hit_pages(storage, page_keys)
             storage.record_timeout("exists")
             self._metrics.storage_page_failures.labels(reason="timeout").inc()
-        except StorageCircuitOpen:
-            pass
+        except StorageCircuitOpen:  # another request holds the probe, or the breaker just opened
+            return SkipReason.STORAGE_UNAVAILABLE
         except Exception as exc:  # a storage failure makes the prefetch empty, never the caller's error
             logger.warning("prefetch %s: storage lookup failed: %r", request_id, exc)
             self._metrics.storage_page_failures.labels(reason="exists").inc()
-        return 0
+        return SkipReason.STORAGE_ERROR
 
     async def _plan_agreed(
         self,
@@ -255,7 +242,8 @@ class Admission:
             try:
                 if inflight_tokens + remainder > config.capacity_tokens or not self._breaker.allows():
                     return 0
-                hit_pages = await self._probe(request_id, storage, page_keys, remainder)
+                probed = await self._probe(request_id, storage, page_keys, remainder)
+                hit_pages = 0 if isinstance(probed, SkipReason) else probed
                 self._forget_stored(page_keys[hit_pages:])
                 need = hit_pages * page - self._allocator.free_host_tokens()
                 evict.settle(_NO_EVICTION - max(0, need))

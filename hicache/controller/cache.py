@@ -16,12 +16,8 @@ copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclos
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Self
 
-import anyio
 import torch
 
 from hicache.components import Component
@@ -30,25 +26,22 @@ from hicache.controller.accounting import Accounting
 from hicache.controller.allocation import Allocator, ComponentPools, make_pools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.copies import CopyTracker
-from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.controller.leases import Leases
+from hicache.controller.lifecycle import CacheLifecycle
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
-from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
-from hicache.controller.storage_writer import StorageWriter
 from hicache.controller.tier_mover import TierMover
 from hicache.controller.workers import Workers
-from hicache.errors import CacheClosed
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
-from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree
+from hicache.parallel import Agreement, check_same_tree
 from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
@@ -57,7 +50,7 @@ from storage_backends.protocol import StorageBackend
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 
-class HiCache:
+class HiCache(CacheLifecycle):
     """A hierarchical KV cache: radix tree over device and host pools, with an optional storage tier.
 
     Use it as an async context manager::
@@ -69,7 +62,8 @@ class HiCache:
 
     The work is done by collaborators, each handed only what it needs: an `Allocator` (pages, with
     eviction), a `TierMover` (backups, write-through, load-back), a `Prefetcher` (admission, streaming,
-    commit, cancel) and the `Accounting` check; this class holds the lifecycle and checks arguments.
+    commit, cancel) and the `Accounting` check; this class checks arguments and holds the lifecycle
+    (`start`, `aclose`: `CacheLifecycle`).
 
     Args:
         config: the validated configuration.
@@ -136,6 +130,7 @@ class HiCache:
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
         self._allocator = Allocator(tree, device, host, comps, queue)
         self.agreement = Agreement.for_group(config.tp_group)
+        """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._mover = TierMover(
             config,
             tree,
@@ -148,7 +143,6 @@ class HiCache:
             breaker,
             self.agreement,
         )
-        """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
         self._prefetcher = Prefetcher(
             config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement
         )
@@ -179,51 +173,7 @@ class HiCache:
             close_timeout_s=config.close_timeout_s,
         )
 
-    # ------------------------------------------------------------------ lifecycle
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self.start()
-        except BaseException:
-            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
-            await self.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    async def start(self) -> None:
-        """Open the storage backend (if configured) and start the background workers.
-
-        If starting fails (the backend cannot be opened, or the caller is cancelled), everything made so
-        far (storage, pools) is closed before the error propagates, and the cache is closed.
-        """
-        if self._state.closed:
-            raise CacheClosed("start: this HiCache was closed")
-        if self._state.started:
-            return
-        try:
-            if self.storage is None and self.config.storage_url is not None:
-                self.storage = open_configured_storage(self.config)
-            if self.storage is not None:
-                self._open_storage_tier(self.storage)
-            if self._device_pool.device.type == "cuda":
-                # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
-                # thousands of page copies from their own threads fight over the GIL (on an H200, 16
-                # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
-                self._copies.limiter = anyio.CapacityLimiter(1)
-            if self.agreement is not None:
-                await anyio.to_thread.run_sync(check_same_pools, self.config)
-            await self._workers.start(self.storage if self._owns_storage else None)
-        except BaseException:
-            # A failed start: close what it opened and the pools; the cache stays closed.
-            self._state.closed = True
-            await self._workers.abort(self.storage if self._owns_storage else None)
-            raise
-        self._state.started = True
+    # ------------------------------------------------------------------ tensor parallelism
 
     async def tp_sync(self) -> int:
         """Under tensor parallelism, step until no rank has a decision pending (call it on every rank at
@@ -235,46 +185,6 @@ class HiCache:
         if self.agreement is None:
             return 0
         return await self.agreement.drive(lambda: False)
-
-    def _open_storage_tier(self, storage: StorageBackend) -> None:
-        """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
-        guarded = GuardedStorage(storage, self.storage_breaker, self.metrics.storage_errors)
-        writer = StorageWriter(
-            guarded,
-            tree=self._tree,
-            host_pool=self._host_pool,
-            component_pools=self._component_pools,
-            release_queue=self._release_queue,
-            metrics=self.metrics,
-            read_timeout_s=self.config.storage_read_timeout_s,
-            write_timeout_s=self.config.storage_write_timeout_s,
-        )
-        self._mover.writer = writer
-        self._prefetcher.storage = guarded
-        self._prefetcher.known = writer.known
-        warn_if_shared(self.config)
-
-    async def aclose(self) -> None:
-        """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
-
-        Idempotent, and bounded: returns within `config.close_timeout_s` (or the caller's own deadline,
-        whichever is first). What is left then (a stuck storage thread, pages it may still write into) is
-        logged and finishes in the background: buffers are released, and the pools the cache made are
-        closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
-        """
-        if not self._state.closed:
-            self._state.closed = True
-            self._prefetcher.cancel_all()
-            if self.agreement is not None:
-                self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache was closed"))
-            self._workers.begin_close()
-        await self._workers.wait_closed()
-
-    def __del__(self) -> None:
-        # getattr: a constructor that raised never set the state, and must not fail again here.
-        state = getattr(self, "_state", None)
-        if state is not None and state.started and not state.closed:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
 
     # ------------------------------------------------------------------ observing
 
@@ -432,10 +342,12 @@ class HiCache:
                 they are freed.
 
         Raises:
+            TypeError: naming `lease` when it is not a `Lease`.
             PoolError: naming `device_indices` or `components`, when an index is not one the caller holds
                 (out of range, misaligned, repeated, free, held by the tree or in flight); nothing is
                 freed and the lease stays as it was then.
         """
+        _check_lease(lease)
         self._leases.release(lease, device_indices, components)
 
     async def insert(
@@ -464,7 +376,8 @@ class HiCache:
         wait, nothing was inserted and the lease is still held.
 
         Raises:
-            TypeError: when `device_indices` is not an int64 tensor.
+            TypeError: naming `lease` when it is not a `Lease`, or `device_indices` when it is not an
+                int64 tensor.
             ValueError, PoolError: naming `device_indices` when it has the wrong length, does not start
                 with the lease's prefix, or holds a page the caller does not hold (out of range,
                 negative, misaligned, repeated, never allocated, freed, in the tree, in flight);
@@ -472,6 +385,7 @@ class HiCache:
                 released lease or tokens not extending its prefix. Nothing changes then: the pools,
                 the tree and the lease stay as they were.
         """
+        _check_lease(lease)
         return await self._leases.insert(lease, tokens, device_indices, components)
 
     # ------------------------------------------------------------------ allocation
@@ -529,7 +443,13 @@ class HiCache:
         return await self._loader.load_back(match)
 
     def layer_readiness(self, device_indices: torch.Tensor) -> LayerReadiness:
-        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight)."""
+        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight).
+
+        Raises:
+            TypeError: naming `device_indices` when it is not an int64 tensor.
+        """
+        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
+            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
         return self._loader.readiness_for(device_indices)
 
     # ------------------------------------------------------------------ prefetch
@@ -607,3 +527,9 @@ def _check_request_id(request_id: object) -> None:
         )
     if not request_id:
         raise ValueError("request_id: expected a non-empty str, got ''")
+
+
+def _check_lease(lease: object) -> None:
+    """Refuse a lease that is not a `Lease` (naming `lease`) before anything reads its fields."""
+    if not isinstance(lease, Lease):
+        raise TypeError(f"lease: expected a Lease from acquire, got {type(lease).__name__}")

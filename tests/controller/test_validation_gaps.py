@@ -15,8 +15,11 @@ import pytest
 import torch
 from controller_helpers import make_config, tokens
 
-from hicache import HiCache
-from hicache.keys import as_key_bytes
+from hicache import HiCache, HiCacheConfig
+from hicache.components import SlidingWindow
+from hicache.keys import Namespace, as_key_bytes
+from hicache.layout import KVLayout
+from hicache.parallel import RankGroup
 
 TIMEOUT_FIELDS = ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max")
 
@@ -87,3 +90,70 @@ async def test_acquire_checks_request_id_with_a_storage_tier() -> None:
             await cache.acquire("", tokens(0, 8))
         with pytest.raises(TypeError, match=r"^request_id: "):
             await cache.acquire(3, tokens(0, 8))  # type: ignore[arg-type]
+
+
+def _rank_view(tp_rank: int, tp_size: int) -> RankGroup:
+    """A `RankGroup` as one rank of a `tp_size` group sees itself, without forming the group: the config
+    reads only `tp_rank` and `tp_size` (forming a real group of more than one rank needs more processes)."""
+    group = RankGroup.__new__(RankGroup)
+    group.tp_rank, group.tp_size = tp_rank, tp_size
+    return group
+
+
+def _tp_config(tp_rank: int, tp_size: int, **overrides: object) -> HiCacheConfig:
+    namespace = Namespace(model_id="controller-tests", tp_rank=tp_rank, tp_size=tp_size)
+    return make_config(namespace=namespace, tp_group=_rank_view(tp_rank, tp_size), **overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "argument"),
+    [
+        ({"layerwise_load_back": True}, "layerwise_load_back"),
+        ({"refill_under_unbacked": "backup_then_attach"}, "refill_under_unbacked"),
+        ({"components": (SlidingWindow(8, KVLayout.flat(8, 4), device_pages=8, host_pages=8),)}, "tp_group"),
+    ],
+)
+def test_features_not_agreed_across_ranks_are_refused_under_tp_naming_the_argument(
+    overrides: dict[str, object], argument: str
+) -> None:
+    """Layer-wise load-back, refill rescue and hybrid components are not agreed across ranks yet: with
+    more than one rank the config refuses them, naming the argument, instead of letting ranks diverge."""
+    with pytest.raises(ValueError, match=rf"^{argument}: .*not supported under tensor parallelism"):
+        _tp_config(1, 2, **overrides)
+    # One rank has nothing to agree: the same settings are accepted.
+    config = _tp_config(0, 1, **overrides)
+    assert config.tp_group is not None
+    assert config.tp_group.tp_size == 1
+
+
+def test_tp_group_must_match_the_namespace_rank_and_size() -> None:
+    with pytest.raises(ValueError, match=r"^tp_group: rank 1 of 2, but the namespace says tp_rank=0"):
+        make_config(namespace=Namespace(model_id="m", tp_rank=0, tp_size=2), tp_group=_rank_view(1, 2))
+    with pytest.raises(TypeError, match=r"^tp_group: expected a RankGroup, got object"):
+        make_config(tp_group=object())
+
+
+async def test_release_and_insert_name_a_lease_that_is_not_one() -> None:
+    """A lease that is not a `Lease` was read field by field (an AttributeError, or worse, a duck-typed
+    object unlocking a node); it is refused naming `lease`, and nothing changes."""
+    async with HiCache(make_config()) as cache:
+        seq = tokens(0, 8)
+        lease = await cache.acquire("r", seq)
+        indices = await cache.alloc_device(8)
+        assert indices is not None
+        with pytest.raises(TypeError, match=r"^lease: expected a Lease from acquire, got dict"):
+            cache.release({"node": lease.node})  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^lease: expected a Lease from acquire, got dict"):
+            await cache.insert({"node": lease.node}, seq, indices)  # type: ignore[arg-type]
+        assert lease.active
+        await cache.insert(lease, seq, indices)
+        cache.sanity_check()
+
+
+async def test_layer_readiness_names_device_indices_that_are_not_a_tensor() -> None:
+    async with HiCache(make_config()) as cache:
+        with pytest.raises(TypeError, match=r"^device_indices: expected an int64 tensor"):
+            cache.layer_readiness([0, 1, 2, 3])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^device_indices: expected an int64 tensor"):
+            cache.layer_readiness(torch.zeros(4, dtype=torch.int32))
+        assert cache.layer_readiness(torch.arange(4)).done

@@ -1,0 +1,140 @@
+"""The lifecycle of a `HiCache`: `start`, `aclose`, `async with`, and the warning for an unclosed cache.
+
+A mixin of `HiCache` (its state and collaborators are the cache's own, built in `HiCache.__init__`): start
+opens the storage tier and the background workers, close cancels prefetches and stops the workers within
+`config.close_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import TracebackType
+from typing import Self
+
+import anyio
+
+from hicache.config import HiCacheConfig
+from hicache.controller.allocation import ComponentPools
+from hicache.controller.breaker import CircuitBreaker
+from hicache.controller.copies import CopyTracker
+from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.prefetcher import Prefetcher
+from hicache.controller.release import ReleaseQueue
+from hicache.controller.state import OpenState
+from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
+from hicache.controller.storage_writer import StorageWriter
+from hicache.controller.tier_mover import TierMover
+from hicache.controller.workers import Workers
+from hicache.errors import CacheClosed
+from hicache.memory import KVPool
+from hicache.metrics import CacheMetrics
+from hicache.parallel import Agreement, RankFailed, check_same_pools
+from hicache.tree import RadixTree
+from storage_backends.protocol import StorageBackend
+
+__all__ = ["CacheLifecycle"]
+
+
+class CacheLifecycle:
+    """Start and close of a `HiCache`; the attributes below are set by `HiCache.__init__`."""
+
+    config: HiCacheConfig
+    storage: StorageBackend | None
+    storage_breaker: CircuitBreaker
+    metrics: CacheMetrics
+    agreement: Agreement | None
+    _owns_storage: bool
+    _state: OpenState
+    _tree: RadixTree
+    _device_pool: KVPool
+    _host_pool: KVPool
+    _component_pools: dict[str, ComponentPools]
+    _release_queue: ReleaseQueue
+    _copies: CopyTracker
+    _mover: TierMover
+    _prefetcher: Prefetcher
+    _workers: Workers
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the storage backend (if configured) and start the background workers.
+
+        If starting fails (the backend cannot be opened, or the caller is cancelled), everything made so
+        far (storage, pools) is closed before the error propagates, and the cache is closed.
+        """
+        if self._state.closed:
+            raise CacheClosed("start: this HiCache was closed")
+        if self._state.started:
+            return
+        try:
+            if self.storage is None and self.config.storage_url is not None:
+                self.storage = open_configured_storage(self.config)
+            if self.storage is not None:
+                self._open_storage_tier(self.storage)
+            if self._device_pool.device.type == "cuda":
+                # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
+                # thousands of page copies from their own threads fight over the GIL (on an H200, 16
+                # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
+                self._copies.limiter = anyio.CapacityLimiter(1)
+            if self.agreement is not None:
+                await anyio.to_thread.run_sync(check_same_pools, self.config)
+            await self._workers.start(self.storage if self._owns_storage else None)
+        except BaseException:
+            # A failed start: close what it opened and the pools; the cache stays closed.
+            self._state.closed = True
+            await self._workers.abort(self.storage if self._owns_storage else None)
+            raise
+        self._state.started = True
+
+    def _open_storage_tier(self, storage: StorageBackend) -> None:
+        """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
+        guarded = GuardedStorage(storage, self.storage_breaker, self.metrics.storage_errors)
+        writer = StorageWriter(
+            guarded,
+            tree=self._tree,
+            host_pool=self._host_pool,
+            component_pools=self._component_pools,
+            release_queue=self._release_queue,
+            metrics=self.metrics,
+            read_timeout_s=self.config.storage_read_timeout_s,
+            write_timeout_s=self.config.storage_write_timeout_s,
+        )
+        self._mover.writer = writer
+        self._prefetcher.storage = guarded
+        self._prefetcher.known = writer.known
+        warn_if_shared(self.config)
+
+    async def aclose(self) -> None:
+        """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
+
+        Idempotent, and bounded: returns within `config.close_timeout_s` (or the caller's own deadline,
+        whichever is first). What is left then (a stuck storage thread, pages it may still write into) is
+        logged and finishes in the background: buffers are released, and the pools the cache made are
+        closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
+        """
+        if not self._state.closed:
+            self._state.closed = True
+            self._prefetcher.cancel_all()
+            if self.agreement is not None:
+                self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache was closed"))
+            self._workers.begin_close()
+        await self._workers.wait_closed()
+
+    def __del__(self) -> None:
+        # getattr: a constructor that raised never set the state, and must not fail again here.
+        state = getattr(self, "_state", None)
+        if state is not None and state.started and not state.closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)

@@ -99,6 +99,7 @@ class Leases:
             match = await self._mover.load_back(match)
         node = match.last_device_node
         self._tree.lock_device(node)
+        indices = self._tree.device_indices(node)  # the tree keeps the join on the node for later hits
         cached = match.device_len
         storage_hit = max(0, min(loaded_end, cached) - loaded_start)
         on_device = min(found_on_device, cached)
@@ -108,7 +109,7 @@ class Leases:
             request_id=request_id,
             key=key,
             node=node,
-            device_indices=match.device_indices,
+            device_indices=indices,
             cached_len=cached,
             hit_tokens_by_tier={
                 Tier.DEVICE.value: device_hit,
@@ -118,7 +119,7 @@ class Leases:
             prefetch=outcome,
             component_indices=self._tree.component_window(node) if self._tree.components else {},
             prefetch_skipped=skipped,
-            layers=self._loader.readiness_for(match.device_indices),
+            layers=self._loader.readiness_for(indices),
         )
 
     def release(

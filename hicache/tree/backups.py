@@ -218,19 +218,22 @@ class BackupsAndLocks(TreeState):
         """
         self._lock_device(self._path(self._require_live(node)))
 
-    def _lock_device(self, path: list[TreeNode]) -> None:
+    def _lock_device(self, path: list[TreeNode], delta: int = 1) -> None:
+        """Add `delta` (+1 or -1) device locks along `path`, moving the tokens of nodes that become
+        (un)locked between the counters."""
+        edge = 1 if delta > 0 else 0  # the lock count at which a node changes sides
         for cur in path:
-            cur.device_lock += 1
-            if cur.device_lock == 1:
+            cur.device_lock += delta
+            if cur.device_lock == edge:
+                n = cur.num_tokens * delta
                 if cur.device_value is not None:
-                    n = cur.num_tokens
                     self._evictable_size -= n
                     self._protected_size += n
                 elif cur.host_value is not None and not cur.host_lock:
-                    self._reclaimable_host -= cur.num_tokens
+                    self._reclaimable_host -= n
                 self._refresh(cur)
         if self._book is not None and path:
-            self._book.lock(path, "device", 1)
+            self._book.lock(path, "device", delta)
 
     def unlock_device(self, node: NodeRef) -> None:
         """Release one device lock on `node` and its ancestors.
@@ -243,32 +246,11 @@ class BackupsAndLocks(TreeState):
     def _unlock_device(self, path: list[TreeNode]) -> None:
         if path and path[0].device_lock <= 0:
             raise ValueError(f"node: node {path[0].id} is not device-locked")
-        for cur in path:
-            cur.device_lock -= 1
-            if cur.device_lock == 0:
-                if cur.device_value is not None:
-                    n = cur.num_tokens
-                    self._evictable_size += n
-                    self._protected_size -= n
-                elif cur.host_value is not None and not cur.host_lock:
-                    self._reclaimable_host += cur.num_tokens
-                self._refresh(cur)
-        if self._book is not None and path:
-            self._book.lock(path, "device", -1)
+        self._lock_device(path, -1)
 
     def lock_host(self, node: NodeRef) -> None:
         """Protect `node` and its ancestors from host eviction (counted; the root is excluded)."""
-        path = self._path(self._require_live(node))
-        for cur in path:
-            cur.host_lock += 1
-            if cur.host_lock == 1:
-                if cur.host_value is not None:
-                    self._evictable_host -= cur.num_tokens
-                    if cur.device_value is None and not cur.device_lock:
-                        self._reclaimable_host -= cur.num_tokens
-                self._refresh(cur)
-        if self._book is not None and path:
-            self._book.lock(path, "host", 1)
+        self._lock_host(self._path(self._require_live(node)), 1)
 
     def unlock_host(self, node: NodeRef) -> None:
         """Release one host lock on `node` and its ancestors.
@@ -279,16 +261,22 @@ class BackupsAndLocks(TreeState):
         path = self._path(self._require_live(node))
         if path and path[0].host_lock <= 0:
             raise ValueError(f"node: node {path[0].id} is not host-locked")
+        self._lock_host(path, -1)
+
+    def _lock_host(self, path: list[TreeNode], delta: int) -> None:
+        """Add `delta` (+1 or -1) host locks along `path` (as `_lock_device`, for the host counters)."""
+        edge = 1 if delta > 0 else 0
         for cur in path:
-            cur.host_lock -= 1
-            if cur.host_lock == 0:
+            cur.host_lock += delta
+            if cur.host_lock == edge:
                 if cur.host_value is not None:
-                    self._evictable_host += cur.num_tokens
+                    n = cur.num_tokens * delta
+                    self._evictable_host -= n
                     if cur.device_value is None and not cur.device_lock:
-                        self._reclaimable_host += cur.num_tokens
+                        self._reclaimable_host -= n
                 self._refresh(cur)
         if self._book is not None and path:
-            self._book.lock(path, "host", -1)
+            self._book.lock(path, "host", delta)
 
     def set_priority(self, node: NodeRef, priority: int) -> None:
         """Set the eviction priority of `node` (lower goes first under the priority policy)."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from hicache.components.base import TIERS
 from hicache.tree.results import EMPTY_INDICES
 
-__all__ = ["cat_indices", "check_count", "check_indices"]
+__all__ = ["cat_indices", "check_count", "check_indices", "check_tier"]
 
 
 def check_indices(value: object, name: str, expected: int) -> torch.Tensor:
-    """Validate a 1-D int64 CPU tensor of `expected` entries; raise naming `name` otherwise."""
+    """Validate a 1-D int64 tensor of `expected` entries; raise naming `name` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a 1-D int64 tensor, got {type(value).__name__}")
     if value.dtype != torch.int64:
@@ -38,3 +39,10 @@ def check_count(value: object, name: str) -> int:
     if value < 0:
         raise ValueError(f"{name}: must be >= 0, got {value}")
     return value
+
+
+def check_tier(tier: object) -> str:
+    """Validate a tier name (`"device"` or `"host"`); raise `ValueError` naming `tier` otherwise."""
+    if tier not in TIERS:
+        raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
+    return str(tier)

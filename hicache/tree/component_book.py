@@ -250,15 +250,22 @@ class ComponentBook:
 
     def check_backup(self, node: TreeNode, components: Mapping[str, torch.Tensor]) -> None:
         """Validate the host indices of a backup of `node`'s component device values."""
+        self._check_copies(node, components, "device")
+
+    def _check_copies(self, node: TreeNode, components: Mapping[str, torch.Tensor], source: str) -> None:
+        """Validate indices for copies of `node`'s component values on `source` to the other tier: a
+        known component, a value on `source` (and, for a backup, none on the host yet), as many entries."""
         for name, value in components.items():
             if name not in self.index:
                 raise ValueError(f"components: unknown component {name!r}")
-            device = self.value(node, name, "device")
-            if device is None:
-                raise ValueError(f"components[{name!r}]: node {node.id} holds no {name} value on the device")
-            if self.value(node, name, "host") is not None:
+            held = self.value(node, name, source)
+            if held is None:
+                raise ValueError(
+                    f"components[{name!r}]: node {node.id} holds no {name} value on the {source}"
+                )
+            if source == "device" and self.value(node, name, "host") is not None:
                 raise ValueError(f"components[{name!r}]: node {node.id} already holds a {name} host value")
-            check_indices(value, f"components[{name!r}]", int(device.shape[0]))
+            check_indices(value, f"components[{name!r}]", int(held.shape[0]))
 
     def begin_backup(self, node: TreeNode, components: Mapping[str, torch.Tensor]) -> None:
         """Record component backups of `node` in flight (validated by `check_backup`)."""
@@ -287,13 +294,7 @@ class ComponentBook:
 
     def check_attach(self, node: TreeNode, components: Mapping[str, torch.Tensor]) -> None:
         """Validate device indices for `node`'s component host values being loaded back."""
-        for name, value in components.items():
-            if name not in self.index:
-                raise ValueError(f"components: unknown component {name!r}")
-            host = self.value(node, name, "host")
-            if host is None:
-                raise ValueError(f"components[{name!r}]: node {node.id} holds no {name} value on the host")
-            check_indices(value, f"components[{name!r}]", int(host.shape[0]))
+        self._check_copies(node, components, "host")
 
     def lock(self, path: list[TreeNode], tier: str, delta: int) -> None:
         """Per-component locks: along the whole path (deepest first), or on its first node only."""

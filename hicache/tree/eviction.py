@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.components.base import TIERS
 from hicache.policy import WritePolicy
-from hicache.tree.checks import cat_indices, check_count
+from hicache.tree.checks import cat_indices, check_count, check_tier
 from hicache.tree.handles import NodeRef
 from hicache.tree.node import TreeNode
 from hicache.tree.results import ComponentEvictResult, EvictResult, HostEvictResult
@@ -171,8 +170,7 @@ class Eviction(TreeState):
         comp = None if book is None else book.index.get(name)
         if comp is None:
             raise ValueError(f"name: unknown component {name!r}")
-        if tier not in TIERS:
-            raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
+        check_tier(tier)
         check_count(num_slots, "num_slots")
         assert book is not None
         leaves = book.sets[(name, tier)]

@@ -55,8 +55,8 @@ class Inserting(BackupsAndLocks):
             components: device indices of hybrid components by name: a sliding window's for a
                 page-aligned suffix of the aligned key, a Mamba state's one slot (taken at the end of the
                 key: kept only when the key is page-aligned). The tree takes ownership of all of them:
-                nodes lacking a value on the device get their part, the rest is queued for
-                `take_component_frees`.
+                nodes lacking a value on the device get their part, the rest comes back in the
+                result's `component_frees`.
 
         Raises:
             TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
@@ -234,8 +234,8 @@ class Inserting(BackupsAndLocks):
             host_indices: a 1-D int64 tensor with one host index per token of `key`.
             hashes: the precomputed page hashes of the page-aligned `key`, if known.
             components: host indices of hybrid components by name, as for `insert` (relative to `key`).
-                Unless the refill is dropped, the tree takes ownership of them (what no node takes is
-                queued for `take_component_frees`); a dropped refill leaves them to the caller.
+                Unless the refill is dropped, the tree takes ownership of them (what no node takes comes
+                back in the result's `component_frees`); a dropped refill leaves them to the caller.
 
         Raises:
             TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.

@@ -68,6 +68,7 @@ class LoadBack(Matching, BackupsAndLocks):
         if min(end, offset) > start:
             freed.append(device_indices[: min(end, offset) - start])
         book = self._book
+        names = [c.name for c in book.components] if book is not None else []
         for handle in current.host_nodes:
             node = self._require_live(handle)
             node_end = offset + node.num_tokens
@@ -75,7 +76,7 @@ class LoadBack(Matching, BackupsAndLocks):
                 break
             if offset >= start:
                 comps: dict[str, torch.Tensor] = {}
-                for comp in self._component_names():
+                for comp in names:
                     entry = pending.pop((node.id, comp), None)
                     if entry is None:
                         continue
@@ -94,6 +95,3 @@ class LoadBack(Matching, BackupsAndLocks):
         frees.extend(ComponentFree(name, "device", copy) for (_, name), (_, copy) in pending.items())
         match = self.match_prefix(kb)
         return LoadResult(match, cat_indices(freed), (*frees, *self._take_frees()))
-
-    def _component_names(self) -> list[str]:
-        return [c.name for c in self._book.components] if self._book is not None else []

@@ -123,7 +123,7 @@ class TreeNode:
         self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
         self._backup_owner: TreeNode | None = None
         # The joined device values of the whole root path, cached by a match that joined them; dropped
-        # whenever this node's device value changes (see `TreeState.path_device_indices`).
+        # whenever this node's device value changes (see `TreeState._path_device_indices`).
         self._path_indices: torch.Tensor | None = None
         self._ref: NodeRef | None = None  # the node's handle, made on first use
 

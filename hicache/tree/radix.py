@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hicache.components.base import TIERS, Component
+from hicache.components.base import Component
+from hicache.tree.checks import check_tier
 from hicache.tree.eviction import Eviction
 from hicache.tree.handles import NodeRef
 from hicache.tree.inserting import Inserting
@@ -21,12 +22,6 @@ from hicache.tree.results import EMPTY_INDICES, ComponentStatistics
 from hicache.tree.sanity import check_tree
 
 __all__ = ["RadixTree"]
-
-
-def _check_tier(tier: object) -> str:
-    if tier not in TIERS:
-        raise ValueError(f"tier: expected 'device' or 'host', got {tier!r}")
-    return str(tier)
 
 
 class RadixTree(LoadBack, Inserting, Eviction):
@@ -95,7 +90,7 @@ class RadixTree(LoadBack, Inserting, Eviction):
         """
         if self._book is None:
             return EMPTY_INDICES
-        return self._book.indices_owned(self._iter_nodes(), name, _check_tier(tier))
+        return self._book.indices_owned(self._iter_nodes(), name, check_tier(tier))
 
     # ------------------------------------------------------------------ observation
 

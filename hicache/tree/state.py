@@ -32,20 +32,7 @@ _new_ref = tuple.__new__
 class TreeState:
     """The nodes, counters and leaf sets of a radix tree, and the primitives that keep them exact.
 
-    Args:
-        page_size: tokens per page (>= 1); matching and insertion ignore a trailing partial page.
-        write_policy: when device pages are backed up to the host (`WritePolicy` or its name).
-        eviction_policy: which evictable leaf goes first (`EvictionPolicy` or its name).
-        write_through_threshold: hits before a node is backed up under `write_through_selective` (>= 1).
-        namespace: the cache's namespace, mixed into every page hash.
-        components: hybrid-model components (sliding-window KV, Mamba state) kept per node beside the
-            full-attention KV; `None` or empty for a full-attention-only tree (every operation then runs
-            exactly as without components).
-
-    Raises:
-        TypeError: an argument of the wrong type.
-        ValueError: a page size below 1, a threshold below 1, an unknown policy name, or two components
-            with one name.
+    Constructed through `RadixTree`, whose docstring lists the arguments and what they raise.
     """
 
     def __init__(

@@ -212,6 +212,34 @@ def test_backup_and_load_back_carry_components_and_a_host_match_needs_them_on_th
     tree.sanity_check()
 
 
+def test_component_copies_without_a_source_value_or_of_the_wrong_length_are_refused() -> None:
+    """A backup or load-back naming a component the node holds nothing of on the source tier, an unknown
+    component, or a copy of the wrong length is refused with a message naming it, before the tree changes
+    (a wrong copy would otherwise become a value pointing at pages that hold something else)."""
+    tree = make_tree("swa", "mamba")
+    a = seq(16)
+    node = tree.insert(a, ids(0, 16), {"swa": ids(0, 8)}).node  # no Mamba state was given
+    before = (tree.statistics(), tree.component_statistics())
+    with pytest.raises(ValueError, match="unknown component 'nope'"):
+        tree.begin_backup(node, ids(0, 16), {"nope": ids(0, 1)})
+    with pytest.raises(
+        ValueError, match=r"components\['mamba'\]: node \d+ holds no mamba value on the device"
+    ):
+        tree.begin_backup(node, ids(0, 16), {"mamba": ids(7, 1)})
+    with pytest.raises(ValueError, match=r"components\['swa'\]: expected 8 entries"):
+        tree.begin_backup(node, ids(0, 16), {"swa": ids(40, 4)})
+    assert (tree.statistics(), tree.component_statistics()) == before
+    tree.begin_backup(node, ids(0, 16), {"swa": ids(40, 8)})
+    tree.commit_backup(node)
+    tree.demote(node)
+    with pytest.raises(ValueError, match=r"components\['mamba'\]: node \d+ holds no mamba value on the host"):
+        tree.attach_device(node, ids(50, 16), {"mamba": ids(2, 1)})
+    with pytest.raises(ValueError, match=r"components\['swa'\]: expected 8 entries"):
+        tree.attach_device(node, ids(50, 16), {"swa": ids(60, 16)})
+    assert tree.node_info(node).device_value is None
+    tree.sanity_check()
+
+
 def test_aborted_component_backup_is_handed_back() -> None:
     """An aborted backup returns the base host indices and the component's, for the caller to free."""
     tree = make_tree("swa")

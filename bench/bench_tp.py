@@ -5,25 +5,33 @@ storage hit agrees (the probe's hit length, then the pages the prefetch complete
 agrees alone: propose, settle with a rank-local value, step until resolved (`Agreement.agree`). The
 figure is the wall time of one such blocking agreement, p50 and p99 over the iterations, from rank 0.
 
+Raw collective: the same ranks time gloo's `all_gather_single` (what `RankGroup.min_reduce` runs on gloo)
+and `all_reduce(MIN)` of the agreement's tensor (`AGREEMENT_CAPACITY + 2` rows of 5 int64), synchronous,
+with no event loop: the floor under one agreement, and why a MIN on gloo is an all-gather.
+
 Savings: the TP demo (`hicache demo --tp N`) on one seeded workload at TP 1, 2 and 4; the prompt tokens
 served from the cache must be equal at every TP size.
 
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
-.., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
+.., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import statistics
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hicache.demo.tp import TPDemoConfig, run_tp_demo
-from hicache.parallel import Agreement, RankGroup
+from hicache.parallel import AGREEMENT_CAPACITY, Agreement, RankGroup
 from hicache.parallel.launch import run_ranks
 
 ITERATIONS = int(os.environ.get("BENCH_TP_ITERATIONS", "300"))
@@ -56,6 +64,24 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
     }
 
 
+def raw_collectives(group: RankGroup, iterations: int) -> dict[str, float]:
+    """p50 of the bare gloo collectives on the agreement's tensor, in microseconds."""
+    tensor = torch.zeros(AGREEMENT_CAPACITY + 2, 5, dtype=torch.int64)
+    timed: dict[str, list[float]] = {"all_gather": [], "all_reduce_min": []}
+    for i in range(iterations + 20):
+        t0 = time.perf_counter()
+        group.gather(tensor)
+        t1 = time.perf_counter()
+        work = dist.all_reduce(tensor.clone(), op=dist.ReduceOp.MIN, group=group.process_group, async_op=True)
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=group.timeout_s))
+        t2 = time.perf_counter()
+        if i >= 20:  # warm-up
+            timed["all_gather"].append((t1 - t0) * 1e6)
+            timed["all_reduce_min"].append((t2 - t1) * 1e6)
+    return {name: statistics.median(samples) for name, samples in timed.items()}
+
+
 def main() -> None:
     out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
     for tp in (1, 2, 4):
@@ -68,6 +94,13 @@ def main() -> None:
         out[f"agree_us_p99_tp{tp}"] = round(v["p99"], 1)
         out[f"acquire_agree_us_p50_tp{tp}"] = round(v["acquire_p50"], 1)
         out[f"collectives_per_agreement_tp{tp}"] = round(v["collectives_per_agreement"], 3)
+    for tp in (2, 4):
+        ranks = run_ranks(raw_collectives, tp, (ITERATIONS,), timeout_s=600)
+        bad = [r for r in ranks if not r.ok]
+        if bad:
+            raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
+        out[f"raw_all_gather_us_p50_tp{tp}"] = round(ranks[0].value["all_gather"], 1)
+        out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(ranks[0].value["all_reduce_min"], 1)
     for tp in (1, 2, 4):
         result = run_tp_demo(TPDemoConfig(tp=tp))
         if not result.all_identical:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +107,7 @@ class TPDemoResult:
 
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-able dict."""
-        return {
-            "tp": self.tp,
-            "requests": self.requests,
-            "prompt_tokens": self.prompt_tokens,
-            "saved_tokens": self.saved_tokens,
-            "hits": self.hits,
-            "all_identical": self.all_identical,
-            "failures": self.failures,
-            "wall_s": round(self.wall_s, 3),
-        }
+        return {**asdict(self), "wall_s": round(self.wall_s, 3)}
 
 
 def _workload_spec(cfg: TPDemoConfig) -> WorkloadSpec:

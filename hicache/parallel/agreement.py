@@ -61,7 +61,7 @@ class Decision:
     the minimum of the ranks' values.
 
     Attributes:
-        kind: what is decided (`"probe"`, `"commit"`, `"load_back"`, `"backup"`, `"fingerprint"`).
+        kind: what is decided (`"probe"`, `"probe_evict"`, `"commit"`, `"load_back"`, `"host_room"`).
         key: what it is about (a request id, a node's path); with `kind`, the same on every rank.
         seq: the decision's number, its place in the order of proposals (the same on every rank).
         default: the value settled locally when `timeout_s` passes unsettled (the safe answer: 0 pages).
@@ -243,7 +243,6 @@ class Agreement:
         self._pending: dict[int, Decision] = {}
         self._next_seq = 0
         self._steps = 0
-        self._proposed = 0
         self._resolved = 0
         self._timed_out = 0
         self._last_step_us = 0.0
@@ -307,7 +306,6 @@ class Agreement:
             notify=self._notify,
         )
         self._next_seq += 1
-        self._proposed += 1
         if not self.local:
             self._pending[decision.seq] = decision
         self._notify()
@@ -377,7 +375,7 @@ class Agreement:
         step = self._steps
         self._steps += 1
         if self.local:
-            self._resolved = self._proposed - len(self._pending)
+            self._resolved = self._next_seq  # proposed less pending, and nothing is held pending here
             return StepResult(step=step, resolved=0, more=busy or bool(self._pending))
         group = self.group
         assert group is not None
@@ -524,7 +522,7 @@ class Agreement:
         """A snapshot of the counters."""
         return AgreementStatistics(
             steps=self._steps,
-            proposed=self._proposed,
+            proposed=self._next_seq,  # every proposal takes the next number
             resolved=self._resolved,
             pending=len(self._pending),
             timed_out=self._timed_out,

@@ -5,9 +5,9 @@ responding makes it raise `RankFailed` instead of hanging. Callers on an event l
 thread (`hicache.parallel.Agreement` does).
 
 On gloo, a MIN reduction runs as one `all_gather` of the fixed-shape tensor followed by a local minimum:
-on this 2-core machine at 4 ranks, gloo's `all_reduce(MIN)` of a small int64 tensor took about five times
-as long as `all_gather_single` of it (see BENCHMARKS.md); on NCCL it is one `all_reduce`. Either way it
-is exactly one collective per call.
+on a 2-core machine, gloo's `all_reduce(MIN)` of the agreement's small int64 tensor took 1.3x (2 ranks)
+to 1.7x (4 ranks) as long as `all_gather_single` of it (`make bench-tp`, BENCHMARKS.md); on NCCL it is
+one `all_reduce`. Either way it is exactly one collective per call.
 """
 
 from __future__ import annotations

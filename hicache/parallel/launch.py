@@ -99,8 +99,11 @@ def run_ranks(
     not re-raised.
 
     Raises:
+        ValueError: naming `size` when it is not an int >= 1 (no rank would run: nothing to report).
         RanksTimedOut: some rank was still running after `timeout_s` (every rank is killed first).
     """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size: expected an int >= 1, got {size!r}")
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hicache-tp-") as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")

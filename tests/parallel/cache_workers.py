@@ -27,6 +27,7 @@ from hicache.memory import KVLayout
 from hicache.parallel import RankGroup
 from storage_backends.file import FileBackend
 from storage_backends.protocol import PageStatus, StorageBackend
+from tests.controller.controller_helpers import PassThroughBackend
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
@@ -43,7 +44,7 @@ def payload(tokens: Sequence[int], rank: int) -> torch.Tensor:
     return value.expand(LAYOUT.num_layers, 2, n, 1, LAYOUT.head_dim).contiguous()
 
 
-class FlakyBackend:
+class FlakyBackend(PassThroughBackend):
     """Wraps a backend: on its rank only, drops pages from reads and lookups at random, or reads slowly.
 
     `miss_p`: each page of a `get` is reported missing with this probability (its buffer untouched);
@@ -52,7 +53,7 @@ class FlakyBackend:
     """
 
     def __init__(self, inner: StorageBackend, rng: random.Random, **faults: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.rng = rng
         self.miss_p = faults.get("miss_p", 0.0)
         self.error_p = faults.get("error_p", 0.0)
@@ -87,15 +88,6 @@ class FlakyBackend:
             else:
                 out.append(status)
         return out
-
-    async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        return await self.inner.put(keys, buffers)
-
-    async def delete(self, keys: Sequence[str]) -> None:
-        await self.inner.delete(keys)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 def tp_config(group: RankGroup | None, rank: int, size: int, **overrides: Any) -> HiCacheConfig:
@@ -144,7 +136,8 @@ async def rank_cache(
 
 async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) -> dict[str, Any]:
     """Serve `seq`: acquire, check the cached prefix against this rank's oracle, compute and insert the
-    rest, release. Returns the cached length and the hits by tier."""
+    rest, release. Returns the cached length, the hits by tier and whether the prefetch stopped short of
+    what storage matched with no page failing."""
     lease = await cache.acquire(request_id, seq)
     new: torch.Tensor | None = None
     try:
@@ -164,7 +157,12 @@ async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) 
             await cache.insert(lease, seq, indices)
     finally:
         cache.release(lease, new)
-    return {"cached": cached, "hits": dict(lease.hit_tokens_by_tier)}
+    outcome = lease.prefetch
+    # Short with no page failing: stopped by its timeout, or by the agreement (another rank's pages).
+    short = (
+        outcome is not None and not outcome.failed_pages and outcome.completed_tokens < outcome.matched_tokens
+    )
+    return {"cached": cached, "hits": dict(lease.hit_tokens_by_tier), "stopped_short": int(short)}
 
 
 def draw_requests(seed: int, n: int) -> list[list[int]]:
@@ -202,6 +200,7 @@ async def random_workload(
     (fingerprints), as must the cached lengths."""
     rank = group.tp_rank
     hits = {"device": 0, "host": 0, "storage": 0}
+    stopped_short = 0
     flaky_here = flaky if rank == fault_rank else None
     async with (
         rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **(overrides or {})) as (
@@ -223,12 +222,13 @@ async def random_workload(
             agree_equal(group, served["cached"], f"the cached length of r{i}")
             for tier, k in served["hits"].items():
                 hits[tier] += k
+            stopped_short += served["stopped_short"]
             await cache.tp_sync()
             await cache.wait_idle()
             cache.sanity_check(across_ranks=True)
         stats = cache.statistics()
         tg.cancel_scope.cancel()
-    return {"hits": hits, "faults": backend.faults, "stats": repr(stats)}
+    return {"hits": hits, "faults": backend.faults, "stopped_short": stopped_short, "stats": repr(stats)}
 
 
 SEQ = [500 + i for i in range(10 * PAGE)]

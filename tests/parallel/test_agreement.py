@@ -6,6 +6,7 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+import pytest
 import tp_workers
 
 from hicache.parallel import Agreement
@@ -128,3 +129,10 @@ def test_a_slow_local_part_on_one_rank_does_not_time_the_group_out() -> None:
     assert out[0].value["error"] == ""
     assert out[1].value["error"] == "injected: local I/O failed"
     assert out[0].value["steps"] == out[1].value["steps"] > 1
+
+
+@pytest.mark.parametrize("size", [0, -1, True])
+def test_run_ranks_refuses_a_size_that_runs_no_rank(size: int) -> None:
+    """An empty outcome list would let `all(o.ok for o in out)` pass with nothing run."""
+    with pytest.raises(ValueError, match="size"):
+        run_ranks(tp_workers.minimum_of_rank_values, size, (1, 0))

@@ -41,7 +41,7 @@ def test_storage_faults_on_one_rank_shorten_every_ranks_prefix(tmp_path: Path) -
 def test_four_ranks_with_one_slow_and_faulty_storage_whose_prefetches_time_out(tmp_path: Path) -> None:
     """Four ranks; rank 2's storage is slow and faulty and its prefetches hit their 50 ms timeout while
     the others' complete: no divergence, no hang, the same hits on every rank."""
-    faults = dict(FAULTS, slow_s=0.03)
+    faults = dict(FAULTS, slow_s=0.1)  # each read outlasts the timeout (0.03 did not: reads overlap)
     timeouts = {
         "prefetch_stop_policy": "timeout",
         "prefetch_timeout_base": 0.05,
@@ -54,6 +54,7 @@ def test_four_ranks_with_one_slow_and_faulty_storage_whose_prefetches_time_out(t
     _ok(out)
     assert len({repr(o.value["hits"]) for o in out}) == 1
     assert out[2].value["faults"] > 0
+    assert out[2].value["stopped_short"] > 0  # every read there outlasts the timeout: they did time out
 
 
 def test_a_cancelled_acquire_on_one_rank_while_the_other_commits(tmp_path: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from hicache.cli import main
-from hicache.demo.tp import TPDemoConfig, run_tp_demo
+from hicache.demo.tp import TPDemoConfig, TPDemoResult, run_tp_demo
 
 
 def test_two_ranks_pass_every_check_and_save_what_one_rank_saves() -> None:
@@ -27,3 +29,26 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused(
 ) -> None:
     assert main(["demo", "--tp", tp]) == 2
     assert "--tp" in capsys.readouterr().err
+
+
+def test_the_json_result_carries_every_field_with_the_wall_time_rounded() -> None:
+    result = TPDemoResult(
+        tp=2,
+        requests=3,
+        prompt_tokens=90,
+        saved_tokens=40,
+        hits={"device": 40},
+        all_identical=True,
+        failures=[],
+        wall_s=1.23456,
+    )
+    assert json.loads(json.dumps(result.to_json())) == {
+        "tp": 2,
+        "requests": 3,
+        "prompt_tokens": 90,
+        "saved_tokens": 40,
+        "hits": {"device": 40},
+        "all_identical": True,
+        "failures": [],
+        "wall_s": 1.235,
+    }

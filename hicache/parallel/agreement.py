@@ -19,7 +19,9 @@ Why it cannot deadlock (SGLang #30760, #22607: a loop broke early on one rank an
   every pending decision then fails with it and its waiters release what they hold.
 
 Two ranks that propose different decisions under one `seq` (a caller bug) get `RankDivergence` on every
-rank at the first step that sees both. With no group, or a group of one rank, a settled decision is
+rank at the first step that sees both; a decision one rank proposed and a peer, still stepping, has not
+proposed for longer than the group's timeout raises `RankDivergence` on the proposing rank (the peer's
+next collective then times out with `RankFailed`), so no loop steps forever. With no group, or a group of one rank, a settled decision is
 resolved at once and no step is needed: a single rank pays nothing.
 """
 
@@ -74,6 +76,7 @@ class Decision:
         "_local",
         "_notify",
         "_result",
+        "_unmatched_since",
         "deadline",
         "default",
         "key",
@@ -105,6 +108,7 @@ class Decision:
         self._error: BaseException | None = None
         self._event: anyio.Event | None = None
         self._notify = notify
+        self._unmatched_since: float | None = None  # first step that saw it here but not on some peer
 
     @property
     def settled(self) -> bool:
@@ -393,9 +397,13 @@ class Agreement:
                 f"every rank must call step() alike"
             )
         resolved = 0
+        now = time.monotonic()
         for i, (present, ready, value, key_lo, key_neg) in enumerate(agreed[_HEADER:]):
             if present != 1:
-                continue  # some rank has not proposed it yet
+                # Some rank has not proposed it yet: a late rank is fine for a while, but a peer that
+                # keeps stepping without ever proposing it would make every loop step forever.
+                self._check_unmatched(self._pending.get(base + i), now, group)
+                continue
             d = self._pending[base + i]
             if key_lo != -key_neg:
                 raise RankDivergence(
@@ -410,6 +418,21 @@ class Agreement:
             resolved += 1
         self._resolved += resolved
         return StepResult(step=step, resolved=resolved, more=idle == 0)
+
+    @staticmethod
+    def _check_unmatched(decision: Decision | None, now: float, group: RankGroup) -> None:
+        """Raise `RankDivergence` once `decision`, proposed here, has been missing on a peer that keeps
+        stepping for longer than the group timeout (the bound a dead peer gets from the collective)."""
+        if decision is None:
+            return
+        if decision._unmatched_since is None:
+            decision._unmatched_since = now
+        elif now - decision._unmatched_since > group.timeout_s:
+            raise RankDivergence(
+                f"rank {group.tp_rank}: decision #{decision.seq} ({decision.kind} {decision.key!r}) was "
+                f"not proposed by every rank within {group.timeout_s:g} s while all kept stepping: every "
+                f"rank must propose the same decisions in the same order"
+            )
 
     def _fail(self, error: RankGroupError) -> None:
         self._failed = error

@@ -79,6 +79,17 @@ def test_a_silent_rank_makes_the_others_raise_within_the_timeout() -> None:
         assert "failed: RankFailed" in out[r].value["decision"]
 
 
+def test_a_decision_one_rank_never_proposes_raises_instead_of_stepping_forever() -> None:
+    """Rank 0 proposes a decision rank 1 never proposes, while rank 1 keeps stepping: rank 0 raises
+    RankDivergence naming the decision after the group timeout, and rank 1's next collective fails."""
+    out = run_ranks(tp_workers.never_proposes, 2, (0,), timeout_s=WATCHDOG_S, group_timeout_s=1.0)
+    for o in out:
+        assert o.ok, o.error
+    assert out[0].value["errors"][0] == "RankDivergence"
+    assert "decision #0 (commit 'req-0')" in out[0].value["errors"][1]
+    assert out[1].value["errors"][0] in ("RankFailed", "RankDivergence")
+
+
 def test_fingerprints_agree_and_a_difference_names_the_node() -> None:
     same = run_ranks(tp_workers.trees_compare, 2, (None, ""), timeout_s=WATCHDOG_S)
     assert all(o.ok for o in same)

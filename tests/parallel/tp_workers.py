@@ -113,6 +113,22 @@ async def dies_mid_agreement(group: RankGroup, victim: int) -> dict[str, object]
     return {"errors": errors, "pending": ag.statistics().pending, "failed": repr(ag.failed)}
 
 
+async def never_proposes(group: RankGroup, lone: int) -> dict[str, object]:
+    """Only rank `lone` proposes a decision; every rank keeps stepping (a caller bug, not a dead rank)."""
+    ag = Agreement(group)
+    errors: list[str] = []
+    try:
+        if group.tp_rank == lone:
+            d = ag.propose("commit", "req-0")
+            d.settle(1)
+            await ag.agree(d)
+        else:
+            await ag.drive(lambda: False)
+    except Exception as exc:
+        errors += [type(exc).__name__, str(exc)]
+    return {"errors": errors}
+
+
 async def goes_silent(group: RankGroup, victim: int) -> dict[str, object]:
     """`victim` stops stepping (its thread blocks, the process lives on) for two group timeouts."""
     ag = Agreement(group)

@@ -29,7 +29,13 @@ def read_pages(
     """Read and verify `root/ab/cd/<key><suffix>` into each buffer, the whole batch without the GIL.
 
     Returns one outcome byte per page, the probe flags to pass next time (0 once the filesystem refused
-    `RWF_NOWAIT`), and `(index, errno)` for every `ERROR` page.
+    `RWF_NOWAIT`), and `(index, errno)` for every `ERROR` page. A file longer or shorter than header plus
+    buffer is `RETRY`, never `HIT`.
+
+    Raises:
+        ValueError: naming the argument, for a key that is not 4-128 lowercase hex characters, a NUL in
+            `root` or `suffix`, a digest that is not 16 bytes, or a buffer count or buffer that does not fit.
+        TypeError: naming `keys[i]`, for a key that is not a str.
     """
 
 def xxh3_64(data: Buffer, /) -> int:

@@ -22,6 +22,9 @@ the workload's sequences, all of it a device hit in a `HiCache` holding 50 of th
 `acquire_device_hit_us_p50` / `_p99`, set beside SGLang's `match_prefix` on the same 1,024-token sequences (the
 baseline's `match_us`, whose keys are `RadixKey`s over `array('q')`: it matches and does not lock).
 
+Key conversion: `as_key_bytes` of a 1,024-token Python list against `array('q', list).tobytes()`, CPU time
+per list (`key_convert_us`).
+
 Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens, in CPU time of this process
 (`time.process_time`, minimum of --reps): a ratio of our own costs, which wall time on a machine shared
 with other jobs does not measure. Prints a table, then one JSON line.
@@ -46,6 +49,7 @@ import anyio
 import torch
 
 from hicache import HiCache, HiCacheConfig, KVLayout
+from hicache.keys import as_key_bytes
 from hicache.tree import RadixTree
 
 BASELINE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-radix" / "run"
@@ -203,6 +207,23 @@ async def bench_acquire(seqs: list[array[int]], page_size: int, rounds: int) -> 
     }
 
 
+def bench_key_convert(seqs: list[array[int]], reps: int) -> dict[str, float]:
+    """Converting a 1,024-token Python list to key bytes: `as_key_bytes` against `array('q')` (CPU time per
+    list, minimum of `reps` passes over 1,000 lists)."""
+    lists = [list(s) for s in seqs[:1000]]
+
+    def with_struct() -> object:
+        return [as_key_bytes(t) for t in lists]
+
+    def with_array() -> object:
+        return [array("q", t).tobytes() for t in lists]
+
+    return {
+        name: min(cpu_timed(fn)[0] for _ in range(reps)) / len(lists) * 1e6
+        for name, fn in (("as_key_bytes_us", with_struct), ("array_q_us", with_array))
+    }
+
+
 def run_baseline(reps: int) -> dict[str, float] | None:
     cmd = [str(BASELINE.resolve()), "--reps", str(reps), "--page-sizes", "16", "--no-scaling"]
     print(f"running SGLang baseline: {' '.join(cmd)}", file=sys.stderr)
@@ -232,6 +253,7 @@ def main() -> None:
     mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}
     scales = {ps: bench_scale(ps, a.reps, a.seed, vocab) for ps in (1, 16)}
     acquire = anyio.run(bench_acquire, seqs, 16, 40 * a.reps)
+    convert = bench_key_convert(seqs, max(3, a.reps))
     base = None if a.no_baseline else run_baseline(a.reps)
 
     print("Reference workload (2,000 x 1,024 tokens, 50 shared prefixes), per op in microseconds")
@@ -288,6 +310,11 @@ def main() -> None:
         f"p99 {acquire['p99_us']:.2f} us"
         + (f" (SGLang match_prefix of the same keys: {base['match_us']:.2f} us)" if base is not None else "")
     )
+    print(
+        f"key bytes of a 1,024-token list: as_key_bytes {convert['as_key_bytes_us']:.2f} us, "
+        f"array('q') {convert['array_q_us']:.2f} us"
+    )
+    result["key_convert_us"] = {k: round(v, 2) for k, v in convert.items()}
     result["match_us"] = round(s16["1e6"]["match_us"], 2)
     result["match_distinct_keys_us"] = round(s16["1e6"]["match_distinct_us"], 2)
     result["insert_us"] = round(s16["1e6"]["insert_us"], 2)

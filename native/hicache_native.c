@@ -5,9 +5,9 @@
  * storage_backends/page_format.py) straight into the caller's buffers in one call that releases the GIL for
  * the whole batch. Each page is read in chunks and each chunk is hashed (xxh3-64) right after the read
  * copied it into the buffer, while it is still in the CPU cache: a verified page costs one pass over memory,
- * not two (copy, then checksum). Anything unusual (a short read, a header that does not match, a checksum
- * mismatch, an error other than a missing file) is reported as RETRY and left to the Python side, which
- * re-reads that page and names the problem: this file only ever says "verified", "absent" or "look again".
+ * not two (copy, then checksum). Anything unusual (a short or overlong file, a header that does not match, a
+ * checksum mismatch) is reported as RETRY and left to the Python side, which re-reads that page and names the
+ * problem: this file only ever says "verified", "absent", "error" (with its errno) or "look again".
  *
  * xxh3_64() is the payload checksum of page format v2 (xxh3-64, seed 0), releasing the GIL.
  *
@@ -28,7 +28,7 @@
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
 
-/* Outcome codes, one byte per page; storage_backends/file_read.py names them. */
+/* Outcome codes, one byte per page; storage_backends/file_pages.py names them. */
 enum {
     CODE_HIT = 0,          /* read and verified */
     CODE_MISS = 1,         /* the file does not exist */
@@ -39,6 +39,9 @@ enum {
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
 #define MAX_PATH_BYTES 4096
+#define MIN_KEY_CHARS 4
+#define MAX_KEY_CHARS 128
+#define READAHEAD_PAGES 32 /* files one thread keeps open (and advised) ahead of the page it reads */
 
 #ifndef RWF_NOWAIT
 #define RWF_NOWAIT 0x00000008
@@ -57,7 +60,7 @@ typedef struct {
 /* The page's path: root/ab/cd/<key><suffix> (FileBackend._path). Returns 0, or -1 if it does not fit. */
 static int build_path(const read_ctx *ctx, const char *key, Py_ssize_t key_len, char *out) {
     Py_ssize_t need = ctx->root_len + 7 + key_len + ctx->suffix_len + 1;
-    if (key_len < 4 || need > MAX_PATH_BYTES) return -1;
+    if (key_len < MIN_KEY_CHARS || need > MAX_PATH_BYTES) return -1;
     char *p = out;
     memcpy(p, ctx->root, ctx->root_len);
     p += ctx->root_len;
@@ -76,6 +79,14 @@ static int build_path(const read_ctx *ctx, const char *key, Py_ssize_t key_len, 
     return 0;
 }
 
+/* A page key as storage_backends.page_format.validate_keys allows it: it cannot leave the root. */
+static int is_page_key(const char *key, Py_ssize_t len) {
+    if (len < MIN_KEY_CHARS || len > MAX_KEY_CHARS) return 0;
+    for (Py_ssize_t j = 0; j < len; j++)
+        if (!((key[j] >= '0' && key[j] <= '9') || (key[j] >= 'a' && key[j] <= 'f'))) return 0;
+    return 1;
+}
+
 static uint64_t load_le64(const unsigned char *p) {
     uint64_t v = 0;
     for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
@@ -86,31 +97,33 @@ static uint64_t load_le64(const unsigned char *p) {
 #define WOULD_BLOCK (-1)  /* RWF_NOWAIT: not (wholly) in the page cache */
 #define NOWAIT_UNSUPPORTED (-2)
 
-static ssize_t pread_flags(int fd, void *buf, size_t len, off_t off, int flags) {
-    struct iovec iov = {buf, len};
+static ssize_t preadv2_all(int fd, const struct iovec *iov, int iovcnt, off_t off, int flags) {
     ssize_t r;
     do {
-        r = preadv2(fd, &iov, 1, off, flags);
+        r = preadv2(fd, iov, iovcnt, off, flags);
     } while (r < 0 && errno == EINTR);
     return r;
 }
 
-/* Read and verify one page from an open file; `flags` is 0 or the probe flags (RWF_NOWAIT). */
+/*
+ * Read and verify one page from an open file; `flags` is 0 or the probe flags (RWF_NOWAIT). The read of the
+ * payload's last chunk asks for one byte more, into `past_end`: a file longer than header + payload fills
+ * it and is handed back (RETRY) like a short one, never loaded, at no extra system call.
+ */
 static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_len, unsigned char *buf,
                    Py_ssize_t n, int flags, int *err) {
     unsigned char header[HEADER_SIZE];
+    unsigned char past_end;
     size_t first = n < CHUNK_BYTES ? (size_t)n : CHUNK_BYTES;
-    struct iovec iov[2] = {{header, HEADER_SIZE}, {buf, first}};
-    ssize_t got;
-    do {
-        got = preadv2(fd, iov, 2, 0, flags);
-    } while (got < 0 && errno == EINTR);
+    struct iovec iov[3] = {{header, HEADER_SIZE}, {buf, first}, {&past_end, 1}};
+    ssize_t got = preadv2_all(fd, iov, first == (size_t)n ? 3 : 2, 0, flags);
     if (got < 0) {
         if (flags && errno == EAGAIN) return WOULD_BLOCK;
         if (flags && (errno == EOPNOTSUPP || errno == EINVAL)) return NOWAIT_UNSUPPORTED;
         *err = errno;
         return CODE_ERROR;
     }
+    if ((size_t)got > HEADER_SIZE + first) return CODE_RETRY; /* overlong */
     if ((size_t)got != HEADER_SIZE + first) return flags ? WOULD_BLOCK : CODE_RETRY;
     /* magic, version 2, no flags, no reserved bits, namespace, key digest, payload length */
     if (memcmp(header, "HKVP", 4) != 0 || header[4] != 2 || header[5] != 0 || header[6] != 0 ||
@@ -127,12 +140,15 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
     Py_ssize_t off = (Py_ssize_t)first;
     while (off < n) {
         size_t len = (size_t)(n - off) < CHUNK_BYTES ? (size_t)(n - off) : CHUNK_BYTES;
-        ssize_t r = pread_flags(fd, buf + off, len, (off_t)(HEADER_SIZE + off), flags);
+        struct iovec chunk[2] = {{buf + off, len}, {&past_end, 1}};
+        int last = off + (Py_ssize_t)len == n;
+        ssize_t r = preadv2_all(fd, chunk, last ? 2 : 1, (off_t)(HEADER_SIZE + off), flags);
         if (r < 0 && flags && errno == EAGAIN) return WOULD_BLOCK;
         if (r < 0 && !flags) {
             *err = errno;
             return CODE_ERROR;
         }
+        if (r > (ssize_t)len) return CODE_RETRY; /* overlong */
         if (r != (ssize_t)len) return flags ? WOULD_BLOCK : CODE_RETRY;
         XXH3_64bits_update(&state, buf + off, len);
         off += (Py_ssize_t)len;
@@ -140,7 +156,7 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
     return XXH3_64bits_digest(&state) == load_le64(header + 48) ? CODE_HIT : CODE_RETRY;
 }
 
-/* Open and read one page (or read it from `fd` when >= 0; the caller closes that one). */
+/* Open page `key`'s file: its descriptor, or -1 with the errno in *err. */
 static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, int *err) {
     char path[MAX_PATH_BYTES];
     if (build_path(ctx, key, key_len, path) < 0) {
@@ -169,55 +185,48 @@ static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, un
 
 /*
  * Pages are read with RWF_NOWAIT while the page cache holds them (one pass, as fast as a plain read). The
- * first page that would wait for the device switches the rest of the batch to read-ahead: open every
- * remaining page, advise the kernel to read them all (POSIX_FADV_WILLNEED), then read each, so a cold batch
- * keeps the device busy with all its reads at once instead of one page at a time.
+ * first page that would wait for the device switches the rest of the batch to read-ahead: keep the next
+ * READAHEAD_PAGES pages open and advised (POSIX_FADV_WILLNEED) ahead of the one being read, so a cold
+ * batch keeps the device busy with many reads at once instead of one page at a time, while a batch of
+ * thousands of small pages never holds more than READAHEAD_PAGES descriptors (no EMFILE).
  */
 static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys, const Py_ssize_t *key_lens,
                        Py_buffer *views, unsigned char *codes) {
     Py_ssize_t i = 0;
-    if (ctx->nowait_flags) {
-        for (; i < count; i++) {
-            int code = read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, ctx->nowait_flags,
-                                &ctx->errnos[i]);
-            if (code == NOWAIT_UNSUPPORTED) {
-                ctx->nowait_flags = 0; /* this filesystem cannot tell: read plainly from now on */
-                break;
-            }
-            if (code == WOULD_BLOCK) break;
-            codes[i] = (unsigned char)code;
-        }
-        if (i == count) return;
-    } else {
+    if (!ctx->nowait_flags) {
         /* no probe asked for (readahead off): plain blocking reads, no advice */
         for (; i < count; i++)
             codes[i] = (unsigned char)read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, 0,
                                                &ctx->errnos[i]);
         return;
     }
-    Py_ssize_t rest = count - i;
-    int *fds = PyMem_RawMalloc(sizeof(int) * (size_t)rest);
-    if (fds == NULL) {
-        for (; i < count; i++) codes[i] = CODE_RETRY;
-        return;
+    for (; i < count; i++) {
+        int code = read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, ctx->nowait_flags,
+                            &ctx->errnos[i]);
+        if (code == NOWAIT_UNSUPPORTED) {
+            ctx->nowait_flags = 0; /* this filesystem cannot tell: read plainly from now on */
+            break;
+        }
+        if (code == WOULD_BLOCK) break;
+        codes[i] = (unsigned char)code;
     }
-    for (Py_ssize_t j = 0; j < rest; j++) {
-        Py_ssize_t k = i + j;
-        int fd = open_page(ctx, keys[k], key_lens[k], &ctx->errnos[k]);
-        if (fd >= 0) (void)posix_fadvise(fd, 0, HEADER_SIZE + views[k].len, POSIX_FADV_WILLNEED);
-        fds[j] = fd;
-    }
-    for (Py_ssize_t j = 0; j < rest; j++) {
-        Py_ssize_t k = i + j;
-        if (fds[j] < 0) {
+    int fds[READAHEAD_PAGES]; /* the open file of page k is fds[k % READAHEAD_PAGES] */
+    Py_ssize_t opened = i;
+    for (Py_ssize_t k = i; k < count; k++) {
+        for (; opened < count && opened < k + READAHEAD_PAGES; opened++) {
+            int fd = open_page(ctx, keys[opened], key_lens[opened], &ctx->errnos[opened]);
+            if (fd >= 0) (void)posix_fadvise(fd, 0, HEADER_SIZE + views[opened].len, POSIX_FADV_WILLNEED);
+            fds[opened % READAHEAD_PAGES] = fd;
+        }
+        int fd = fds[k % READAHEAD_PAGES];
+        if (fd < 0) {
             codes[k] = (unsigned char)open_failure(ctx->errnos[k]);
             continue;
         }
-        codes[k] = (unsigned char)read_fd(ctx, fds[j], keys[k], key_lens[k], views[k].buf, views[k].len, 0,
+        codes[k] = (unsigned char)read_fd(ctx, fd, keys[k], key_lens[k], views[k].buf, views[k].len, 0,
                                           &ctx->errnos[k]);
-        close(fds[j]);
+        close(fd);
     }
-    PyMem_RawFree(fds);
 }
 
 PyDoc_STRVAR(read_pages_doc,
@@ -238,6 +247,11 @@ static PyObject *read_pages(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (ctx.root == NULL) return NULL;
     ctx.suffix = PyUnicode_AsUTF8AndSize(args[1], &ctx.suffix_len);
     if (ctx.suffix == NULL) return NULL;
+    /* A NUL would cut every page's path short. */
+    if (strlen(ctx.root) != (size_t)ctx.root_len || strlen(ctx.suffix) != (size_t)ctx.suffix_len) {
+        PyErr_SetString(PyExc_ValueError, "root, suffix: expected no NUL character");
+        return NULL;
+    }
     if (!PyBytes_Check(args[4]) || PyBytes_GET_SIZE(args[4]) != 16) {
         PyErr_SetString(PyExc_ValueError, "namespace_digest: expected 16 bytes");
         return NULL;
@@ -288,6 +302,11 @@ static PyObject *read_pages(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
         keys[n_keys] = PyUnicode_AsUTF8AndSize(key, &key_lens[n_keys]);
         if (keys[n_keys] == NULL) goto done;
+        if (!is_page_key(keys[n_keys], key_lens[n_keys])) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd]: expected %d-%d lowercase hex characters", n_keys,
+                         MIN_KEY_CHARS, MAX_KEY_CHARS);
+            goto done;
+        }
         Py_INCREF(key);
         key_objs[n_keys] = key;
     }

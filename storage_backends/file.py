@@ -82,10 +82,10 @@ class FileBackend(BackendLifecycle):
         durable: fsync each page and its directory before reporting it written.
         group_bytes: payload bytes one worker-thread call handles; small pages are grouped up to this
             size so a thread hop is shared by several pages.
-        readahead: when a page of a group is not in the page cache, open the rest of the group and
-            advise the kernel to read them all ahead (`posix_fadvise(WILLNEED)`), so cold reads reach
-            the device together; pages in the page cache are read as usual. Needs Linux (`RWF_NOWAIT`);
-            ignored elsewhere.
+        readahead: when a page of a group is not in the page cache, read the rest of the group ahead:
+            the next pages are kept open and advised (`posix_fadvise(WILLNEED)`) ahead of the one being
+            read, so cold reads reach the device together; pages in the page cache are read as usual.
+            Needs Linux (`RWF_NOWAIT`); ignored elsewhere.
 
     Raises:
         ValueError: for a bad `namespace_digest` or `max_concurrency` < 1.

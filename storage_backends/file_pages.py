@@ -78,9 +78,10 @@ class PageFiles:
         """Read and verify a group of pages into `buffers`; one outcome per page.
 
         Pages are read with `RWF_NOWAIT` while the page cache holds them; the first page that would wait
-        for the device switches the rest of the group to readahead (open them all, `posix_fadvise(WILLNEED)`,
-        then read each), so a cold group keeps the device busy with all its reads at once (measured with
-        `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache, 0.95 -> 1.5 GB/s).
+        for the device switches the rest of the group to readahead (the next 32 pages kept open and advised
+        with `posix_fadvise(WILLNEED)` ahead of the one being read), so a cold group keeps the device busy
+        with many reads at once (measured with `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache,
+        0.95 -> 1.5 GB/s) and a group of thousands of small pages holds 32 files open, not thousands.
         """
         codes, self.nowait, errors = native.read_pages(
             self.root, SUFFIX, keys, buffers, self._namespace, self.nowait

@@ -46,6 +46,11 @@ def validate_bucket(bucket: object, *, argument: str = "bucket") -> str:
     """
     if not isinstance(bucket, str):
         raise TypeError(f"{argument}: expected a str, got {type(bucket).__name__}")
+    if ":" in bucket or "@" in bucket:
+        # Never echoed: `s3://key:sec/ret@bucket` (a raw `/` in a password) reaches here as `key:sec`.
+        raise ValueError(
+            f"{argument}: a bucket name has no ':' or '@' (user info or a port), got one with them"
+        )
     shown = ascii(bucket)
     if not 3 <= len(bucket) <= 63:
         raise ValueError(f"{argument}: a bucket name has 3 to 63 characters, got {len(bucket)} ({shown})")

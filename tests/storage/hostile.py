@@ -6,8 +6,8 @@ bypassing the backend, as a careless operator or another program would (`cp`, `m
 
 Every case must be a miss counted by its reason, never a loaded page: a valid page copied over another key,
 a page of another namespace under the right key, pages of caches that differ in layout, dtype, model id,
-tensor-parallel rank or a component's layout (each a real `HiCacheConfig`'s namespace), and old-format
-(version 1) pages. The file backend adds symlinks in `test_file_backend.py`.
+tensor-parallel rank or a component's layout (each a real `HiCacheConfig`'s namespace), old-format
+(version 1) pages, and a valid page with bytes appended. The file backend adds symlinks in `test_file_backend.py`.
 """
 
 from __future__ import annotations
@@ -178,6 +178,21 @@ class HostileStorage:
         statuses, _, (read, _, old, _) = await self._read(reopen, keys, size)
         assert statuses == [PageStatus.OLD_FORMAT] * 2
         assert (read, old) == (0, 2)
+
+    async def test_bytes_appended_after_a_valid_page_are_corrupt(
+        self, reopen: Reopen, raw_store: RawStore
+    ) -> None:
+        """A valid page with bytes appended (a botched copy or append) is a corrupt miss, never loaded, though
+        its header and payload checksum still verify: every backend checks the stored size."""
+        ns = base_config().namespace.digest
+        size = base_config().layout.page_nbytes
+        keys, pages = make_keys(2, salt=8), make_pages(2, size, seed=9)
+        await self._write(reopen, ns, keys, pages)
+        await raw_store.write(keys[0], await raw_store.read(keys[0]) + b"\x00")
+        statuses, out, (read, foreign, old, corrupt) = await self._read(reopen, keys, size)
+        assert statuses == [PageStatus.CORRUPT, PageStatus.HIT]
+        assert bytes(out[1]) == bytes(pages[1])
+        assert (read, foreign, old, corrupt) == (1, 0, 0, 1)
 
     async def test_a_mix_of_every_case_loads_only_the_readers_own_pages(
         self, reopen: Reopen, raw_store: RawStore

@@ -22,6 +22,7 @@ import xxhash
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
 
+from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.page_format import HEADER_SIZE
 from storage_backends.protocol import PageStatus
@@ -373,6 +374,57 @@ async def test_a_filesystem_refusing_the_probe_is_read_plainly(tmp_path: Path) -
         assert await b.get(keys, empty_pages(8, 4096)) == MIXED
         stats = b.statistics()
         assert (stats.pages_read, stats.misses, stats.checksum_failures) == (12, 2, 2)
+
+
+READ_PATHS = {
+    "probe": {},  # RWF_NOWAIT while the page cache holds the pages (where the kernel has it)
+    "readahead": {"nowait": _REFUSED_FLAG},  # the probe refused: the rest of the group is read ahead
+    "plain": {"readahead": False},
+}
+
+
+@pytest.mark.parametrize("path", list(READ_PATHS))
+@pytest.mark.parametrize("page_bytes", [4096, 3 * native.CHUNK_BYTES // 2], ids=["one_read", "chunked"])
+async def test_bytes_appended_to_a_page_are_corrupt_on_every_read_path(
+    tmp_path: Path, path: str, page_bytes: int
+) -> None:
+    """A page file one byte too long, its header and checksum intact, is counted corrupt and not loaded,
+    whichever way the C reader reads it (probing, reading ahead or plainly; in one read or in chunks)."""
+    options = READ_PATHS[path]
+    async with FileBackend(tmp_path, namespace_digest=NS, readahead=options.get("readahead", True)) as b:
+        keys, pages = make_keys(3), make_pages(3, page_bytes)
+        assert await b.put(keys, pages) == [True] * 3
+        path_of_page = b.path_of(keys[1])
+        path_of_page.write_bytes(path_of_page.read_bytes() + b"\x00")
+        if "nowait" in options:
+            b._files.nowait = options["nowait"]
+        out = empty_pages(3, page_bytes)
+        assert await b.get(keys, out) == [PageStatus.HIT, PageStatus.CORRUPT, PageStatus.HIT]
+        assert (bytes(out[0]), bytes(out[2])) == (bytes(pages[0]), bytes(pages[2]))
+        assert b.statistics().checksum_failures == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+async def test_reading_ahead_thousands_of_small_pages_keeps_few_files_open(tmp_path: Path) -> None:
+    """2,000 small pages in one group, read ahead (the probe refused) while the process may open only 64
+    more files: every page loads. The reader keeps a bounded window of files open ahead of the page it
+    reads, never one per page of the group (which failed most of them with EMFILE)."""
+    resource = pytest.importorskip("resource")
+    n = 2000
+    async with FileBackend(tmp_path, namespace_digest=NS, max_concurrency=1) as b:
+        keys, pages = make_keys(n), make_pages(n, 512)
+        assert await b.put(keys, pages) == [True] * n
+        b._files.nowait = _REFUSED_FLAG
+        out = empty_pages(n, 512)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 64, hard))
+        try:
+            statuses = await b.get(keys, out)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert statuses == [PageStatus.HIT] * n
+        assert all(bytes(o) == bytes(p) for o, p in zip(out, pages, strict=True))
+        assert b.statistics().errors == 0
 
 
 async def test_readahead_off_never_probes(tmp_path: Path) -> None:

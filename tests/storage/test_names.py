@@ -204,3 +204,23 @@ def test_the_demo_refuses_a_bad_backend_url_as_a_usage_error(
     err = capsys.readouterr().err
     assert err.startswith(f"hicache demo: --backend: {named}: ")
     assert "hidden-value" not in err
+
+
+@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:Sup3rS3cr/etKey@bucket/p", "s3://bucket:Sup3rS3cretKey/p"])
+def test_user_info_cut_at_a_slash_is_never_echoed(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A password holding a raw `/` makes `urlsplit` take `user:pass-head` for the bucket: it is refused
+    without being shown, by every path that checks a bucket (config, registry, demo CLI)."""
+    messages = []
+    for check in (
+        check_url_names,
+        lambda u: open_backend(u, namespace_digest=NAMESPACE),
+        lambda u: HiCacheConfig(layout=LAYOUT, device_pages=4, host_pages=4, storage_url=u),
+    ):
+        with pytest.raises(ValueError, match="bucket") as info:
+            check(url)
+        messages.append(str(info.value))
+    assert main(["demo", "--backend", url]) == 2
+    messages.append(capsys.readouterr().err)
+    for message in messages:
+        assert "Sup3rS3c" not in message
+        assert "AKIAEXAMPLE" not in message

@@ -59,3 +59,17 @@ def test_reader_reports_absent_pages_as_misses() -> None:
     )
     assert list(codes) == [native.MISS, native.MISS]
     assert (flags, errors) == (0, [])
+
+
+@pytest.mark.parametrize("key", ["../../etc/passwd", "abc", "ABCD", "abcd/ef", "abcd\x00ef", "a" * 129])
+def test_reader_refuses_a_key_that_is_not_a_page_key(key: str) -> None:
+    """The reader builds paths from keys itself: a key that is not 4-128 lowercase hex characters (one that
+    could leave the root, or be cut short by a NUL) raises naming it, and no file is opened."""
+    with pytest.raises(ValueError, match=r"keys\[1\]"):
+        native.read_pages("/nonexistent", ".kvp", ["abcd", key], [bytearray(8)] * 2, bytes(16), 0)
+
+
+def test_reader_refuses_a_nul_in_the_root() -> None:
+    """A NUL would cut every path short: refused."""
+    with pytest.raises(ValueError, match="root"):
+        native.read_pages("/tmp\x00/x", ".kvp", ["abcd"], [bytearray(8)], bytes(16), 0)

@@ -6,8 +6,9 @@
  * the whole batch. Each page is read in chunks and each chunk is hashed (xxh3-64) right after the read
  * copied it into the buffer, while it is still in the CPU cache: a verified page costs one pass over memory,
  * not two (copy, then checksum). Anything unusual (a short or overlong file, a header that does not match, a
- * checksum mismatch) is reported as RETRY and left to the Python side, which re-reads that page and names the
- * problem: this file only ever says "verified", "absent", "error" (with its errno) or "look again".
+ * checksum mismatch, a path that is not a regular file) is reported as RETRY and left to the Python side,
+ * which re-reads that page and names the problem: this file only ever says "verified", "absent", "error"
+ * (with its errno) or "look again".
  *
  * xxh3_64() is the payload checksum of page format v2 (xxh3-64, seed 0), releasing the GIL.
  *
@@ -22,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -156,7 +158,14 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
     return XXH3_64bits_digest(&state) == load_le64(header + 48) ? CODE_HIT : CODE_RETRY;
 }
 
-/* Open page `key`'s file: its descriptor, or -1 with the errno in *err. */
+#define NOT_REGULAR (-2) /* open_page: the path is not a regular file (a FIFO, a device, a directory) */
+
+/*
+ * Open page `key`'s file: its descriptor, or -1 with the errno in *err, or NOT_REGULAR. Opened with
+ * O_NONBLOCK and checked with fstat before any read: a FIFO at a page path would otherwise block the open
+ * (and then the read) until some writer came, holding a reader thread and its buffers for good. A regular
+ * file ignores O_NONBLOCK on local filesystems; it is cleared anyway so a FUSE daemon sees a plain read.
+ */
 static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, int *err) {
     char path[MAX_PATH_BYTES];
     if (build_path(ctx, key, key_len, path) < 0) {
@@ -165,19 +174,31 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, i
     }
     int fd;
     do {
-        fd = open(path, O_RDONLY | O_CLOEXEC);
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd < 0 && errno == EINTR);
-    if (fd < 0) *err = errno;
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fcntl(fd, F_SETFL, 0) < 0) {
+        close(fd);
+        return NOT_REGULAR;
+    }
     return fd;
 }
 
-static int open_failure(int err) { return err == ENOENT ? CODE_MISS : CODE_ERROR; }
+/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it. */
+static int open_failure(int fd, int err) {
+    if (fd == NOT_REGULAR) return CODE_RETRY;
+    return err == ENOENT ? CODE_MISS : CODE_ERROR;
+}
 
 /* Open and read one page. */
 static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, unsigned char *buf,
                     Py_ssize_t n, int flags, int *err) {
     int fd = open_page(ctx, key, key_len, err);
-    if (fd < 0) return open_failure(*err);
+    if (fd < 0) return open_failure(fd, *err);
     int code = read_fd(ctx, fd, key, key_len, buf, n, flags, err);
     close(fd);
     return code;
@@ -220,7 +241,7 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
         }
         int fd = fds[k % READAHEAD_PAGES];
         if (fd < 0) {
-            codes[k] = (unsigned char)open_failure(ctx->errnos[k]);
+            codes[k] = (unsigned char)open_failure(fd, ctx->errnos[k]);
             continue;
         }
         codes[k] = (unsigned char)read_fd(ctx, fd, keys[k], key_lens[k], views[k].buf, views[k].len, 0,

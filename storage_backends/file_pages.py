@@ -18,6 +18,7 @@ import errno as errno_names
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Sequence
 
 from hicache.errors import ChecksumMismatch, StorageError
@@ -97,17 +98,27 @@ class PageFiles:
         return out
 
     def read_checked(self, key: str, buf: memoryview) -> PageStatus:
-        """Read one page plainly and verify it field by field, logging the first problem found."""
+        """Read one page plainly and verify it field by field, logging the first problem found.
+
+        A path that is not a regular file (a FIFO, a device, a directory) is an `ERROR`, refused before any
+        read: it is opened without blocking and checked first, as the C reader does, so a FIFO cannot hold
+        the thread (and the caller's buffer) until some writer comes.
+        """
         path = self.path(key)
         header = bytearray(HEADER_SIZE)
         try:
-            fd = os.open(path, _O_READ)
+            fd = os.open(path, _O_READ | os.O_NONBLOCK)
         except FileNotFoundError:
             return MISS
         except OSError as exc:
             log.warning("cannot open page %s: %s", path, exc)
             return ERROR
         try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                log.warning("cannot read page %s: %s", path, _not_regular(mode))
+                return ERROR
+            os.set_blocking(fd, True)
             got = _read_all(fd, header, buf)
             size = os.fstat(fd).st_size
         except OSError as exc:
@@ -189,6 +200,14 @@ class PageFiles:
                 pass
             except OSError as exc:
                 raise StorageError(f"cannot delete page {key}: {exc}") from exc
+
+
+def _not_regular(mode: int) -> str:
+    """Why a path with `mode` is no page file: what it is instead."""
+    if stat.S_ISDIR(mode):
+        return _describe(errno_names.EISDIR)
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device"}
+    return f"not a regular file ({kind.get(stat.S_IFMT(mode), 'a block device or other special file')})"
 
 
 def _describe(err: int) -> str:

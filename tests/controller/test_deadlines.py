@@ -1,8 +1,9 @@
 """Deadlines with a stuck storage read: every call returns within its bound, stuck buffers are quarantined.
 
-A read that never returns is made two ways: a FIFO placed at a page's path in a real `FileBackend` (the
-worker thread blocks in `open`, as on a hung NFS or FUSE mount) and a `MemoryBackend` whose worker thread
-waits on a `threading.Event`. Either way the caller's deadline (an anyio cancel scope or an asyncio
+A read that never returns is made two ways: a real `FileBackend` whose worker thread, reading the batch of
+one page, blocks before it reads (as in `open` on a hung NFS or FUSE mount) until the test lets it go, and
+a `MemoryBackend` whose worker thread waits on a `threading.Event`. (A FIFO at a page's path no longer
+does it: the file backend refuses a non-regular file without blocking, see `test_file_backend.py`.) Either way the caller's deadline (an anyio cancel scope or an asyncio
 timeout) ends the call promptly; the host pages the stuck thread may still write into are quarantined (the
 host pool never hands them out) until the thread returns, then released, and the accounting is exact.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import threading
 import time
@@ -81,24 +81,28 @@ def config(**overrides: object) -> HiCacheConfig:
 
 
 class StuckFile:
-    """A FIFO at one page's path: a worker thread opening it blocks until `release()` (a hung mount).
+    """One page's read stuck, as on a hung mount: the worker thread reading its batch blocks until
+    `release()`, then reads as usual.
 
-    `entered` is set by the backend's worker thread just before it opens the stuck page.
+    `entered` is set by the backend's worker thread just before it blocks.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entered = threading.Event()
-        path.unlink()
-        os.mkfifo(path)
+        self.gate = threading.Event()
+
+    def block(self) -> None:
+        """In the worker thread: say so, then wait until released (bounded: a failed test must end)."""
+        self.entered.set()
+        self.gate.wait(60)
 
     def release(self) -> None:
-        """Let every reader blocked on the FIFO go (opening it read-write never blocks and is a writer)."""
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
-            os.close(fd)
+        """Let every reader blocked on the page go."""
+        self.gate.set()
 
     def remove(self) -> None:
+        """Remove the page's file (the released read then finds it absent)."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -120,14 +124,14 @@ async def stored(tmp_path: Path) -> AsyncIterator[FileBackend]:
 
 @pytest.fixture
 def stuck(stored: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[StuckFile]:
-    """Page STUCK_PAGE's file replaced by a FIFO; released and removed at teardown, whatever happened."""
+    """Page STUCK_PAGE's read stuck; released, and its file removed, at teardown, whatever happened."""
     key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
     fifo = StuckFile(stored.path_of(key))
     real_read_group = stored._read_group
 
     def read_group(keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         if key in keys:
-            fifo.entered.set()
+            fifo.block()
         return real_read_group(keys, buffers)
 
     monkeypatch.setattr(stored, "_read_group", read_group)

@@ -456,6 +456,32 @@ async def test_a_failed_read_is_an_error_named_in_the_log(
     assert "EISDIR" in caplog.text
 
 
+@pytest.mark.parametrize("readahead", [True, False], ids=["readahead", "plain"])
+async def test_a_fifo_at_a_page_path_is_an_error_and_never_blocks_a_reader(
+    tmp_path: Path, readahead: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO where a page file should be blocked the reader thread in `open` until some writer came: the
+    read missed every deadline and its buffers stayed quarantined. Now the file is opened without blocking
+    and refused before any read, in the C reader and in the Python re-read alike: an ERROR naming the
+    FIFO, its neighbours load, and no thread is left behind. (No writer ever opens the FIFO: before the
+    fix this test hung until pytest's timeout.)"""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, readahead=readahead) as backend:
+        keys, pages = make_keys(3), make_pages(3, 4096)
+        await backend.put(keys, pages)
+        path = backend.path_of(keys[1])
+        path.unlink()
+        os.mkfifo(path)
+        out = empty_pages(3, 4096)
+        assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.ERROR, PageStatus.HIT]
+        assert bytes(out[2]) == bytes(pages[2])
+        assert backend.statistics().errors == 1
+        assert "not a regular file (a FIFO)" in caplog.text
+        assert stray_threads.count == 0
+        assert not stray_threads.busy(out)
+        # The Python re-read refuses it the same way, without blocking.
+        assert backend._files.read_checked(keys[1], out[1]) == PageStatus.ERROR
+
+
 def test_default_concurrency_follows_the_cpus(tmp_path: Path) -> None:
     """By default one thread per usable CPU, between 4 and 16, and the repr says how many."""
     n = default_concurrency()

@@ -38,7 +38,6 @@ from hicache.keys import Namespace, as_key_bytes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
 PAGE = 4
@@ -127,14 +126,12 @@ def stuck(stored: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuc
     """Page STUCK_PAGE's read stuck; released, and its file removed, at teardown, whatever happened."""
     key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
     fifo = StuckFile(stored.path_of(key))
-    real_read_group = stored._read_group
 
-    def read_group(keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+    def before_read(keys: tuple[str, ...]) -> None:
         if key in keys:
             fifo.block()
-        return real_read_group(keys, buffers)
 
-    monkeypatch.setattr(stored, "_read_group", read_group)
+    monkeypatch.setattr(stored, "_before_read", before_read)
     try:
         yield fifo
     finally:

@@ -76,9 +76,9 @@ class ReadQueue:
         """Remove a pending job (it never starts): True; False once it started."""
     def collect(self) -> list[ReadJob]:
         """The jobs finished since the last call (and `fileno()` reset)."""
-    def work(self, nice_by: int, /) -> None:
+    def work(self) -> None:
         """Run pending jobs in this thread, without the GIL, until `close()` (once nothing is pending) or
-        `retire()`; the thread's nice value is raised by `nice_by` first (when > 0)."""
+        `retire()`."""
     def retire(self, n: int, /) -> None:
         """Ask `n` workers to leave `work()`."""
     def close(self) -> None:

@@ -26,8 +26,6 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -606,18 +604,9 @@ static void call_hook(ReadJob *job) {
     PyGILState_Release(gil);
 }
 
-static PyObject *queue_work(ReadQueue *q, PyObject *arg) {
-    long nice_by = PyLong_AsLong(arg);
-    if (nice_by == -1 && PyErr_Occurred()) return NULL;
+static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
+    (void)unused;
     Py_BEGIN_ALLOW_THREADS
-    if (nice_by > 0) {
-        /* Lower this thread's priority alone (on Linux a thread is its own scheduling entity): a reader
-           then yields its core to the event loop's thread whenever that one wakes up. */
-        pid_t tid = (pid_t)syscall(SYS_gettid);
-        errno = 0;
-        int now = getpriority(PRIO_PROCESS, (id_t)tid);
-        if (errno == 0) (void)setpriority(PRIO_PROCESS, (id_t)tid, now + (int)nice_by);
-    }
     for (;;) {
         pthread_mutex_lock(&q->mu);
         while (q->head == NULL && !q->closed && q->retire == 0) pthread_cond_wait(&q->cv, &q->mu);
@@ -698,9 +687,9 @@ static PyMethodDef queue_methods[] = {
      "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started."},
     {"collect", (PyCFunction)queue_collect, METH_NOARGS,
      "collect() -> list[ReadJob]\n\nThe jobs finished since the last call (and reset fileno())."},
-    {"work", (PyCFunction)queue_work, METH_O,
-     "work(nice_by, /) -> None\n\nRun pending jobs in this thread, without the GIL, until close() (once\n"
-     "nothing is pending) or retire(); the thread's nice value is raised by nice_by first (if > 0)."},
+    {"work", (PyCFunction)queue_work, METH_NOARGS,
+     "work() -> None\n\nRun pending jobs in this thread, without the GIL, until close() (once nothing is\n"
+     "pending) or retire()."},
     {"retire", (PyCFunction)queue_retire, METH_O, "retire(n, /) -> None\n\nAsk n workers to leave work()."},
     {"close", (PyCFunction)queue_close, METH_NOARGS,
      "close() -> None\n\nRefuse new jobs; workers leave work() once nothing is pending."},

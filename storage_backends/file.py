@@ -13,6 +13,7 @@ and are renamed over the final name with `os.replace`, so a reader sees a whole 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -326,6 +327,13 @@ class FileBackend(BackendLifecycle):
 
     def _release(self) -> None:
         self._reader.close()
+
+    # `warnings.warn` is bound as a default so the check still works while the interpreter shuts down.
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        super().__del__(_warn)
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not getattr(self, "_closed", True):
+            reader.close_queue()  # collected unclosed: let its read threads go
 
     def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Write a group of pages in a worker thread (`PageFiles.write_group`)."""

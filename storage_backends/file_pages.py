@@ -53,7 +53,8 @@ assert native.HEADER_SIZE == HEADER_SIZE, "the C reader and page_format disagree
 
 
 class PageFiles:
-    """Pages as files under `root`; every method runs in a worker thread (or anywhere but the loop).
+    """Pages as files under `root`; every method but `statuses` (cheap: it maps the C reader's outcome)
+    runs in a worker thread, never on the loop.
 
     Args:
         root: the absolute directory holding the pages.

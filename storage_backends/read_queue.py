@@ -17,6 +17,8 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -62,15 +64,27 @@ class ReadThreads:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.threads = 0
         """Worker threads started (a stuck read's replacement included)."""
+        self._workers: list[tuple[threading.Thread, threading.Event]] = []
         for _ in range(threads):
             self._start_worker()
 
     def _start_worker(self) -> None:
         self.threads += 1
-        threading.Thread(target=self._work, name=f"{self._name}-{self.threads}", daemon=True).start()
+        self._workers = [w for w in self._workers if w[0].is_alive()]
+        started = threading.Event()
+        worker = threading.Thread(
+            target=self._work, args=(started,), name=f"{self._name}-{self.threads}", daemon=True
+        )
+        worker.start()
+        self._workers.append((worker, started))
 
-    def _work(self) -> None:
-        self._queue.work(_READER_NICE)
+    def _work(self, started: threading.Event) -> None:
+        # On Linux a thread is its own scheduling entity: this lowers the priority of this thread alone.
+        with contextlib.suppress(OSError, AttributeError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _READER_NICE)
+        started.set()
+        self._queue.work()
         if self._queue.closed:  # the loop may be gone: settle what finished (abandoned groups) here
             self._settle(self._queue.collect())
 
@@ -110,11 +124,22 @@ class ReadThreads:
         return [job.result() for job in jobs]
 
     def close(self) -> None:
-        """Refuse new groups; workers leave once nothing is pending. Idempotent."""
+        """Refuse new groups; workers leave once nothing is pending; stop watching from the loop (call it
+        on the loop's thread). Idempotent."""
         self._queue.close()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         self._loop = None
+
+    def close_queue(self) -> None:
+        """`close()` without touching the event loop, from any thread (a backend collected unclosed)."""
+        self._queue.close()
+
+    def worker_ids(self) -> list[int]:
+        """The native thread ids of the workers still running, once each has started (waits for that)."""
+        for _, started in self._workers:
+            started.wait(30)
+        return [t.native_id for t, _ in self._workers if t.is_alive() and t.native_id is not None]
 
     @property
     def stray(self) -> int:

@@ -331,6 +331,21 @@ async def test_a_stuck_read_does_not_take_a_thread_from_the_others(tmp_path: Pat
         assert backend._reader.stray == 0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads nice values through /proc")
+async def test_read_threads_run_below_the_loops_priority(backend: FileBackend) -> None:
+    """The read threads' nice value is the process's + 10, so the loop thread takes a core from them
+    whenever it wakes; the loop's own thread keeps the process's."""
+
+    def nice_of(tid: int) -> int:
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[16])  # field 19, counted after the command name
+
+    ids = backend._reader.worker_ids()
+    assert len(ids) == backend._reader.threads
+    own = nice_of(threading.get_native_id())
+    assert all(nice_of(tid) == min(19, own + 10) for tid in ids)
+
+
 async def test_statistics_and_repr(backend: FileBackend) -> None:
     """Counters follow every outcome; the repr names the root, the state and the counters."""
     keys, pages = make_keys(3), make_pages(3, 2048)

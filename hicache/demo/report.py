@@ -47,6 +47,8 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "users": config.users,
         "turns": config.turns,
         "seed": config.seed,
+        "scenario": config.scenario,
+        "refill_policy": config.refill_policy.value,
         "backend": redact_url(result.backend_url),
         "identical": sum(r.identical for r in records),
         "checks": {

@@ -58,6 +58,10 @@ def test_handoff_drops_under_drop_and_rescues_under_backup_then_attach() -> None
     assert rescue["prefetch"]["rescued"] > 0
     assert rescue["prefetch"]["dropped"] == 0
     assert rescue["prefill_tokens_saved"] > drop["prefill_tokens_saved"]
+    # The last phase alone: the returning users' turns are where the two policies differ.
+    assert drop["handoff"]["returning_requests"] == rescue["handoff"]["returning_requests"] == 2
+    assert (drop["handoff"]["dropped"], rescue["handoff"]["rescued"]) == (1, 1)
+    assert rescue["handoff"]["prefill_tokens_saved"] > drop["handoff"]["prefill_tokens_saved"]
 
 
 def test_handoff_refuses_a_single_turn() -> None:

@@ -9,7 +9,7 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
 	tests/memory/test_memory_allocator.py
 
-# `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs the first six.
+# `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs them all, one after another.
 BENCHES := tree io s3 transfer faults ownership tp layerwise refill
 BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
@@ -45,7 +45,7 @@ check: $(STAMP)
 	$(BIN)/ruff format --check hicache storage_backends tests bench examples
 	$(BIN)/mypy
 
-bench: bench-tree bench-io bench-s3 bench-transfer bench-faults bench-ownership
+bench: $(BENCH_TARGETS)
 
 # bench-tp: tensor-parallel agreement cost at 1, 2 and 4 gloo ranks, and the TP demo's savings there.
 $(BENCH_TARGETS): bench-%: $(STAMP)

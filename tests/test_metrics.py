@@ -153,6 +153,24 @@ def test_label_values_are_shown_redacted() -> None:
     assert 'hicache_prefetch_skipped_total{reason="s3://***@host/bucket"} 2.0' in text
 
 
+def test_constant_label_values_are_shown_redacted() -> None:
+    """Guards against constant labels bypassing redaction: a storage URL with user info and a signed query,
+    or a secret-named label, given once as a constant label never shows its credentials in any series."""
+    registry = CollectorRegistry()
+    url = "s3://AKIAEXAMPLE:wJalrXUtnFEMI@host/bucket?X-Amz-Signature=deadbeefcafe&region=eu"
+    m = default_cache_metrics(registry, const_labels={"storage": url, "api_token": "tok-0123456789"})
+    m.prefetch_requested.inc()
+    m.prefetch_skipped.inc(reason="capacity")
+    text, snap = render(registry), json.dumps(snapshot(registry))
+    for shown in (text, snap):
+        for secret in ("wJalrXUtnFEMI", "AKIAEXAMPLE", "deadbeefcafe", "tok-0123456789"):
+            assert secret not in shown
+    series = scraped(text)
+    labels = (("api_token", "***"), ("storage", "s3://***@host/bucket?X-Amz-Signature=***&region=eu"))
+    assert series[("hicache_prefetch_requested_total", labels)] == 1.0
+    assert m.prefetch_skipped.value(reason="capacity") == 1.0
+
+
 def test_str_enum_label_values_show_their_value() -> None:
     """Reasons and tiers given as `StrEnum` members land in the same series as their plain strings."""
 

@@ -3,10 +3,12 @@
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
 streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
-`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between awaits, so the tree is always
-consistent when another coroutine runs; every await that may touch a buffer is cancellation-safe: a
-device <-> host copy is waited for even when the caller is cancelled (a copy is short and cannot be
-abandoned), and a storage read is abandoned at once, its buffers quarantined until its thread returns.
+`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`; start and close in `lifecycle`, what the
+cache shows of itself in `observing`). Every method that changes the tree does so synchronously between
+awaits, so the tree is always consistent when another coroutine runs; every await that may touch a
+buffer is cancellation-safe: a device <-> host copy is waited for even when the caller is cancelled (a
+copy is short and cannot be abandoned), and a storage read is abandoned at once, its buffers quarantined
+until its thread returns.
 
 Deadlines: every awaitable public method honours the caller's cancellation, from anyio cancel scopes and
 asyncio timeouts alike, and returns within a few event-loop turns of it, plus at most the device <-> host
@@ -29,11 +31,12 @@ from hicache.controller.copies import CopyTracker
 from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.controller.leases import Leases
 from hicache.controller.lifecycle import CacheLifecycle
+from hicache.controller.observing import CacheObservation
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
-from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
+from hicache.controller.results import CacheStatistics, Lease
 from hicache.controller.state import OpenState
 from hicache.controller.tier_mover import TierMover
 from hicache.controller.workers import Workers
@@ -41,7 +44,7 @@ from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
-from hicache.parallel import Agreement, check_same_tree
+from hicache.parallel import Agreement
 from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
@@ -50,7 +53,7 @@ from storage_backends.protocol import StorageBackend
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
 
-class HiCache(CacheLifecycle):
+class HiCache(CacheLifecycle, CacheObservation):
     """A hierarchical KV cache: radix tree over device and host pools, with an optional storage tier.
 
     Use it as an async context manager::
@@ -62,8 +65,8 @@ class HiCache(CacheLifecycle):
 
     The work is done by collaborators, each handed only what it needs: an `Allocator` (pages, with
     eviction), a `TierMover` (backups, write-through, load-back), a `Prefetcher` (admission, streaming,
-    commit, cancel) and the `Accounting` check; this class checks arguments and holds the lifecycle
-    (`start`, `aclose`: `CacheLifecycle`).
+    commit, cancel) and the `Accounting` check; this class checks arguments; the lifecycle (`start`,
+    `aclose`) is `CacheLifecycle`'s, statistics, `repr` and `sanity_check` are `CacheObservation`'s.
 
     Args:
         config: the validated configuration.
@@ -204,90 +207,6 @@ class HiCache(CacheLifecycle):
         if name not in self._component_pools:
             raise ValueError(f"name: unknown component {name!r}")
         return self._component_pools[name].device
-
-    def statistics(self) -> CacheStatistics:
-        """A frozen snapshot of the tree, the pools, the release queue and the work in flight."""
-        release = self._release_queue.statistics()
-        return CacheStatistics(
-            tree=self._tree.statistics(),
-            device_pool=self._device_pool.statistics(),
-            host_pool=self._host_pool.statistics(),
-            release_queue=release,
-            prefetches_in_flight=len(self._prefetcher),
-            prefetch_tokens_in_flight=self._prefetcher.inflight_tokens,
-            backups_queued=len(self._mover.backups),
-            storage_writes_queued=len(self._mover.storage_writes),
-            closed=self._state.closed,
-            quarantined_pages=release.quarantined_tokens // self.page_size,
-            detached_prefetches=self._prefetcher.detached,
-            backups_queued_max=self._mover.backups.max_queued,
-            storage_writes_queued_max=self._mover.storage_writes.max_queued,
-            storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
-            component_pools={
-                name: ComponentPoolStatistics(pools.device.statistics(), pools.host.statistics())
-                for name, pools in self._component_pools.items()
-            },
-            components=self._tree.component_statistics(),
-        )
-
-    def __repr__(self) -> str:
-        t = self._tree.statistics()
-        d, h = self._device_pool.statistics(), self._host_pool.statistics()
-        state = "closed" if self._state.closed else "open" if self._state.started else "new"
-        storage = type(self.storage).__name__ if self.storage is not None else None
-        return (
-            f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
-            f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
-            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetcher)} "
-            f"quarantined={self._release_queue.statistics().quarantined_tokens // self.page_size} pages "
-            f"storage={storage}>"
-        )
-
-    def sanity_check(
-        self,
-        *,
-        held_device_tokens: int = 0,
-        held_component_slots: Mapping[str, int] | None = None,
-        held_device: Sequence[torch.Tensor] | None = None,
-        held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
-        across_ranks: bool = False,
-    ) -> None:
-        """Check the tree's invariants and that every page of every pool has exactly one owner.
-
-        On the device and host pools and on every component pool, each page is in exactly one of: free,
-        held by the tree, held by the caller (allocated, not inserted), the destination of a copy in
-        flight (a load-back, a backup), buffers of a prefetch in flight, pending release. This is checked
-        by identity of pages: every page's owner tag in its pool must match where the page is found (the
-        tree's nodes, the load-backs and backups in flight, the prefetches, the release queue), no page is
-        found in two places, and the pool's free count matches its free tags. Component indices the tree
-        queued for freeing may carry any tag but must be allocated and found nowhere else.
-
-        Args:
-            held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted),
-                checked as a count of caller-held pages; ignored when `held_device` is given.
-            held_component_slots: per component, device slots the caller holds outside the tree (a
-                count); ignored for components named in `held_components`.
-            held_device: the device indices the caller holds, checked page by page.
-            held_components: per component, the device indices the caller holds, checked page by page.
-            across_ranks: also compare this rank's tree fingerprint (structure, tiers, backed-up flags,
-                locks) with every other rank's: a collective, so call it on every rank at the same point,
-                between agreement steps; it blocks until every rank has called it (at most the group's
-                timeout). Without a TP group there is nothing to compare.
-
-        Raises:
-            InvariantViolation: listing every violation found.
-            TreeDivergence: the ranks' trees differ; the message names the first differing node.
-            RankFailed: a peer died or stopped responding.
-        """
-        if across_ranks and self.agreement is not None:
-            assert self.config.tp_group is not None
-            check_same_tree(self.config.tp_group, self._tree)
-        self._accounting.check(
-            held_device_tokens=held_device_tokens,
-            held_component_slots=held_component_slots,
-            held_device=held_device,
-            held_components=held_components,
-        )
 
     async def wait_idle(self) -> None:
         """Wait until no backup, storage write or release is queued or running.

@@ -17,6 +17,7 @@ from hicache.controller.copies import CopyTracker
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ReleaseQueue
 from hicache.controller.tier_mover import TierMover
+from hicache.errors import HiCacheError
 from hicache.memory import KVPool
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
@@ -71,11 +72,23 @@ class Workers:
         return f"<Workers {self._name}>"
 
     async def start(self, owned_storage: StorageBackend | None) -> None:
-        """Start the task and wait until the workers run; `owned_storage` is closed at shutdown."""
+        """Start the task and wait until the workers run; `owned_storage` is closed at shutdown.
+
+        Raises:
+            HiCacheError: the task ended (raised, or was cancelled) before the workers ran; the task's
+                exception is its `__cause__`. Nothing runs then: `abort` closes storage and the pools.
+        """
         self._owned_storage = owned_storage
         ready = anyio.Event()
-        self._runner = asyncio.get_running_loop().create_task(self._run(ready), name=self._name)
+        runner = asyncio.get_running_loop().create_task(self._run(ready), name=self._name)
+        runner.add_done_callback(lambda _: ready.set())  # a task that dies first must not leave us waiting
+        self._runner = runner
         await ready.wait()
+        if runner.done():
+            self._runner = None  # never ran (or already stopped): `abort` closes what is left itself
+            cause = None if runner.cancelled() else runner.exception()
+            what = "was cancelled" if cause is None else f"raised {cause!r}"
+            raise HiCacheError(f"{self._name}: the workers task {what} before the workers ran") from cause
 
     async def abort(self, owned_storage: StorageBackend | None) -> None:
         """A failed start: close `owned_storage` (bounded, shielded) and the pools, or let the task do it."""

@@ -3,7 +3,7 @@
 A handle wraps one prometheus_client collector and adds three things the controller relies on: updates
 that take their labels as keywords (``shed.inc(3, tier="host", reason="queue_full")``), constant labels
 bound once (a tensor-parallel rank's ``tp_rank``) so call sites never repeat them, and label values
-shown redacted (a storage URL in a label never shows its credentials). ``value`` reads a series back
+(constant ones too) shown redacted (a storage URL in a label never shows its credentials). ``value`` reads a series back
 through the collector's public ``collect()``, for tests and benchmarks.
 """
 
@@ -35,7 +35,10 @@ class _Handle(Generic[_C]):
         """The prometheus_client collector (registered in the cache's registry)."""
         self.labelnames = labelnames
         """The label names every update must give (the constant labels excluded)."""
-        self.const_labels: dict[str, str] = dict(const_labels)
+        self.const_labels: dict[str, str] = {
+            label: str(redact_value(label, value)) for label, value in const_labels.items()
+        }
+        """The constant labels as every series shows them: redacted like any other label value."""
         # A metric without per-update labels shows its series (at 0) from the start, as a bare one would.
         self._bare: _C | None = None
         if not labelnames:

@@ -1,10 +1,12 @@
-"""Helpers for controller tests: small configurations, a gated backend, stored sequences."""
+"""Helpers for controller tests: small configurations, a gated backend, stored sequences, a loop clock."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import anyio
+import pytest
 import torch
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
@@ -14,6 +16,30 @@ from storage_backends.protocol import PageStatus, StorageBackend
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=PAGE)
+
+
+HOUR_S = 3600.0
+"""How long a hung call hangs on a `LoopClock`: past every deadline a test sets."""
+
+
+class LoopClock:
+    """The running event loop's clock, made to jump: deadlines (`anyio.move_on_after`, which the cache's
+    lookup, read and stop-policy budgets use) fire when the test says the time passed, never because real
+    time did.
+
+    It runs at real speed otherwise, so the budgets can be long (real work never races them) while a
+    hang is cut at the loop's next turn.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        loop = asyncio.get_running_loop()
+        real_time = loop.time
+        self.offset = 0.0
+        monkeypatch.setattr(loop, "time", lambda: real_time() + self.offset)
+
+    def advance(self, seconds: float) -> None:
+        """Let `seconds` pass: every deadline due by then fires at the loop's next turn."""
+        self.offset += seconds
 
 
 def make_config(**overrides: object) -> HiCacheConfig:

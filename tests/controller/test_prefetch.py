@@ -10,8 +10,10 @@ import pytest
 import torch
 from cache_internals import host_pool_of, release_queue_of, tree_of
 from controller_helpers import (
+    HOUR_S,
     PAGE,
     GatedBackend,
+    LoopClock,
     PassThroughBackend,
     insert_device_chain,
     make_config,
@@ -20,7 +22,7 @@ from controller_helpers import (
     tokens,
 )
 
-from hicache import DropReason, HiCache, PrefetchState, PrefetchStatus, UnknownRequest
+from hicache import DropReason, HiCache, PrefetchOutcome, PrefetchState, PrefetchStatus, UnknownRequest
 from hicache.controller.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
@@ -206,18 +208,39 @@ async def test_wait_complete_commit_waits_for_every_page(backend: MemoryBackend)
         await cache.aclose()
 
 
-async def test_timeout_commit_gives_up_after_the_deadline(backend: MemoryBackend) -> None:
-    """timeout: a stalled stream is stopped once min(max, base + per_1k * tokens) has passed."""
+async def test_timeout_commit_gives_up_after_the_deadline(
+    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """timeout: a stalled stream is stopped once min(max, base + per_1k * tokens) has passed.
+
+    The deadline passes on the loop's clock once two pages landed and the commit waits: with a 50 ms real
+    deadline, the lookup and the two reads raced it under load.
+    """
+    loop_clock = LoopClock(monkeypatch)
     gated = GatedBackend(backend)
     cache = await open_cache(
-        gated, prefetch_stop_policy="timeout", prefetch_timeout_base=0.05, prefetch_timeout_per_1k_tokens=0.0
+        gated, prefetch_stop_policy="timeout", prefetch_timeout_base=60.0, prefetch_timeout_per_1k_tokens=0.0
     )
     try:
         seq = tokens(1, 32)
         await store_sequence(backend, cache, seq)
-        await cache.prefetch("r1", seq)
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
         gated.allow(2)
-        outcome = await cache.commit_prefetch("r1")
+        while prefetch.completed_pages < 2:
+            await prefetch.wait_progress()
+        outcomes: list[PrefetchOutcome] = []
+        async with anyio.create_task_group() as tg:
+
+            async def commit() -> None:
+                outcomes.append(await cache.commit_prefetch("r1"))
+
+            tg.start_soon(commit)
+            await anyio.wait_all_tasks_blocked()
+            assert not outcomes, "the commit waits for the stalled stream until the deadline"
+            loop_clock.advance(HOUR_S)
+        (outcome,) = outcomes
+        assert prefetch.timed_out
         assert outcome.completed_tokens == 8
         assert outcome.loaded_tokens == 8
         await release_queue_of(cache).drain()

@@ -1,5 +1,6 @@
 """The storage breaker inside the cache: lookups that hang or fail open it, and then prefetch and
-write-through skip storage without calling it. Fake clock; storage answers (or not) at gates."""
+write-through skip storage without calling it. Fake clocks (the breaker's, and the event loop's for the
+deadlines); storage answers (or not) at gates. No real timing decides a result."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Sequence
 import anyio
 import pytest
 from controller_helpers import (
+    HOUR_S,
     PAGE,
+    LoopClock,
     PassThroughBackend,
     insert_device_chain,
     make_config,
@@ -41,19 +44,26 @@ class FakeClock:
 
 
 class Flaky(PassThroughBackend):
-    """A memory backend that hangs (`hang`) or fails (`down`) every call while told to; counts calls."""
+    """A memory backend that hangs (`hang`) or fails (`down`) every call while told to; counts calls.
 
-    def __init__(self, inner: MemoryBackend) -> None:
+    A hung call blocks until it is cancelled; with a `LoopClock` it first lets an hour pass on the loop's
+    clock, so the deadline around it fires at once.
+    """
+
+    def __init__(self, inner: MemoryBackend, loop_clock: LoopClock | None = None) -> None:
         super().__init__(inner)
         self.hang = False
         self.down = False
         self.calls = 0
+        self._loop_clock = loop_clock
 
     async def _enter(self) -> None:
         self.calls += 1
         if self.down:
             raise StorageUnavailable("the test took storage down")
         if self.hang:
+            if self._loop_clock is not None:
+                self._loop_clock.advance(HOUR_S)
             await anyio.sleep_forever()
 
     async def exists(self, keys: Sequence[str]) -> int:
@@ -71,15 +81,21 @@ def counter(cache: HiCache, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage() -> None:
+async def test_lookups_that_time_out_open_the_breaker_then_requests_skip_storage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A storage that hangs: each lookup is cut by the prefetch deadline and counted as a `timeout`
-    error (not a miss); after the threshold the breaker is open and lookups are not even started."""
+    error (not a miss); after the threshold the breaker is open and lookups are not even started.
+
+    The deadlines are long and the hung calls jump the loop's clock past them: with a 10 ms real deadline
+    the lookup and reads of the recovered storage lost the race to it under load (a failure, once).
+    """
     inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
-    storage = Flaky(inner)
+    storage = Flaky(inner, LoopClock(monkeypatch))
     clock = FakeClock()
     breaker = CircuitBreaker(threshold=2, backoff_initial_s=5.0, clock=clock)
     config = make_config(
-        prefetch_timeout_base=0.01, prefetch_timeout_per_1k_tokens=0.0, backup_to_storage=False
+        prefetch_timeout_base=60.0, prefetch_timeout_per_1k_tokens=0.0, backup_to_storage=False
     )
     async with inner, HiCache(config, storage=storage, storage_breaker=breaker) as cache:
         await store_sequence(inner, cache, tokens(0, 8 * PAGE))

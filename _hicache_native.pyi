@@ -60,13 +60,14 @@ class ReadQueue:
         root: str,
         suffix: str,
         keys: Sequence[str],
-        buffers: Sequence[Buffer],
+        buffers: Sequence[Buffer] | None,
         namespace_digest: bytes,
         nowait_flags: int,
         hook: Callable[[tuple[str, ...]], object] | None,
         /,
     ) -> ReadJob:
         """Queue a batch as `read_pages` takes it; `hook` is called with its keys in the worker first.
+        With `buffers=None` the pages are only stat-ed, up to the first absent (MISS) or failing (ERROR) one.
 
         Raises:
             RuntimeError: after `close()`.

@@ -265,6 +265,7 @@ typedef struct ReadJob {
     PyObject_HEAD
     struct ReadJob *next; /* in the queue's pending or done list */
     int state;            /* JOB_*, changed under the queue's mutex */
+    int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
     read_ctx ctx;
     PyObject *root_obj, *suffix_obj, *ns_obj, *hook;
     Py_ssize_t count, n_keys, n_views;
@@ -300,6 +301,7 @@ static ReadJob *job_new(PyObject *const *args) {
     if (job == NULL) return NULL;
     job->next = NULL;
     job->state = JOB_NEW;
+    job->stat_only = args[3] == Py_None;
     memset(&job->ctx, 0, sizeof(job->ctx));
     job->root_obj = job->suffix_obj = job->ns_obj = job->hook = NULL;
     job->count = job->n_keys = job->n_views = 0;
@@ -334,7 +336,7 @@ static ReadJob *job_new(PyObject *const *args) {
 
     key_seq = PySequence_Fast(args[2], "keys: expected a sequence of str");
     if (key_seq == NULL) goto fail;
-    buf_seq = PySequence_Fast(args[3], "buffers: expected a sequence of buffers");
+    buf_seq = PySequence_Fast(job->stat_only ? args[2] : args[3], "buffers: expected a sequence of buffers");
     if (buf_seq == NULL) goto fail;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(key_seq);
     if (PySequence_Fast_GET_SIZE(buf_seq) != count) {
@@ -370,7 +372,7 @@ static ReadJob *job_new(PyObject *const *args) {
         }
         job->key_objs[k] = Py_NewRef(key);
     }
-    for (; job->n_views < count; job->n_views++) {
+    for (; !job->stat_only && job->n_views < count; job->n_views++) {
         Py_ssize_t k = job->n_views;
         PyObject *buf = PySequence_Fast_GET_ITEM(buf_seq, k);
         if (PyObject_GetBuffer(buf, &job->views[k], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
@@ -389,9 +391,31 @@ fail:
     return NULL;
 }
 
-/* Read a job's pages (no GIL needed). */
+/* Which of a stat-only job's pages exist, up to the first that does not (MISS) or cannot be stat-ed (ERROR,
+   with its errno); the pages after it are MISS unasked. */
+static void stat_batch(ReadJob *job) {
+    Py_ssize_t i = 0;
+    for (; i < job->count; i++) {
+        char path[MAX_PATH_BYTES];
+        struct stat st;
+        int code = CODE_HIT;
+        if (build_path(&job->ctx, job->keys[i], job->key_lens[i], path) < 0) {
+            job->ctx.errnos[i] = ENAMETOOLONG;
+            code = CODE_ERROR;
+        } else if (stat(path, &st) < 0) {
+            job->ctx.errnos[i] = errno;
+            code = open_failure(-1, errno);
+        }
+        job->codes[i] = (unsigned char)code;
+        if (code != CODE_HIT) break;
+    }
+    for (i++; i < job->count; i++) job->codes[i] = CODE_MISS;
+}
+
+/* Run a job (no GIL needed). */
 static void job_run(ReadJob *job) {
-    read_batch(&job->ctx, job->count, job->keys, job->key_lens, job->views, job->codes);
+    if (job->stat_only) stat_batch(job);
+    else read_batch(&job->ctx, job->count, job->keys, job->key_lens, job->views, job->codes);
 }
 
 /* (codes, nowait_flags, [(index, errno) of every ERROR page]) of a job that ran. */
@@ -682,7 +706,8 @@ static PyObject *queue_get_closed(ReadQueue *q, void *closure) {
 static PyMethodDef queue_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))queue_submit, METH_FASTCALL,
      "submit(root, suffix, keys, buffers, namespace_digest, nowait_flags, hook, /) -> ReadJob\n\n"
-     "Queue a batch as read_pages takes it; hook (or None) is called with the keys in the worker first."},
+     "Queue a batch as read_pages takes it; hook (or None) is called with the keys in the worker first.\n"
+     "buffers=None: only stat the pages, up to the first absent (MISS) or failing (ERROR) one."},
     {"cancel", (PyCFunction)queue_cancel, METH_O,
      "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started."},
     {"collect", (PyCFunction)queue_collect, METH_NOARGS,

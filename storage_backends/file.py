@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from storage_backends import native
 from storage_backends.batching import (
     BackendStatistics,
     PendingGroups,
@@ -176,8 +177,8 @@ class FileBackend(BackendLifecycle):
     async def exists(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` whose page files all exist (stops at the first miss).
 
-        Keys are stat-ed in chunks, up to `max_concurrency` chunks at once; a wave of chunks runs only if
-        every page before it exists.
+        Keys are stat-ed in chunks by the read threads (`storage_backends.read_queue`), a wave of up to
+        `max_concurrency` chunks at once; a wave runs only if every page before it exists.
 
         Raises:
             CacheClosed: after `aclose()`.
@@ -192,16 +193,18 @@ class FileBackend(BackendLifecycle):
             chunks = [
                 slice(s, min(s + _EXISTS_CHUNK, n)) for s in range(pos, min(pos + wave, n), _EXISTS_CHUNK)
             ]
-            counts = await gather_bounded(
-                [
-                    partial(run_in_thread, self._files.count_present, keys[c], limiter=self._limiter)
-                    for c in chunks
-                ],
-                self._max_concurrency,
+            outcomes = await self._reader.run(
+                [(keys[c], None) for c in chunks],
+                root=self._root,
+                suffix=SUFFIX,
+                namespace_digest=self._namespace,
+                nowait=0,
             )
-            for chunk, count in zip(chunks, counts, strict=True):
-                if count < chunk.stop - chunk.start:
-                    return chunk.start + count
+            for chunk, (codes, _, errors) in zip(chunks, outcomes, strict=True):
+                self._files.log_stat_errors(keys[chunk], errors)
+                present = codes.count(native.HIT)  # a prefix: the stat stops at the first miss
+                if present < chunk.stop - chunk.start:
+                    return chunk.start + present
             pos = chunks[-1].stop
         return n
 

@@ -180,17 +180,10 @@ class PageFiles:
             return ERROR
         return HIT
 
-    def count_present(self, keys: Sequence[str]) -> int:
-        """How many of `keys`, from the first, have a page file (stops at the first absent one)."""
-        for i, key in enumerate(keys):
-            try:
-                os.stat(self.path(key))
-            except FileNotFoundError:
-                return i
-            except OSError as exc:
-                log.warning("cannot stat page %s: %s", key, exc)
-                return i
-        return len(keys)
+    def log_stat_errors(self, keys: Sequence[str], errors: Sequence[tuple[int, int]]) -> None:
+        """Log the pages a stat-only job could not stat (they end the present prefix, as a miss does)."""
+        for i, err in errors:
+            log.warning("cannot stat page %s: %s", self.path(keys[i]), _describe(err))
 
     def delete_group(self, keys: Sequence[str]) -> None:
         """Remove the page files of `keys`; absent ones are ignored.

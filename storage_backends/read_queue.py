@@ -90,7 +90,7 @@ class ReadThreads:
 
     async def run(
         self,
-        groups: Sequence[tuple[Sequence[str], Sequence[memoryview]]],
+        groups: Sequence[tuple[Sequence[str], Sequence[memoryview] | None]],
         *,
         root: str,
         suffix: str,
@@ -99,6 +99,9 @@ class ReadThreads:
         hook: ReadHook | None = None,
     ) -> list[GroupOutcome]:
         """Read every group (`native.read_pages`' arguments) in the workers; outcomes in group order.
+
+        A group whose buffers are None is only stat-ed: HIT for each page that exists, up to the first
+        absent (MISS) or failing (ERROR) one, MISS after it.
 
         When this returns, normally or not, no worker writes into a buffer of a group it still reads
         unless that group is registered in `stray_threads` (cancelled while reading).
@@ -119,7 +122,7 @@ class ReadThreads:
         except BaseException:
             for job, (_, buffers) in zip(jobs, groups, strict=False):
                 if self._waiting.pop(job, None) is not None and not self._queue.cancel(job):
-                    self._abandon(job, buffers)
+                    self._abandon(job, buffers or ())
             raise
         return [job.result() for job in jobs]
 

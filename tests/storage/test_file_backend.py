@@ -574,6 +574,25 @@ async def test_a_fifo_at_a_page_path_is_an_error_and_never_blocks_a_reader(
         assert backend._files.read_checked(keys[1], out[1]) == PageStatus.ERROR
 
 
+async def test_exists_stops_at_a_page_it_cannot_stat(
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`exists` stats in the read threads; a page whose path cannot be stat-ed (here a symlink to itself,
+    ELOOP) ends the present prefix like a missing page, and is logged with its errno."""
+    keys, pages = make_keys(3), make_pages(3, 4096)
+    await backend.put(keys, pages)
+    assert await backend.exists(keys) == 3
+    path = backend.path_of(keys[1])
+    path.unlink()
+    path.symlink_to(path)
+    assert await backend.exists(keys) == 1
+    assert "cannot stat page" in caplog.text
+    assert "ELOOP" in caplog.text
+    path.unlink()
+    assert await backend.exists(keys) == 1
+    assert await backend.exists(keys[2:]) == 1
+
+
 def test_default_concurrency_follows_the_cpus(tmp_path: Path) -> None:
     """By default one thread per usable CPU, between 4 and 16, and the repr says how many."""
     n = default_concurrency()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -180,6 +181,27 @@ async def assert_exact(cache: HiCache) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- file FIFO
+
+
+async def test_a_fifo_at_a_page_path_fails_that_page_and_quarantines_nothing(stored: FileBackend) -> None:
+    """A FIFO at a page's path used to block the reader thread in `open` for good: with no caller deadline
+    the acquire hung, with one the read was abandoned and its host pages stayed quarantined forever. The
+    backend now refuses the FIFO before reading: acquire returns with the pages before it (no deadline
+    needed; the bound only turns a hang into a failure), the page counts as an `error` failure, nothing is
+    quarantined and every page is accounted for."""
+    key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
+    path = stored.path_of(key)
+    path.unlink()
+    os.mkfifo(path)
+    async with HiCache(config(), storage=stored) as cache:
+        with anyio.fail_after(BOUND_S):
+            lease = await cache.acquire("r", SEQ)
+        assert lease.cached_len == STUCK_PAGE * PAGE
+        assert failures(cache) == {"error": 1}
+        assert cache.statistics().quarantined_pages == 0
+        assert stray_threads.count == 0
+        cache.release(lease)
+        await assert_exact(cache)
 
 
 async def test_acquire_returns_at_its_deadline_while_a_read_is_stuck(

@@ -87,5 +87,13 @@ class ReadQueue:
     def fileno(self) -> int:
         """An eventfd, readable while finished jobs wait for `collect()`."""
 
+def chain_hashes(key: Buffer, step: int, namespace_digest: bytes, prev: bytes, /) -> list[bytes]:
+    """One 16-byte xxh3-128 digest per full `step`-byte page of `key`: digest(previous page's hash +
+    `namespace_digest` + the page's bytes), starting from `prev` (`hicache.keys.chained_page_hashes`).
+
+    Raises:
+        ValueError: naming the argument, for `step` < 1 or a digest or hash that is not 16 bytes.
+    """
+
 def xxh3_64(data: Buffer, /) -> int:
     """xxh3-64 (seed 0) of a C-contiguous buffer, as `xxhash.xxh3_64_intdigest`; releases the GIL."""

@@ -739,6 +739,61 @@ static PyTypeObject ReadQueueType = {
     .tp_new = queue_new,
 };
 
+PyDoc_STRVAR(chain_hashes_doc,
+             "chain_hashes(key, step, namespace_digest, prev, /) -> list[bytes]\n\n"
+             "One 16-byte xxh3-128 digest per full step-byte page of key: digest(previous page's hash +\n"
+             "namespace_digest + the page's bytes), starting from prev; as hicache.keys.chained_page_hashes.");
+
+static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "chain_hashes() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t step = PyLong_AsSsize_t(args[1]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "step: expected >= 1, got %zd", step);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "namespace_digest: expected 16 bytes");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "prev: expected a 16-byte hash");
+        return NULL;
+    }
+    Py_buffer key;
+    if (PyObject_GetBuffer(args[0], &key, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t pages = key.len / step;
+    PyObject *out = PyList_New(pages);
+    if (out == NULL) {
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    const unsigned char *ns = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    XXH128_canonical_t h;
+    memcpy(h.digest, PyBytes_AS_STRING(args[3]), 16);
+    XXH3_state_t state;
+    for (Py_ssize_t i = 0; i < pages; i++) {
+        XXH3_128bits_reset(&state);
+        XXH3_128bits_update(&state, h.digest, 16);
+        XXH3_128bits_update(&state, ns, 16);
+        XXH3_128bits_update(&state, (const unsigned char *)key.buf + i * step, (size_t)step);
+        XXH128_canonicalFromHash(&h, XXH3_128bits_digest(&state));
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)h.digest, 16);
+        if (digest == NULL) {
+            Py_DECREF(out);
+            PyBuffer_Release(&key);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, digest);
+    }
+    PyBuffer_Release(&key);
+    return out;
+}
+
 PyDoc_STRVAR(xxh3_64_doc,
              "xxh3_64(data, /) -> int\n\n"
              "xxh3-64 (seed 0) of a C-contiguous buffer, as xxhash.xxh3_64_intdigest; releases the GIL.");
@@ -762,6 +817,7 @@ static PyObject *xxh3_64(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_pages", (PyCFunction)(void (*)(void))read_pages, METH_FASTCALL, read_pages_doc},
     {"xxh3_64", xxh3_64, METH_O, xxh3_64_doc},
+    {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,7 +3,8 @@
 It holds the storage data path that must not hold the GIL: `read_pages`, the file backend's batched read
 and verify (one memory pass per page, the whole batch without the GIL), `ReadQueue`, worker threads that
 run such batches (`ReadJob`s) one after another without ever taking the GIL (`storage_backends.read_queue`),
-and `xxh3_64`, the page payload
+`chain_hashes`, the chained page hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the
+page payload
 checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `pip install -e .` or `make venv`
 builds it; see the README's "Dependencies and why".
 """
@@ -28,6 +29,7 @@ from _hicache_native import (
     RETRY,
     ReadJob,
     ReadQueue,
+    chain_hashes,
     read_pages,
     xxh3_64,
 )
@@ -41,6 +43,7 @@ __all__ = [
     "RETRY",
     "ReadJob",
     "ReadQueue",
+    "chain_hashes",
     "read_pages",
     "xxh3_64",
 ]

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -470,3 +471,36 @@ async def load_back_fails_on_one_rank(group: RankGroup, root: str, failing: int)
         await cache.tp_sync()
         cache.sanity_check(across_ranks=True)
     return outcome
+
+
+async def cross_rank_check_off_the_loop(group: RankGroup, root: str) -> dict[str, Any]:
+    """Rank 0 starts `sanity_check_async(across_ranks=True)`; rank 1 makes its own call only once rank 0
+    showed (a flag file) that its event loop ran another task meanwhile. A check that blocked rank 0's
+    loop in the collective would never write the flag: rank 1 would never call and rank 0's collective
+    would time out (`RankFailed`). Then rank 1's tree differs by one lock: both ranks' async checks
+    raise `TreeDivergence` naming it."""
+    rank = group.tp_rank
+    flag = Path(root) / "rank0-loop-ran"
+    async with rank_cache(group, root) as (cache, _):
+        await serve(cache, rank, "a", SEQ)
+        await cache.tp_sync()
+        if rank == 0:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(cache.sanity_check_async, across_ranks=True))
+                await anyio.wait_all_tasks_blocked()  # the check waits in the collective, off the loop
+                flag.write_text("ran")
+        else:
+            while not flag.exists():  # noqa: ASYNC110 - another process's signal: nothing to await
+                await anyio.sleep(0.01)
+            await cache.sanity_check_async(across_ranks=True)
+        node = cache.match(SEQ).last_device_node
+        if rank == 1:
+            cache._tree.lock_device(node)  # the divergence under test
+        error = ""
+        try:
+            await cache.sanity_check_async(across_ranks=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if rank == 1:
+            cache._tree.unlock_device(node)
+    return {"error": error}

@@ -145,3 +145,13 @@ def test_a_load_back_that_fails_on_one_rank_loads_nothing_anywhere(tmp_path: Pat
     _ok(out)
     assert out[1].value == {"error": "injected: host-to-device copy failed", "then_host_hit": 40}
     assert out[0].value == {"cached": 0, "host_hit": 0, "then_host_hit": 40}
+
+
+def test_the_cross_rank_check_does_not_block_the_event_loop(tmp_path: Path) -> None:
+    """`sanity_check_async(across_ranks=True)`: rank 0's loop runs other tasks while it waits for rank 1
+    in the collective (rank 1 calls only after seeing that), and a difference still raises on both."""
+    out = run_ranks(cache_workers.cross_rank_check_off_the_loop, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value["error"].startswith("TreeDivergence: rank ")
+        assert "device_lock=1" in o.value["error"]

@@ -272,3 +272,26 @@ async def test_a_failed_load_never_frees_pages_a_load_below_it_still_copies_into
     assert_no_locks(cache)
     assert cache.statistics().device_pool.free_pages == free_before
     assert cache.match(SEQ).device_len == 0
+
+
+async def test_a_lease_on_a_failed_load_is_refused_even_once_the_prefix_loaded_again(cache: HiCache) -> None:
+    """Guards against `insert` only checking that the lease's node is off the device: once another request
+    loaded the same prefix back (into other pages), a lease whose own load failed inserted KV its model
+    computed over the failed pages as this prefix's continuation."""
+    layered_loader_of(cache).before_layer = fail_at(1)
+    failed = await cache.acquire("r1", SEQ)
+    await settle(cache)
+    layered_loader_of(cache).before_layer = None
+    again = await cache.acquire("r2", SEQ)
+    assert again.hit_tokens_by_tier["host"] == 16
+    await settle(cache)
+    longer = [*SEQ, *tokens(500, PAGE)]
+    new = await cache.alloc_device(PAGE)
+    assert new is not None
+    with pytest.raises(LoadBackFailed, match="lease"):
+        await cache.insert(failed, longer, torch.cat([failed.device_indices, new]))
+    cache.release(failed, new)
+    cache.release(again)
+    cache.sanity_check()
+    assert_no_locks(cache)
+    assert cache.match(longer).device_len == 16

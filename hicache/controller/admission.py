@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 import torch
 
 from hicache.components import component_storage_key
@@ -32,7 +33,7 @@ logger = logging.getLogger("hicache.cache")
 _NO_EVICTION = 1 << 60
 """The eviction decision carries `_NO_EVICTION - tokens` so that the agreed minimum is the largest need."""
 
-_StagedReads = list[tuple[list[str], list[memoryview]]]
+_StagedReads = list[tuple[list[str], Sequence[memoryview]]]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class Admission:
                 key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
             )
             page_keys = [h.hex() for h in hashes]
+            # Hashing and the probe's submission are separate loop iterations: prefetches admitted
+            # together would otherwise do both in one burst (issue 12). Shielded: no new cancel point.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             hit_pages = await self._probe(request_id, storage, page_keys, remainder)
             if isinstance(hit_pages, SkipReason):
                 tree.unlock_host(anchor)

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import torch
 
 from hicache.config import HiCacheConfig
@@ -186,6 +187,9 @@ class Prefetcher:
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
         try:
             views = self._host_pool.page_views(prefetch.host_indices)
+            # One bounded piece of loop work per step: concurrent prefetches launched together would
+            # otherwise build their views and submit their first reads in one loop iteration (issue 12).
+            await anyio.lowlevel.cancel_shielded_checkpoint()
             await prefetch.stream(
                 storage,
                 views,

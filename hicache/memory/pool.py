@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import operator
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -225,8 +226,11 @@ class KVPool:
         size = self._layout.page_nbytes
         return self._bytes[page * size : page * size + size]
 
-    def page_views(self, indices: torch.Tensor) -> list[memoryview]:
+    def page_views(self, indices: torch.Tensor) -> PageViews:
         """Zero-copy byte views, one per page of the token indices `indices` (whole, aligned pages).
+
+        Each view is built on first access (see `PageViews`): a prefetch of a thousand pages builds
+        its views batch by batch as its reads start, not all in one burst of loop work.
 
         Raises:
             TypeError: when `indices` is not a 1-D int64 CPU tensor.
@@ -239,7 +243,7 @@ class KVPool:
         if flat is None:
             raise ValueError(f"page_views: pool {self._name!r} is on {self._device}, not the CPU")
         size = self._layout.page_nbytes
-        return [flat[p : p + size] for p in (pages * size).tolist()]
+        return PageViews(flat, (pages * size).tolist(), size)
 
     # -- token gather / scatter -----------------------------------------------------------------------
 
@@ -376,3 +380,49 @@ def make_host_pool(layout: KVLayout, num_pages: int, *, name: str = "host") -> K
         name: the pool's label.
     """
     return KVPool(layout, num_pages, device="cpu", pin_memory=None, name=name)
+
+
+class PageViews(Sequence[memoryview]):
+    """Zero-copy byte views of some pages of a pool's flat buffer, each built on first access and kept.
+
+    A kept view stays the same object (stray-thread bookkeeping, `storage_backends.threads`, goes by
+    `id`). A slice is a plain list of views.
+    """
+
+    __slots__ = ("_flat", "_size", "_starts", "_views")
+
+    def __init__(self, flat: memoryview, starts: list[int], size: int) -> None:
+        self._flat = flat
+        self._starts = starts
+        self._size = size
+        self._views: list[memoryview | None] = [None] * len(starts)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[memoryview]: ...
+
+    def __getitem__(self, index: int | slice) -> memoryview | list[memoryview]:
+        if isinstance(index, slice):
+            return [self._view(i) for i in range(*index.indices(len(self._starts)))]
+        i = operator.index(index)
+        n = len(self._starts)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index: page view {index} out of range for {n} pages")
+        return self._view(i)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self[:])
+
+    def _view(self, i: int) -> memoryview:
+        view = self._views[i]
+        if view is None:
+            start = self._starts[i]
+            view = self._views[i] = self._flat[start : start + self._size]
+        return view

@@ -117,6 +117,31 @@ def test_page_view_bytes_match_page_tensor() -> None:
         assert bytes(view) == pool.buffer[page].contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def test_page_views_are_built_once_and_keep_their_identity() -> None:
+    """Views are built on first access and kept: stray-thread bookkeeping goes by `id` (issue 12)."""
+    pool = make_pool()
+    idx = pool.alloc(3 * LAYOUT.page_size)
+    assert idx is not None
+    pool.write_tokens(idx, random_kv(LAYOUT, idx.numel()))
+    views = pool.page_views(idx)
+    pages = pool.page_ids(idx).tolist()
+    batch = views[1:3]
+    assert isinstance(batch, list)
+    assert len(batch) == 2
+    assert batch[0] is views[1]
+    assert batch[1] is views[-1]
+    assert [id(v) for v in views] == [id(v) for v in views[:]]
+    assert views[0] is next(iter(views))
+    for page, view in zip(pages, views, strict=True):
+        assert bytes(view) == pool.buffer[page].contiguous().view(torch.uint8).numpy().tobytes()
+    views[2][0] = (views[2][0] + 1) % 256  # a view writes the pool
+    assert pool.byte_view()[pages[2] * LAYOUT.page_nbytes] == views[2][0]
+    with pytest.raises(IndexError, match="index"):
+        views[3]
+    with pytest.raises(IndexError, match="index"):
+        views[-4]
+
+
 def test_page_view_keeps_memory_alive_after_close() -> None:
     pool = make_pool()
     view = pool.page_view(0)

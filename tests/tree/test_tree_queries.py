@@ -170,6 +170,31 @@ def test_attach_loaded_frees_duplicates_and_returns_the_fresh_match() -> None:
     tree.sanity_check()
 
 
+def test_attach_loaded_walks_the_key_once() -> None:
+    """Guards against `attach_loaded` matching twice (the span, then the whole key for the fresh match):
+    one walk finds the span and gives the fresh match, so it touches the LRU clock once, as a match does.
+    The span still splits at its end: a key longer than the loaded span gets a node ending there."""
+    tree = RadixTree(P)
+    key = page_key(0, 2) + page_key(50, 2)
+    leaf = tree.insert(key, ids(0, 16)).node
+    back_up(tree, leaf)
+    tree.evict_device(16)
+    first = tree.match_prefix(key)
+    (host_node,) = first.host_nodes
+    ticked = tree.node_info(host_node).last_access
+    result = tree.attach_loaded(key, 0, ids(200, 8))  # the first page pair only: a split at token 8
+    (upper, lower) = (result.match.last_device_node, *result.match.host_nodes)
+    assert tree.node_info(upper).last_access == ticked + 1
+    assert tree.node_info(lower).last_access == ticked + 1
+    assert (result.match.device_len, result.match.host_len) == (8, 8)
+    assert torch.equal(result.match.device_indices, ids(200, 8))
+    assert result.freed_device.numel() == 0
+    again = tree.match_prefix(key)
+    assert tree.node_info(upper).last_access == ticked + 2
+    assert (again.device_len, again.host_len) == (8, 8)
+    tree.sanity_check()
+
+
 def test_attach_loaded_returns_a_component_copy_whose_host_value_changed() -> None:
     """A component copy is taken only if its node still holds the host value it was copied from;
     otherwise the copy comes back in `component_frees` (never leaked, never attached stale)."""

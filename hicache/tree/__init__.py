@@ -6,7 +6,7 @@ Callers hold `NodeRef` handles; the nodes themselves (`hicache.tree.node`) are t
 
 from __future__ import annotations
 
-from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef, StoredPath
+from hicache.tree.handles import ComponentInfo, HeldIndices, NodeInfo, NodeRef, StoredPath
 from hicache.tree.radix import RadixTree
 from hicache.tree.results import (
     EMPTY_INDICES,
@@ -27,6 +27,7 @@ __all__ = [
     "EMPTY_INDICES",
     "ComponentEvictResult",
     "ComponentFree",
+    "ComponentInfo",
     "ComponentStatistics",
     "EvictResult",
     "FreeResult",

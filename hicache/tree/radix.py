@@ -15,7 +15,7 @@ import torch
 from hicache.components.base import Component
 from hicache.tree.checks import check_tier
 from hicache.tree.eviction import Eviction
-from hicache.tree.handles import NodeRef
+from hicache.tree.handles import ComponentInfo, NodeRef
 from hicache.tree.inserting import Inserting
 from hicache.tree.load_back import LoadBack
 from hicache.tree.results import EMPTY_INDICES, ComponentStatistics
@@ -56,6 +56,18 @@ class RadixTree(LoadBack, Inserting, Eviction):
         if self._book is None:
             return None
         return self._book.value(live, name, tier)
+
+    def component_info(self, node: NodeRef) -> dict[str, ComponentInfo]:
+        """A snapshot of every component record `node` holds, by component name (empty without any).
+
+        Raises:
+            TypeError, ValueError: `node` is not a handle on a live node of this tree.
+        """
+        live = self._require_live(node)
+        return {
+            name: ComponentInfo(d.device_value, d.host_value, d.backup_pending, d.device_lock, d.host_lock)
+            for name, d in (live.components or {}).items()
+        }
 
     def component_window(self, node: NodeRef, tier: str = "device") -> dict[str, torch.Tensor]:
         """The component indices a prefix ending at `node` uses on `tier`, root-first per component.

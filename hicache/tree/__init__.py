@@ -10,6 +10,7 @@ from hicache.tree.handles import ComponentInfo, HeldIndices, NodeInfo, NodeRef, 
 from hicache.tree.radix import RadixTree
 from hicache.tree.results import (
     EMPTY_INDICES,
+    BranchStatistics,
     ComponentEvictResult,
     ComponentFree,
     ComponentStatistics,
@@ -25,6 +26,7 @@ from hicache.tree.results import (
 
 __all__ = [
     "EMPTY_INDICES",
+    "BranchStatistics",
     "ComponentEvictResult",
     "ComponentFree",
     "ComponentInfo",

@@ -242,3 +242,23 @@ def test_held_indices_list_every_index_the_tree_owns() -> None:
         ("mamba", "device"): [[3]],
         ("mamba", "pending"): [[6]],
     }
+
+
+def test_branches_sum_each_top_level_subtree() -> None:
+    """`branches()` answers what the demo's top-prefixes table read node by node through snapshots: per
+    child of the root, its key and hits and the nodes and tokens below it on each tier."""
+    tree = RadixTree(P)
+    assert tree.branches() == []
+    system_a, system_b = page_key(0, 2), page_key(500, 1)
+    leaf = tree.insert(system_a + page_key(200, 2), ids(20, 16)).node
+    back_up(tree, leaf)
+    tree.insert(system_a + page_key(100, 1), ids(0, 12))  # splits the backed-up node after system_a
+    tree.insert(system_b, ids(40, 4))
+    assert tree.evict_device(8).evicted_tokens == 8  # the oldest leaf, backed up: it stays on the host
+    assert tree.node_info(leaf).device_value is None
+    by_key = {b.key: b for b in tree.branches()}
+    assert set(by_key) == {as_key_bytes(system_a), as_key_bytes(system_b)}
+    a, b = by_key[as_key_bytes(system_a)], by_key[as_key_bytes(system_b)]
+    assert (a.nodes, a.hits, a.device_tokens, a.host_tokens) == (3, 2, 12, 16)
+    assert (b.nodes, b.hits, b.device_tokens, b.host_tokens) == (1, 1, 4, 0)
+    assert tree.node_info(a.node).parent == tree.root

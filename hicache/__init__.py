@@ -29,12 +29,14 @@ if TYPE_CHECKING:
         PrefetchState,
         ReleaseStatistics,
     )
+    from hicache.controller.layered_load import LayerwiseLoad
     from hicache.errors import (
         CacheClosed,
         ChecksumMismatch,
         ForeignPage,
         HiCacheError,
         InvariantViolation,
+        LoadBackFailed,
         OldPageFormat,
         PageNotFound,
         PoolError,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from hicache.keys import Namespace
     from hicache.layout import KVLayout
     from hicache.memory import KVPool, PoolStatistics
+    from hicache.memory.layerwise import LayerReadiness
     from hicache.policy import EvictionPolicy, RefillPolicy, StopPolicy, WritePolicy
     from hicache.tiers import DropReason, PrefetchStatus, ShedReason, SkipReason, Tier
     from hicache.tree import ComponentStatistics, InsertResult, MatchResult, NodeRef, TreeStatistics
@@ -74,7 +77,10 @@ _MODULE_OF = {
     "InvariantViolation": "hicache.errors",
     "KVLayout": "hicache.layout",
     "KVPool": "hicache.memory",
+    "LayerReadiness": "hicache.memory.layerwise",
+    "LayerwiseLoad": "hicache.controller.layered_load",
     "Lease": "hicache.controller",
+    "LoadBackFailed": "hicache.errors",
     "MambaState": "hicache.components",
     "MatchResult": "hicache.tree",
     "Namespace": "hicache.keys",
@@ -125,7 +131,10 @@ __all__ = [
     "InvariantViolation",
     "KVLayout",
     "KVPool",
+    "LayerReadiness",
+    "LayerwiseLoad",
     "Lease",
+    "LoadBackFailed",
     "MambaState",
     "MatchResult",
     "Namespace",

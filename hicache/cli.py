@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it (refill_under_unbacked; default drop)",
     )
     demo.add_argument(
+        "--scenario",
+        choices=["chat", "handoff"],
+        default="chat",
+        help="chat: users served by this instance only; handoff: users arrive from another instance "
+        "sharing the storage, so storage hits hang below prefixes computed here and refills drop or are "
+        "rescued (--refill-policy); Llama only, always in lockstep (default chat)",
+    )
+    demo.add_argument(
         "--tp",
         type=int,
         default=None,
@@ -127,9 +135,15 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.demo.report import render_summary, save_snapshot, summarize
     from hicache.policy import RefillPolicy, WritePolicy
 
+    hybrid = args.model == "hybrid"
+    if args.scenario != "chat" and (hybrid or args.tp is not None):
+        print(
+            f"hicache demo: --scenario {args.scenario} runs with --model llama only, without --tp",
+            file=sys.stderr,
+        )
+        return 2
     if args.tp is not None:
         return _demo_tp(args)
-    hybrid = args.model == "hybrid"
     if args.system_prompts is None:
         # A hybrid prefix is reusable only where a state was stored (at the end of a request): a system
         # prompt shared by users ends at a split without one, so the hybrid run gives each user its own.
@@ -162,6 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
         "refill_policy": RefillPolicy(args.refill_policy),
         "metrics_port": args.metrics_port,
         "lockstep": args.lockstep,
+        "scenario": args.scenario,
     }
     if args.device_pages is not None:
         fields["device_pages"] = args.device_pages

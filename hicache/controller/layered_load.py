@@ -14,6 +14,13 @@ Pages attached before their copy landed are safe because:
   `HiCache.layer_readiness`);
 * `aclose` waits for the copy (it is counted in `CopyTracker.count`) before it closes a pool.
 
+A copy that fails, or is cancelled (the loop shutting down) before it landed, must not leave its pages
+in the tree: they hold bytes that are no node's KV. The load then stops the copy and waits until no thread
+writes into them, revokes the readiness (every `wait_layer` of it raises `LoadBackFailed` from then on),
+takes the pages out of the device tier (`RadixTree.drop_failed_load`, whatever locks them) and frees
+them once; a lease on them can only be released (`insert` raises `LoadBackFailed`), and its holder
+recomputes. Every way out, cancellation at any await included, unlocks the load's nodes exactly once.
+
 A cache with hybrid components loads them whole (`TierMover.load_back`): a component value (a window, a
 state) is not split by layer.
 """
@@ -29,9 +36,17 @@ import torch
 
 from hicache.controller.copies import CopyTracker
 from hicache.controller.tier_mover import TierMover
+from hicache.errors import LoadBackFailed
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
-from hicache.memory.layerwise import ALL_READY, LayerReadiness, LayerwiseCopy, all_of
+from hicache.memory.layerwise import (
+    ALL_READY,
+    CpuLayerReadiness,
+    CudaLayerReadiness,
+    LayerReadiness,
+    LayerwiseCopy,
+    all_of,
+)
 from hicache.metrics import CacheMetrics
 from hicache.tree import MatchResult, NodeRef, RadixTree
 
@@ -79,7 +94,7 @@ class LayeredLoader:
         self._mover = mover
         self._copies = copies
         self._metrics = metrics
-        self._in_flight: dict[int, tuple[torch.Tensor, LayerReadiness]] = {}
+        self._in_flight: dict[int, _Load] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.before_layer: Callable[[int], None] | None = None
         """Called in the copying thread before each layer (tests hold a layer back with it)."""
@@ -96,9 +111,9 @@ class LayeredLoader:
             return ALL_READY
         return all_of(
             [
-                readiness
-                for indices, readiness in self._in_flight.values()
-                if bool(torch.isin(indices, device_indices).any())
+                load.readiness
+                for load in self._in_flight.values()
+                if bool(torch.isin(load.device_indices, device_indices).any())
             ]
         )
 
@@ -148,43 +163,121 @@ class LayeredLoader:
         last = host_nodes[-1]
         tree.lock_device(last)
         tree.lock_host(last)
-        token = id(copy)
-        self._in_flight[token] = (device_indices, copy.readiness)
+        load = _Load(copy, _LoadReadiness(copy.readiness), key, start, device_indices, last)
+        self._in_flight[id(load)] = load
         self._copies.begin()
-        task = asyncio.get_running_loop().create_task(
-            self._run(copy, token, host_nodes), name="hicache-layerwise-load"
-        )
+        task = asyncio.get_running_loop().create_task(self._run(load), name="hicache-layerwise-load")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # A task cancelled before its first step never runs `_run`'s cleanup: the callback does it then.
+        task.add_done_callback(lambda done: self._after(done, load))
         self._metrics.load_back_tokens.inc(length)
         fresh = attached.match
         return LayerwiseLoad(fresh, self.readiness_for(fresh.device_indices))
 
-    async def _run(self, copy: LayerwiseCopy, token: int, nodes: tuple[NodeRef, ...]) -> None:
-        """Run the copy to its end (a task of its own: no caller's cancellation abandons it), then unlock."""
-        last = nodes[-1]
-        try:
-            await copy.run(limiter=self._copies.limiter)
-        except Exception:
-            # The readiness reports the failure to the model; the pages hold garbage, so they leave the
-            # device tier where nothing else holds them (a lease that does has been told by `wait_layer`).
-            logger.exception("layer-wise load-back failed")
-            self._tree.unlock_host(last)
-            self._tree.unlock_device(last)
-            self._demote(nodes)
-            return
-        finally:
-            self._in_flight.pop(token, None)
-            self._copies.end()
-        self._tree.unlock_host(last)
-        self._tree.unlock_device(last)
+    async def _run(self, load: _Load) -> None:
+        """Run the copy to its end (a task of its own: no caller's cancellation abandons it), then finish.
 
-    def _demote(self, nodes: tuple[NodeRef, ...]) -> None:
-        """Drop the device copies of the loaded `nodes`, deepest first, as far as nothing else holds them."""
-        for node in reversed(nodes):
-            try:
-                freed = self._tree.demote(node)
-            except ValueError:  # locked by a lease, or a child on the device: it keeps its pages
-                logger.error("layer-wise load-back failed under a held node %s", node.id)
-                return
-            self._device_pool.free(freed.freed_device)
+        Every way out finishes the load exactly once (`_finish`): landed, failed (`LoadBackFailed`, logged),
+        or cancelled at any await (the loop shutting down); a cancellation or failure first stops the copy
+        and waits until no thread writes into the pages any more.
+        """
+        try:
+            await load.copy.run(limiter=self._copies.limiter)
+        except BaseException as exc:
+            load.copy.abort()
+            await load.copy.wait_settled()
+            self._finish(load, exc)
+            if isinstance(exc, Exception):
+                return  # logged by `_finish`; the model hears of it from `wait_layer`
+            raise
+        self._finish(load, None)
+
+    def _after(self, task: asyncio.Task[None], load: _Load) -> None:
+        """The task's done callback: finish a load whose task was cancelled before it ran."""
+        self._tasks.discard(task)
+        if not load.finished:
+            load.copy.abort()
+            self._finish(load, asyncio.CancelledError())
+
+    def _finish(self, load: _Load, error: BaseException | None) -> None:
+        """End `load` once: unlock its nodes and, unless every layer landed, take its pages out of the
+        device tier (see `RadixTree.drop_failed_load`) and free them, so no later match finds them."""
+        if load.finished:
+            return
+        load.finished = True
+        self._in_flight.pop(id(load), None)
+        try:
+            inner = load.readiness.inner
+            landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
+            if not landed:
+                self._drop(load, error)
+        finally:
+            self._tree.unlock_host(load.last)
+            self._tree.unlock_device(load.last)
+            self._copies.end()
+
+    def _drop(self, load: _Load, error: BaseException | None) -> None:
+        """The copy did not land: fail and revoke the readiness, then drop the pages from the tree."""
+        cause = error if error is not None else LoadBackFailed("layer-wise copy did not land")
+        load.readiness.inner.fail(cause)
+        load.readiness.revoke()
+        if not load.copy.settled:  # only a task cancelled twice over gets here: its thread may still write
+            logger.error("layer-wise load-back abandoned with its copy running; its pages stay attached")
+            return
+        if isinstance(error, Exception):
+            logger.error("layer-wise load-back failed: %r", error)
+        freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
+        assert not freed.component_frees, "a layer-wise load-back loads no components"
+        self._device_pool.free(freed.freed_device)
+        if kept:
+            logger.error(
+                "layer-wise load-back failed under %d node(s) held below it; they stay on the device",
+                len(kept),
+            )
+
+
+@dataclass(eq=False)
+class _Load:
+    """One layer-wise load-back in flight: its copy, its readiness, where its pages went, its lock."""
+
+    copy: LayerwiseCopy
+    readiness: _LoadReadiness
+    key: bytes
+    start: int
+    device_indices: torch.Tensor
+    last: NodeRef
+    finished: bool = False
+
+
+class _LoadReadiness(LayerReadiness):
+    """A load's readiness: its copy's, until the load failed and its pages left the device tier; from then
+    on every layer raises `LoadBackFailed` (the pages are no longer the reader's KV)."""
+
+    def __init__(self, inner: CpuLayerReadiness | CudaLayerReadiness) -> None:
+        self.inner = inner
+        self._revoked = False
+
+    def revoke(self) -> None:
+        """The load failed and its pages left the tree: no layer may be read any more."""
+        self._revoked = True
+
+    def _check(self, layer: int) -> None:
+        if self._revoked:
+            raise LoadBackFailed(
+                f"layer {layer}: the layer-wise load-back failed and its pages left the device; recompute"
+            )
+
+    def wait_layer(self, layer: int) -> None:
+        self._check(layer)
+        self.inner.wait_layer(layer)  # raises LoadBackFailed for a layer the failed copy never landed
+        self._check(layer)
+
+    def is_ready(self, layer: int) -> bool:
+        return not self._revoked and self.inner.is_ready(layer)
+
+    @property
+    def done(self) -> bool:
+        return self._revoked or self.inner.done
+
+    def __repr__(self) -> str:
+        return "<LayerReadiness revoked>" if self._revoked else repr(self.inner)

@@ -14,6 +14,7 @@ from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.results import Lease
 from hicache.controller.state import OpenState
 from hicache.controller.tier_mover import TierMover
+from hicache.errors import LoadBackFailed
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices
 from hicache.tiers import SkipReason, Tier
@@ -152,6 +153,15 @@ class Leases:
         self._state.check_open("insert")
         if not lease.active:
             raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
+        if lease.cached_len:
+            try:
+                self._tree.device_indices(lease.node)  # cached on the node: cheap
+            except ValueError:
+                # A layer-wise load-back of the prefix failed and its pages left the device tier.
+                raise LoadBackFailed(
+                    f"lease: the cached prefix of request {lease.request_id!r} failed to load back; "
+                    "release the lease and recompute"
+                ) from None
         key = as_key_bytes(tokens, name="tokens")
         n = len(key) // TOKEN_BYTES
         page = self._page_size

@@ -23,6 +23,7 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.controller import HiCache, Lease
+from hicache.demo.handoff import SCENARIOS, serve_handoff
 from hicache.demo.loop import ServingLoop
 from hicache.demo.model import DecodeResult, DemoModel, PrefillResult, cache_from_kv
 from hicache.demo.oracle import KVOracle
@@ -31,6 +32,7 @@ from hicache.demo.run import demo_cache_config, intra_op_threads, run_serving
 from hicache.demo.workload import Workload, make_workload
 from hicache.memory import KVLayout
 from hicache.memory.layerwise import read_layer_tokens
+from hicache.policy import WritePolicy
 
 __all__ = ["LlamaRunner", "run_demo"]
 
@@ -49,6 +51,13 @@ class LlamaRunner(ServingLoop[DemoModel]):
         self.to_record: list[tuple[torch.Tensor, PrefillResult, int]] = []
 
     # ------------------------------------------------------------------ with the cache
+
+    async def serve_cached(self, cache: HiCache) -> None:
+        """Serve the workload through `cache`, as its scenario says (`hicache.demo.handoff`)."""
+        if self.config.scenario == "handoff":
+            await serve_handoff(self, cache)
+        else:
+            await super().serve_cached(cache)
 
     def _restore_and_prefill(
         self, cache: HiCache, lease: Lease, prompt: torch.Tensor, reused: int
@@ -133,6 +142,14 @@ async def run_demo(
         progress: called as requests complete, per phase.
         announce: called with the metrics URL once it is being served.
     """
+    if config.scenario not in SCENARIOS:
+        raise ValueError(f"scenario: expected one of {SCENARIOS}, got {config.scenario!r}")
+    if config.scenario == "handoff":
+        if config.turns < 2:
+            raise ValueError(f"turns: the handoff scenario needs at least 2 turns, got {config.turns}")
+        # Reproducible drops: one request at a time, the caches settled in between; this instance backs a
+        # prefix up once it is hit twice, so the system prompts it computed itself stay un-backed.
+        config = dataclasses.replace(config, lockstep=True, write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
     with intra_op_threads(config.torch_threads):
         return await _run_demo(config, progress, announce)
 

@@ -61,6 +61,8 @@ class ServingLoop(Generic[ModelT]):
         self.model_lock = anyio.Lock()
         self.running = anyio.CapacityLimiter(max_running)
         self.records: list[RequestRecord] = []
+        self.extra_requests = 0
+        """Requests served besides the workload's turns (a scenario's own), for the progress totals."""
         self.t0 = 0.0
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
@@ -125,7 +127,7 @@ class ServingLoop(Generic[ModelT]):
         async with self.running:
             record = await self._serve_one(cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival)
         self.records.append(record)
-        self.progress("cache", len(self.records), self.workload.num_requests)
+        self.progress("cache", len(self.records), self.workload.num_requests + self.extra_requests)
         session.record_reply(prompt, record.reply)
 
     async def _serve_one(

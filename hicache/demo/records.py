@@ -63,6 +63,10 @@ class DemoConfig:
         lockstep: serve one request at a time (turn by turn, no pauses) and let the cache finish its
             backups and storage writes in between, with prefetches that wait for every page: the hits
             then depend on the workload only, not on timing (for tests and for comparing policies).
+        scenario: `chat` (the users are served by this instance only) or `handoff` (the Llama demo only:
+            users arrive from another instance sharing the storage, so storage hits hang below prefixes
+            this instance computed itself and refills drop or are rescued; always in lockstep and under
+            `write_through_selective`, see `hicache.demo.handoff`).
     """
 
     users: int = 8
@@ -82,6 +86,7 @@ class DemoConfig:
     metrics_port: int | None = None
     torch_threads: int | None = 1
     lockstep: bool = False
+    scenario: str = "chat"
 
     def __repr__(self) -> str:
         """The fields, with secrets in `backend_url` and `storage_options` replaced by `***`."""

@@ -47,6 +47,8 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "users": config.users,
         "turns": config.turns,
         "seed": config.seed,
+        "scenario": config.scenario,
+        "refill_policy": config.refill_policy.value,
         "backend": redact_url(result.backend_url),
         "identical": sum(r.identical for r in records),
         "checks": {
@@ -87,6 +89,29 @@ def summarize(result: DemoResult) -> dict[str, Any]:
         "wall_s": {k: round(v, 3) for k, v in result.wall_s.items()},
         "metrics_url": result.metrics_url,
         **({"hybrid": result.details} if result.details else {}),
+        **({"handoff": _returning(result)} if config.scenario == "handoff" else {}),
+    }
+
+
+def _returning(result: DemoResult) -> dict[str, Any]:
+    """The handoff scenario's last phase alone: the users' last turns, back on this instance."""
+    last = result.config.turns - 1
+    records = [r for r in result.records if r.user >= 0 and r.turn == last]
+    ttft = [r.ttft_s for r in records]
+    ttft_nocache = [r.ttft_nocache_s for r in records if r.ttft_nocache_s is not None]
+    return {
+        "returning_requests": len(records),
+        "dropped": sum(1 for r in records if r.prefetch == "dropped"),
+        "rescued": sum(1 for r in records if r.prefetch_rescued),
+        "prefill_tokens_saved": sum(r.reused_len for r in records),
+        "prompt_tokens": sum(int(r.prompt.numel()) for r in records),
+        "ttft_ms": {
+            "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
+            "no_cache": {
+                "p50": 1e3 * percentile(ttft_nocache, 50),
+                "p99": 1e3 * percentile(ttft_nocache, 99),
+            },
+        },
     }
 
 

@@ -26,6 +26,7 @@ falling back to a CPU gather into a pinned staging buffer plus one DMA per layer
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
 
@@ -146,6 +147,13 @@ class CudaLayerReadiness(LayerReadiness):
         self.num_layers = num_layers
         self.events: list[torch.cuda.Event] = []
         self._enqueued = threading.Event()  # set once every layer's event is recorded
+        self._error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """The copy failed or was abandoned: a waiter on a layer whose event was never recorded raises
+        `LoadBackFailed` (instead of waiting for an enqueue that will not come)."""
+        self._error = error
+        self._enqueued.set()
 
     def wait_layer(self, layer: int) -> None:
         """Make the caller's current CUDA stream wait for layer `layer`'s copy; returns at once.
@@ -156,7 +164,7 @@ class CudaLayerReadiness(LayerReadiness):
         _check_layer(layer, self.num_layers)
         self._enqueued.wait()  # the enqueue of a copy is short: its launches, never the copy itself
         if layer >= len(self.events):
-            raise LoadBackFailed(f"load-back failed before layer {layer} was enqueued")
+            raise LoadBackFailed(f"load-back failed before layer {layer} was enqueued") from self._error
         event = self.events[layer]
         torch.cuda.current_stream(event.device).wait_event(event)
 
@@ -228,8 +236,10 @@ def read_layer_tokens(pool: KVPool, indices: torch.Tensor, layer: int) -> torch.
 class LayerwiseCopy:
     """A copy of whole pages from `src` to `dst` that lands layer by layer; `readiness` says which.
 
-    Create it, hand `readiness` to the model, then `await run()` (once). `run` never abandons the copy: a
-    cancelled caller waits for it before the cancellation propagates, as `copy_pages_async` does.
+    Create it, hand `readiness` to the model, then `await run()` (once). Under anyio's cancellation `run`
+    waits for the copy before the cancellation propagates, as `copy_pages_async` does; asyncio's own
+    (`Task.cancel`, a loop shutting down) may abandon its thread, so before `dst`'s pages go elsewhere the
+    owner calls `abort()` (the copy stops at its next layer) and awaits `wait_settled()`.
 
     Args:
         src: the pool read from (the host pool, for a load-back).
@@ -261,6 +271,49 @@ class LayerwiseCopy:
             CudaLayerReadiness(num_layers) if self._cuda is not None else CpuLayerReadiness(num_layers)
         )
         self._started = False
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._working = False  # a thread is copying or enqueueing (under `_lock`)
+        self._thread_done = threading.Event()
+
+    def abort(self) -> None:
+        """Stop the copy at its next layer: a thread not started yet never copies, a running one stops
+        before its next layer. `settled` then says when nothing writes into `dst` any more."""
+        with self._lock:
+            self._aborted = True
+
+    @property
+    def settled(self) -> bool:
+        """Whether no thread and no kernel of this copy can still write into `dst` (never started, aborted
+        before its thread began, or its thread has returned and, on CUDA, its last recorded event
+        completed)."""
+        with self._lock:
+            if not self._started or (self._aborted and not self._working):
+                return True
+        if not self._thread_done.is_set():
+            return False
+        readiness = self.readiness
+        if isinstance(readiness, CudaLayerReadiness) and readiness.events:
+            return bool(readiness.events[-1].query())  # type: ignore[no-untyped-call]
+        return True
+
+    async def wait_settled(self) -> None:
+        """Wait until `settled` (polls; a cancellation, anyio's or asyncio's own, is absorbed meanwhile)."""
+        with anyio.CancelScope(shield=True):
+            while not self.settled:
+                try:
+                    await anyio.sleep(_POLL_INTERVAL_S)
+                except asyncio.CancelledError:
+                    continue
+
+    def _begin_work(self) -> bool:
+        """Called first in the copying thread: whether to go on (False once aborted)."""
+        with self._lock:
+            if self._aborted:
+                self._thread_done.set()
+                return False
+            self._working = True
+            return True
 
     async def run(self, *, limiter: anyio.CapacityLimiter | None = None) -> None:
         """Copy every layer in order, marking each ready as it lands; return when all have.
@@ -274,13 +327,18 @@ class LayerwiseCopy:
         readiness = self.readiness
         if isinstance(readiness, CpuLayerReadiness):
             try:
-                # run_sync waits for the thread even when this task is cancelled.
+                # run_sync waits for the thread under anyio's cancellation; asyncio's own (`Task.cancel`)
+                # abandons it: a caller that frees `dst` then calls `abort` and awaits `wait_settled`.
                 await anyio.to_thread.run_sync(self._copy_cpu, readiness, limiter=limiter)
             except BaseException as exc:
                 readiness.fail(exc)
                 if isinstance(exc, Exception):
                     raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
                 raise
+            if not readiness.is_ready(readiness.num_layers - 1):  # aborted before its thread began
+                error = LoadBackFailed("layer-wise copy aborted before it began")
+                readiness.fail(error)
+                raise error
             await anyio.lowlevel.checkpoint_if_cancelled()
             return
         assert self._cuda is not None
@@ -289,7 +347,12 @@ class LayerwiseCopy:
             try:
                 await anyio.to_thread.run_sync(self._enqueue_cuda, readiness, after, limiter=limiter)
             except Exception as exc:  # the readiness already says so: its events stop short
+                readiness.fail(exc)
                 raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
+            if len(readiness.events) < readiness.num_layers:  # aborted before its thread began
+                error = LoadBackFailed("layer-wise copy aborted before it began")
+                readiness.fail(error)
+                raise error
             await _wait_event(readiness.events[-1])
         await anyio.lowlevel.checkpoint_if_cancelled()
 
@@ -297,25 +360,35 @@ class LayerwiseCopy:
 
     def _copy_cpu(self, readiness: CpuLayerReadiness) -> None:
         """Copy layer by layer with numpy strided copies (single-threaded, GIL released; no OpenMP team
-        spinning against the model's, see `transfer._copy_runs_in_memory`)."""
-        src, dst = _layer_bytes(self._src), _layer_bytes(self._dst)
-        runs = _runs(self._src_pages, self._dst_pages)
-        for layer in range(readiness.num_layers):
-            if self._before_layer is not None:
-                self._before_layer(layer)
-            for s, d, k in runs:
-                np.copyto(dst[d : d + k, layer], src[s : s + k, layer])
-            readiness.mark_ready(layer)
+        spinning against the model's, see `transfer._copy_runs_in_memory`); stops early once aborted."""
+        if not self._begin_work():
+            return
+        try:
+            src, dst = _layer_bytes(self._src), _layer_bytes(self._dst)
+            runs = _runs(self._src_pages, self._dst_pages)
+            for layer in range(readiness.num_layers):
+                if self._before_layer is not None:
+                    self._before_layer(layer)
+                if self._aborted:
+                    raise LoadBackFailed(f"layer-wise copy aborted before layer {layer}")
+                for s, d, k in runs:
+                    np.copyto(dst[d : d + k, layer], src[s : s + k, layer])
+                readiness.mark_ready(layer)
+        finally:
+            self._thread_done.set()
 
     # ------------------------------------------------------------------ CUDA
 
     def _enqueue_cuda(self, readiness: CudaLayerReadiness, after: torch.cuda.Stream) -> None:
         """Enqueue every layer's gather on a side stream (after `after`), one event per layer."""
         assert self._cuda is not None
+        if not self._begin_work():
+            readiness._enqueued.set()
+            return
         host_is_src = self._src.device.type == "cpu"
-        stream = torch.cuda.Stream(device=self._cuda)  # type: ignore[no-untyped-call]
-        stream.wait_stream(after)
         try:
+            stream = torch.cuda.Stream(device=self._cuda)  # type: ignore[no-untyped-call]
+            stream.wait_stream(after)
             with torch.cuda.stream(stream):
                 src_index = self._src_pages.pin_memory().to(self._cuda, non_blocking=True)
                 dst_index = self._dst_pages.pin_memory().to(self._cuda, non_blocking=True)
@@ -325,12 +398,15 @@ class LayerwiseCopy:
                     else None
                 )
                 for layer in range(readiness.num_layers):
+                    if self._aborted:
+                        raise LoadBackFailed(f"layer-wise copy aborted before layer {layer}")
                     self._enqueue_layer(layer, mapped, host_is_src, src_index, dst_index)
                     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(stream)
                     readiness.events.append(event)
         finally:
             readiness._enqueued.set()
+            self._thread_done.set()
 
     def _enqueue_layer(
         self,

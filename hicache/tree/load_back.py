@@ -11,7 +11,8 @@ from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import cat_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import Matching
-from hicache.tree.results import ComponentFree, LoadResult
+from hicache.tree.node import TreeNode
+from hicache.tree.results import ComponentFree, FreeResult, LoadResult
 
 __all__ = ["LoadBack"]
 
@@ -20,7 +21,7 @@ LoadedComponents = Mapping[tuple[NodeRef, str], tuple[torch.Tensor, torch.Tensor
 
 
 class LoadBack(Matching, BackupsAndLocks):
-    """`attach_loaded` (mixed into `RadixTree`)."""
+    """`attach_loaded` and `drop_failed_load` (mixed into `RadixTree`)."""
 
     def attach_loaded(
         self,
@@ -100,3 +101,62 @@ class LoadBack(Matching, BackupsAndLocks):
         frees.extend(ComponentFree(name, "device", copy) for (_, name), (_, copy) in pending.items())
         match = self._result(kb, path)
         return LoadResult(match, cat_indices(freed), (*frees, *self._take_frees()))
+
+    def drop_failed_load(
+        self, key: KeyLike, start: int, device_indices: torch.Tensor
+    ) -> tuple[FreeResult, tuple[NodeRef, ...]]:
+        """Take the pages of a load-back whose copy failed out of the device tier, locked or not.
+
+        `attach_loaded` attached `device_indices` (tokens [start, start + n) of `key`) before their copy
+        landed; it failed, so they hold bytes that are no node's KV. Every node of the path whose device
+        value is one of them loses it (its host copy, what the load read, stays), and so does every device
+        node below the shallowest of them (device prefix continuity): backed-up ones lose their device
+        value, device-only ones without children, locks or backup leave the tree. Locks stay where they
+        are (a lease on a node that lost its device value releases it as before). A node kept below
+        (device-only and locked, or with a backup in flight or a host-only child) keeps its ancestors on
+        the device too: those are returned as kept.
+
+        Returns:
+            The device indices to free (and any component frees), and the failed nodes kept on the
+            device.
+        """
+        kb, _ = self._aligned_key(key)
+        end = start + int(device_indices.numel())
+        first: TreeNode | None = None
+        node, pos, step = self._root, 0, self._step
+        while pos < end * TOKEN_BYTES:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None or not kb.startswith(child.key, pos):
+                break
+            dv = child.device_value
+            if pos >= start * TOKEN_BYTES and dv is not None and bool(torch.isin(dv[:1], device_indices)):
+                first = child
+                break
+            node, pos = child, pos + len(child.key)
+        if first is None:
+            return FreeResult(component_frees=self._take_frees()), ()
+        order: list[TreeNode] = []
+        stack = [first]
+        while stack:  # the device subtree of `first`, parents before children
+            cur = stack.pop()
+            order.append(cur)
+            stack.extend(c for c in cur.children.values() if c.device_value is not None)
+        freed: list[torch.Tensor] = []
+        kept: list[NodeRef] = []
+        loaded = device_indices
+        for cur in reversed(order):  # children before parents
+            dv = cur.device_value
+            assert dv is not None
+            if cur._dev_children or cur.backup_pending is not None:
+                if bool(torch.isin(dv[:1], loaded)):
+                    kept.append(self._ref(cur))
+                continue
+            if cur.host_value is not None:
+                freed.append(dv)
+                self._set_device(cur, None)
+            elif not cur.children and not cur.device_lock and not cur.host_lock:
+                freed.append(dv)
+                self._detach(cur)
+            elif bool(torch.isin(dv[:1], loaded)):
+                kept.append(self._ref(cur))
+        return FreeResult(freed_device=cat_indices(freed), component_frees=self._take_frees()), tuple(kept)

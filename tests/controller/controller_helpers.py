@@ -77,14 +77,17 @@ def page_payload(key: bytes, layout: KVLayout = LAYOUT) -> torch.Tensor:
     )
 
 
-async def store_sequence(backend: MemoryBackend, cache: HiCache, seq: Sequence[int]) -> list[str]:
-    """Put the pages of `seq` (with `page_payload` data) into `backend` as another instance would."""
+async def store_sequence(
+    backend: MemoryBackend, cache: HiCache, seq: Sequence[int], layout: KVLayout = LAYOUT
+) -> list[str]:
+    """Put the pages of `seq` (with `page_payload` data for `layout`) into `backend` as another instance
+    would."""
     key = as_key_bytes(list(seq))
     hashes = chained_page_hashes(key, PAGE, cache.config.namespace, ROOT_HASH)
     keys = [h.hex() for h in hashes]
-    data = page_payload(key[: len(hashes) * PAGE * 8])
+    data = page_payload(key[: len(hashes) * PAGE * 8], layout)
     # one page at a time, page-first: (pages, layers, 2, page, heads, dim)
-    pages = data.view(LAYOUT.num_layers, 2, len(hashes), PAGE, 1, LAYOUT.head_dim).permute(2, 0, 1, 3, 4, 5)
+    pages = data.view(layout.num_layers, 2, len(hashes), PAGE, 1, layout.head_dim).permute(2, 0, 1, 3, 4, 5)
     views = [memoryview(pages[i].contiguous().numpy().tobytes()) for i in range(len(hashes))]
     ok = await backend.put(keys, views)
     assert all(ok)

@@ -126,6 +126,9 @@ def test_hicache_exports_the_documented_api_and_nothing_dead() -> None:
         "DropReason",
         "PrefetchStatus",
         "RefillPolicy",  # like every policy enum a config field takes
+        "LayerReadiness",  # what `Lease.layers` is: the model calls its `wait_layer`
+        "LayerwiseLoad",  # what `HiCache.load_back_layerwise` returns
+        "LoadBackFailed",  # what `wait_layer` raises
     ):
         assert name in exported, name
     for name in ("RadixTree", "PrefetchError", "PrefetchFailed", "FULL", "FullAttention"):

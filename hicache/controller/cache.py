@@ -212,8 +212,12 @@ class HiCache(CacheLifecycle, CacheObservation):
         """Wait until no backup, storage write or release is queued or running.
 
         Returns at once when the cache is closed or closing (queued work is dropped then). Quarantined
-        pages are not waited for: a stuck read may never return.
+        pages are not waited for: a stuck read may never return. Under tensor parallelism backups and
+        write-through finish at agreement steps: this is then a collective (`tp_sync` first), to call on
+        every rank at the same point.
         """
+        if self.agreement is not None and not self._state.closed:
+            await self.tp_sync()
         backups, writes = self._mover.backups, self._mover.storage_writes
         # A backup queues a storage write and both free pages: wait until all three are quiet at once.
         while not self._state.closed:

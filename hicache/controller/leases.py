@@ -204,5 +204,5 @@ class Leases:
             self._device_pool.free(device_indices[aligned:])
         self.release(lease, None, None)
         self._allocator.free_components(result.component_frees)
-        self._mover.schedule_backups(result.backups)
+        await self._mover.start_backups(result.backups)
         return result

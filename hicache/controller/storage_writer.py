@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 
 import anyio
@@ -116,13 +116,22 @@ class StorageWriter:
         """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
         await self.store_many([target])
 
-    async def store_many(self, targets: Sequence[NodeRef]) -> None:
+    async def store_many(
+        self, targets: Sequence[NodeRef], *, on_done: Callable[[], None] | None = None
+    ) -> None:
         """Write the backed-up pages on every target's path that storage lacks, in one `exists` and one
         `put` call for all of them (pages shared by several paths once).
 
         The `exists` call asks about the unknown pages of every path in target order; the leading ones it
         finds are skipped, the rest are put (a page another instance wrote meanwhile may be written
         again: puts are atomic and idempotent). Each target stays host-locked until its pages are written.
+
+        Args:
+            targets: the nodes whose paths to write.
+            on_done: when given, the caller holds the targets' host locks (under tensor parallelism they
+                are taken and let go of at agreed points) and this is called, once, when no thread reads
+                their pages any more (at once, or when a stray write thread returns); the writer then
+                locks nothing itself.
         """
         tree = self._tree
         page = self._host_pool.page_size
@@ -142,8 +151,9 @@ class StorageWriter:
                 hashes, values = path.hashes, path.host_values
                 if not hashes:
                     continue
-                tree.lock_host(target)
-                locked.append(target)
+                if on_done is None:
+                    tree.lock_host(target)
+                    locked.append(target)
                 paths.append((target, path))
                 target_keys = [h.hex() for h in hashes]
                 stored = self.known.known_prefix(target_keys)
@@ -171,15 +181,14 @@ class StorageWriter:
                     await self._store_components(path, target)
         finally:
             touched, self._touched = self._touched, []
+            let_go = partial(_unlock_all, tree, locked) if on_done is None else on_done
             if stray_threads.busy(touched):
                 # A stray write thread still reads these host pages: keep them locked until it returns.
                 self._release_queue.quarantine(
-                    torch.empty(0, dtype=torch.int64),
-                    views=touched,
-                    on_quiet=partial(_unlock_all, tree, locked),
+                    torch.empty(0, dtype=torch.int64), views=touched, on_quiet=let_go
                 )
             else:
-                _unlock_all(tree, locked)
+                let_go()
 
     async def _exists(self, keys: list[str]) -> int | None:
         """`storage.exists` under the read timeout; None (counted) when it timed out."""

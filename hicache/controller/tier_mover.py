@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import anyio
 import torch
 
 from hicache.components import Component
 from hicache.config import HiCacheConfig
+from hicache.controller.agreed_backups import AgreedBackup, AgreedBackups, AgreedStore
 from hicache.controller.allocation import Allocator, ComponentPools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.copies import CopyTracker
@@ -20,7 +22,7 @@ from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
-from hicache.parallel.agreement import Agreement
+from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import ShedReason, Tier
 from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
 
@@ -50,6 +52,8 @@ class TierMover:
         copies: runs and counts device <-> host copies.
         metrics: the cache's metric set.
         storage_breaker: the storage tier's breaker (write-through is shed while it is open).
+        agreement: the tensor-parallel agreement (None for one rank): device allocation, backups and
+            write-through locks are then agreed across the ranks (`AgreedBackups`).
     """
 
     def __init__(
@@ -77,31 +81,77 @@ class TierMover:
         self._metrics = metrics
         self._breaker = storage_breaker
         self._page_size = config.page_size
-        self.backups: WorkQueue[NodeRef] = WorkQueue(
+        # Under tensor parallelism the queues carry agreed batches (begun at an engine call) instead.
+        self.backups: WorkQueue[NodeRef | AgreedBackup] = WorkQueue(
             "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
         )
-        self.storage_writes: WorkQueue[NodeRef] = WorkQueue(
+        self.storage_writes: WorkQueue[NodeRef | AgreedStore] = WorkQueue(
             "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
         )
-        self.writer: StorageWriter | None = None
-        """The host -> storage writer (set once the storage tier is open)."""
+        self._writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
+        self.agreed: AgreedBackups | None = None
+        """Under tensor parallelism: the backups and write-through locks the ranks agree on."""
+        if agreement is not None:
+            agreed = AgreedBackups(
+                tree,
+                device_pool,
+                host_pool,
+                allocator,
+                copies,
+                metrics,
+                agreement,
+                backup_limit=config.backup_queue_limit,
+                store_limit=config.storage_write_queue_limit,
+                write_through=False,
+            )
+            agreed.queue_copy = lambda batch: not self.backups.put([batch])
+            agreed.queue_store = lambda store: not self.storage_writes.put([store])
+            self.agreed = agreed
+
+    @property
+    def writer(self) -> StorageWriter | None:
+        """The host -> storage writer (set once the storage tier is open)."""
+        return self._writer
+
+    @writer.setter
+    def writer(self, writer: StorageWriter | None) -> None:
+        self._writer = writer
+        if self.agreed is not None:
+            self.agreed.write_through = writer is not None and self._config.backup_to_storage
 
     # ------------------------------------------------------------------ device allocation
 
     async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for `num_tokens` (checked by the caller), evicting as needed; None when
-        not enough can be evicted. See `HiCache.alloc_device`."""
+        not enough can be evicted. See `HiCache.alloc_device`.
+
+        Under tensor parallelism every round agrees, in one step, the most device tokens any rank lacks
+        and the least host room any rank has, whatever this rank's pool holds: every rank then evicts
+        the same from its identical tree and all allocate, or all get None (pools may differ in size).
+        """
         offer_host = True
         while True:
-            indices = self._device_pool.alloc(num_tokens)
-            if indices is not None:
-                return indices
-            need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
+            if self._agreement is None:
+                indices = self._device_pool.alloc(num_tokens)
+                if indices is not None:
+                    return indices
+                need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
+                room = self._allocator.host_room() if offer_host else 0
+            else:
+                free = self._device_pool.statistics().free_pages * self._page_size
+                need_decision = self._agreement.propose("device_need", "")
+                need_decision.settle(encode_max(max(0, num_tokens - free)))
+                room = await self._agreement.agree_value(
+                    "host_room", self._allocator.host_room() if offer_host else 0
+                )
+                need = decode_max(await self._agreement.agree(need_decision))  # resolved in that step
+                if not need:  # every rank has the room (and it only grew since it said so)
+                    indices = self._device_pool.alloc(num_tokens)
+                    if indices is None:
+                        raise AssertionError(f"alloc_device: agreed room for {num_tokens} tokens is gone")
+                    return indices
             # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
-            room = self._allocator.host_room() if offer_host else 0
-            if self._agreement is not None:  # rank-local: every rank plans with the smallest room
-                room = await self._agreement.agree_value("host_room", room)
             result = self._tree.evict_device(need, host_free_tokens=room)
             self._device_pool.free(result.freed_device)
             self._allocator.free_components(result.component_frees)
@@ -140,13 +190,30 @@ class TierMover:
         if shed:
             self._shed(len(shed), Tier.HOST, ShedReason.QUEUE_FULL)
 
-    async def _backup_batch(self, targets: list[NodeRef]) -> None:
-        await self.back_up(targets)
+    async def start_backups(self, targets: Sequence[NodeRef]) -> None:
+        """Back `targets` up in the background: queued on one rank (`schedule_backups`); under tensor
+        parallelism begun here, on every rank alike, and committed at the step that agrees them."""
+        if self.agreed is None:
+            self.schedule_backups(targets)
+        elif targets:
+            self.agreed.start(await self.agreed.begin(targets))
+
+    async def _backup_batch(self, items: list[NodeRef | AgreedBackup]) -> None:
+        batches = [item for item in items if isinstance(item, AgreedBackup)]
+        targets = [item for item in items if not isinstance(item, AgreedBackup)]
+        if batches:
+            assert self.agreed is not None
+            await self.agreed.copy(batches)
+        if targets:
+            await self.back_up(targets)
 
     async def back_up(self, targets: Sequence[NodeRef]) -> int:
         """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
         copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
-        were committed (those backed up already, pending or without host room are not)."""
+        were committed (those backed up already, pending or without host room are not). Under tensor
+        parallelism the backup is begun, copied and agreed within this call (`AgreedBackups`)."""
+        if self.agreed is not None:
+            return await self.agreed.back_up_now(targets)
         async with self._backup_lock:
             chains: list[tuple[NodeRef, list[NodeRef]]] = []
             nodes: list[NodeRef] = []
@@ -240,7 +307,30 @@ class TierMover:
         if shed:
             self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
 
-    async def _store(self, targets: list[NodeRef]) -> None:
+    async def _store(self, items: list[NodeRef | AgreedStore]) -> None:
+        targets = [item for item in items if not isinstance(item, AgreedStore)]
+        for item in items:
+            if isinstance(item, AgreedStore):
+                await self._store_agreed(item)
+        if targets:
+            await self._store_targets(targets)
+
+    async def _store_agreed(self, store: AgreedStore) -> None:
+        """Write an agreed write-through (its targets are host-locked until every rank's write is done)."""
+        assert self.agreed is not None
+        done = partial(self.agreed.stored, store)
+        if self.writer is None or not self._breaker.allows():
+            self._shed(len(store.targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
+            done()
+            return
+        try:
+            await self.writer.store_many(store.targets, on_done=done)
+        except StorageCircuitOpen:
+            self._shed(len(store.targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
+        except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
+            logger.warning("storage write-through of %d node(s) failed: %r", len(store.targets), exc)
+
+    async def _store_targets(self, targets: list[NodeRef]) -> None:
         if self.writer is None:
             return
         if not self._breaker.allows():

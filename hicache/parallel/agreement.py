@@ -40,7 +40,15 @@ import xxhash
 from hicache.parallel.errors import RankDivergence, RankGroupError
 from hicache.parallel.group import RankGroup
 
-__all__ = ["AGREEMENT_CAPACITY", "Agreement", "AgreementStatistics", "Decision", "StepResult"]
+__all__ = [
+    "AGREEMENT_CAPACITY",
+    "Agreement",
+    "AgreementStatistics",
+    "Decision",
+    "StepResult",
+    "decode_max",
+    "encode_max",
+]
 
 logger = logging.getLogger(
     "hicache.cache"
@@ -52,6 +60,22 @@ AGREEMENT_CAPACITY = 64
 _NONE = (1 << 62) - 1  # what an absent or unsettled slot contributes: larger than any value or key
 _FIELDS = 5  # per slot: present, ready, value, key, -key
 _HEADER = 2  # row 0: busy flag and step number; row 1: base
+
+
+_MAX_BASE = _NONE - 1
+
+
+def encode_max(value: int) -> int:
+    """`value` (in [0, 2**62 - 2]) as a decision's value whose agreed minimum decodes (`decode_max`) to
+    the maximum of the ranks' values: what the neediest rank needs (pages to evict)."""
+    if not 0 <= value <= _MAX_BASE:
+        raise ValueError(f"value: must be in [0, {_MAX_BASE}], got {value}")
+    return _MAX_BASE - value
+
+
+def decode_max(agreed: int) -> int:
+    """The maximum over the ranks, from the agreed value of decisions settled with `encode_max`."""
+    return _MAX_BASE - agreed
 
 
 def _key_hash(kind: str, key: str) -> int:
@@ -75,6 +99,7 @@ class Decision:
         "_immediate",
         "_local",
         "_notify",
+        "_on_resolve",
         "_result",
         "_unmatched_since",
         "deadline",
@@ -95,6 +120,7 @@ class Decision:
         deadline: float,
         immediate: bool,
         notify: Callable[[], None] | None = None,
+        on_resolve: Callable[[int | None], None] | None = None,
     ) -> None:
         self.kind = kind
         self.key = key
@@ -108,6 +134,7 @@ class Decision:
         self._error: BaseException | None = None
         self._event: anyio.Event | None = None
         self._notify = notify
+        self._on_resolve = on_resolve
         self._unmatched_since: float | None = None  # first step that saw it here but not on some peer
 
     @property
@@ -148,6 +175,9 @@ class Decision:
         self._result = value
         if self._event is not None:
             self._event.set()
+        if self._on_resolve is not None:
+            callback, self._on_resolve = self._on_resolve, None
+            callback(value)
 
     def _fail(self, error: BaseException) -> None:
         if self.resolved:
@@ -155,6 +185,9 @@ class Decision:
         self._error = error
         if self._event is not None:
             self._event.set()
+        if self._on_resolve is not None:
+            callback, self._on_resolve = self._on_resolve, None
+            callback(None)
 
     async def wait(self) -> int:
         """Wait until the ranks agree and return the agreed value.
@@ -281,11 +314,13 @@ class Agreement:
         *,
         default: int = 0,
         timeout_s: float | None = None,
+        on_resolve: Callable[[int | None], None] | None = None,
     ) -> Decision:
         """Register a decision; every rank must propose the same decisions in the same order.
 
-        Call it synchronously where every rank is at the same point of its program (an engine call),
-        never after an await whose duration is rank-local. Settle it with `Decision.settle`.
+        Call it synchronously where every rank is at the same point of its program (an engine call, or
+        an `on_resolve` callback of an earlier decision), never after an await whose duration is
+        rank-local. Settle it with `Decision.settle`.
 
         Args:
             kind: what is decided.
@@ -293,6 +328,10 @@ class Agreement:
             default: the value settled when `timeout_s` passes without a local value.
             timeout_s: seconds after which an unsettled decision settles to `default` at the next step
                 (a local fact: the minimum with `default` is what every rank then gets).
+            on_resolve: called synchronously, once, inside the step that resolves the decision (so at
+                the same point of every rank's program, in the order of proposals) with the agreed
+                value, or with None when the agreement fails. Where the tree changes on an agreed
+                outcome that no engine call waits for (a backup's commit). It must not raise or await.
 
         Raises:
             RankFailed, RankDivergence: the agreement already failed.
@@ -308,6 +347,7 @@ class Agreement:
             deadline=deadline,
             immediate=self.local,
             notify=self._notify,
+            on_resolve=on_resolve,
         )
         self._next_seq += 1
         if not self.local:
@@ -396,7 +436,7 @@ class Agreement:
                 f"{step}, base {base}; seen: steps {step_lo}..{-step_neg}, bases {base_lo}..{-base_neg}); "
                 f"every rank must call step() alike"
             )
-        resolved = 0
+        done: list[tuple[Decision, int]] = []
         now = time.monotonic()
         for i, (present, ready, value, key_lo, key_neg) in enumerate(agreed[_HEADER:]):
             if present != 1:
@@ -414,10 +454,21 @@ class Agreement:
             if ready != 1:
                 continue
             del self._pending[d.seq]
-            d._resolve(value)
-            resolved += 1
+            done.append((d, value))
+        resolved = len(done)
         self._resolved += resolved
-        return StepResult(step=step, resolved=resolved, more=idle == 0)
+        # Resolved in the order of proposals, after the loop: an `on_resolve` callback may propose a new
+        # decision (on every rank alike), which then keeps `drive()` stepping.
+        proposed = self._next_seq
+        error: BaseException | None = None
+        for d, value in done:
+            try:
+                d._resolve(value)
+            except Exception as exc:  # a callback's bug: resolve the rest, then raise the first
+                error = error or exc
+        if error is not None:
+            raise error
+        return StepResult(step=step, resolved=resolved, more=idle == 0 or self._next_seq != proposed)
 
     @staticmethod
     def _check_unmatched(decision: Decision | None, now: float, group: RankGroup) -> None:
@@ -476,6 +527,10 @@ class Agreement:
         decision = self.propose(kind, key)
         decision.settle(value)
         return await self.agree(decision)
+
+    async def agree_max(self, kind: str, value: int, key: str = "") -> int:
+        """As `agree_value`, for the maximum of the ranks' values (see `encode_max`)."""
+        return decode_max(await self.agree_value(kind, encode_max(value), key))
 
     async def agree_on(self, decision: Decision, local: Callable[[], Awaitable[int]]) -> int:
         """Run `local()` (this rank's part: a storage probe, a prefetch's I/O) and agree its result.

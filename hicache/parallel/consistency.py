@@ -38,18 +38,19 @@ def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
 
 
 def check_same_pools(config: HiCacheConfig) -> None:
-    """Refuse ranks whose pools differ (device pages, host pages, page size): a rank with a smaller pool
-    would evict where the others do not, and the trees would part. One collective on `config.tp_group`.
+    """Refuse ranks whose pages differ in size (`page_size`): the trees are page-granular, so ranks with
+    different pages could not hold identical trees. Pool sizes may differ: every decision that depends on
+    a rank's pools is agreed (the most any rank must evict, the least room any rank has). One collective
+    on `config.tp_group`.
 
     Raises:
-        ValueError: naming `tp_group` and every rank's sizes.
+        ValueError: naming `tp_group` and every rank's page size.
     """
     group = config.tp_group
     assert group is not None
-    sizes = torch.tensor([config.device_pages, config.host_pages, config.page_size], dtype=torch.int64)
-    every = group.gather(sizes).tolist()
-    if any(row != every[0] for row in every):
+    every = group.gather(torch.tensor([config.page_size], dtype=torch.int64)).view(-1).tolist()
+    if any(size != every[0] for size in every):
         raise ValueError(
-            f"tp_group: every rank needs the same device_pages, host_pages and page size (a rank's "
-            f"evictions must match the others'); (device, host, page) by rank: {every}"
+            f"tp_group: every rank needs the same page_size (the ranks' trees are page-granular); "
+            f"page size by rank: {every}"
         )

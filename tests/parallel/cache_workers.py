@@ -12,7 +12,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +134,21 @@ async def rank_cache(
         await backend.aclose()
 
 
-async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) -> dict[str, Any]:
+async def serve(
+    cache: HiCache,
+    rank: int,
+    request_id: str,
+    seq: Sequence[int],
+    check: Callable[[torch.Tensor | None], None] | None = None,
+) -> dict[str, Any]:
     """Serve `seq`: acquire, check the cached prefix against this rank's oracle, compute and insert the
     rest, release. Returns the cached length, the hits by tier and whether the prefetch stopped short of
-    what storage matched with no page failing."""
+    what storage matched with no page failing. `check` runs after every cache call (acquire,
+    alloc_device, insert) with the device pages the caller holds: the ranks compare trees there, between
+    quiescent points."""
+    check = check or (lambda held: None)
     lease = await cache.acquire(request_id, seq)
+    check(None)
     new: torch.Tensor | None = None
     try:
         cached = lease.cached_len
@@ -150,11 +160,13 @@ async def serve(cache: HiCache, rank: int, request_id: str, seq: Sequence[int]) 
         n = len(seq)
         padded = -(-n // PAGE) * PAGE
         new = await cache.alloc_device(padded - cached)
+        check(new)
         if new is not None:
             cache.device_pool.write_tokens(new[: n - cached], payload(seq[cached:], rank))
             indices = torch.cat([lease.device_indices[:cached], new])
             new = None
             await cache.insert(lease, seq, indices)
+            check(None)
     finally:
         cache.release(lease, new)
     outcome = lease.prefetch
@@ -195,15 +207,27 @@ async def random_workload(
     busy_rank: int | None = None,
 ) -> dict[str, Any]:
     """`n` requests from the shared workload; storage faults on `fault_rank` only, and on `busy_rank` an
-    event loop kept busy by a task that blocks it for a millisecond at a time. After every request the
-    ranks step to the end of the scheduling step, background work settles, and the trees must agree
-    (fingerprints), as must the cached lengths."""
+    event loop kept busy by a task that blocks it for a millisecond at a time. After every cache call
+    the trees must agree (fingerprints), with backups, write-through and prefetches in flight (nothing
+    is waited for); every third request ends a scheduling step (`tp_sync`) and they are compared again.
+    The cached lengths must agree too. `overrides` may hold `"per_rank"`: config overrides by rank (pools
+    of different sizes)."""
     rank = group.tp_rank
+    overrides = dict(overrides or {})
+    per_rank = overrides.pop("per_rank", {})
+    overrides.update(per_rank.get(str(rank), {}))
+    checks = 0
+
+    def check(held: torch.Tensor | None = None) -> None:
+        nonlocal checks
+        cache.sanity_check(across_ranks=True, held_device=[] if held is None else [held])
+        checks += 1
+
     hits = {"device": 0, "host": 0, "storage": 0}
     stopped_short = 0
     flaky_here = flaky if rank == fault_rank else None
     async with (
-        rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **(overrides or {})) as (
+        rank_cache(group, root, flaky=flaky_here, seed=seed * 7 + rank, **overrides) as (
             cache,
             backend,
         ),
@@ -218,17 +242,26 @@ async def random_workload(
 
             tg.start_soon(hog)
         for i, seq in enumerate(draw_requests(seed, n)):
-            served = await serve(cache, rank, f"r{i}", seq)
+            served = await serve(cache, rank, f"r{i}", seq, check)
             agree_equal(group, served["cached"], f"the cached length of r{i}")
             for tier, k in served["hits"].items():
                 hits[tier] += k
             stopped_short += served["stopped_short"]
-            await cache.tp_sync()
-            await cache.wait_idle()
-            cache.sanity_check(across_ranks=True)
+            if i % 3 == 2:
+                await cache.tp_sync()
+                check()
+        await cache.wait_idle()
+        check()
         stats = cache.statistics()
         tg.cancel_scope.cancel()
-    return {"hits": hits, "faults": backend.faults, "stopped_short": stopped_short, "stats": repr(stats)}
+    return {
+        "hits": hits,
+        "faults": backend.faults,
+        "stopped_short": stopped_short,
+        "stats": repr(stats),
+        "checks": checks,
+        "host_tokens": stats.tree.host_tokens,
+    }
 
 
 SEQ = [500 + i for i in range(10 * PAGE)]
@@ -305,14 +338,100 @@ async def killed_mid_prefetch(group: RankGroup, root: str, victim: int) -> dict[
     }
 
 
-async def unequal_pools(group: RankGroup, root: str) -> str:
-    """Rank 1's host pool is smaller: the caches refuse to start, on every rank, naming the sizes."""
-    host = 16 if group.tp_rank == 1 else 24
+async def unequal_pages(group: RankGroup, root: str) -> str:
+    """Rank 1's pages hold 8 tokens, rank 0's 4: the caches refuse to start, on every rank."""
+    page = 8 if group.tp_rank == 1 else PAGE
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32, page_size=page)
     try:
-        async with rank_cache(group, root, host_pages=host):
+        async with rank_cache(group, root, layout=layout, prefetch_threshold=page):
             return "started"
     except ValueError as exc:
         return str(exc)
+
+
+def _patch_backup_copy(cache: HiCache, replacement: Callable[..., Any]) -> Callable[..., Any]:
+    """Route the cache's device-to-host copies (backups) through `replacement(real, *args)`; returns the
+    real copy. The fault injection point of the backup tests."""
+    copies = cache._mover._copies
+    real = copies.copy
+
+    async def patched(*args: Any, **kwargs: Any) -> None:
+        if args[0] is cache.device_pool:  # device -> host: a backup
+            await replacement(real, *args, **kwargs)
+        else:
+            await real(*args, **kwargs)
+
+    copies.copy = patched  # type: ignore[method-assign]
+    return real
+
+
+async def backup_fails_on_one_rank(group: RankGroup, root: str, failing: int) -> dict[str, Any]:
+    """`failing`'s first backup copy raises. A node is backed up only when every rank's copy finished:
+    after the step that agrees it, SEQ is backed up nowhere and every rank's host pages are back in
+    its pool; the trees agree after every call. A second sequence then backs up on every rank."""
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, _):
+        failed: list[int] = []
+
+        async def copy(real: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            if rank == failing and not failed:
+                failed.append(1)
+                raise RuntimeError("injected: device-to-host copy failed")
+            await real(*args, **kwargs)
+
+        _patch_backup_copy(cache, copy)
+        await serve(
+            cache,
+            rank,
+            "a",
+            SEQ,
+            lambda held: cache.sanity_check(across_ranks=True, held_device=[] if held is None else [held]),
+        )
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+        first = cache.statistics()
+        await serve(cache, rank, "b", [900 + i for i in range(6 * PAGE)])
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+        second = cache.statistics()
+    return {
+        "host_tokens": first.tree.host_tokens,
+        "host_used": first.host_pool.used_pages,
+        "pending": first.tree.pending_backup_tokens,
+        "then_host_tokens": second.tree.host_tokens,
+        "then_host_used": second.host_pool.used_pages,
+    }
+
+
+async def backup_lands_on_one_rank_first(group: RankGroup, root: str, slow: int) -> dict[str, Any]:
+    """`slow`'s backup copy waits on a gate while the other rank's lands. Until the step that agrees the
+    backup, the node is pending (not backed up) on every rank, and the trees agree (fingerprints);
+    once every copy landed, one `tp_sync` backs it up everywhere."""
+    rank = group.tp_rank
+    async with rank_cache(group, root) as (cache, _):
+        gate = anyio.Event()
+
+        async def copy(real: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            if rank == slow:
+                await gate.wait()
+            await real(*args, **kwargs)
+
+        _patch_backup_copy(cache, copy)
+        await serve(cache, rank, "a", SEQ)
+        if rank != slow:
+            await cache._mover.backups.wait_idle()  # this rank's copy landed (not yet agreed)
+        cache.sanity_check(across_ranks=True)  # rank 0's copy landed, rank 1's did not: both pending
+        during = cache.statistics().tree
+        gate.set()
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+        after = cache.statistics().tree
+    return {
+        "pending": during.pending_backup_tokens,
+        "host_during": during.host_tokens,
+        "host_after": after.host_tokens,
+        "pending_after": after.pending_backup_tokens,
+    }
 
 
 async def load_back_fails_on_one_rank(group: RankGroup, root: str, failing: int) -> dict[str, Any]:

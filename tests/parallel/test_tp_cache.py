@@ -34,6 +34,7 @@ def test_storage_faults_on_one_rank_shorten_every_ranks_prefix(tmp_path: Path) -
     )
     _ok(out)
     assert out[1].value["faults"] > 0
+    assert out[0].value["checks"] == out[1].value["checks"] > 40 * 3
     assert out[0].value["hits"] == out[1].value["hits"]
     assert out[0].value["hits"]["storage"] > 0
 
@@ -78,13 +79,63 @@ def test_a_rank_killed_mid_prefetch_makes_the_others_raise_and_release(tmp_path:
     assert out[0].value == {"error": "RankFailed", "in_flight": 0, "prefetch_tokens": 0}
 
 
-def test_ranks_with_different_pool_sizes_refuse_to_start(tmp_path: Path) -> None:
-    """A smaller host pool on one rank would evict where the others do not: refused at start, everywhere."""
-    out = run_ranks(cache_workers.unequal_pools, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
+def test_ranks_with_different_page_sizes_refuse_to_start(tmp_path: Path) -> None:
+    """Pages of 8 tokens on one rank and 4 on the other cannot make identical trees: refused everywhere."""
+    out = run_ranks(cache_workers.unequal_pages, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
     _ok(out)
     for o in out:
-        assert o.value.startswith("tp_group: every rank needs the same device_pages, host_pages")
-        assert "[[16, 24, 4], [16, 16, 4]]" in o.value
+        assert o.value.startswith("tp_group: every rank needs the same page_size")
+        assert "[4, 8]" in o.value
+
+
+def test_a_smaller_host_pool_on_one_rank_never_diverges(tmp_path: Path) -> None:
+    """Rank 1's host pool is half of rank 0's and its storage is faulty: host evictions, backups' host
+    room and prefetch buffers are agreed, so the trees agree after every call, and nothing hangs."""
+    per_rank = {"per_rank": {"1": {"host_pages": 12}}}
+    out = run_ranks(
+        cache_workers.random_workload, 2, (str(tmp_path), 11, 1, 30, FAULTS, per_rank), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    assert out[0].value["hits"] == out[1].value["hits"]
+    assert out[0].value["checks"] == out[1].value["checks"] > 30 * 3
+    assert out[0].value["host_tokens"] == out[1].value["host_tokens"]
+
+
+def test_a_smaller_device_pool_on_one_rank_never_diverges(tmp_path: Path) -> None:
+    """Rank 0's device pool is smaller (12 pages, rank 1's 16) and rank 1's storage is faulty: device
+    evictions are agreed (the most any rank lacks), so the ranks allocate, evict and back up alike."""
+    per_rank = {"per_rank": {"0": {"device_pages": 12}}}
+    out = run_ranks(
+        cache_workers.random_workload, 2, (str(tmp_path), 12, 1, 30, FAULTS, per_rank), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    assert out[0].value["hits"] == out[1].value["hits"]
+    assert out[0].value["hits"]["host"] > 0  # device pressure pushed prefixes to host and back
+
+
+def test_a_backup_that_fails_on_one_rank_backs_up_nothing_anywhere(tmp_path: Path) -> None:
+    """Rank 1's backup copy fails: after the agreeing step SEQ is backed up on no rank and every rank's
+    host pages went back to its pool; the next backup succeeds on both."""
+    out = run_ranks(cache_workers.backup_fails_on_one_rank, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value["host_tokens"] == 0
+        assert o.value["host_used"] == 0
+        assert o.value["pending"] == 0
+        assert o.value["then_host_tokens"] == 6 * cache_workers.PAGE
+    assert out[0].value == out[1].value
+
+
+def test_a_backup_is_pending_on_every_rank_until_every_copy_landed(tmp_path: Path) -> None:
+    """Rank 1's copy is held back while rank 0's lands: the node is backed up on neither until the
+    step that agrees it (the trees agree meanwhile), then on both."""
+    out = run_ranks(cache_workers.backup_lands_on_one_rank_first, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value["pending"] == len(cache_workers.SEQ)
+        assert o.value["host_during"] == 0
+        assert o.value["host_after"] == len(cache_workers.SEQ)
+        assert o.value["pending_after"] == 0
 
 
 def test_a_load_back_that_fails_on_one_rank_loads_nothing_anywhere(tmp_path: Path) -> None:

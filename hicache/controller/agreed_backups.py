@@ -1,0 +1,346 @@
+"""Backups and write-through under tensor parallelism: every change they make to the tree is agreed.
+
+On one rank a backup is begun, copied and committed by a background worker whenever it runs. Under tensor
+parallelism that worker's pace is rank-local, so the ranks' trees would differ between quiescent points
+(a node backed up on one rank and not yet on another, device-locked by a copy on one rank only), and so
+would what eviction then picks. Here:
+
+- A backup *begins* inside the engine call that asks for it (`insert`, a device eviction), on every rank
+  alike: the host room is agreed first (the most any rank must evict, `backup_room`), every rank evicts
+  that much host memory (the same nodes: the trees are identical) and takes its pages, the nodes are
+  marked pending, and one `backup` decision is proposed for the batch.
+- The copy runs in the background and settles the decision with this rank's outcome (1 copied, 0 failed).
+- The step that resolves the decision commits the batch on every rank (the agreed minimum is 1) or aborts
+  it on every rank, releasing the host pages (some rank's copy failed); a chain whose parent's backup was
+  aborted meanwhile is aborted too. Same step, same order, every rank.
+- Write-through to storage host-locks the committed paths in that same step and proposes one `store`
+  decision; the write runs in the background, and the step resolving the decision lets go of the locks
+  on every rank. So host eviction only ever sees backed-up flags and host locks the ranks agree on.
+
+Shedding (too many backups or writes in flight) counts pending decisions, which change only at engine
+calls and resolving steps, so every rank sheds the same targets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from hicache.controller.allocation import Allocator
+from hicache.controller.copies import CopyTracker
+from hicache.memory import KVPool, Owner
+from hicache.metrics import CacheMetrics
+from hicache.parallel.agreement import Agreement, Decision
+from hicache.policy import WritePolicy
+from hicache.tiers import ShedReason, Tier
+from hicache.tree import NodeRef, RadixTree
+
+__all__ = ["AgreedBackup", "AgreedBackups", "AgreedStore"]
+
+logger = logging.getLogger("hicache.cache")
+
+
+class _Copy(Enum):
+    QUEUED = "queued"
+    COPYING = "copying"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class AgreedBackup:
+    """One batch of backups begun at one engine call: root-first chains, one host range, one decision."""
+
+    targets: list[NodeRef]
+    chains: list[list[NodeRef]]
+    device: torch.Tensor
+    host: torch.Tensor
+    chain_hosts: list[torch.Tensor]
+    """Each chain's part of `host` (sized when begun: a node may be split while it is copied)."""
+    decision: Decision | None = None
+    copy: _Copy = _Copy.QUEUED
+    copied: int = 0
+    verdict: int | None = None
+    """The agreed outcome (1 commit, 0 abort), once known; 0 too when the agreement failed."""
+    finished: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Host tokens the batch copies into."""
+        return int(self.host.numel())
+
+
+@dataclass(eq=False)
+class AgreedStore:
+    """Write-through of committed targets: host-locked at an agreed step, let go of at another."""
+
+    targets: list[NodeRef]
+    decision: Decision | None = None
+    written: bool = False
+    """This rank's write is done and no thread reads the pages."""
+    released: bool = field(default=False)
+
+
+class AgreedBackups:
+    """Begins, copies, commits and aborts device->host backups, and holds write-through host locks, at
+    points every rank reaches alike (see the module docstring).
+
+    Args:
+        tree: the radix tree.
+        device_pool, host_pool: the pools copied between.
+        allocator: frees and takes host pages.
+        copies: runs the device->host copies.
+        metrics: the cache's metric set.
+        agreement: the tensor-parallel agreement.
+        backup_limit: most backup targets pending at once (beyond: shed, on every rank alike).
+        store_limit: most write-through targets host-locked at once (beyond: shed, alike).
+        write_through: whether committed backups are written to storage (`backup_to_storage`).
+    """
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        device_pool: KVPool,
+        host_pool: KVPool,
+        allocator: Allocator,
+        copies: CopyTracker,
+        metrics: CacheMetrics,
+        agreement: Agreement,
+        *,
+        backup_limit: int,
+        store_limit: int,
+        write_through: bool,
+    ) -> None:
+        if tree.components:
+            raise ValueError("tree: hybrid components are not supported under tensor parallelism")
+        self._tree = tree
+        self._device_pool = device_pool
+        self._host_pool = host_pool
+        self._allocator = allocator
+        self._copies = copies
+        self._metrics = metrics
+        self._agreement = agreement
+        self._backup_limit = backup_limit
+        self._store_limit = store_limit
+        self.write_through = write_through
+        self.pending_targets = 0
+        """Backup targets begun and not yet resolved (the same on every rank)."""
+        self.storing_targets = 0
+        """Write-through targets host-locked and not yet let go of (the same on every rank)."""
+        self.queue_copy: Callable[[AgreedBackup], bool] = lambda batch: False
+        """Hands a begun batch to the background copy worker; False if it was not taken."""
+        self.queue_store: Callable[[AgreedStore], bool] = lambda store: False
+        """Hands a write-through to the background writer; False if it was not taken."""
+
+    # ------------------------------------------------------------------ beginning (engine calls)
+
+    def _chains(self, targets: Sequence[NodeRef]) -> tuple[list[NodeRef], list[list[NodeRef]], int]:
+        """The targets kept (within the limit), their un-backed chains root-first (each node once) and
+        their tokens; counts the shed ones."""
+        kept: list[NodeRef] = []
+        chains: list[list[NodeRef]] = []
+        seen: set[NodeRef] = set()
+        tokens = 0
+        shed = 0
+        for target in targets:
+            chain = [node for node in self._tree.backup_chain(target) if node not in seen]
+            if not chain:
+                continue
+            if self.pending_targets + len(kept) >= self._backup_limit:
+                shed += 1
+                continue
+            seen.update(chain)
+            kept.append(target)
+            chains.append(chain)
+            tokens += sum(self._tree.node_info(node).num_tokens for node in chain)
+        if shed:
+            self._metrics.writes_shed.inc(shed, tier=Tier.HOST.value, reason=ShedReason.QUEUE_FULL.value)
+        return kept, chains, tokens
+
+    async def begin(self, targets: Sequence[NodeRef]) -> AgreedBackup | None:
+        """Begin backing `targets` up (each with its un-backed ancestors) on every rank alike; None when
+        there is nothing to back up or no host room on some rank (then on every rank).
+
+        Every rank calls it with the same targets at the same point (an engine call). One agreement step
+        (the host room) when there is something to back up; none otherwise.
+        """
+        kept, chains, tokens = self._chains(targets)
+        if not tokens:
+            return None
+        deficit = max(0, tokens - self._allocator.free_host_tokens())
+        evict = await self._agreement.agree_max("backup_room", deficit)
+        # The tree may have changed during the step (a backup resolved): plan again, alike everywhere.
+        kept, chains, again = self._chains(kept)
+        if not again:
+            return None
+        evict += max(0, again - tokens)
+        if evict and self._allocator.evict_host(evict) < evict:
+            self._metrics.backup_skipped.inc()  # some rank has no room: no rank backs up
+            return None
+        # Free host pages only grew since this rank settled (nothing allocates host pages off the engine
+        # path under tensor parallelism): with the agreed eviction, they cover the batch.
+        host = self._host_pool.alloc(again, Owner.COPY)
+        if host is None:
+            raise AssertionError(
+                f"rank {self._agreement.tp_rank}: no host room for an agreed backup of {again} tokens"
+            )
+        device_parts: list[torch.Tensor] = []
+        chain_hosts: list[torch.Tensor] = []
+        offset = 0
+        for chain in chains:
+            start = offset
+            for node in chain:
+                info = self._tree.node_info(node)
+                size = info.num_tokens
+                assert info.device_value is not None
+                self._tree.begin_backup(node, host[offset : offset + size])
+                device_parts.append(info.device_value)
+                offset += size
+            chain_hosts.append(host[start:offset])
+        batch = AgreedBackup(kept, chains, torch.cat(device_parts), host, chain_hosts)
+        self.pending_targets += len(kept)
+        nodes = sum(len(chain) for chain in chains)
+        batch.decision = self._agreement.propose(
+            "backup", f"{nodes}:{again}", on_resolve=lambda agreed: self._resolved(batch, agreed)
+        )
+        return batch
+
+    async def back_up_now(self, targets: Sequence[NodeRef]) -> int:
+        """Begin, copy and agree a backup within this engine call (a device eviction that needs the host
+        copies before it can demote); returns the targets committed (0 on every rank, or the same)."""
+        batch = await self.begin(targets)
+        if batch is None:
+            return 0
+        assert batch.decision is not None
+
+        async def copy() -> int:
+            await self.copy([batch])
+            return batch.copied
+
+        await self._agreement.agree_on(batch.decision, copy)
+        return len(batch.targets) if batch.verdict else 0
+
+    def start(self, batch: AgreedBackup | None) -> None:
+        """Hand a begun batch to the background copy (not taken: it counts as failed on this rank)."""
+        if batch is not None and not self.queue_copy(batch):
+            self._copied(batch, 0)
+
+    # ------------------------------------------------------------------ copying (background)
+
+    async def copy(self, batches: Sequence[AgreedBackup]) -> None:
+        """Copy `batches` device->host in one copy and settle each one's decision with the outcome."""
+        live = [b for b in batches if not b.finished and b.copy is _Copy.QUEUED]
+        if not live:
+            return
+        for b in live:
+            b.copy = _Copy.COPYING
+        ok = 1
+        try:
+            await self._copies.copy(
+                self._device_pool,
+                torch.cat([b.device for b in live]),
+                self._host_pool,
+                torch.cat([b.host for b in live]),
+            )
+        except Exception as exc:
+            logger.warning("backup copy of %d batch(es) failed on this rank: %r", len(live), exc)
+            ok = 0
+        except BaseException:
+            for b in live:
+                self._copied(b, 0)
+            raise
+        for b in live:
+            self._copied(b, ok)
+
+    def _copied(self, batch: AgreedBackup, ok: int) -> None:
+        batch.copy = _Copy.DONE
+        batch.copied = ok
+        decision = batch.decision
+        assert decision is not None
+        if decision.resolved:  # the agreement failed meanwhile: abort now that no copy writes
+            self._finish(batch, 0)
+        else:
+            decision.settle(ok)
+
+    # ------------------------------------------------------------------ resolving (agreement steps)
+
+    def _resolved(self, batch: AgreedBackup, agreed: int | None) -> None:
+        if agreed is None and batch.copy is _Copy.COPYING:
+            return  # the agreement failed (closing): aborted once the copy returns (`_copied`)
+        self._finish(batch, agreed or 0)
+
+    def _finish(self, batch: AgreedBackup, verdict: int) -> None:
+        if batch.finished:
+            return
+        batch.finished = True
+        batch.verdict = verdict
+        self.pending_targets -= len(batch.targets)
+        tree = self._tree
+        committed: list[NodeRef] = []
+        for target, chain, host in zip(batch.targets, batch.chains, batch.chain_hosts, strict=True):
+            size = int(host.numel())
+            if verdict and self._parent_backed_up(chain[0]):
+                for node in chain:
+                    tree.commit_backup(node)
+                self._host_pool.set_owner(host, Owner.TREE)
+                committed.append(target)
+                self._metrics.backup_tokens.inc(size)
+            else:
+                for node in reversed(chain):
+                    self._host_pool.free(tree.abort_backup(node).freed_host)
+        if committed and self.write_through and self._agreement.failed is None:
+            self._store(committed)
+
+    def _parent_backed_up(self, top: NodeRef) -> bool:
+        """Whether `top`'s backup may commit: its parent is the root or backed up (an earlier batch the
+        parent was pending in may have been aborted), or the policy is write-back."""
+        tree = self._tree
+        if tree.write_policy is WritePolicy.WRITE_BACK:
+            return True
+        parent = tree.node_info(top).parent
+        return parent is None or parent == tree.root or tree.node_info(parent).host_value is not None
+
+    def _store(self, targets: list[NodeRef]) -> None:
+        """Host-lock `targets` for their write-through (at this agreed step) and propose its release."""
+        room = self._store_limit - self.storing_targets
+        if room < len(targets):
+            shed = len(targets) - max(0, room)
+            self._metrics.writes_shed.inc(shed, tier=Tier.STORAGE.value, reason=ShedReason.QUEUE_FULL.value)
+            targets = targets[: max(0, room)]
+        if not targets:
+            return
+        for target in targets:
+            self._tree.lock_host(target)
+        self.storing_targets += len(targets)
+        store = AgreedStore(targets)
+        store.decision = self._agreement.propose(
+            "store", str(len(targets)), on_resolve=lambda agreed: self._store_resolved(store, agreed)
+        )
+        if not self.queue_store(store):
+            self.stored(store)
+
+    def _store_resolved(self, store: AgreedStore, agreed: int | None) -> None:
+        if agreed is None and not store.written:
+            return  # the agreement failed (closing): let go once no thread reads the pages (`stored`)
+        self._unlock(store)
+
+    def _unlock(self, store: AgreedStore) -> None:
+        """Every rank's write is done (or the agreement failed): let go of the host locks."""
+        if store.released:
+            return
+        store.released = True
+        self.storing_targets -= len(store.targets)
+        for target in store.targets:
+            self._tree.unlock_host(target)
+
+    def stored(self, store: AgreedStore) -> None:
+        """This rank's write of `store` is done and no thread reads its pages."""
+        store.written = True
+        assert store.decision is not None
+        if store.decision.resolved:  # the agreement failed meanwhile
+            self._unlock(store)
+        else:
+            store.decision.settle(1)

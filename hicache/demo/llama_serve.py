@@ -102,8 +102,8 @@ class LlamaRunner(ServingLoop[DemoModel]):
                 n_new = seq.numel() - cached
                 cache.device_pool.write_tokens(new_indices[:n_new], kv_all[:, :, cached - reused :])
                 indices = torch.cat([lease.device_indices[:cached], new_indices])
-                new_indices = None  # owned by the tree from here on
                 await cache.insert(lease, seq, indices)
+                new_indices = None  # owned by the tree from here on
         finally:
             cache.release(lease, new_indices)  # and the pages it allocated but did not insert, if any
         return Served(reused, inserted, ttft, reply, decoded.logits, restored_kv=restored)

@@ -20,6 +20,7 @@ from hicache.controller import HiCache, Lease
 from hicache.demo.model import Steps
 from hicache.demo.records import ProgressFn, RequestRecord, Served
 from hicache.demo.workload import Session, Workload
+from hicache.errors import LoadBackFailed
 
 __all__ = ["ServingLoop"]
 
@@ -63,6 +64,8 @@ class ServingLoop(Generic[ModelT]):
         self.records: list[RequestRecord] = []
         self.extra_requests = 0
         """Requests served besides the workload's turns (a scenario's own), for the progress totals."""
+        self.load_back_failures = 0
+        """Requests whose prefix failed to load back (`LoadBackFailed`) and were served again."""
         self.t0 = 0.0
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
@@ -136,7 +139,15 @@ class ServingLoop(Generic[ModelT]):
         t_acquire = time.perf_counter()
         lease: Lease = await cache.acquire(request_id, prompt)
         acquire_s = time.perf_counter() - t_acquire
-        served = await self._run(cache, lease, request_id, prompt, arrival)
+        try:
+            served = await self._run(cache, lease, request_id, prompt, arrival)
+        except LoadBackFailed:
+            # The prefix's layer-wise load-back failed (`_run` released the lease): its pages left the
+            # cache, so a second acquire finds what is left (the host copy, or nothing) and recomputes.
+            self.load_back_failures += 1
+            lease = await cache.acquire(request_id, prompt)
+            served = await self._run(cache, lease, request_id, prompt, arrival)
+            acquire_s = time.perf_counter() - t_acquire
         return RequestRecord(
             request_id=request_id,
             user=user,

@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="storage URL: file:///dir, memory://name, s3://bucket/prefix "
         "(default: the file backend in a temporary directory)",
     )
-    demo.add_argument("--users", type=int, default=8, help="concurrent simulated users (default 8)")
-    demo.add_argument("--turns", type=int, default=6, help="turns per user (default 6)")
+    demo.add_argument(
+        "--users", type=int, default=None, help="concurrent simulated users (default 8; 4 with --tp)"
+    )
+    demo.add_argument("--turns", type=int, default=None, help="turns per user (default 6; 3 with --tp)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     demo.add_argument(
         "--system-prompts",
@@ -144,6 +146,8 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     if args.tp is not None:
         return _demo_tp(args)
+    args.users = 8 if args.users is None else args.users
+    args.turns = 6 if args.turns is None else args.turns
     if args.system_prompts is None:
         # A hybrid prefix is reusable only where a state was stored (at the end of a request): a system
         # prompt shared by users ends at a split without one, so the hybrid run gives each user its own.
@@ -247,11 +251,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_TP_REFUSED = (
+    # (flag, attribute, the value the TP demo runs with): anything else is refused, never ignored.
+    ("--model", "model", "llama"),
+    ("--system-prompts", "system_prompts", None),
+    ("--write-policy", "write_policy", "write_through"),
+    ("--refill-policy", "refill_policy", "drop"),
+    ("--plot", "plot", None),
+    ("--snapshot", "snapshot", None),
+    ("--metrics-port", "metrics_port", None),
+)
+
+
 def _demo_tp(args: argparse.Namespace) -> int:
+    """`hicache demo --tp N`: honours --users, --turns, --seed, --device-pages, --host-pages, --backend
+    (a file URL), --json and --lockstep (the TP demo always serves one request at a time); refuses every
+    other flag the single-rank demo takes, naming it."""
     from hicache.demo.tp import TPDemoConfig, run_tp_demo
 
+    for flag, name, runs_with in _TP_REFUSED:
+        if getattr(args, name) != runs_with:
+            shown = "" if runs_with is None else f" (it runs with {runs_with})"
+            print(f"hicache demo: {flag} is not supported with --tp{shown}", file=sys.stderr)
+            return 2
+    default = TPDemoConfig()  # the sizes the TP demo runs with unless asked otherwise
+    sizes: dict[str, int] = {
+        "users": default.users if args.users is None else args.users,
+        "turns": default.turns if args.turns is None else args.turns,
+        "device_pages": default.device_pages if args.device_pages is None else args.device_pages,
+        "host_pages": default.host_pages if args.host_pages is None else args.host_pages,
+    }
+    for name, value in sizes.items():
+        if value < 1:
+            print(f"hicache demo: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 2
     try:
-        config = TPDemoConfig(tp=args.tp, users=min(args.users, 4), turns=min(args.turns, 3), seed=args.seed)
+        config = TPDemoConfig(
+            tp=args.tp,
+            seed=args.seed,
+            users=sizes["users"],
+            turns=sizes["turns"],
+            device_pages=sizes["device_pages"],
+            host_pages=sizes["host_pages"],
+        )
     except ValueError as exc:
         print(f"hicache demo: --{exc}", file=sys.stderr)
         return 2

@@ -238,11 +238,6 @@ class HiCacheConfig:
             if self.tp_group.tp_size > 1 and self.layerwise_load_back:
                 # A layer-wise copy lands outside an agreement step: its failure would be rank-local.
                 raise ValueError("layerwise_load_back: not supported under tensor parallelism yet (tp_group)")
-            if self.tp_group.tp_size > 1 and self.refill_under_unbacked is not RefillPolicy.DROP:
-                # The rescue's backups commit rank-locally (backup completion is not agreed yet).
-                raise ValueError(
-                    "refill_under_unbacked: backup_then_attach is not supported under tensor parallelism yet"
-                )
             ns = self.namespace
             if (ns.tp_rank, ns.tp_size) != (self.tp_group.tp_rank, self.tp_group.tp_size):
                 raise ValueError(

@@ -21,7 +21,7 @@ from hicache.controller.results import CacheStatistics, ComponentPoolStatistics
 from hicache.controller.state import OpenState
 from hicache.controller.tier_mover import TierMover
 from hicache.memory import KVPool
-from hicache.parallel import Agreement, check_same_tree
+from hicache.parallel import Agreement, check_same_tree, check_same_tree_async
 from hicache.tree import RadixTree
 from storage_backends.protocol import StorageBackend
 
@@ -113,8 +113,10 @@ class CacheObservation:
             held_components: per component, the device indices the caller holds, checked page by page.
             across_ranks: also compare this rank's tree fingerprint (structure, tiers, backed-up flags,
                 locks) with every other rank's: a collective, so call it on every rank at the same point,
-                between agreement steps; it blocks until every rank has called it (at most the group's
-                timeout). Without a TP group there is nothing to compare.
+                between cache calls; it blocks the thread, event loop included, until every rank has
+                called it (at most the group's timeout): on an event loop, prefer
+                `await sanity_check_async(across_ranks=True)`. Without a TP group there is nothing to
+                compare.
 
         Raises:
             InvariantViolation: listing every violation found.
@@ -130,3 +132,27 @@ class CacheObservation:
             held_device=held_device,
             held_components=held_components,
         )
+
+    async def sanity_check_async(
+        self,
+        *,
+        held_device_tokens: int = 0,
+        held_component_slots: Mapping[str, int] | None = None,
+        held_device: Sequence[torch.Tensor] | None = None,
+        held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        across_ranks: bool = False,
+    ) -> None:
+        """`sanity_check`, with the cross-rank comparison run off the event loop: the local checks and
+        the fingerprint run on the loop, at the call (the tree as it is then); the collectives run in a
+        worker thread bounded by the group's timeout, so other tasks (a peer's pace, the cache's own
+        background work) keep running while the ranks meet. Same arguments and errors as `sanity_check`.
+        """
+        self._accounting.check(
+            held_device_tokens=held_device_tokens,
+            held_component_slots=held_component_slots,
+            held_device=held_device,
+            held_components=held_components,
+        )
+        if across_ranks and self.agreement is not None:
+            assert self.config.tp_group is not None
+            await check_same_tree_async(self.config.tp_group, self._tree)

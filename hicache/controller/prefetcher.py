@@ -255,7 +255,11 @@ class Prefetcher:
         rescued = False
         if self.rescue is not None and not prefetch.staged:
             # Before the atomic part: back up what the refill would hang from (see `RefillRescue`).
-            rescued = await self.rescue.prepare(prefetch)
+            agreed_tokens = None if agreed_pages is None else agreed_pages * self._page_size
+            rescued = await self.rescue.prepare(
+                prefetch,
+                None if agreed_tokens is None else min(prefetch.completed_tokens, agreed_tokens),
+            )
             self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]

@@ -42,14 +42,16 @@ class RefillRescue:
         self.backed_up = 0
         """Of those, the ones whose backup landed (the commit then attaches them)."""
 
-    async def prepare(self, prefetch: Prefetch) -> bool:
+    async def prepare(self, prefetch: Prefetch, completed_tokens: int | None = None) -> bool:
         """Back up what `prefetch`'s completed refill would hang from, if it is not backed up.
 
         Returns whether a backup was needed and landed. A backup that finds no host room or whose copy
         fails returns False (the commit then drops the refill as `RefillPolicy.DROP` does); a
-        cancellation propagates with the backup undone (`TierMover.back_up` aborts it).
+        cancellation propagates with the backup undone (`TierMover.back_up` aborts it). Under tensor
+        parallelism `completed_tokens` is the agreed length of the refill (the plan is then the same on
+        every rank) and the backup is agreed (`TierMover.back_up`): landed on every rank, or on none.
         """
-        completed = prefetch.completed_tokens
+        completed = prefetch.completed_tokens if completed_tokens is None else completed_tokens
         if not completed:
             return False
         plan = self._tree.refill_backup_plan(prefetch.anchor, prefetch.key[: completed * TOKEN_BYTES])

@@ -94,6 +94,7 @@ class TPDemoResult:
         all_identical: every request passed every check on every rank.
         failures: what failed, per rank and request.
         wall_s: the run's wall time.
+        agreement_steps: agreement steps rank 0 ran (each one collective; 0 at TP 1), all requests.
     """
 
     tp: int
@@ -104,6 +105,7 @@ class TPDemoResult:
     all_identical: bool
     failures: list[str]
     wall_s: float
+    agreement_steps: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The result as a JSON-able dict."""
@@ -222,13 +224,14 @@ async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_
                 prompt_tokens += prompt.numel()
                 requests += 1
                 session.record_reply(prompt, decoded.tokens)
-                # The scheduling step's end: every rank steps until nothing is pending, background
-                # backups and storage writes finish, then the trees are compared (they must be identical).
-                await cache.tp_sync()
+                # The scheduling step's end: every rank steps until nothing is pending (backups and
+                # storage writes agreed), then the trees are compared off the loop (identical).
                 await cache.wait_idle()
-                cache.sanity_check(across_ranks=True)
+                await cache.sanity_check_async(across_ranks=True)
         cache.sanity_check()
+        agreement_steps = 0 if cache.agreement is None else cache.agreement.statistics().steps
     return {
+        "agreement_steps": agreement_steps,
         "requests": requests,
         "prompt_tokens": prompt_tokens,
         "saved_tokens": saved,
@@ -267,4 +270,5 @@ def run_tp_demo(cfg: TPDemoConfig, storage_dir: str | Path | None = None) -> TPD
         all_identical=not failures,
         failures=failures,
         wall_s=time.perf_counter() - started,
+        agreement_steps=first.get("agreement_steps", 0),
     )

@@ -11,7 +11,7 @@ from hicache.parallel.agreement import (
     Decision,
     StepResult,
 )
-from hicache.parallel.consistency import check_same_pools, check_same_tree
+from hicache.parallel.consistency import check_same_pools, check_same_tree, check_same_tree_async
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError, TreeDivergence
 from hicache.parallel.group import RankGroup
 
@@ -28,4 +28,5 @@ __all__ = [
     "TreeDivergence",
     "check_same_pools",
     "check_same_tree",
+    "check_same_tree_async",
 ]

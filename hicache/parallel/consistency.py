@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import anyio
 import torch
 
 from hicache.parallel.errors import TreeDivergence
 from hicache.parallel.group import RankGroup
-from hicache.tree.fingerprint import describe_difference, encode_records, fingerprint, node_records
+from hicache.tree.fingerprint import describe_difference, encode_records, fingerprint_of, node_records
 from hicache.tree.radix import RadixTree
 
 if TYPE_CHECKING:
     from hicache.config import HiCacheConfig
 
-__all__ = ["check_same_pools", "check_same_tree"]
+__all__ = ["check_same_pools", "check_same_tree", "check_same_tree_async"]
 
 
 def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
@@ -29,12 +30,37 @@ def check_same_tree(group: RankGroup, tree: RadixTree) -> int:
         TreeDivergence: the trees differ; the message names the first differing node and the ranks.
         RankFailed: a peer died or stopped responding.
     """
-    digest = fingerprint(tree)
-    gathered = group.gather(torch.tensor([digest], dtype=torch.int64)).view(-1).tolist()
-    if all(d == gathered[0] for d in gathered):
+    records = node_records(tree)
+    digest = fingerprint_of(records)
+    if _same(_gather_digests(group, digest)):
         return digest
-    shared = group.gather_bytes(encode_records(node_records(tree)))
+    shared = group.gather_bytes(encode_records(records))
     raise TreeDivergence(describe_difference(shared, this_rank=group.tp_rank))
+
+
+async def check_same_tree_async(group: RankGroup, tree: RadixTree) -> int:
+    """`check_same_tree` without blocking the event loop: the tree is read on the loop (a snapshot of its
+    node records, taken at the call), the collectives run in a worker thread, each bounded by the group's
+    timeout (the thread is waited for, so a cancelled caller still leaves the group consistent).
+
+    Raises:
+        TreeDivergence, RankFailed: as `check_same_tree`.
+    """
+    records = node_records(tree)
+    digest = fingerprint_of(records)
+    if _same(await anyio.to_thread.run_sync(_gather_digests, group, digest)):
+        return digest
+    shared = await anyio.to_thread.run_sync(group.gather_bytes, encode_records(records))
+    raise TreeDivergence(describe_difference(shared, this_rank=group.tp_rank))
+
+
+def _gather_digests(group: RankGroup, digest: int) -> list[int]:
+    digests: list[int] = group.gather(torch.tensor([digest], dtype=torch.int64)).view(-1).tolist()
+    return digests
+
+
+def _same(digests: list[int]) -> bool:
+    return all(d == digests[0] for d in digests)
 
 
 def check_same_pools(config: HiCacheConfig) -> None:

@@ -20,7 +20,7 @@ from hicache.keys import TOKEN_BYTES
 from hicache.tree.handles import NodeInfo, NodeRef
 from hicache.tree.radix import RadixTree
 
-__all__ = ["NodeRecord", "describe_difference", "fingerprint", "node_records"]
+__all__ = ["NodeRecord", "describe_difference", "fingerprint", "fingerprint_of", "node_records"]
 
 _PREVIEW_TOKENS = 8
 
@@ -120,8 +120,13 @@ def _first_page(info: NodeInfo) -> bytes:
 
 def fingerprint(tree: RadixTree) -> int:
     """A 61-bit digest of `node_records(tree)`'s compared fields (equal trees, equal digests)."""
+    return fingerprint_of(node_records(tree))
+
+
+def fingerprint_of(records: Sequence[NodeRecord]) -> int:
+    """`fingerprint` of a tree whose `node_records` are `records` (a snapshot taken earlier)."""
     h = xxhash.xxh3_64()
-    for record in node_records(tree):
+    for record in records:
         h.update(repr(record.compared()).encode())
     return h.intdigest() & ((1 << 61) - 1)
 

@@ -20,6 +20,7 @@ from hicache.components import SlidingWindow
 from hicache.keys import Namespace, as_key_bytes
 from hicache.layout import KVLayout
 from hicache.parallel import RankGroup
+from hicache.policy import RefillPolicy
 
 TIMEOUT_FIELDS = ("prefetch_timeout_base", "prefetch_timeout_per_1k_tokens", "prefetch_timeout_max")
 
@@ -109,21 +110,27 @@ def _tp_config(tp_rank: int, tp_size: int, **overrides: object) -> HiCacheConfig
     ("overrides", "argument"),
     [
         ({"layerwise_load_back": True}, "layerwise_load_back"),
-        ({"refill_under_unbacked": "backup_then_attach"}, "refill_under_unbacked"),
         ({"components": (SlidingWindow(8, KVLayout.flat(8, 4), device_pages=8, host_pages=8),)}, "tp_group"),
     ],
 )
 def test_features_not_agreed_across_ranks_are_refused_under_tp_naming_the_argument(
     overrides: dict[str, object], argument: str
 ) -> None:
-    """Layer-wise load-back, refill rescue and hybrid components are not agreed across ranks yet: with
-    more than one rank the config refuses them, naming the argument, instead of letting ranks diverge."""
+    """Layer-wise load-back and hybrid components are not agreed across ranks yet: with more than one
+    rank the config refuses them, naming the argument, instead of letting ranks diverge."""
     with pytest.raises(ValueError, match=rf"^{argument}: .*not supported under tensor parallelism"):
         _tp_config(1, 2, **overrides)
     # One rank has nothing to agree: the same settings are accepted.
     config = _tp_config(0, 1, **overrides)
     assert config.tp_group is not None
     assert config.tp_group.tp_size == 1
+
+
+def test_refill_rescue_is_accepted_under_tp() -> None:
+    """The rescue's backup is agreed across the ranks (tests/parallel/test_tp_cache.py), so the config
+    no longer refuses `backup_then_attach` with more than one rank."""
+    config = _tp_config(1, 2, refill_under_unbacked="backup_then_attach")
+    assert config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH
 
 
 def test_tp_group_must_match_the_namespace_rank_and_size() -> None:

@@ -13,6 +13,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,14 @@ class FlakyBackend(PassThroughBackend):
         self.short_p = faults.get("short_p", 0.0)
         self.slow_s = faults.get("slow_s", 0.0)
         self.gate: anyio.Event | None = None
+        self.hidden = False
+        """While set, `exists` finds nothing (storage not holding them yet, as far as this cache knows)."""
         self.read_started = anyio.Event()
         self.faults = 0
 
     async def exists(self, keys: Sequence[str]) -> int:
+        if self.hidden:
+            return 0
         n = await self.inner.exists(keys)
         if n and self.rng.random() < self.short_p:
             self.faults += 1
@@ -470,3 +475,76 @@ async def load_back_fails_on_one_rank(group: RankGroup, root: str, failing: int)
         await cache.tp_sync()
         cache.sanity_check(across_ranks=True)
     return outcome
+
+
+async def cross_rank_check_off_the_loop(group: RankGroup, root: str) -> dict[str, Any]:
+    """Rank 0 starts `sanity_check_async(across_ranks=True)`; rank 1 makes its own call only once rank 0
+    showed (a flag file) that its event loop ran another task meanwhile. A check that blocked rank 0's
+    loop in the collective would never write the flag: rank 1 would never call and rank 0's collective
+    would time out (`RankFailed`). Then rank 1's tree differs by one lock: both ranks' async checks
+    raise `TreeDivergence` naming it."""
+    rank = group.tp_rank
+    flag = Path(root) / "rank0-loop-ran"
+    async with rank_cache(group, root) as (cache, _):
+        await serve(cache, rank, "a", SEQ)
+        await cache.tp_sync()
+        if rank == 0:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(partial(cache.sanity_check_async, across_ranks=True))
+                await anyio.wait_all_tasks_blocked()  # the check waits in the collective, off the loop
+                flag.write_text("ran")
+        else:
+            while not flag.exists():  # noqa: ASYNC110 - another process's signal: nothing to await
+                await anyio.sleep(0.01)
+            await cache.sanity_check_async(across_ranks=True)
+        node = cache.match(SEQ).last_device_node
+        if rank == 1:
+            cache._tree.lock_device(node)  # the divergence under test
+        error = ""
+        try:
+            await cache.sanity_check_async(across_ranks=True)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if rank == 1:
+            cache._tree.unlock_device(node)
+    return {"error": error}
+
+
+async def refill_rescued_on_every_rank(group: RankGroup, root: str, failing: int | None) -> dict[str, Any]:
+    """SEQ is in storage (an earlier run). A fresh cache under `write_through_selective` computes its
+    first 16 tokens (on the device, not backed up), then acquires SEQ: the storage refill would hang
+    below that un-backed prefix, so the commit backs the prefix up first (`backup_then_attach`), agreed
+    across the ranks. When `failing`'s backup copy fails, the rescue fails on every rank and the refill
+    is dropped on every rank. Trees are compared after every call."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    options = {"write_policy": "write_through_selective", "refill_under_unbacked": "backup_then_attach"}
+    async with rank_cache(group, root, **options) as (cache, backend):
+
+        def check(held: torch.Tensor | None = None) -> None:
+            cache.sanity_check(across_ranks=True, held_device=[] if held is None else [held])
+
+        backend.hidden = True  # the prefix is computed here, as if storage had only what follows it
+        await serve(cache, rank, "prefix", SEQ[: 4 * PAGE], check)
+        backend.hidden = False
+        await cache.tp_sync()
+        check()
+        if rank == failing:
+
+            async def copy(real: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("injected: device-to-host copy failed")
+
+            _patch_backup_copy(cache, copy)
+        lease = await cache.acquire("full", SEQ)
+        check()
+        outcome = lease.prefetch
+        result = {
+            "cached": lease.cached_len,
+            "storage_hit": lease.hit_tokens_by_tier["storage"],
+            "rescued": outcome is not None and outcome.rescued,
+            "drop": None if outcome is None or outcome.drop_reason is None else outcome.drop_reason.value,
+        }
+        cache.release(lease)
+        await cache.tp_sync()
+        check()
+    return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import cache_workers
+import pytest
 
 from hicache.parallel.launch import run_ranks
 
@@ -145,3 +146,36 @@ def test_a_load_back_that_fails_on_one_rank_loads_nothing_anywhere(tmp_path: Pat
     _ok(out)
     assert out[1].value == {"error": "injected: host-to-device copy failed", "then_host_hit": 40}
     assert out[0].value == {"cached": 0, "host_hit": 0, "then_host_hit": 40}
+
+
+def test_the_cross_rank_check_does_not_block_the_event_loop(tmp_path: Path) -> None:
+    """`sanity_check_async(across_ranks=True)`: rank 0's loop runs other tasks while it waits for rank 1
+    in the collective (rank 1 calls only after seeing that), and a difference still raises on both."""
+    out = run_ranks(cache_workers.cross_rank_check_off_the_loop, 2, (str(tmp_path),), timeout_s=WATCHDOG_S)
+    _ok(out)
+    for o in out:
+        assert o.value["error"].startswith("TreeDivergence: rank ")
+        assert "device_lock=1" in o.value["error"]
+
+
+@pytest.mark.parametrize("failing", [None, 1])
+def test_a_refill_below_an_unbacked_prefix_is_rescued_on_every_rank_or_none(
+    tmp_path: Path, failing: int | None
+) -> None:
+    """`refill_under_unbacked=backup_then_attach` under TP: the rescue's backup is agreed. With every
+    copy working, every rank backs the prefix up and attaches the refill; when rank 1's copy fails, no
+    rank does, and every rank drops the refill (the same cached length everywhere)."""
+    out = run_ranks(
+        cache_workers.refill_rescued_on_every_rank, 2, (str(tmp_path), failing), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    assert out[0].value == out[1].value
+    if failing is None:
+        assert out[0].value == {"cached": 40, "storage_hit": 24, "rescued": True, "drop": None}
+    else:
+        assert out[0].value == {
+            "cached": 16,
+            "storage_hit": 0,
+            "rescued": False,
+            "drop": "anchor_not_backed_up",
+        }

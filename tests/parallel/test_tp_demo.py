@@ -51,4 +51,54 @@ def test_the_json_result_carries_every_field_with_the_wall_time_rounded() -> Non
         "all_identical": True,
         "failures": [],
         "wall_s": 1.235,
+        "agreement_steps": 0,
     }
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--model", "hybrid"], "--model"),
+        (["--system-prompts", "2"], "--system-prompts"),
+        (["--write-policy", "write_back"], "--write-policy"),
+        (["--refill-policy", "backup_then_attach"], "--refill-policy"),
+        (["--plot", "hits.png"], "--plot"),
+        (["--snapshot", "state.json"], "--snapshot"),
+        (["--metrics-port", "9999"], "--metrics-port"),
+    ],
+)
+def test_a_flag_the_tp_demo_does_not_support_is_refused_by_name(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `--tp` silently ignored these flags. Each is refused, naming the flag; nothing runs."""
+    assert main(["demo", "--tp", "2", *argv]) == 2
+    assert f"hicache demo: {flag} is not supported with --tp" in capsys.readouterr().err
+
+
+def test_the_tp_demo_honours_the_workload_and_pool_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--users, --turns, --seed, --device-pages and --host-pages reach the TP demo's config as given
+    (before: users and turns were clamped to 4 and 3, the pool sizes ignored)."""
+    seen: list[TPDemoConfig] = []
+
+    def record(config: TPDemoConfig, root: str | None) -> TPDemoResult:
+        seen.append(config)
+        return TPDemoResult(2, 0, 0, 0, {}, True, [], 0.0)
+
+    monkeypatch.setattr("hicache.demo.tp.run_tp_demo", record)
+    argv = ["--users", "7", "--turns", "5", "--seed", "3", "--device-pages", "40", "--host-pages", "50"]
+    assert main(["demo", "--tp", "2", "--lockstep", *argv]) == 0
+    config = seen[0]
+    assert (config.tp, config.users, config.turns, config.seed) == (2, 7, 5, 3)
+    assert (config.device_pages, config.host_pages) == (40, 50)
+    assert main(["demo", "--tp", "2", "--host-pages", "0"]) == 2
+    assert "--host-pages must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_tp_demo_serves_the_users_and_turns_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    """A real run on one rank: 2 users x 1 turn is 2 requests, every check passing."""
+    assert main(["demo", "--tp", "1", "--users", "2", "--turns", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 2
+    assert out["all_identical"] is True

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import tp_workers
 
-from hicache.parallel import Agreement
+from hicache.parallel import Agreement, RankFailed
+from hicache.parallel.agreement import encode_max
 from hicache.parallel.launch import run_ranks
 
 WATCHDOG_S = 120.0
@@ -147,3 +148,33 @@ def test_run_ranks_refuses_a_size_that_runs_no_rank(size: int) -> None:
     """An empty outcome list would let `all(o.ok for o in out)` pass with nothing run."""
     with pytest.raises(ValueError, match="size"):
         run_ranks(tp_workers.minimum_of_rank_values, size, (1, 0))
+
+
+def test_an_on_resolve_callback_that_proposes_keeps_every_rank_stepping() -> None:
+    """The first decision's callback proposes a second (settled later, at each rank's own pace): both
+    callbacks run on both ranks, in order, with the minimum; `drive()` ends after the same step on
+    both; a decision settled with `encode_max` agrees the maximum."""
+    out = run_ranks(tp_workers.chained_on_resolve, 2, timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    for o in out:
+        assert o.value["seen"] == [("first", 3), ("second", 6)]
+        assert o.value["max"] == 20
+    assert out[0].value["steps"] == out[1].value["steps"]
+
+
+async def test_on_resolve_runs_once_with_the_value_or_with_none_when_the_agreement_fails() -> None:
+    ag = Agreement(None)
+    seen: list[int | None] = []
+    d = ag.propose("backup", "a", on_resolve=seen.append)
+    d.settle(1)
+    d.settle(0)  # ignored: the first value counts
+    assert seen == [1]
+    two = Agreement(None)
+    two.local = False  # hold decisions pending as a group would, without one
+    e = two.propose("backup", "b", on_resolve=seen.append)
+    two.fail(RankFailed("rank 0: the cache was closed"))
+    assert seen == [1, None]
+    with pytest.raises(RankFailed):
+        await e.wait()
+    with pytest.raises(ValueError, match=r"^value: "):
+        encode_max(-1)

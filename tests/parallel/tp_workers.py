@@ -9,7 +9,8 @@ import threading
 import anyio
 from tree_helpers import build_tree
 
-from hicache.parallel import Agreement, RankGroup, check_same_tree
+from hicache.parallel import Agreement, Decision, RankGroup, check_same_tree
+from hicache.parallel.agreement import decode_max, encode_max
 from hicache.tree import RadixTree
 
 
@@ -182,3 +183,30 @@ async def slow_local_part(group: RankGroup, slow_rank: int, gap_s: float) -> dic
     except OSError as exc:
         error = str(exc)
     return {"agreed": agreed, "commit": failing.result, "error": error, "steps": ag.statistics().steps}
+
+
+async def chained_on_resolve(group: RankGroup) -> dict[str, object]:
+    """A decision whose `on_resolve` proposes the next one (as a backup's commit proposes its write-through
+    release): `drive()` keeps stepping until the chain ends, on every rank alike, and the callbacks run
+    in the order of proposals with the agreed minimum (rank-dependent values, settled at rank-local
+    moments: the second is settled only on this rank's next `busy()` call)."""
+    ag = Agreement(group)
+    seen: list[tuple[str, int | None]] = []
+    later: list[Decision] = []
+
+    def first_resolved(value: int | None) -> None:
+        seen.append(("first", value))
+        later.append(ag.propose("second", "x", on_resolve=lambda v: seen.append(("second", v))))
+
+    first = ag.propose("first", "x", on_resolve=first_resolved)
+    first.settle(3 + group.tp_rank)
+    biggest = ag.propose("max", "x")
+    biggest.settle(encode_max(10 * (group.tp_rank + 1)))
+
+    def busy() -> bool:
+        for d in later:
+            d.settle(7 - group.tp_rank)
+        return False
+
+    steps = await ag.drive(busy)
+    return {"seen": seen, "steps": steps, "max": decode_max(biggest.result or 0)}

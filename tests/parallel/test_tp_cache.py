@@ -179,3 +179,16 @@ def test_a_refill_below_an_unbacked_prefix_is_rescued_on_every_rank_or_none(
             "rescued": False,
             "drop": "anchor_not_backed_up",
         }
+
+
+def test_four_ranks_with_different_host_and_device_pools_never_diverge(tmp_path: Path) -> None:
+    """Four ranks: rank 1's host pool and rank 3's device pool are smaller, rank 2's storage faulty:
+    every pool-dependent decision is agreed, the trees agree after every call, the hits on every rank."""
+    per_rank = {"per_rank": {"1": {"host_pages": 12}, "3": {"device_pages": 12}}}
+    out = run_ranks(
+        cache_workers.random_workload, 4, (str(tmp_path), 13, 2, 16, FAULTS, per_rank), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    assert len({repr(o.value["hits"]) for o in out}) == 1
+    assert len({o.value["checks"] for o in out}) == 1
+    assert len({o.value["host_tokens"] for o in out}) == 1

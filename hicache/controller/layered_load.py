@@ -211,6 +211,8 @@ class LayeredLoader:
             landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
             if not landed:
                 self._drop(load, error)
+            if load.orphaned is not None:
+                self._free_orphaned(load)
         finally:
             self._tree.unlock_host(load.last)
             self._tree.unlock_device(load.last)
@@ -228,12 +230,43 @@ class LayeredLoader:
             logger.error("layer-wise load-back failed: %r", error)
         freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
         assert not freed.component_frees, "a layer-wise load-back loads no components"
-        self._device_pool.free(freed.freed_device)
+        self._device_pool.free(self._orphan_loads_below(freed.freed_device))
         if kept:
             logger.error(
                 "layer-wise load-back failed under %d node(s) held below it; they stay on the device",
                 len(kept),
             )
+
+    def _orphan_loads_below(self, dropped: torch.Tensor) -> torch.Tensor:
+        """Of the pages a failed load took out of the tree, those free to go now.
+
+        A load below it (a longer request that matched through its pages while it was in flight and
+        loaded the rest of its prefix) may still copy into some of them: those stay allocated, tagged as
+        a copy's destination, until that load settled (`_free_orphaned`); it is aborted and its readiness
+        revoked (its readers read through the failed prefix anyway).
+        """
+        for other in self._in_flight.values():
+            mine = torch.isin(dropped, other.device_indices)
+            if not bool(mine.any()):
+                continue
+            pages = dropped[mine]
+            dropped = dropped[~mine]
+            other.orphaned = pages
+            other.copy.abort()
+            other.readiness.revoke()
+            self._device_pool.set_owner(pages, Owner.COPY)
+            self._copies.track_load(self._device_pool, pages)
+        return dropped
+
+    def _free_orphaned(self, load: _Load) -> None:
+        """Free the pages a failed load above `load` took out of the tree while `load` copied into them."""
+        pages = load.orphaned
+        assert pages is not None
+        if not load.copy.settled:  # as in `_drop`: only a task cancelled twice over gets here
+            logger.error("layer-wise load-back abandoned with its copy running; %d pages leak", pages.numel())
+            return
+        self._copies.untrack_load(pages)
+        self._device_pool.free(pages)
 
 
 @dataclass(eq=False)
@@ -247,6 +280,8 @@ class _Load:
     device_indices: torch.Tensor
     last: NodeRef
     finished: bool = False
+    orphaned: torch.Tensor | None = None
+    """Its pages a failed load above it took out of the tree while it copied (freed once it settled)."""
 
 
 class _LoadReadiness(LayerReadiness):

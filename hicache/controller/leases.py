@@ -141,6 +141,18 @@ class Leases:
         for pool, indices in claims:
             pool.free(indices)
 
+    def _prefix_failed(self, lease: Lease) -> bool:
+        """Whether a layer-wise load-back of `lease`'s prefix failed: its readiness says so (even once
+        another request loaded the prefix again, into other pages), or its pages left the device tier."""
+        layers = lease.layers
+        if layers.done and not layers.is_ready(self._device_pool.layout.num_layers - 1):
+            return True
+        try:
+            self._tree.device_indices(lease.node)  # cached on the node: cheap
+        except ValueError:
+            return True
+        return False
+
     async def insert(
         self,
         lease: Lease,
@@ -153,15 +165,11 @@ class Leases:
         self._state.check_open("insert")
         if not lease.active:
             raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
-        if lease.cached_len:
-            try:
-                self._tree.device_indices(lease.node)  # cached on the node: cheap
-            except ValueError:
-                # A layer-wise load-back of the prefix failed and its pages left the device tier.
-                raise LoadBackFailed(
-                    f"lease: the cached prefix of request {lease.request_id!r} failed to load back; "
-                    "release the lease and recompute"
-                ) from None
+        if lease.cached_len and self._prefix_failed(lease):
+            raise LoadBackFailed(
+                f"lease: the cached prefix of request {lease.request_id!r} failed to load back; "
+                "release the lease and recompute"
+            )
         key = as_key_bytes(tokens, name="tokens")
         n = len(key) // TOKEN_BYTES
         page = self._page_size

@@ -23,6 +23,7 @@ import torch
 
 from hicache import HiCache, KVLayout, LoadBackFailed, Namespace
 from hicache.keys import as_key_bytes
+from hicache.memory import Owner
 from storage_backends.memory import MemoryBackend
 from tests.cache_internals import layered_loader_of, tree_of
 from tests.controller.controller_helpers import PAGE, make_config, page_payload, store_sequence, tokens
@@ -228,3 +229,69 @@ async def test_cancelled_after_the_copy_landed_keeps_the_pages(cache: HiCache) -
     cache.sanity_check()
     assert_no_locks(cache)
     assert cache.match(SEQ).device_len == 16
+
+
+async def test_a_failed_load_never_frees_pages_a_load_below_it_still_copies_into(cache: HiCache) -> None:
+    """Guards against a failed load dropping the device subtree below it while a second layer-wise load
+    (a longer request that matched through the first load's pages and loaded the rest of its prefix) still
+    copies into its own pages there: they were freed under the running thread, so a third request could
+    be handed them and the second copy wrote into its KV."""
+    free_before = cache.statistics().device_pool.free_pages
+    loader = layered_loader_of(cache)
+    upper, lower = Hold(1, fail=True), Hold(1, fail=False)
+    try:
+        loader.before_layer = upper
+        first = await cache.acquire("r1", SEQ[:8])
+        assert first.cached_len == 8
+        await anyio.to_thread.run_sync(upper.reached.wait)
+        loader.before_layer = lower
+        second = await cache.acquire("r2", SEQ)
+        assert (second.cached_len, second.hit_tokens_by_tier["device"]) == (16, 8)
+        await anyio.to_thread.run_sync(lower.reached.wait)
+        below = second.device_indices[8:]
+        upper.release()
+        while loader.in_flight == 2:  # the first load failed and dropped its pages
+            await anyio.lowlevel.checkpoint()
+        page_ids = cache.device_pool.page_ids(below)
+        owners = cache.device_pool.owner_tags()[page_ids]
+        assert not bool((owners == int(Owner.FREE)).any()), "pages freed while their copy still runs"
+        cache.sanity_check()  # the pages out of the tree are a copy's destination until it settled
+        taken = await cache.alloc_device(cache.statistics().device_pool.free_pages * PAGE)
+        assert taken is not None
+        assert not bool(torch.isin(taken, below).any())
+        cache.device_pool.free(taken)
+    finally:  # a failed check must not leave a copying thread held (the fixture waits for it)
+        upper.release()
+        lower.release()
+    await settle(cache)
+    for lease in (first, second):
+        with pytest.raises(LoadBackFailed):
+            lease.layers.wait_layer(LAYERS - 1)
+        cache.release(lease)
+    cache.sanity_check()
+    assert_no_locks(cache)
+    assert cache.statistics().device_pool.free_pages == free_before
+    assert cache.match(SEQ).device_len == 0
+
+
+async def test_a_lease_on_a_failed_load_is_refused_even_once_the_prefix_loaded_again(cache: HiCache) -> None:
+    """Guards against `insert` only checking that the lease's node is off the device: once another request
+    loaded the same prefix back (into other pages), a lease whose own load failed inserted KV its model
+    computed over the failed pages as this prefix's continuation."""
+    layered_loader_of(cache).before_layer = fail_at(1)
+    failed = await cache.acquire("r1", SEQ)
+    await settle(cache)
+    layered_loader_of(cache).before_layer = None
+    again = await cache.acquire("r2", SEQ)
+    assert again.hit_tokens_by_tier["host"] == 16
+    await settle(cache)
+    longer = [*SEQ, *tokens(500, PAGE)]
+    new = await cache.alloc_device(PAGE)
+    assert new is not None
+    with pytest.raises(LoadBackFailed, match="lease"):
+        await cache.insert(failed, longer, torch.cat([failed.device_indices, new]))
+    cache.release(failed, new)
+    cache.release(again)
+    cache.sanity_check()
+    assert_no_locks(cache)
+    assert cache.match(longer).device_len == 16

@@ -1,6 +1,6 @@
 """Types of the C extension built from native/hicache_native.c (imported through storage_backends.native)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from typing_extensions import Buffer
 
@@ -36,6 +36,63 @@ def read_pages(
         ValueError: naming the argument, for a key that is not 4-128 lowercase hex characters, a NUL in
             `root` or `suffix`, a digest that is not 16 bytes, or a buffer count or buffer that does not fit.
         TypeError: naming `keys[i]`, for a key that is not a str.
+    """
+
+class ReadJob:
+    """A batch of pages handed to a `ReadQueue`: its handle (cancel it, or take its result)."""
+
+    def result(self) -> tuple[bytes, int, list[tuple[int, int]]]:
+        """What `read_pages` returns for the batch, once the job is done.
+
+        Raises:
+            RuntimeError: if the job has not run.
+        """
+
+class ReadQueue:
+    """Worker threads (callers of `work()`) that read `ReadJob`s one after another without the GIL."""
+
+    closed: bool
+    """Whether `close()` was called."""
+
+    def __init__(self) -> None: ...
+    def submit(
+        self,
+        root: str,
+        suffix: str,
+        keys: Sequence[str],
+        buffers: Sequence[Buffer] | None,
+        namespace_digest: bytes,
+        nowait_flags: int,
+        hook: Callable[[tuple[str, ...]], object] | None,
+        /,
+    ) -> ReadJob:
+        """Queue a batch as `read_pages` takes it; `hook` is called with its keys in the worker first.
+        With `buffers=None` the pages are only stat-ed, up to the first absent (MISS) or failing (ERROR) one.
+
+        Raises:
+            RuntimeError: after `close()`.
+            ValueError, TypeError: as `read_pages`, before anything is queued.
+        """
+    def cancel(self, job: ReadJob, /) -> bool:
+        """Remove a pending job (it never starts): True; False once it started."""
+    def collect(self) -> list[ReadJob]:
+        """The jobs finished since the last call (and `fileno()` reset)."""
+    def work(self) -> None:
+        """Run pending jobs in this thread, without the GIL, until `close()` (once nothing is pending) or
+        `retire()`."""
+    def retire(self, n: int, /) -> None:
+        """Ask `n` workers to leave `work()`."""
+    def close(self) -> None:
+        """Refuse new jobs; workers leave `work()` once nothing is pending."""
+    def fileno(self) -> int:
+        """An eventfd, readable while finished jobs wait for `collect()`."""
+
+def chain_hashes(key: Buffer, step: int, namespace_digest: bytes, prev: bytes, /) -> list[bytes]:
+    """One 16-byte xxh3-128 digest per full `step`-byte page of `key`: digest(previous page's hash +
+    `namespace_digest` + the page's bytes), starting from `prev` (`hicache.keys.chained_page_hashes`).
+
+    Raises:
+        ValueError: naming the argument, for `step` < 1 or a digest or hash that is not 16 bytes.
     """
 
 def xxh3_64(data: Buffer, /) -> int:

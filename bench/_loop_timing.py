@@ -8,15 +8,34 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import anyio
 
 T = TypeVar("T")
 
 
-async def run_with_ticker(run: Callable[[], Awaitable[T]]) -> tuple[T, float, float]:
-    """Await `run()` while a ticker task records its own lateness; return (result, seconds, stall ms).
+@dataclass(frozen=True)
+class Ticked(Generic[T]):
+    """One pass timed next to the ticker.
+
+    Attributes:
+        result: what `run()` returned.
+        seconds: wall time of the pass.
+        stall_ms: the loop's longest lateness (wall): its own work, plus waits for the GIL and for a core.
+        stall_cpu_ms: the most CPU time the loop thread spent between two ticks: the loop's own work
+            only, which the machine's load does not inflate (a shared machine's load does the wall figure).
+    """
+
+    result: T
+    seconds: float
+    stall_ms: float
+    stall_cpu_ms: float
+
+
+async def time_with_ticker(run: Callable[[], Awaitable[T]]) -> Ticked[T]:
+    """Await `run()` while a ticker task records its own lateness, in wall and in loop-thread CPU time.
 
     Collects garbage first: a closed cache caught in a reference cycle can still hold a large pool, and
     freeing it inside a timed pass stalled the loop for ~100 ms. Then freezes the survivors out of the
@@ -29,13 +48,16 @@ async def run_with_ticker(run: Callable[[], Awaitable[T]]) -> tuple[T, float, fl
     gc.freeze()
     done = anyio.Event()
     worst = 0.0
+    worst_cpu = 0.0
 
     async def ticker() -> None:
-        nonlocal worst
+        nonlocal worst, worst_cpu
         while not done.is_set():
             t = time.perf_counter()
+            c = time.thread_time()  # the loop thread's CPU: every callback that runs until the next tick
             await anyio.sleep(0.001)
             worst = max(worst, time.perf_counter() - t - 0.001)
+            worst_cpu = max(worst_cpu, time.thread_time() - c)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -47,4 +69,10 @@ async def run_with_ticker(run: Callable[[], Awaitable[T]]) -> tuple[T, float, fl
             done.set()
     finally:
         gc.unfreeze()  # the next pass's collection must reach what this one left behind
-    return result, seconds, worst * 1000
+    return Ticked(result, seconds, worst * 1000, worst_cpu * 1000)
+
+
+async def run_with_ticker(run: Callable[[], Awaitable[T]]) -> tuple[T, float, float]:
+    """`time_with_ticker`, as (result, seconds, wall stall ms)."""
+    ticked = await time_with_ticker(run)
+    return ticked.result, ticked.seconds, ticked.stall_ms

@@ -13,7 +13,7 @@ Two parts, each against a baseline measured in the same run:
   pages inserted (goal >= 0.9), the queues' high-water marks against their limits, work shed, and the
   soak's rate against the same soak on a cache without storage; the soak is repeated on the memory
   backend to separate the controller's cost from the file backend's I/O.
-- **stuck read**: a file backend with one page replaced by a FIFO (a read that never returns, as on a hung
+- **stuck read**: a file backend with one page's read held in its thread (a read that never returns, as on a hung
   NFS or FUSE mount). `acquire` runs under a deadline that passes once the read is stuck; reported: how long
   after the deadline it returns (`stuck_read_acquire_return_ms`, the worst of `--stuck-rounds`; goal
   < 50 ms), and that the stuck pages were quarantined and came back once the read was let go.
@@ -49,7 +49,6 @@ from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.metrics import snapshot
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import PageStatus
 
 PAGE = 16
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float16, page_size=PAGE)
@@ -250,7 +249,7 @@ async def soak(requests: list[list[int]], workers: int, storage_url: str | None)
 STUCK_READ_GOAL_MS = 50.0
 STUCK_PAGES = 32
 STUCK_AT = 20
-"""The page replaced by a FIFO: its batch's read blocks in `open` until the FIFO gets a writer."""
+"""The page whose read is stuck: its batch's read thread blocks until the round lets it go."""
 
 
 @dataclass
@@ -264,28 +263,26 @@ class StuckResult:
 
 
 class _StuckFileBackend(FileBackend):
-    """A file backend that signals `entered` when a worker thread starts reading `stuck_key`."""
+    """A file backend whose read thread, reading the group of `stuck_key`, signals `entered` and then
+    blocks until `release` is set, as in `open` on a hung mount. (A FIFO at the page's path did this until
+    the backend learnt to refuse non-regular files without blocking.)"""
 
     def __init__(self, root: str, *, namespace_digest: bytes) -> None:
         super().__init__(root, namespace_digest=namespace_digest)
         self.stuck_key = ""
         self.entered = threading.Event()
+        self.release = threading.Event()
+        self._before_read = self._stuck_at_key
 
-    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+    def _stuck_at_key(self, keys: tuple[str, ...]) -> None:
         if self.stuck_key in keys:
             self.entered.set()
-        return super()._read_group(keys, buffers)
-
-
-def _release_fifo(path: str) -> None:
-    """Wake every reader blocked opening the FIFO (opening it read-write never blocks and is a writer)."""
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    os.close(fd)
+            self.release.wait(60)
 
 
 async def stuck_read(rounds: int) -> StuckResult:
-    """`rounds` acquires, each with a fresh prompt whose page STUCK_AT is a FIFO, cancelled once the read
-    of that page has started; how long each takes to return after its deadline."""
+    """`rounds` acquires, each with a fresh prompt whose page STUCK_AT's read is stuck, cancelled once the
+    read of that page has started; how long each takes to return after its deadline."""
     return_ms: list[float] = []
     quarantined: list[int] = []
     quiet = [logging.getLogger(name) for name in ("storage_backends.file", "hicache.prefetch")]
@@ -325,9 +322,7 @@ async def _stuck_rounds(rounds: int, return_ms: list[float], quarantined: list[i
                 assert all(await backend.put([h.hex() for h in hashes], pages))
                 backend.stuck_key = hashes[STUCK_AT].hex()
                 backend.entered.clear()
-                fifo = str(backend.path_of(backend.stuck_key))
-                os.unlink(fifo)
-                os.mkfifo(fifo)
+                backend.release.clear()
                 try:
                     deadline_at: list[float] = []
                     with anyio.CancelScope() as deadline:
@@ -345,8 +340,7 @@ async def _stuck_rounds(rounds: int, return_ms: list[float], quarantined: list[i
                     return_ms.append((time.perf_counter() - deadline_at[0]) * 1000)
                     quarantined.append(cache.statistics().quarantined_pages)
                 finally:
-                    _release_fifo(fifo)
-                    os.unlink(fifo)
+                    backend.release.set()
                 with anyio.fail_after(30):
                     while cache.statistics().quarantined_pages:  # noqa: ASYNC110 - threads can't wake it
                         await anyio.sleep(0.005)
@@ -381,7 +375,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
     stuck = await stuck_read(args.stuck_rounds)
     stuck_worst = max(stuck.return_ms)
-    print(f"stuck read (a FIFO at a page's path), {len(stuck.return_ms)} acquires cancelled once stuck:")
+    print(f"stuck read (a read thread held at a page), {len(stuck.return_ms)} acquires cancelled once stuck:")
     print(
         f"  returned after the deadline: median {statistics.median(stuck.return_ms):.2f} ms, worst "
         f"{stuck_worst:.2f} ms (goal < {STUCK_READ_GOAL_MS} ms); quarantined pages per round "

@@ -13,7 +13,8 @@ Prefetches `--total-mib` of pages (payloads of 1 MiB and of 64 KiB), hot and col
   pays: the storage `exists`, the host allocation, batch-by-batch streaming and the tree insert.
 
 Every backend and controller pass runs inside the event loop next to a ticker task that records its own
-lateness: the longest stall of the loop is reported too (goal < 10 ms). Cold passes drop each file from
+lateness: the longest stall of the loop is reported too (goal < 10 ms), as wall time and as the loop thread's
+CPU time between two ticks (its own work alone, which the load of a shared machine does not inflate). Cold passes drop each file from
 the page cache first (`posix_fadvise(DONTNEED)`, after `os.sync()`); raw and backend passes alternate so
 drift in the machine's load hits both. Figures are medians over `--repeats`.
 
@@ -48,7 +49,7 @@ from typing import Any
 
 import anyio
 import torch
-from _loop_timing import run_with_ticker
+from _loop_timing import time_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
 from hicache.keys import ROOT_HASH, chained_page_hashes
@@ -66,11 +67,13 @@ NAMESPACE = Namespace(model_id="bench-io")
 
 @dataclass
 class Timed:
-    """One timed pass: seconds, the loop's longest stall, pages loaded."""
+    """One timed pass: seconds, the loop's longest stall (wall, and the loop thread's CPU between two
+    ticks: see `time_with_ticker`), pages loaded."""
 
     seconds: float
     max_stall_ms: float
     pages: int
+    max_stall_cpu_ms: float = 0.0
 
 
 @dataclass
@@ -79,10 +82,12 @@ class Series:
 
     seconds: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
+    cpu_stalls: list[float] = field(default_factory=list)
 
     def add(self, timed: Timed) -> None:
         self.seconds.append(timed.seconds)
         self.stalls.append(timed.max_stall_ms)
+        self.cpu_stalls.append(timed.max_stall_cpu_ms)
 
     @property
     def median(self) -> float:
@@ -144,9 +149,9 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
 
 async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
     """Time `run()` (which returns the pages it loaded) and the loop's longest stall (see
-    `run_with_ticker`: garbage is collected and the survivors frozen first)."""
-    pages, seconds, stall_ms = await run_with_ticker(run)
-    return Timed(seconds, stall_ms, pages)
+    `time_with_ticker`: garbage is collected and the survivors frozen first)."""
+    ticked = await time_with_ticker(run)
+    return Timed(ticked.seconds, ticked.stall_ms, ticked.result, ticked.stall_cpu_ms)
 
 
 def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
@@ -266,12 +271,14 @@ async def bench_page_size(
                 "backend_gbps": total / direct.median / 1e9,
                 "ratio": raw_med / direct.median,
                 "max_stall_ms": max(direct.stalls),
+                "max_stall_cpu_ms": max(direct.cpu_stalls),
             }
             if controller.seconds:
                 entry |= {
                     "controller_gbps": total / controller.median / 1e9,
                     "controller_ratio": raw_med / controller.median,
                     "controller_max_stall_ms": max(controller.stalls),
+                    "controller_max_stall_cpu_ms": max(controller.cpu_stalls),
                 }
             out[state] = entry
         del expected
@@ -287,6 +294,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     total = args.total_mib << 20
     pool = host_pool(total)
     results: dict[int, dict[str, dict[str, Any]]] = {}
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hicache-bench-io-", dir=args.dir) as tmp:
         for page_bytes in (1 << 20, 64 << 10):
@@ -296,22 +304,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         f"file backend and controller prefetch vs raw preadv: {args.total_mib} MiB, backend threads "
         f"{threads}, raw = fastest of {args.raw_threads} threads, median of {args.repeats}, "
         f"{args.sequences} concurrent prefetches (batch pages {args.batch_pages or 'default'}), pinned={pool.is_pinned()}, cpus={os.cpu_count()}, "
-        f"load average {os.getloadavg()[0]:.2f}, {time.perf_counter() - started:.0f} s"
+        f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after, "
+        f"{time.perf_counter() - started:.0f} s; stall ms = the loop's longest lateness (wall / the loop "
+        "thread's CPU between two ticks, which the machine's load does not inflate)"
     )
     print(
         f"{'page':>8} {'cache':>5} {'raw GB/s':>9} {'(threads)':>9} {'backend':>8} {'ratio':>6} "
-        f"{'stall ms':>9} {'controller':>11} {'ratio':>6} {'stall ms':>9} {'goal':>5}"
+        f"{'stall ms':>11} {'controller':>11} {'ratio':>6} {'stall ms':>11} {'goal':>5}"
     )
     for page_bytes, states in results.items():
         for state, r in states.items():
             ctl = (
-                f"{r['controller_gbps']:11.2f} {r['controller_ratio']:6.2f} {r['controller_max_stall_ms']:9.2f}"
+                f"{r['controller_gbps']:11.2f} {r['controller_ratio']:6.2f} "
+                f"{r['controller_max_stall_ms']:5.1f}/{r['controller_max_stall_cpu_ms']:5.1f}"
                 if "controller_gbps" in r
-                else f"{'-':>11} {'-':>6} {'-':>9}"
+                else f"{'-':>11} {'-':>6} {'-':>11}"
             )
             print(
                 f"{label(page_bytes):>8} {state:>5} {r['raw_gbps']:9.2f} {r['raw_threads']:>9} "
-                f"{r['backend_gbps']:8.2f} {r['ratio']:6.2f} {r['max_stall_ms']:9.2f} {ctl} "
+                f"{r['backend_gbps']:8.2f} {r['ratio']:6.2f} {r['max_stall_ms']:5.1f}/{r['max_stall_cpu_ms']:5.1f} {ctl} "
                 f"{GOALS[page_bytes]:5.2f}"
             )
         for state, r in states.items():
@@ -328,6 +339,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         "gbps_1mib_hot": round(mib["hot"]["backend_gbps"], 2),
         "gbps_64kib_hot": round(kib["hot"]["backend_gbps"], 2),
         "max_loop_stall_ms": round(max(r["max_stall_ms"] for s in results.values() for r in s.values()), 2),
+        "max_loop_stall_cpu_ms": round(
+            max(r["max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
+        ),
     }
     if not args.no_controller:
         for page_bytes, name in ((1 << 20, "1mib"), (64 << 10, "64kib")):
@@ -337,6 +351,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 )
         summary["max_loop_stall_ms_controller"] = round(
             max(r["controller_max_stall_ms"] for s in results.values() for r in s.values()), 2
+        )
+        summary["max_loop_stall_cpu_ms_controller"] = round(
+            max(r["controller_max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
         )
     if not args.no_controller:
         sglang = run_sglang(args)
@@ -349,6 +366,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         if "controller_gbps" in r
     }
     summary["load_average"] = round(os.getloadavg()[0], 2)
+    summary["load_average_before"] = round(load_before, 2)
     return summary
 
 

@@ -6,8 +6,9 @@
  * the whole batch. Each page is read in chunks and each chunk is hashed (xxh3-64) right after the read
  * copied it into the buffer, while it is still in the CPU cache: a verified page costs one pass over memory,
  * not two (copy, then checksum). Anything unusual (a short or overlong file, a header that does not match, a
- * checksum mismatch) is reported as RETRY and left to the Python side, which re-reads that page and names the
- * problem: this file only ever says "verified", "absent", "error" (with its errno) or "look again".
+ * checksum mismatch, a path that is not a regular file) is reported as RETRY and left to the Python side,
+ * which re-reads that page and names the problem: this file only ever says "verified", "absent", "error"
+ * (with its errno) or "look again".
  *
  * xxh3_64() is the payload checksum of page format v2 (xxh3-64, seed 0), releasing the GIL.
  *
@@ -20,8 +21,12 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <fcntl.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -156,7 +161,14 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
     return XXH3_64bits_digest(&state) == load_le64(header + 48) ? CODE_HIT : CODE_RETRY;
 }
 
-/* Open page `key`'s file: its descriptor, or -1 with the errno in *err. */
+#define NOT_REGULAR (-2) /* open_page: the path is not a regular file (a FIFO, a device, a directory) */
+
+/*
+ * Open page `key`'s file: its descriptor, or -1 with the errno in *err, or NOT_REGULAR. Opened with
+ * O_NONBLOCK and checked with fstat before any read: a FIFO at a page path would otherwise block the open
+ * (and then the read) until some writer came, holding a reader thread and its buffers for good. A regular
+ * file ignores O_NONBLOCK on local filesystems; it is cleared anyway so a FUSE daemon sees a plain read.
+ */
 static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, int *err) {
     char path[MAX_PATH_BYTES];
     if (build_path(ctx, key, key_len, path) < 0) {
@@ -165,19 +177,31 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, i
     }
     int fd;
     do {
-        fd = open(path, O_RDONLY | O_CLOEXEC);
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd < 0 && errno == EINTR);
-    if (fd < 0) *err = errno;
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fcntl(fd, F_SETFL, 0) < 0) {
+        close(fd);
+        return NOT_REGULAR;
+    }
     return fd;
 }
 
-static int open_failure(int err) { return err == ENOENT ? CODE_MISS : CODE_ERROR; }
+/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it. */
+static int open_failure(int fd, int err) {
+    if (fd == NOT_REGULAR) return CODE_RETRY;
+    return err == ENOENT ? CODE_MISS : CODE_ERROR;
+}
 
 /* Open and read one page. */
 static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, unsigned char *buf,
                     Py_ssize_t n, int flags, int *err) {
     int fd = open_page(ctx, key, key_len, err);
-    if (fd < 0) return open_failure(*err);
+    if (fd < 0) return open_failure(fd, *err);
     int code = read_fd(ctx, fd, key, key_len, buf, n, flags, err);
     close(fd);
     return code;
@@ -220,7 +244,7 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
         }
         int fd = fds[k % READAHEAD_PAGES];
         if (fd < 0) {
-            codes[k] = (unsigned char)open_failure(ctx->errnos[k]);
+            codes[k] = (unsigned char)open_failure(fd, ctx->errnos[k]);
             continue;
         }
         codes[k] = (unsigned char)read_fd(ctx, fd, keys[k], key_lens[k], views[k].buf, views[k].len, 0,
@@ -228,6 +252,216 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
         close(fd);
     }
 }
+
+/*
+ * ReadJob: one batch of pages to read, with everything the read needs held for its whole life: a reference
+ * to every key and a buffer export of every buffer (another thread may change the caller's sequences, or
+ * drop them, while a worker reads without the GIL). read_pages() runs one job in the calling thread;
+ * ReadQueue runs them in its worker threads.
+ */
+enum { JOB_NEW, JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED };
+
+typedef struct ReadJob {
+    PyObject_HEAD
+    struct ReadJob *next; /* in the queue's pending or done list */
+    int state;            /* JOB_*, changed under the queue's mutex */
+    int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
+    read_ctx ctx;
+    PyObject *root_obj, *suffix_obj, *ns_obj, *hook;
+    Py_ssize_t count, n_keys, n_views;
+    PyObject **key_objs;
+    const char **keys;
+    Py_ssize_t *key_lens;
+    Py_buffer *views;
+    unsigned char *codes;
+} ReadJob;
+
+static PyTypeObject ReadJobType;
+
+static void job_dealloc(ReadJob *job) {
+    for (Py_ssize_t j = 0; j < job->n_views; j++) PyBuffer_Release(&job->views[j]);
+    for (Py_ssize_t j = 0; j < job->n_keys; j++) Py_DECREF(job->key_objs[j]);
+    PyMem_Free(job->key_objs);
+    PyMem_Free(job->keys);
+    PyMem_Free(job->key_lens);
+    PyMem_Free(job->views);
+    PyMem_Free(job->ctx.errnos);
+    PyMem_Free(job->codes);
+    Py_XDECREF(job->root_obj);
+    Py_XDECREF(job->suffix_obj);
+    Py_XDECREF(job->ns_obj);
+    Py_XDECREF(job->hook);
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+/* A job for read_pages' six arguments (root, suffix, keys, buffers, namespace_digest, nowait_flags), or NULL
+   with an exception set. */
+static ReadJob *job_new(PyObject *const *args) {
+    ReadJob *job = PyObject_New(ReadJob, &ReadJobType);
+    if (job == NULL) return NULL;
+    job->next = NULL;
+    job->state = JOB_NEW;
+    job->stat_only = args[3] == Py_None;
+    memset(&job->ctx, 0, sizeof(job->ctx));
+    job->root_obj = job->suffix_obj = job->ns_obj = job->hook = NULL;
+    job->count = job->n_keys = job->n_views = 0;
+    job->key_objs = NULL;
+    job->keys = NULL;
+    job->key_lens = NULL;
+    job->views = NULL;
+    job->codes = NULL;
+    PyObject *key_seq = NULL, *buf_seq = NULL;
+
+    job->ctx.root = PyUnicode_AsUTF8AndSize(args[0], &job->ctx.root_len);
+    if (job->ctx.root == NULL) goto fail;
+    job->root_obj = Py_NewRef(args[0]);
+    job->ctx.suffix = PyUnicode_AsUTF8AndSize(args[1], &job->ctx.suffix_len);
+    if (job->ctx.suffix == NULL) goto fail;
+    job->suffix_obj = Py_NewRef(args[1]);
+    /* A NUL would cut every page's path short. */
+    if (strlen(job->ctx.root) != (size_t)job->ctx.root_len ||
+        strlen(job->ctx.suffix) != (size_t)job->ctx.suffix_len) {
+        PyErr_SetString(PyExc_ValueError, "root, suffix: expected no NUL character");
+        goto fail;
+    }
+    if (!PyBytes_Check(args[4]) || PyBytes_GET_SIZE(args[4]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "namespace_digest: expected 16 bytes");
+        goto fail;
+    }
+    job->ns_obj = Py_NewRef(args[4]);
+    job->ctx.namespace_digest = (const unsigned char *)PyBytes_AS_STRING(args[4]);
+    long nowait_flags = PyLong_AsLong(args[5]);
+    if (nowait_flags == -1 && PyErr_Occurred()) goto fail;
+    job->ctx.nowait_flags = (int)nowait_flags;
+
+    key_seq = PySequence_Fast(args[2], "keys: expected a sequence of str");
+    if (key_seq == NULL) goto fail;
+    buf_seq = PySequence_Fast(job->stat_only ? args[2] : args[3], "buffers: expected a sequence of buffers");
+    if (buf_seq == NULL) goto fail;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(key_seq);
+    if (PySequence_Fast_GET_SIZE(buf_seq) != count) {
+        PyErr_Format(PyExc_ValueError, "buffers: expected one buffer per key (%zd), got %zd", count,
+                     PySequence_Fast_GET_SIZE(buf_seq));
+        goto fail;
+    }
+    job->count = count;
+    job->key_objs = PyMem_Malloc(sizeof(PyObject *) * (size_t)(count + 1));
+    job->keys = PyMem_Malloc(sizeof(char *) * (size_t)(count + 1));
+    job->key_lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(count + 1));
+    job->views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(count + 1));
+    job->ctx.errnos = PyMem_Calloc((size_t)(count + 1), sizeof(int));
+    job->codes = PyMem_Malloc((size_t)(count + 1));
+    if (job->key_objs == NULL || job->keys == NULL || job->key_lens == NULL || job->views == NULL ||
+        job->ctx.errnos == NULL || job->codes == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (; job->n_keys < count; job->n_keys++) {
+        Py_ssize_t k = job->n_keys;
+        PyObject *key = PySequence_Fast_GET_ITEM(key_seq, k);
+        if (!PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "keys[%zd]: expected str, got %.100s", k, Py_TYPE(key)->tp_name);
+            goto fail;
+        }
+        job->keys[k] = PyUnicode_AsUTF8AndSize(key, &job->key_lens[k]);
+        if (job->keys[k] == NULL) goto fail;
+        if (!is_page_key(job->keys[k], job->key_lens[k])) {
+            PyErr_Format(PyExc_ValueError, "keys[%zd]: expected %d-%d lowercase hex characters", k,
+                         MIN_KEY_CHARS, MAX_KEY_CHARS);
+            goto fail;
+        }
+        job->key_objs[k] = Py_NewRef(key);
+    }
+    for (; !job->stat_only && job->n_views < count; job->n_views++) {
+        Py_ssize_t k = job->n_views;
+        PyObject *buf = PySequence_Fast_GET_ITEM(buf_seq, k);
+        if (PyObject_GetBuffer(buf, &job->views[k], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "buffers[%zd]: expected a writable C-contiguous buffer", k);
+            goto fail;
+        }
+    }
+    Py_DECREF(key_seq);
+    Py_DECREF(buf_seq);
+    return job;
+fail:
+    Py_XDECREF(key_seq);
+    Py_XDECREF(buf_seq);
+    Py_DECREF(job);
+    return NULL;
+}
+
+/* Which of a stat-only job's pages exist, up to the first that does not (MISS) or cannot be stat-ed (ERROR,
+   with its errno); the pages after it are MISS unasked. */
+static void stat_batch(ReadJob *job) {
+    Py_ssize_t i = 0;
+    for (; i < job->count; i++) {
+        char path[MAX_PATH_BYTES];
+        struct stat st;
+        int code = CODE_HIT;
+        if (build_path(&job->ctx, job->keys[i], job->key_lens[i], path) < 0) {
+            job->ctx.errnos[i] = ENAMETOOLONG;
+            code = CODE_ERROR;
+        } else if (stat(path, &st) < 0) {
+            job->ctx.errnos[i] = errno;
+            code = open_failure(-1, errno);
+        }
+        job->codes[i] = (unsigned char)code;
+        if (code != CODE_HIT) break;
+    }
+    for (i++; i < job->count; i++) job->codes[i] = CODE_MISS;
+}
+
+/* Run a job (no GIL needed). */
+static void job_run(ReadJob *job) {
+    if (job->stat_only) stat_batch(job);
+    else read_batch(&job->ctx, job->count, job->keys, job->key_lens, job->views, job->codes);
+}
+
+/* (codes, nowait_flags, [(index, errno) of every ERROR page]) of a job that ran. */
+static PyObject *job_outcome(ReadJob *job) {
+    PyObject *codes = PyBytes_FromStringAndSize((const char *)job->codes, job->count);
+    PyObject *errors = PyList_New(0);
+    if (codes == NULL || errors == NULL) goto fail;
+    for (Py_ssize_t j = 0; j < job->count; j++) {
+        if (job->codes[j] != CODE_ERROR) continue;
+        PyObject *item = Py_BuildValue("(ni)", j, job->ctx.errnos[j]);
+        if (item == NULL || PyList_Append(errors, item) < 0) {
+            Py_XDECREF(item);
+            goto fail;
+        }
+        Py_DECREF(item);
+    }
+    return Py_BuildValue("(NiN)", codes, job->ctx.nowait_flags, errors);
+fail:
+    Py_XDECREF(codes);
+    Py_XDECREF(errors);
+    return NULL;
+}
+
+static PyObject *job_result(ReadJob *job, PyObject *unused) {
+    (void)unused;
+    if (job->state != JOB_DONE) {
+        PyErr_SetString(PyExc_RuntimeError, "ReadJob.result(): the job has not run");
+        return NULL;
+    }
+    return job_outcome(job);
+}
+
+static PyMethodDef job_methods[] = {
+    {"result", (PyCFunction)job_result, METH_NOARGS,
+     "result() -> tuple[bytes, int, list[tuple[int, int]]]\n\nAs read_pages returns, once the job is done."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReadJobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hicache_native.ReadJob",
+    .tp_basicsize = sizeof(ReadJob),
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A batch of pages handed to a ReadQueue (its handle: cancel it, or take its result).",
+    .tp_methods = job_methods,
+};
 
 PyDoc_STRVAR(read_pages_doc,
              "read_pages(root, suffix, keys, buffers, namespace_digest, nowait_flags, /)\n"
@@ -242,113 +476,322 @@ static PyObject *read_pages(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_Format(PyExc_TypeError, "read_pages() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    read_ctx ctx;
-    ctx.root = PyUnicode_AsUTF8AndSize(args[0], &ctx.root_len);
-    if (ctx.root == NULL) return NULL;
-    ctx.suffix = PyUnicode_AsUTF8AndSize(args[1], &ctx.suffix_len);
-    if (ctx.suffix == NULL) return NULL;
-    /* A NUL would cut every page's path short. */
-    if (strlen(ctx.root) != (size_t)ctx.root_len || strlen(ctx.suffix) != (size_t)ctx.suffix_len) {
-        PyErr_SetString(PyExc_ValueError, "root, suffix: expected no NUL character");
+    ReadJob *job = job_new(args);
+    if (job == NULL) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    job_run(job);
+    Py_END_ALLOW_THREADS
+    job->state = JOB_DONE;
+    PyObject *result = job_outcome(job);
+    Py_DECREF(job);
+    return result;
+}
+
+/*
+ * ReadQueue: worker threads that read jobs one after another without ever taking the GIL. A thread calls
+ * work() once (a Python thread: the queue does not start threads) and stays in it, the GIL released,
+ * taking the next pending job as soon as it finishes one: no event-loop round trip and no GIL hand-off
+ * between two jobs (with the loop busy, a thread that needed the GIL back waited up to the 5 ms switch
+ * interval per job). A finished job goes to the done list and the queue's eventfd is signalled; the event
+ * loop, watching fileno(), takes the finished jobs with collect(). A pending job can be cancelled (it never
+ * starts); a running one cannot (the caller registers its buffers as a stray thread's until collect()
+ * returns it). A job with a hook (tests' stand-in for a hung mount) calls it in the worker, with the GIL,
+ * before reading.
+ */
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ReadJob *head, *tail;           /* pending, FIFO */
+    ReadJob *done_head, *done_tail; /* finished, not collected */
+    int efd;
+    int closed;
+    Py_ssize_t retire; /* workers asked to leave */
+} ReadQueue;
+
+static void queue_dealloc(ReadQueue *q) {
+    ReadJob *lists[2] = {q->head, q->done_head};
+    for (int l = 0; l < 2; l++)
+        for (ReadJob *job = lists[l]; job != NULL;) {
+            ReadJob *next = job->next;
+            Py_DECREF(job);
+            job = next;
+        }
+    if (q->efd >= 0) close(q->efd);
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "ReadQueue() takes no arguments");
         return NULL;
     }
-    if (!PyBytes_Check(args[4]) || PyBytes_GET_SIZE(args[4]) != 16) {
+    ReadQueue *q = (ReadQueue *)type->tp_alloc(type, 0);
+    if (q == NULL) return NULL;
+    q->head = q->tail = q->done_head = q->done_tail = NULL;
+    q->closed = 0;
+    q->retire = 0;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    q->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (q->efd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(q);
+        return NULL;
+    }
+    return (PyObject *)q;
+}
+
+static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "submit() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    ReadJob *job = job_new(args);
+    if (job == NULL) return NULL;
+    if (args[6] != Py_None) job->hook = Py_NewRef(args[6]);
+    pthread_mutex_lock(&q->mu);
+    if (q->closed) {
+        pthread_mutex_unlock(&q->mu);
+        Py_DECREF(job);
+        PyErr_SetString(PyExc_RuntimeError, "submit(): the queue is closed");
+        return NULL;
+    }
+    job->state = JOB_QUEUED;
+    Py_INCREF(job); /* the queue's reference, handed to collect() */
+    if (q->tail) q->tail->next = job;
+    else q->head = job;
+    q->tail = job;
+    pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return (PyObject *)job;
+}
+
+static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ReadJobType)) {
+        PyErr_SetString(PyExc_TypeError, "job: expected a ReadJob");
+        return NULL;
+    }
+    ReadJob *job = (ReadJob *)arg;
+    int removed = 0;
+    pthread_mutex_lock(&q->mu);
+    if (job->state == JOB_QUEUED) {
+        ReadJob *prev = NULL;
+        for (ReadJob *j = q->head; j != NULL; prev = j, j = j->next) {
+            if (j != job) continue;
+            if (prev) prev->next = j->next;
+            else q->head = j->next;
+            if (q->tail == j) q->tail = prev;
+            j->next = NULL;
+            break;
+        }
+        job->state = JOB_CANCELLED;
+        removed = 1;
+    }
+    pthread_mutex_unlock(&q->mu);
+    if (removed) Py_DECREF(job); /* the queue's reference */
+    return PyBool_FromLong(removed);
+}
+
+static PyObject *queue_collect(ReadQueue *q, PyObject *unused) {
+    (void)unused;
+    uint64_t count;
+    while (read(q->efd, &count, sizeof(count)) < 0 && errno == EINTR) {
+    }
+    pthread_mutex_lock(&q->mu);
+    ReadJob *job = q->done_head;
+    q->done_head = q->done_tail = NULL;
+    pthread_mutex_unlock(&q->mu);
+    PyObject *out = PyList_New(0);
+    while (job != NULL) {
+        ReadJob *next = job->next;
+        job->next = NULL;
+        if (out != NULL && PyList_Append(out, (PyObject *)job) < 0) Py_CLEAR(out);
+        Py_DECREF(job); /* the queue's reference: the list holds one now */
+        job = next;
+    }
+    return out;
+}
+
+static void call_hook(ReadJob *job) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *keys = PyTuple_New(job->count);
+    if (keys != NULL) {
+        for (Py_ssize_t k = 0; k < job->count; k++) PyTuple_SET_ITEM(keys, k, Py_NewRef(job->key_objs[k]));
+        PyObject *r = PyObject_CallOneArg(job->hook, keys);
+        Py_XDECREF(r);
+        Py_DECREF(keys);
+    }
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(job->hook);
+    PyGILState_Release(gil);
+}
+
+static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        pthread_mutex_lock(&q->mu);
+        while (q->head == NULL && !q->closed && q->retire == 0) pthread_cond_wait(&q->cv, &q->mu);
+        if (q->retire > 0) {
+            q->retire--;
+            pthread_mutex_unlock(&q->mu);
+            break;
+        }
+        ReadJob *job = q->head;
+        if (job == NULL) { /* closed, nothing pending */
+            pthread_mutex_unlock(&q->mu);
+            break;
+        }
+        q->head = job->next;
+        if (q->head == NULL) q->tail = NULL;
+        job->next = NULL;
+        job->state = JOB_RUNNING;
+        pthread_mutex_unlock(&q->mu);
+
+        if (job->hook != NULL) call_hook(job);
+        job_run(job);
+
+        pthread_mutex_lock(&q->mu);
+        job->state = JOB_DONE;
+        if (q->done_tail) q->done_tail->next = job;
+        else q->done_head = job;
+        q->done_tail = job;
+        pthread_mutex_unlock(&q->mu);
+        uint64_t one = 1;
+        while (write(q->efd, &one, sizeof(one)) < 0 && errno == EINTR) {
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_retire(ReadQueue *q, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n: expected >= 0");
+        return NULL;
+    }
+    pthread_mutex_lock(&q->mu);
+    q->retire += n;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_close(ReadQueue *q, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&q->mu);
+    q->closed = 1;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_fileno(ReadQueue *q, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLong(q->efd);
+}
+
+static PyObject *queue_get_closed(ReadQueue *q, void *closure) {
+    (void)closure;
+    pthread_mutex_lock(&q->mu);
+    int closed = q->closed;
+    pthread_mutex_unlock(&q->mu);
+    return PyBool_FromLong(closed);
+}
+
+static PyMethodDef queue_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))queue_submit, METH_FASTCALL,
+     "submit(root, suffix, keys, buffers, namespace_digest, nowait_flags, hook, /) -> ReadJob\n\n"
+     "Queue a batch as read_pages takes it; hook (or None) is called with the keys in the worker first.\n"
+     "buffers=None: only stat the pages, up to the first absent (MISS) or failing (ERROR) one."},
+    {"cancel", (PyCFunction)queue_cancel, METH_O,
+     "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started."},
+    {"collect", (PyCFunction)queue_collect, METH_NOARGS,
+     "collect() -> list[ReadJob]\n\nThe jobs finished since the last call (and reset fileno())."},
+    {"work", (PyCFunction)queue_work, METH_NOARGS,
+     "work() -> None\n\nRun pending jobs in this thread, without the GIL, until close() (once nothing is\n"
+     "pending) or retire()."},
+    {"retire", (PyCFunction)queue_retire, METH_O, "retire(n, /) -> None\n\nAsk n workers to leave work()."},
+    {"close", (PyCFunction)queue_close, METH_NOARGS,
+     "close() -> None\n\nRefuse new jobs; workers leave work() once nothing is pending."},
+    {"fileno", (PyCFunction)queue_fileno, METH_NOARGS,
+     "fileno() -> int\n\nAn eventfd readable while finished jobs wait for collect()."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef queue_getset[] = {
+    {"closed", (getter)queue_get_closed, NULL, "Whether close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ReadQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hicache_native.ReadQueue",
+    .tp_basicsize = sizeof(ReadQueue),
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Worker threads that read page batches one after another without the GIL.",
+    .tp_methods = queue_methods,
+    .tp_getset = queue_getset,
+    .tp_new = queue_new,
+};
+
+PyDoc_STRVAR(chain_hashes_doc,
+             "chain_hashes(key, step, namespace_digest, prev, /) -> list[bytes]\n\n"
+             "One 16-byte xxh3-128 digest per full step-byte page of key: digest(previous page's hash +\n"
+             "namespace_digest + the page's bytes), starting from prev; as hicache.keys.chained_page_hashes.");
+
+static PyObject *chain_hashes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "chain_hashes() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t step = PyLong_AsSsize_t(args[1]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (step < 1) {
+        PyErr_Format(PyExc_ValueError, "step: expected >= 1, got %zd", step);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) != 16) {
         PyErr_SetString(PyExc_ValueError, "namespace_digest: expected 16 bytes");
         return NULL;
     }
-    ctx.namespace_digest = (const unsigned char *)PyBytes_AS_STRING(args[4]);
-    long nowait_flags = PyLong_AsLong(args[5]);
-    if (nowait_flags == -1 && PyErr_Occurred()) return NULL;
-    ctx.nowait_flags = (int)nowait_flags;
-    ctx.errnos = NULL;
-
-    PyObject *key_seq = PySequence_Fast(args[2], "keys: expected a sequence of str");
-    if (key_seq == NULL) return NULL;
-    PyObject *buf_seq = PySequence_Fast(args[3], "buffers: expected a sequence of buffers");
-    if (buf_seq == NULL) {
-        Py_DECREF(key_seq);
+    if (!PyBytes_Check(args[3]) || PyBytes_GET_SIZE(args[3]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "prev: expected a 16-byte hash");
         return NULL;
     }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(key_seq);
-    PyObject *result = NULL, *codes = NULL;
-    PyObject **key_objs = NULL;
-    const char **keys = NULL;
-    Py_ssize_t *key_lens = NULL;
-    Py_buffer *views = NULL;
-    Py_ssize_t n_keys = 0, n_views = 0;
-    if (PySequence_Fast_GET_SIZE(buf_seq) != count) {
-        PyErr_Format(PyExc_ValueError, "buffers: expected one buffer per key (%zd), got %zd", count,
-                     PySequence_Fast_GET_SIZE(buf_seq));
-        goto done;
+    Py_buffer key;
+    if (PyObject_GetBuffer(args[0], &key, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t pages = key.len / step;
+    PyObject *out = PyList_New(pages);
+    if (out == NULL) {
+        PyBuffer_Release(&key);
+        return NULL;
     }
-    key_objs = PyMem_Malloc(sizeof(PyObject *) * (size_t)(count + 1));
-    keys = PyMem_Malloc(sizeof(char *) * (size_t)(count + 1));
-    key_lens = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(count + 1));
-    views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(count + 1));
-    ctx.errnos = PyMem_Calloc((size_t)(count + 1), sizeof(int));
-    codes = PyBytes_FromStringAndSize(NULL, count);
-    if (key_objs == NULL || keys == NULL || key_lens == NULL || views == NULL || ctx.errnos == NULL ||
-        codes == NULL) {
-        if (!PyErr_Occurred()) PyErr_NoMemory();
-        goto done;
-    }
-    /* Own a reference to every key and a buffer export of every view: another thread may change the
-       sequences while this one runs without the GIL. */
-    for (; n_keys < count; n_keys++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(key_seq, n_keys);
-        if (!PyUnicode_Check(key)) {
-            PyErr_Format(PyExc_TypeError, "keys[%zd]: expected str, got %.100s", n_keys, Py_TYPE(key)->tp_name);
-            goto done;
+    const unsigned char *ns = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    XXH128_canonical_t h;
+    memcpy(h.digest, PyBytes_AS_STRING(args[3]), 16);
+    XXH3_state_t state;
+    for (Py_ssize_t i = 0; i < pages; i++) {
+        XXH3_128bits_reset(&state);
+        XXH3_128bits_update(&state, h.digest, 16);
+        XXH3_128bits_update(&state, ns, 16);
+        XXH3_128bits_update(&state, (const unsigned char *)key.buf + i * step, (size_t)step);
+        XXH128_canonicalFromHash(&h, XXH3_128bits_digest(&state));
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)h.digest, 16);
+        if (digest == NULL) {
+            Py_DECREF(out);
+            PyBuffer_Release(&key);
+            return NULL;
         }
-        keys[n_keys] = PyUnicode_AsUTF8AndSize(key, &key_lens[n_keys]);
-        if (keys[n_keys] == NULL) goto done;
-        if (!is_page_key(keys[n_keys], key_lens[n_keys])) {
-            PyErr_Format(PyExc_ValueError, "keys[%zd]: expected %d-%d lowercase hex characters", n_keys,
-                         MIN_KEY_CHARS, MAX_KEY_CHARS);
-            goto done;
-        }
-        Py_INCREF(key);
-        key_objs[n_keys] = key;
+        PyList_SET_ITEM(out, i, digest);
     }
-    for (; n_views < count; n_views++) {
-        PyObject *buf = PySequence_Fast_GET_ITEM(buf_seq, n_views);
-        if (PyObject_GetBuffer(buf, &views[n_views], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_ValueError, "buffers[%zd]: expected a writable C-contiguous buffer", n_views);
-            goto done;
-        }
-    }
-    Py_BEGIN_ALLOW_THREADS
-    read_batch(&ctx, count, keys, key_lens, views, (unsigned char *)PyBytes_AS_STRING(codes));
-    Py_END_ALLOW_THREADS
-    {
-        PyObject *errors = PyList_New(0);
-        if (errors == NULL) goto done;
-        const unsigned char *c = (const unsigned char *)PyBytes_AS_STRING(codes);
-        for (Py_ssize_t j = 0; j < count; j++) {
-            if (c[j] != CODE_ERROR) continue;
-            PyObject *item = Py_BuildValue("(ni)", j, ctx.errnos[j]);
-            if (item == NULL || PyList_Append(errors, item) < 0) {
-                Py_XDECREF(item);
-                Py_DECREF(errors);
-                goto done;
-            }
-            Py_DECREF(item);
-        }
-        result = Py_BuildValue("(OiN)", codes, ctx.nowait_flags, errors);
-    }
-done:
-    for (Py_ssize_t j = 0; j < n_views; j++) PyBuffer_Release(&views[j]);
-    for (Py_ssize_t j = 0; j < n_keys; j++) Py_DECREF(key_objs[j]);
-    PyMem_Free(key_objs);
-    PyMem_Free(keys);
-    PyMem_Free(key_lens);
-    PyMem_Free(views);
-    PyMem_Free(ctx.errnos);
-    Py_XDECREF(codes);
-    Py_DECREF(key_seq);
-    Py_DECREF(buf_seq);
-    return result;
+    PyBuffer_Release(&key);
+    return out;
 }
 
 PyDoc_STRVAR(xxh3_64_doc,
@@ -374,6 +817,7 @@ static PyObject *xxh3_64(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     {"read_pages", (PyCFunction)(void (*)(void))read_pages, METH_FASTCALL, read_pages_doc},
     {"xxh3_64", xxh3_64, METH_O, xxh3_64_doc},
+    {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -386,8 +830,14 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__hicache_native(void) {
+    if (PyType_Ready(&ReadJobType) < 0 || PyType_Ready(&ReadQueueType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "ReadJob", (PyObject *)&ReadJobType) < 0 ||
+        PyModule_AddObjectRef(m, "ReadQueue", (PyObject *)&ReadQueueType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "HIT", CODE_HIT) < 0 || PyModule_AddIntConstant(m, "MISS", CODE_MISS) < 0 ||
         PyModule_AddIntConstant(m, "RETRY", CODE_RETRY) < 0 || PyModule_AddIntConstant(m, "ERROR", CODE_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||

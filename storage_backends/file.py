@@ -4,15 +4,16 @@ Layout: `root/ab/cd/<key>.kvp`, where `ab` and `cd` are the key's first two hex 
 grows past 65536 entries per level. Every file is a `page_format` header followed by the payload.
 
 `FileBackend` is the async face (validation, grouping into worker-thread calls, statistics, lifecycle);
-`storage_backends.file_pages.PageFiles` does the work on the files in those threads. Reads go straight into
-the caller's buffer and are verified in the same pass, a whole group per call into the C extension with the
-GIL released; writes go to a temporary file in the page's directory and are renamed over the final name
-with `os.replace`, so a reader sees a whole page or no page.
+`storage_backends.file_pages.PageFiles` does the work on the files. Reads go straight into the caller's
+buffer and are verified in the same pass, a whole group per job, by the C extension's read threads, which
+never take the GIL (`storage_backends.read_queue`); writes go to a temporary file in the page's directory
+and are renamed over the final name with `os.replace`, so a reader sees a whole page or no page.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -21,13 +22,16 @@ from urllib.parse import urlsplit
 
 import anyio
 
+from storage_backends import native
 from storage_backends.batching import (
     BackendStatistics,
     PendingGroups,
     StatisticsRecorder,
+    buffer_sizes,
     check_batch,
     gather_bounded,
     gather_page_groups,
+    group_slices,
     run_in_thread,
 )
 from storage_backends.file_pages import NOWAIT, SUFFIX, PageFiles
@@ -35,6 +39,7 @@ from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import check_namespace_digest, validate_keys
 from storage_backends.protocol import PageStatus
+from storage_backends.read_queue import ReadHook, ReadThreads
 from storage_backends.redact import redact_url
 
 __all__ = ["SUFFIX", "FileBackend", "default_concurrency"]
@@ -78,7 +83,7 @@ class FileBackend(BackendLifecycle):
             normalised (`os.path.abspath`: `..` is resolved); `from_url` refuses `.` and `..` instead.
         namespace_digest: the 16-byte namespace digest written into, and required from, every page.
         max_concurrency: the most worker threads this backend keeps busy at once, across all calls
-            (default: `default_concurrency()`).
+            (default: `default_concurrency()`): its read threads, and the threads of the other calls.
         durable: fsync each page and its directory before reporting it written.
         group_bytes: payload bytes one worker-thread call handles; small pages are grouped up to this
             size so a thread hop is shared by several pages.
@@ -120,6 +125,9 @@ class FileBackend(BackendLifecycle):
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
+        self._reader = ReadThreads(max_concurrency, name="hicache-file-read")
+        self._before_read: ReadHook | None = None
+        """Called in the read thread with a group's keys before it is read (tests: a hung mount)."""
         self._closed = False
 
     @classmethod
@@ -169,8 +177,8 @@ class FileBackend(BackendLifecycle):
     async def exists(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` whose page files all exist (stops at the first miss).
 
-        Keys are stat-ed in chunks, up to `max_concurrency` chunks at once; a wave of chunks runs only if
-        every page before it exists.
+        Keys are stat-ed in chunks by the read threads (`storage_backends.read_queue`), a wave of up to
+        `max_concurrency` chunks at once; a wave runs only if every page before it exists.
 
         Raises:
             CacheClosed: after `aclose()`.
@@ -185,16 +193,18 @@ class FileBackend(BackendLifecycle):
             chunks = [
                 slice(s, min(s + _EXISTS_CHUNK, n)) for s in range(pos, min(pos + wave, n), _EXISTS_CHUNK)
             ]
-            counts = await gather_bounded(
-                [
-                    partial(run_in_thread, self._files.count_present, keys[c], limiter=self._limiter)
-                    for c in chunks
-                ],
-                self._max_concurrency,
+            outcomes = await self._reader.run(
+                [(keys[c], None) for c in chunks],
+                root=self._root,
+                suffix=SUFFIX,
+                namespace_digest=self._namespace,
+                nowait=0,
             )
-            for chunk, count in zip(chunks, counts, strict=True):
-                if count < chunk.stop - chunk.start:
-                    return chunk.start + count
+            for chunk, (codes, _, errors) in zip(chunks, outcomes, strict=True):
+                self._files.log_stat_errors(keys[chunk], errors)
+                present = codes.count(native.HIT)  # a prefix: the stat stops at the first miss
+                if present < chunk.stop - chunk.start:
+                    return chunk.start + present
             pos = chunks[-1].stop
         return n
 
@@ -213,7 +223,7 @@ class FileBackend(BackendLifecycle):
         """
         check_batch(keys, buffers)
         validate_keys(keys)
-        return self._stats.record_reads(await self._gather_groups(self._read_group, keys, buffers), buffers)
+        return self._stats.record_reads(await self._read(keys, buffers), buffers)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
         """Write pages from `buffers`, each atomically (temporary file + rename); one flag per page.
@@ -279,9 +289,54 @@ class FileBackend(BackendLifecycle):
             pending=self._pending,
         )
 
-    def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Read and verify a group of pages in a worker thread (`PageFiles.read_group`)."""
-        return self._files.read_group(keys, buffers)
+    async def _read(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Read and verify pages in the read threads, a group per job; re-read checked (in a worker thread)
+        the pages the C reader flagged."""
+        # Spread a batch over the threads no other call has claimed (see `gather_page_groups`).
+        spare = self._max_concurrency - self._pending.groups
+        groups = group_slices(
+            buffer_sizes(buffers),
+            limit=max(1, spare),
+            group_bytes=self._group_bytes,
+            min_group_bytes=_MIN_GROUP_BYTES,
+        )
+        self._pending.groups += len(groups)
+        try:
+            outcomes = await self._reader.run(
+                [(keys[g], buffers[g]) for g in groups],
+                root=self._root,
+                suffix=SUFFIX,
+                namespace_digest=self._namespace,
+                nowait=self._files.nowait,
+                hook=self._before_read,
+            )
+        finally:
+            self._pending.groups -= len(groups)
+        statuses: list[PageStatus | None] = []
+        for g, (codes, nowait, errors) in zip(groups, outcomes, strict=True):
+            statuses += self._files.statuses(keys[g], codes, nowait, errors)
+        if None in statuses:
+            again = [i for i, status in enumerate(statuses) if status is None]
+            rechecked = await run_in_thread(
+                self._files.recheck,
+                [keys[i] for i in again],
+                [buffers[i] for i in again],
+                limiter=self._limiter,
+                touches=[buffers[i] for i in again],
+            )
+            for i, status in zip(again, rechecked, strict=True):
+                statuses[i] = status
+        return statuses  # type: ignore[return-value]  # every None was replaced above
+
+    def _release(self) -> None:
+        self._reader.close()
+
+    # `warnings.warn` is bound as a default so the check still works while the interpreter shuts down.
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        super().__del__(_warn)
+        reader = getattr(self, "_reader", None)
+        if reader is not None and not getattr(self, "_closed", True):
+            reader.close_queue()  # collected unclosed: let its read threads go
 
     def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Write a group of pages in a worker thread (`PageFiles.write_group`)."""

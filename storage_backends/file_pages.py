@@ -5,10 +5,11 @@ payload) and does the per-page work: batched reads through the C extension, a ch
 the C reader found unusual, atomic writes, stat and unlink. It runs in worker threads only; `FileBackend`
 (`storage_backends.file`) is the async face that validates, groups, counts and cancels.
 
-Reads: one `native.read_pages` call per group reads and verifies every page of the group straight into its
-buffer without the GIL (each chunk hashed while still in cache: one pass over memory per verified page). The
-C reader answers only "verified", "absent", "error" or "look again"; a page it flags is read again here, field
-by field, so the reason (truncated, foreign, old format, corrupt) is named in one place, in Python.
+Reads: the C reader (`native.ReadQueue`'s workers, see `storage_backends.read_queue`) reads and verifies
+every page of a group straight into its buffer without the GIL (each chunk hashed while still in cache: one
+pass over memory per verified page). It answers only "verified", "absent", "error" or "look again"
+(`statuses`); a page it flags is read again here, field by field (`read_checked`), so the reason (truncated,
+foreign, old format, corrupt, not a regular file) is named in one place, in Python.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import errno as errno_names
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Sequence
 
 from hicache.errors import ChecksumMismatch, StorageError
@@ -45,13 +47,14 @@ NOWAIT: int = getattr(os, "RWF_NOWAIT", 0) if hasattr(os, "posix_fadvise") else 
 _TMP_SUFFIX = ".tmp"
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_STATUS = {native.HIT: HIT, native.MISS: MISS, native.ERROR: ERROR}
+_STATUS: dict[int, PageStatus] = {native.HIT: HIT, native.MISS: MISS, native.ERROR: ERROR}
 
 assert native.HEADER_SIZE == HEADER_SIZE, "the C reader and page_format disagree on the header size"
 
 
 class PageFiles:
-    """Pages as files under `root`; every method runs in a worker thread (or anywhere but the loop).
+    """Pages as files under `root`; every method but `statuses` (cheap: it maps the C reader's outcome)
+    runs in a worker thread, never on the loop.
 
     Args:
         root: the absolute directory holding the pages.
@@ -74,40 +77,53 @@ class PageFiles:
         """The file of page `key` (the key must be validated: 4-128 lowercase hex characters)."""
         return f"{self.root}/{key[0:2]}/{key[2:4]}/{key}{SUFFIX}"
 
-    def read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Read and verify a group of pages into `buffers`; one outcome per page.
+    def statuses(
+        self, keys: Sequence[str], codes: bytes, nowait: int, errors: Sequence[tuple[int, int]]
+    ) -> list[PageStatus | None]:
+        """The outcome of a group the C reader read (`native.read_pages`' or a `ReadQueue` job's result):
+        one status per page, None for a page to re-read checked (`read_checked`). Logs the errors and
+        keeps the probe flags the reader hands back (0 for good once the filesystem refused them).
 
-        Pages are read with `RWF_NOWAIT` while the page cache holds them; the first page that would wait
-        for the device switches the rest of the group to readahead (the next 32 pages kept open and advised
-        with `posix_fadvise(WILLNEED)` ahead of the one being read), so a cold group keeps the device busy
-        with many reads at once (measured with `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache,
+        The reader reads with `RWF_NOWAIT` while the page cache holds the pages; the first page that would
+        wait for the device switches the rest of the group to readahead (the next 32 pages kept open and
+        advised with `posix_fadvise(WILLNEED)` ahead of the one being read), so a cold group keeps the device
+        busy with many reads at once (measured with `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache,
         0.95 -> 1.5 GB/s) and a group of thousands of small pages holds 32 files open, not thousands.
         """
-        codes, self.nowait, errors = native.read_pages(
-            self.root, SUFFIX, keys, buffers, self._namespace, self.nowait
-        )
+        if not nowait:
+            self.nowait = 0
         if codes.count(native.HIT) == len(codes):
             return [HIT] * len(codes)
-        out = [_STATUS.get(code, HIT) for code in codes]  # RETRY's placeholder is replaced below
         for i, err in errors:
             log.warning("cannot read page %s: %s", self.path(keys[i]), _describe(err))
-        for i, code in enumerate(codes):
-            if code == native.RETRY:
-                out[i] = self.read_checked(keys[i], buffers[i])
-        return out
+        return [_STATUS.get(code) for code in codes]
+
+    def recheck(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """`read_checked` of each page (in a worker thread)."""
+        return [self.read_checked(key, buf) for key, buf in zip(keys, buffers, strict=True)]
 
     def read_checked(self, key: str, buf: memoryview) -> PageStatus:
-        """Read one page plainly and verify it field by field, logging the first problem found."""
+        """Read one page plainly and verify it field by field, logging the first problem found.
+
+        A path that is not a regular file (a FIFO, a device, a directory) is an `ERROR`, refused before any
+        read: it is opened without blocking and checked first, as the C reader does, so a FIFO cannot hold
+        the thread (and the caller's buffer) until some writer comes.
+        """
         path = self.path(key)
         header = bytearray(HEADER_SIZE)
         try:
-            fd = os.open(path, _O_READ)
+            fd = os.open(path, _O_READ | os.O_NONBLOCK)
         except FileNotFoundError:
             return MISS
         except OSError as exc:
             log.warning("cannot open page %s: %s", path, exc)
             return ERROR
         try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                log.warning("cannot read page %s: %s", path, _not_regular(mode))
+                return ERROR
+            os.set_blocking(fd, True)
             got = _read_all(fd, header, buf)
             size = os.fstat(fd).st_size
         except OSError as exc:
@@ -164,17 +180,10 @@ class PageFiles:
             return ERROR
         return HIT
 
-    def count_present(self, keys: Sequence[str]) -> int:
-        """How many of `keys`, from the first, have a page file (stops at the first absent one)."""
-        for i, key in enumerate(keys):
-            try:
-                os.stat(self.path(key))
-            except FileNotFoundError:
-                return i
-            except OSError as exc:
-                log.warning("cannot stat page %s: %s", key, exc)
-                return i
-        return len(keys)
+    def log_stat_errors(self, keys: Sequence[str], errors: Sequence[tuple[int, int]]) -> None:
+        """Log the pages a stat-only job could not stat (they end the present prefix, as a miss does)."""
+        for i, err in errors:
+            log.warning("cannot stat page %s: %s", self.path(keys[i]), _describe(err))
 
     def delete_group(self, keys: Sequence[str]) -> None:
         """Remove the page files of `keys`; absent ones are ignored.
@@ -189,6 +198,14 @@ class PageFiles:
                 pass
             except OSError as exc:
                 raise StorageError(f"cannot delete page {key}: {exc}") from exc
+
+
+def _not_regular(mode: int) -> str:
+    """Why a path with `mode` is no page file: what it is instead."""
+    if stat.S_ISDIR(mode):
+        return _describe(errno_names.EISDIR)
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device"}
+    return f"not a regular file ({kind.get(stat.S_IFMT(mode), 'a block device or other special file')})"
 
 
 def _describe(err: int) -> str:

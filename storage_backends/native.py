@@ -1,7 +1,10 @@
 """The project's C extension, `_hicache_native` (native/hicache_native.c), imported with a clear error.
 
 It holds the storage data path that must not hold the GIL: `read_pages`, the file backend's batched read
-and verify (one memory pass per page, the whole batch without the GIL), and `xxh3_64`, the page payload
+and verify (one memory pass per page, the whole batch without the GIL), `ReadQueue`, worker threads that
+run such batches (`ReadJob`s) one after another without ever taking the GIL (`storage_backends.read_queue`),
+`chain_hashes`, the chained page hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the
+page payload
 checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `pip install -e .` or `make venv`
 builds it; see the README's "Dependencies and why".
 """
@@ -17,8 +20,32 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-from _hicache_native import CHUNK_BYTES, ERROR, HEADER_SIZE, HIT, MISS, RETRY, read_pages, xxh3_64
+from _hicache_native import (
+    CHUNK_BYTES,
+    ERROR,
+    HEADER_SIZE,
+    HIT,
+    MISS,
+    RETRY,
+    ReadJob,
+    ReadQueue,
+    chain_hashes,
+    read_pages,
+    xxh3_64,
+)
 
-__all__ = ["CHUNK_BYTES", "ERROR", "HEADER_SIZE", "HIT", "MISS", "RETRY", "read_pages", "xxh3_64"]
+__all__ = [
+    "CHUNK_BYTES",
+    "ERROR",
+    "HEADER_SIZE",
+    "HIT",
+    "MISS",
+    "RETRY",
+    "ReadJob",
+    "ReadQueue",
+    "chain_hashes",
+    "read_pages",
+    "xxh3_64",
+]
 
 del _hicache_native

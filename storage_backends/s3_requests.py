@@ -70,6 +70,10 @@ class Batch:
 class Requests:
     """Retries, deadlines, the connection bound and error translation for one backend's requests.
 
+    A request first waits for one of `max_concurrency` connections, then runs attempts of at most
+    `attempt_timeout_s` each; the wait, the attempts and the backoff between them all count toward the
+    request's deadline, and a connection is held only during an attempt (not while backing off).
+
     Args:
         max_concurrency: the most requests in flight at once.
         read_deadline_s: the total time a GET or HEAD may take, retries and backoff included.
@@ -142,12 +146,16 @@ class Requests:
         attempt = 0
         while True:
             attempt += 1
+            await self._take_connection(deadline, limit_s, method, path)
             self.requests += 1
             remaining = deadline - anyio.current_time()
             try:
-                with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
-                    async with self._limiter:
+                try:
+                    # The attempt's timeout covers the request alone, never the wait for a connection.
+                    with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
                         return await op()
+                finally:
+                    self._limiter.release()  # before any backoff: a retry waits without a connection
             except FileNotFoundError:
                 raise PageNotFound(f"{method} {path}: no such object") from None
             except _AUTH_ERRORS as exc:
@@ -184,6 +192,28 @@ class Requests:
                     "s3 %s %s attempt %d failed (%s); retrying in %.3fs", method, path, attempt, reason, delay
                 )
                 await anyio.sleep(delay)
+
+    async def _take_connection(self, deadline: float, limit_s: float, method: str, path: str) -> None:
+        """Wait for one of the `max_concurrency` connections, up to the request's `deadline` (the wait
+        counts toward the request's deadline, not toward an attempt's timeout: with many requests queued,
+        a healthy server's requests used to time out before they were ever sent, and were retried).
+
+        Raises:
+            StorageUnavailable: no connection came free before the deadline (ours were all busy: the
+                batch's fuse is left alone, the server may be fine).
+        """
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as waited:
+            await self._limiter.acquire()
+        if waited.cancelled_caught:
+            raise StorageUnavailable(
+                f"{method} {path}: no connection came free within {limit_s}s "
+                f"(all {int(self._limiter.total_tokens)} busy)"
+            )
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection now."""
+        return int(self._limiter.statistics().tasks_waiting)
 
     def redact(self, exc: BaseException) -> str:
         """The first line of a native error, with every credential replaced by `***`."""

@@ -112,6 +112,17 @@ class StrayThreads:
         busy = self._busy
         return [id(buf) in busy for buf in buffers]
 
+    def start(self, buffers: Sequence[object]) -> None:
+        """Register a stray worker that may still touch `buffers` (for workers not started through
+        `call()`: `storage_backends.read_queue`'s); `finish` with the same buffers once it returned."""
+        with self._lock:
+            self._register(buffers)
+
+    def finish(self, buffers: Sequence[object]) -> None:
+        """The stray worker registered by `start(buffers)` returned."""
+        with self._lock:
+            self._unregister(buffers)
+
     async def wait_quiet(self, buffers: Sequence[object], *, poll_s: float = 0.01) -> None:
         """Wait until no stray thread touches any of `buffers` (polled: threads cannot wake the loop
         safely once it may have stopped)."""

@@ -275,7 +275,9 @@ class Inserting(BackupsAndLocks):
             leaf.last_access = tick
             if hashes is not None:
                 leaf._hashes = hashes[pos // step :]
-            self._set_host(leaf, host_indices[prefix : end >> 3].clone())
+            # The tree keeps its own copy, made by numpy: `Tensor.clone` of 32k+ indices runs as an OpenMP
+            # region that, with reader threads busy on every core, waited ~10 ms for its second thread.
+            self._set_host(leaf, torch.from_numpy(host_indices[prefix : end >> 3].numpy().copy()))
             self._refresh(node)
             node = leaf
         if comp_values:

@@ -1,8 +1,9 @@
 """Deadlines with a stuck storage read: every call returns within its bound, stuck buffers are quarantined.
 
-A read that never returns is made two ways: a FIFO placed at a page's path in a real `FileBackend` (the
-worker thread blocks in `open`, as on a hung NFS or FUSE mount) and a `MemoryBackend` whose worker thread
-waits on a `threading.Event`. Either way the caller's deadline (an anyio cancel scope or an asyncio
+A read that never returns is made two ways: a real `FileBackend` whose worker thread, reading the batch of
+one page, blocks before it reads (as in `open` on a hung NFS or FUSE mount) until the test lets it go, and
+a `MemoryBackend` whose worker thread waits on a `threading.Event`. (A FIFO at a page's path no longer
+does it: the file backend refuses a non-regular file without blocking, see `test_file_backend.py`.) Either way the caller's deadline (an anyio cancel scope or an asyncio
 timeout) ends the call promptly; the host pages the stuck thread may still write into are quarantined (the
 host pool never hands them out) until the thread returns, then released, and the accounting is exact.
 
@@ -38,7 +39,6 @@ from hicache.keys import Namespace, as_key_bytes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend
-from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
 PAGE = 4
@@ -81,24 +81,28 @@ def config(**overrides: object) -> HiCacheConfig:
 
 
 class StuckFile:
-    """A FIFO at one page's path: a worker thread opening it blocks until `release()` (a hung mount).
+    """One page's read stuck, as on a hung mount: the worker thread reading its batch blocks until
+    `release()`, then reads as usual.
 
-    `entered` is set by the backend's worker thread just before it opens the stuck page.
+    `entered` is set by the backend's worker thread just before it blocks.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entered = threading.Event()
-        path.unlink()
-        os.mkfifo(path)
+        self.gate = threading.Event()
+
+    def block(self) -> None:
+        """In the worker thread: say so, then wait until released (bounded: a failed test must end)."""
+        self.entered.set()
+        self.gate.wait(60)
 
     def release(self) -> None:
-        """Let every reader blocked on the FIFO go (opening it read-write never blocks and is a writer)."""
-        with contextlib.suppress(FileNotFoundError):
-            fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
-            os.close(fd)
+        """Let every reader blocked on the page go."""
+        self.gate.set()
 
     def remove(self) -> None:
+        """Remove the page's file (the released read then finds it absent)."""
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
@@ -120,17 +124,15 @@ async def stored(tmp_path: Path) -> AsyncIterator[FileBackend]:
 
 @pytest.fixture
 def stuck(stored: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[StuckFile]:
-    """Page STUCK_PAGE's file replaced by a FIFO; released and removed at teardown, whatever happened."""
+    """Page STUCK_PAGE's read stuck; released, and its file removed, at teardown, whatever happened."""
     key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
     fifo = StuckFile(stored.path_of(key))
-    real_read_group = stored._read_group
 
-    def read_group(keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+    def before_read(keys: tuple[str, ...]) -> None:
         if key in keys:
-            fifo.entered.set()
-        return real_read_group(keys, buffers)
+            fifo.block()
 
-    monkeypatch.setattr(stored, "_read_group", read_group)
+    monkeypatch.setattr(stored, "_before_read", before_read)
     try:
         yield fifo
     finally:
@@ -179,6 +181,27 @@ async def assert_exact(cache: HiCache) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- file FIFO
+
+
+async def test_a_fifo_at_a_page_path_fails_that_page_and_quarantines_nothing(stored: FileBackend) -> None:
+    """A FIFO at a page's path used to block the reader thread in `open` for good: with no caller deadline
+    the acquire hung, with one the read was abandoned and its host pages stayed quarantined forever. The
+    backend now refuses the FIFO before reading: acquire returns with the pages before it (no deadline
+    needed; the bound only turns a hang into a failure), the page counts as an `error` failure, nothing is
+    quarantined and every page is accounted for."""
+    key = page_keys(KEY, LAYOUT, NAMESPACE)[STUCK_PAGE]
+    path = stored.path_of(key)
+    path.unlink()
+    os.mkfifo(path)
+    async with HiCache(config(), storage=stored) as cache:
+        with anyio.fail_after(BOUND_S):
+            lease = await cache.acquire("r", SEQ)
+        assert lease.cached_len == STUCK_PAGE * PAGE
+        assert failures(cache) == {"error": 1}
+        assert cache.statistics().quarantined_pages == 0
+        assert stray_threads.count == 0
+        cache.release(lease)
+        await assert_exact(cache)
 
 
 async def test_acquire_returns_at_its_deadline_while_a_read_is_stuck(

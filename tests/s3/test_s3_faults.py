@@ -336,3 +336,80 @@ async def test_server_killed_mid_batch_fails_pages_then_recovers(
             assert await backend.get(keys[:3], out[:3]) == [HIT] * 3
             assert await backend.exists(keys) == 3
         assert torch.equal(dst[:3], src[:3])
+
+
+# --------------------------------------------------------------------------- waiting for a connection
+
+
+@asynccontextmanager
+async def every_connection_busy(backend: S3Backend) -> AsyncIterator[None]:
+    """Every connection of the backend taken, as by requests that run long (a request held inside its
+    attempt would time out and give its connection up)."""
+    limiter = backend._requests._limiter
+    async with anyio.create_task_group() as tg:
+        held = anyio.Event()
+        done = anyio.Event()
+
+        async def hold(n: int) -> None:
+            async with limiter:
+                if n == int(limiter.total_tokens) - 1:
+                    held.set()
+                await done.wait()
+
+        for n in range(int(limiter.total_tokens)):
+            tg.start_soon(hold, n)
+        await held.wait()
+        try:
+            yield
+        finally:
+            done.set()
+
+
+async def test_waiting_for_a_connection_is_not_an_attempt_timeout(moto_server: S3Server) -> None:
+    """A request queued behind busy connections waited inside its attempt's timeout: on a healthy server
+    it timed out before it was ever sent, was retried, and failed once the retries ran out. The wait now
+    counts toward the request's deadline only: the queued GET is sent once a connection frees, first
+    time, and loads."""
+    attempt_s = FAST_RETRIES["attempt_timeout_s"]
+    options = {**FAST_RETRIES, "deadline_s": 60.0}
+    async with open_backend(moto_server, max_concurrency=1, **options) as backend:
+        keys = keys_for(1)
+        src, bufs = host_pages(1)
+        assert await backend.put(keys, bufs) == [True]
+        before = backend.statistics()
+        dst, out = host_pages(1, fill=False)
+        with anyio.fail_after(HANG_GUARD_S):
+            async with anyio.create_task_group() as tg, every_connection_busy(backend):
+
+                async def queued() -> None:
+                    assert await backend.get(keys, out) == [HIT]
+
+                tg.start_soon(queued)
+                while not backend._requests.waiting:  # noqa: ASYNC110 - polled: no event to wait on
+                    await anyio.sleep(0.01)
+                # Time must pass here: the old code's attempt timeout fired during this wait.
+                await anyio.sleep(3 * attempt_s)
+                assert backend._requests.waiting == 1, "the queued GET stopped waiting"
+                assert backend.statistics().requests == before.requests, "a GET went without a connection"
+        assert torch.equal(dst, src)
+        after = backend.statistics()
+        assert after.retries == before.retries, "the wait for a connection was retried"
+        assert after.requests == before.requests + 1
+
+
+async def test_the_wait_for_a_connection_is_bounded_by_the_deadline(moto_server: S3Server) -> None:
+    """With every connection busy past a request's deadline, the queued request fails (ERROR, no request
+    sent, the server not taken for down) at its deadline instead of waiting on."""
+    async with open_backend(moto_server, max_concurrency=1, **FAST_RETRIES) as backend:
+        keys = keys_for(1)
+        _, bufs = host_pages(1)
+        assert await backend.put(keys, bufs) == [True]
+        before = backend.statistics()
+        _, out = host_pages(1, fill=False)
+        with anyio.fail_after(HANG_GUARD_S):
+            async with every_connection_busy(backend):
+                assert await backend.get(keys, out) == [ERROR]
+        stats = backend.statistics()
+        assert stats.requests == before.requests
+        assert stats.errors == before.errors + 1
+        assert await backend.get(keys, out) == [HIT]  # the connections came back

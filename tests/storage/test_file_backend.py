@@ -31,6 +31,10 @@ from storage_backends.threads import stray_threads
 NS = bytes(range(16))
 
 
+def _read_as_usual(keys: tuple[str, ...]) -> None:
+    """The read threads' hook doing nothing: the read goes on as usual (a gate wraps it)."""
+
+
 def files_under(root: Path) -> list[Path]:
     """Every regular file under `root`, hidden ones included."""
     return sorted(p for p in root.rglob("*") if p.is_file())
@@ -75,7 +79,7 @@ class TestFileBackend(BackendContract, HostileStorage):
     @pytest.fixture
     def hold_reads(self, backend: FileBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
         gate = ReadGate()
-        monkeypatch.setattr(backend, "_read_group", gate.in_thread(backend._read_group))
+        monkeypatch.setattr(backend, "_before_read", gate.in_thread(_read_as_usual))
         yield gate
         gate.open()
 
@@ -225,14 +229,12 @@ async def test_cancelled_get_returns_at_once_and_registers_its_stray_thread(
     keys, pages = make_keys(1), make_pages(1, 4096)
     await backend.put(keys, pages)
     entered, gate = threading.Event(), threading.Event()
-    real_read_group = backend._read_group
 
-    def gated_read_group(keys: list[str], buffers: list[memoryview]) -> list[PageStatus]:
+    def gated(keys: tuple[str, ...]) -> None:
         entered.set()
         assert gate.wait(timeout=30), "test gate never opened"
-        return real_read_group(keys, buffers)
 
-    monkeypatch.setattr(backend, "_read_group", gated_read_group)
+    monkeypatch.setattr(backend, "_before_read", gated)
     out = empty_pages(1, 4096)
     other = empty_pages(1, 4096)
     strays = stray_threads.count
@@ -252,6 +254,96 @@ async def test_cancelled_get_returns_at_once_and_registers_its_stray_thread(
         await stray_threads.wait_quiet(out)
     assert stray_threads.count == strays
     assert bytes(out[0]) == bytes(pages[0]), "the thread's write landed before its buffer was quiet"
+
+
+async def test_a_cancelled_get_withdraws_its_groups_not_started(tmp_path: Path) -> None:
+    """With the only read thread held, a second get's group waits in the read queue; cancelling that get
+    withdraws it: it never starts (the hook never sees its keys), no stray is registered, and its buffer is
+    never written. The held read then finishes normally."""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
+        keys, pages = make_keys(2), make_pages(2, 4096)
+        await backend.put(keys, pages)
+        entered, gate = threading.Event(), threading.Event()
+        seen: list[tuple[str, ...]] = []
+
+        def hook(group: tuple[str, ...]) -> None:
+            seen.append(group)
+            if keys[0] in group:
+                entered.set()
+                assert gate.wait(timeout=30), "test gate never opened"
+
+        backend._before_read = hook
+        held, queued = empty_pages(1, 4096), empty_pages(1, 4096)
+        strays = stray_threads.count
+        second = anyio.CancelScope()
+
+        async def queued_get() -> None:
+            with second:
+                await backend.get(keys[1:], queued)
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(backend.get, keys[:1], held)
+                await anyio.to_thread.run_sync(entered.wait)
+                tg.start_soon(queued_get)
+                await anyio.wait_all_tasks_blocked()  # its group is queued behind the held one
+                second.cancel()
+                await anyio.wait_all_tasks_blocked()
+                gate.set()
+        assert second.cancelled_caught
+        assert seen == [(keys[0],)]
+        assert stray_threads.count == strays
+        assert bytes(held[0]) == bytes(pages[0])
+        assert bytes(queued[0]) == bytes(4096)
+
+
+async def test_a_stuck_read_does_not_take_a_thread_from_the_others(tmp_path: Path) -> None:
+    """A read stuck in its thread (a hung mount) and abandoned by its cancelled caller leaves the backend a
+    thread short no longer: a worker is added meanwhile, so the next get loads while the stuck one still
+    hangs; once it returns, its buffer is quiet and the extra worker leaves."""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
+        keys, pages = make_keys(2), make_pages(2, 4096)
+        await backend.put(keys, pages)
+        entered, gate = threading.Event(), threading.Event()
+
+        def hook(group: tuple[str, ...]) -> None:
+            if keys[0] in group:
+                entered.set()
+                assert gate.wait(timeout=30), "test gate never opened"
+
+        backend._before_read = hook
+        stuck, other = empty_pages(1, 4096), empty_pages(1, 4096)
+        try:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(backend.get, keys[:1], stuck)
+                    await anyio.to_thread.run_sync(entered.wait)
+                    scope.cancel()
+            assert stray_threads.busy(stuck)
+            with anyio.fail_after(30):
+                assert await backend.get(keys[1:], other) == [PageStatus.HIT]
+            assert bytes(other[0]) == bytes(pages[1])
+            assert backend._reader.threads == 2
+        finally:
+            gate.set()
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(stuck)
+        assert backend._reader.stray == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads nice values through /proc")
+async def test_read_threads_run_below_the_loops_priority(backend: FileBackend) -> None:
+    """The read threads' nice value is the process's + 10, so the loop thread takes a core from them
+    whenever it wakes; the loop's own thread keeps the process's."""
+
+    def nice_of(tid: int) -> int:
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[16])  # field 19, counted after the command name
+
+    ids = backend._reader.worker_ids()
+    assert len(ids) == backend._reader.threads
+    own = nice_of(threading.get_native_id())
+    assert all(nice_of(tid) == min(19, own + 10) for tid in ids)
 
 
 async def test_statistics_and_repr(backend: FileBackend) -> None:
@@ -456,6 +548,51 @@ async def test_a_failed_read_is_an_error_named_in_the_log(
     assert "EISDIR" in caplog.text
 
 
+@pytest.mark.parametrize("readahead", [True, False], ids=["readahead", "plain"])
+async def test_a_fifo_at_a_page_path_is_an_error_and_never_blocks_a_reader(
+    tmp_path: Path, readahead: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO where a page file should be blocked the reader thread in `open` until some writer came: the
+    read missed every deadline and its buffers stayed quarantined. Now the file is opened without blocking
+    and refused before any read, in the C reader and in the Python re-read alike: an ERROR naming the
+    FIFO, its neighbours load, and no thread is left behind. (No writer ever opens the FIFO: before the
+    fix this test hung until pytest's timeout.)"""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, readahead=readahead) as backend:
+        keys, pages = make_keys(3), make_pages(3, 4096)
+        await backend.put(keys, pages)
+        path = backend.path_of(keys[1])
+        path.unlink()
+        os.mkfifo(path)
+        out = empty_pages(3, 4096)
+        assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.ERROR, PageStatus.HIT]
+        assert bytes(out[2]) == bytes(pages[2])
+        assert backend.statistics().errors == 1
+        assert "not a regular file (a FIFO)" in caplog.text
+        assert stray_threads.count == 0
+        assert not stray_threads.busy(out)
+        # The Python re-read refuses it the same way, without blocking.
+        assert backend._files.read_checked(keys[1], out[1]) == PageStatus.ERROR
+
+
+async def test_exists_stops_at_a_page_it_cannot_stat(
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`exists` stats in the read threads; a page whose path cannot be stat-ed (here a symlink to itself,
+    ELOOP) ends the present prefix like a missing page, and is logged with its errno."""
+    keys, pages = make_keys(3), make_pages(3, 4096)
+    await backend.put(keys, pages)
+    assert await backend.exists(keys) == 3
+    path = backend.path_of(keys[1])
+    path.unlink()
+    path.symlink_to(path)
+    assert await backend.exists(keys) == 1
+    assert "cannot stat page" in caplog.text
+    assert "ELOOP" in caplog.text
+    path.unlink()
+    assert await backend.exists(keys) == 1
+    assert await backend.exists(keys[2:]) == 1
+
+
 def test_default_concurrency_follows_the_cpus(tmp_path: Path) -> None:
     """By default one thread per usable CPU, between 4 and 16, and the repr says how many."""
     n = default_concurrency()
@@ -474,13 +611,7 @@ async def test_small_batches_take_one_thread_hop(
     keys, pages = make_keys(8), make_pages(8, 4096)
     await backend.put(keys, pages)
     groups: list[int] = []
-    real_read_group = backend._read_group
-
-    def counting_read_group(keys: list[str], buffers: list[memoryview]) -> list[int]:
-        groups.append(len(keys))
-        return real_read_group(keys, buffers)
-
-    monkeypatch.setattr(backend, "_read_group", counting_read_group)
+    monkeypatch.setattr(backend, "_before_read", lambda keys: groups.append(len(keys)))
     assert await backend.get(keys, empty_pages(8, 4096)) == [PageStatus.HIT] * 8
     assert groups == [8]
 

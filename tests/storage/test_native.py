@@ -1,4 +1,5 @@
-"""The C extension `_hicache_native`: its checksum is page format v2's, and its reader refuses misuse.
+"""The C extension `_hicache_native`: its checksum is page format v2's, its reader refuses misuse, and its
+read queue runs, cancels, retires and closes as `storage_backends.read_queue` relies on.
 
 The reader's behaviour on real page files (hits, misses, truncated, foreign, old-format, corrupt and cold
 pages, cancellation) is covered by the backend contract and `test_file_backend.py`, which read through it.
@@ -7,6 +8,8 @@ pages, cancellation) is covered by the backend contract and `test_file_backend.p
 from __future__ import annotations
 
 import random
+import threading
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -73,3 +76,89 @@ def test_reader_refuses_a_nul_in_the_root() -> None:
     """A NUL would cut every path short: refused."""
     with pytest.raises(ValueError, match="root"):
         native.read_pages("/tmp\x00/x", ".kvp", ["abcd"], [bytearray(8)], bytes(16), 0)
+
+
+NS16 = bytes(range(16))
+
+
+def _wait_readable(fd: int) -> None:
+    import select
+
+    ready, _, _ = select.select([fd], [], [], 30)
+    assert ready, "no job finished"
+
+
+def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
+    """The queue's own contract, without the backend: a pending job can be cancelled (it never runs, and
+    `collect` never returns it); a worker thread runs the others in order and signals `fileno()`; `result()`
+    refuses a job that has not run; after `close()` submissions are refused and the worker leaves."""
+    queue = native.ReadQueue()
+    keys = ["abcd0001", "abcd0002"]
+    bufs = [memoryview(bytearray(64)) for _ in keys]
+    cancelled = queue.submit(str(tmp_path), ".kvp", keys[:1], bufs[:1], NS16, 0, None)
+    kept = queue.submit(str(tmp_path), ".kvp", keys[1:], bufs[1:], NS16, 0, None)
+    stat = queue.submit(str(tmp_path), ".kvp", keys, None, NS16, 0, None)
+    with pytest.raises(RuntimeError, match="has not run"):
+        kept.result()
+    assert queue.cancel(cancelled) is True
+    assert queue.cancel(cancelled) is False  # no longer pending
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    finished: list[native.ReadJob] = []
+    while len(finished) < 2:
+        _wait_readable(queue.fileno())
+        finished += queue.collect()
+    assert finished == [kept, stat]
+    assert kept.result() == (bytes([native.MISS]), 0, [])  # no such file: a miss
+    assert stat.result()[0] == bytes([native.MISS, native.MISS])
+    assert queue.cancel(kept) is False
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+    assert queue.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        queue.submit(str(tmp_path), ".kvp", keys, bufs, NS16, 0, None)
+
+
+def test_read_queue_retire_lets_one_worker_go() -> None:
+    """`retire(1)` ends exactly one idle worker's `work()`; `close()` ends the rest."""
+    queue = native.ReadQueue()
+    left = threading.Semaphore(0)
+
+    def work() -> None:
+        queue.work()
+        left.release()
+
+    workers = [threading.Thread(target=work) for _ in range(2)]
+    for w in workers:
+        w.start()
+    queue.retire(1)
+    assert left.acquire(timeout=30), "no worker left"
+    assert not left.acquire(blocking=False), "two workers left"
+    assert sum(w.is_alive() for w in workers) >= 1
+    queue.close()
+    assert left.acquire(timeout=30), "the last worker did not leave"
+    for w in workers:
+        w.join(30)
+    assert not any(w.is_alive() for w in workers)
+
+
+@given(st.binary(max_size=2000), st.integers(1, 64), st.binary(min_size=16, max_size=16))
+def test_chain_hashes_match_the_python_chain(key: bytes, step: int, prev: bytes) -> None:
+    """The C chain gives what the Python loop it replaced gave (xxh3-128 of prev + namespace + page), so
+    every page key stored before stays the same; a trailing partial page gets no hash."""
+    expected, h = [], prev
+    for start in range(0, len(key) - step + 1, step):
+        h = xxhash.xxh3_128_digest(h + NS16 + key[start : start + step])
+        expected.append(h)
+    assert native.chain_hashes(key, step, NS16, prev) == expected
+
+
+def test_chain_hashes_refuse_bad_arguments() -> None:
+    """A step below 1, or a namespace digest or previous hash that is not 16 bytes, is refused by name."""
+    with pytest.raises(ValueError, match="step"):
+        native.chain_hashes(b"x" * 16, 0, NS16, NS16)
+    with pytest.raises(ValueError, match="namespace_digest"):
+        native.chain_hashes(b"x" * 16, 8, b"short", NS16)
+    with pytest.raises(ValueError, match="prev"):
+        native.chain_hashes(b"x" * 16, 8, NS16, b"short")

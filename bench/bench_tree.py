@@ -28,6 +28,13 @@ per list (`key_convert_us`).
 Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens, in CPU time of this process
 (`time.process_time`, minimum of --reps): a ratio of our own costs, which wall time on a machine shared
 with other jobs does not measure. Prints a table, then one JSON line.
+
+Instruction counts (`--instructions insert|acquire`), for comparing two commits on a loaded machine, where
+time cannot: run under `valgrind --tool=callgrind --instr-atstart=no`; only the measured calls are
+instrumented (switched on and off with `callgrind_control`), and valgrind prints the count (`Collected`)
+at exit. `insert`: the reference workload's 2,000 inserts into a fresh tree (`--page-size`, default 16);
+`acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
+switching itself).
 """
 
 from __future__ import annotations
@@ -240,14 +247,67 @@ def run_baseline(reps: int) -> dict[str, float] | None:
     }
 
 
+def _callgrind(on: bool) -> None:
+    """Switch callgrind's instrumentation of this process on or off."""
+    subprocess.run(
+        ["callgrind_control", "-i", "on" if on else "off", str(os.getpid())], check=True, capture_output=True
+    )
+
+
+def count_instructions(
+    what: str, seqs: list[array[int]], values: list[torch.Tensor], page_size: int, count: int
+) -> None:
+    """Run `count` inserts (or acquire + release pairs) with callgrind's instrumentation on (see the docstring)."""
+    if what == "insert":
+        warm = RadixTree(page_size)  # lazy imports and first-call caches, outside the count
+        insert_all(warm, seqs[:100], values[:100])
+        tree = RadixTree(page_size)
+        gc.collect()
+        gc.disable()
+        _callgrind(True)
+        insert_all(tree, seqs[:count], values[:count])
+        _callgrind(False)
+        return
+
+    async def acquire_release() -> None:
+        prompts = [list(s) for s in seqs[:50]]
+        pages = sum(len(p) for p in prompts) // page_size
+        layout = KVLayout.flat(8, page_size)
+        config = HiCacheConfig(layout=layout, device_pages=pages + 64, host_pages=pages + 64)
+        async with HiCache(config) as cache:
+            for i, prompt in enumerate(prompts):
+                lease = await cache.acquire(f"seed-{i}", prompt)
+                indices = await cache.alloc_device(len(prompt))
+                assert indices is not None
+                await cache.insert(lease, prompt, indices)
+            for i, prompt in enumerate(prompts):
+                cache.release(await cache.acquire(f"warm-{i}", prompt))
+            gc.collect()
+            gc.disable()
+            _callgrind(True)
+            for r in range(count // len(prompts)):
+                for i, prompt in enumerate(prompts):
+                    cache.release(await cache.acquire(f"r{r}-{i}", prompt))
+            _callgrind(False)
+
+    anyio.run(acquire_release)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip SGLang's RadixCache side by side")
+    ap.add_argument("--instructions", choices=("insert", "acquire"), help="count instructions (callgrind)")
+    ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or 500 acquires)")
+    ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
     a = ap.parse_args()
     vocab = 128000
     seqs, values = make_workload(2000, 50, 512, 512, vocab, a.seed)
+    if a.instructions:
+        default = 2000 if a.instructions == "insert" else 500
+        count_instructions(a.instructions, seqs, values, a.page_size, default if a.count is None else a.count)
+        return
     result: dict[str, object] = {"bench": "tree"}
     load_start = round(os.getloadavg()[0], 2)
     mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}

@@ -22,6 +22,10 @@ from hicache.tree import InsertResult, RadixTree
 
 __all__ = ["Leases"]
 
+# The tiers' names as plain strings, read once: an enum member's `.value` is a Python-level descriptor
+# call, three per `acquire`.
+_DEVICE, _HOST, _STORAGE = Tier.DEVICE.value, Tier.HOST.value, Tier.STORAGE.value
+
 
 class Leases:
     """Carries out `HiCache.acquire`, `release` and `insert` once the facade has checked the cache is open.
@@ -113,9 +117,9 @@ class Leases:
             device_indices=indices,
             cached_len=cached,
             hit_tokens_by_tier={
-                Tier.DEVICE.value: device_hit,
-                Tier.HOST.value: host_hit,
-                Tier.STORAGE.value: storage_hit,
+                _DEVICE: device_hit,
+                _HOST: host_hit,
+                _STORAGE: storage_hit,
             },
             prefetch=outcome,
             component_indices=self._tree.component_window(node) if self._tree.components else {},

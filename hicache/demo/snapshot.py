@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hicache.controller import HiCache
-from hicache.tree import NodeInfo, NodeRef, RadixTree
 
 __all__ = ["pool_json", "sum_metric", "top_prefixes"]
 
@@ -24,34 +22,20 @@ def sum_metric(snapshot: dict[str, dict[str, Any]], name: str) -> float:
     return 0.0
 
 
-def _subtree(tree: RadixTree, node: NodeRef) -> Iterator[NodeInfo]:
-    stack = [node]
-    while stack:
-        info = tree.node_info(stack.pop())
-        yield info
-        stack.extend(info.children)
-
-
 def top_prefixes(cache: HiCache, limit: int = 8) -> list[dict[str, Any]]:
     """The tree's top-level branches (one per distinct first page, e.g. per system prompt), most hit first."""
-    # A debugging view of the cache's private tree, read through the tree's node snapshots.
-    tree = cache._tree
-    rows: list[dict[str, Any]] = []
-    for child in tree.node_info(tree.root).children:
-        nodes = list(_subtree(tree, child))
-        top = nodes[0]
-        rows.append(
-            {
-                "first_tokens": [
-                    int(t) for t in torch.frombuffer(bytearray(top.key[:64]), dtype=torch.int64)
-                ],
-                "edge_tokens": top.num_tokens,
-                "hits": top.hit_count,
-                "nodes": len(nodes),
-                "device_tokens": sum(n.num_tokens for n in nodes if n.device_value is not None),
-                "host_tokens": sum(n.num_tokens for n in nodes if n.host_value is not None),
-            }
-        )
+    # A debugging view of the cache's private tree, read through the tree's branch query.
+    rows: list[dict[str, Any]] = [
+        {
+            "first_tokens": [int(t) for t in torch.frombuffer(bytearray(b.key[:64]), dtype=torch.int64)],
+            "edge_tokens": len(b.key) // 8,
+            "hits": b.hits,
+            "nodes": b.nodes,
+            "device_tokens": b.device_tokens,
+            "host_tokens": b.host_tokens,
+        }
+        for b in cache._tree.branches()
+    ]
     rows.sort(key=lambda r: (-int(r["hits"]), -int(r["nodes"])))
     return rows[:limit]
 

@@ -6,10 +6,11 @@ Callers hold `NodeRef` handles; the nodes themselves (`hicache.tree.node`) are t
 
 from __future__ import annotations
 
-from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef, StoredPath
+from hicache.tree.handles import ComponentInfo, HeldIndices, NodeInfo, NodeRef, StoredPath
 from hicache.tree.radix import RadixTree
 from hicache.tree.results import (
     EMPTY_INDICES,
+    BranchStatistics,
     ComponentEvictResult,
     ComponentFree,
     ComponentStatistics,
@@ -25,8 +26,10 @@ from hicache.tree.results import (
 
 __all__ = [
     "EMPTY_INDICES",
+    "BranchStatistics",
     "ComponentEvictResult",
     "ComponentFree",
+    "ComponentInfo",
     "ComponentStatistics",
     "EvictResult",
     "FreeResult",

@@ -1,5 +1,5 @@
 """What callers hold instead of tree nodes: opaque `NodeRef` handles, and read-only snapshots of what the
-tree knows about a node (`NodeInfo`), a backed-up root path (`StoredPath`) and every index it holds
+tree knows about a node (`NodeInfo`) and its components (`ComponentInfo`), a backed-up root path (`StoredPath`) and every index it holds
 (`HeldIndices`). None of them can change the tree."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["HeldIndices", "NodeInfo", "NodeRef", "StoredPath"]
+__all__ = ["ComponentInfo", "HeldIndices", "NodeInfo", "NodeRef", "StoredPath"]
 
 
 class NodeRef(NamedTuple):
@@ -76,6 +76,27 @@ class NodeInfo:
     def evicted(self) -> bool:
         """Whether the node's device copy is gone."""
         return self.device_value is None
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentInfo:
+    """A snapshot of one component's record on one node (`RadixTree.component_info`).
+
+    The index tensors are the tree's own: read them, never write into them.
+
+    Attributes:
+        device_value: indices into the component's device pool, or `None` (absent or a tombstone).
+        host_value: indices into the component's host pool, or `None`.
+        backup_pending: host indices of a device-to-host backup in flight, else `None`.
+        device_lock: holders protecting the device value from component eviction.
+        host_lock: holders protecting the host value from component eviction.
+    """
+
+    device_value: torch.Tensor | None
+    host_value: torch.Tensor | None
+    backup_pending: torch.Tensor | None
+    device_lock: int
+    host_lock: int
 
 
 @dataclass(frozen=True, slots=True)

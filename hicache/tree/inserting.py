@@ -80,7 +80,8 @@ class Inserting(BackupsAndLocks):
         comp_values = self._component_values(components, end >> 3) if components else None
         self._clock = tick = self._clock + 1
         backup_hits = self._backup_hits
-        backups: list[TreeNode] = []
+        ref = self._ref
+        backups: list[NodeRef] = []
         root = node = self._root
         pos = 0
         prefix_bytes = 0
@@ -114,7 +115,7 @@ class Inserting(BackupsAndLocks):
                 and child.host_value is None
                 and child.backup_pending is None
             ):
-                backups.append(child)
+                backups.append(child._ref or ref(child))
             pos += matched
             node = child
         if pos < end:
@@ -130,34 +131,26 @@ class Inserting(BackupsAndLocks):
             self._nodes[leaf.id] = leaf
             self._num_nodes += 1
             leaf.last_access = tick
-            if backup_hits is not None:
-                leaf.hit_count = 1
-                if backup_hits <= 1:
-                    backups.append(leaf)
             leaf.device_value = value
             n = (end - pos) >> 3
             self._device_tokens += n
             self._evictable_size += n
-            if node is not root:
-                node._dev_children += 1
-                self._refresh(node)
-            else:
-                node._dev_children += 1
-            self._device_leaves.add(leaf)
+            node._dev_children += 1
+            if node._dev_children == 1 and node is not root:
+                # Its first device child: the parent (a device node, as every node on the path now is)
+                # stops being an evictable device leaf. With device children already, it was none.
+                self._device_leaves.discard(node)
+            if backup_hits is not None:
+                leaf.hit_count = 1
+                if backup_hits <= 1:
+                    backups.append(ref(leaf))
+            self._device_leaves.add_new(leaf)
             node = leaf
         if comp_values:
             assert self._book is not None
             self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
         frees = self._take_frees() if self._book is not None else ()
-        ref = self._ref
-        return InsertResult(
-            prefix_bytes >> 3,
-            end >> 3,
-            node._ref or ref(node),
-            tuple([n._ref or ref(n) for n in backups]) if backups else (),
-            False,
-            frees,
-        )
+        return InsertResult(prefix_bytes >> 3, end >> 3, node._ref or ref(node), tuple(backups), False, frees)
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
         """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""

@@ -71,6 +71,11 @@ class LeafSet:
             self.members.add(node)
             self.push(node)
 
+    def add_new(self, node: TreeNode) -> None:
+        """Make `node`, which never was a member (a node just made), one."""
+        self.members.add(node)
+        self.push(node)
+
     def discard(self, node: TreeNode) -> None:
         """Remove `node` from the members (its heap entries die lazily)."""
         self.members.discard(node)

@@ -64,17 +64,22 @@ class LoadBack(Matching, BackupsAndLocks):
         pending = {(node.id, name): entry for (node, name), entry in (components or {}).items()}
         frees: list[ComponentFree] = []
         freed: list[torch.Tensor] = []
-        current = self.match_prefix(kb[: end * TOKEN_BYTES])
-        offset = current.device_len
+        # One walk of the whole key, split at the span's end: the span's nodes as a match of the key cut
+        # there finds them, then (after the attach) the key's fresh match, from the same walk.
+        path = self._walk(kb, end * TOKEN_BYTES)
+        upto, tokens = 0, 0
+        while upto < len(path) and tokens < end:
+            tokens += path[upto].num_tokens
+            upto += 1
+        i, k, j = self._bounds(path[:upto])
+        offset = sum(n.num_tokens for n in path[:i])
         if min(end, offset) > start:
             freed.append(device_indices[: min(end, offset) - start])
         book = self._book
         names = [c.name for c in book.components] if book is not None else []
-        for handle in current.host_nodes:
-            node = self._require_live(handle)
+        for node in path[k : k + j]:
             node_end = offset + node.num_tokens
-            if node_end > end:
-                break
+            assert node_end <= end, "the walk splits the node across the span's end"
             if offset >= start:
                 comps: dict[str, torch.Tensor] = {}
                 for comp in names:
@@ -94,7 +99,7 @@ class LoadBack(Matching, BackupsAndLocks):
             # ends (a component's valid end moved; it may end before `start`, on the device part).
             freed.append(device_indices[max(offset, start) - start :])
         frees.extend(ComponentFree(name, "device", copy) for (_, name), (_, copy) in pending.items())
-        match = self.match_prefix(kb)
+        match = self._result(kb, path)
         return LoadResult(match, cat_indices(freed), (*frees, *self._take_frees()))
 
     def drop_failed_load(

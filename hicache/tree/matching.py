@@ -144,12 +144,19 @@ class Matching(TreeState):
         """`match_prefix` with components: the walk of the base, then truncated to where every component
         allows a prefix to end (beyond the device part once its host-only nodes are loaded, else at the
         deepest valid device node)."""
+        return self._result(kb, self._walk(kb, len(kb)))
+
+    def _walk(self, kb: bytes, cut: int) -> list[TreeNode]:
+        """The nodes page-aligned `kb` runs through, root-first, each touched on the LRU clock (one tick).
+
+        A node the key ends inside is split where it ends (as `match_prefix` does), and a node across byte
+        `cut` is split there.
+        """
         self._clock += 1
         tick = self._clock
         step = self._step
         end = len(kb)
-        root = self._root
-        node = root
+        node = self._root
         pos = 0
         path: list[TreeNode] = []
         while pos < end:
@@ -157,33 +164,45 @@ class Matching(TreeState):
             if child is None:
                 break
             ck = child.key
-            if kb.startswith(ck, pos):
-                matched = len(ck)
-            else:
-                matched = self._matched_bytes(kb, pos, ck)
+            matched = len(ck) if kb.startswith(ck, pos) else self._matched_bytes(kb, pos, ck)
+            if pos < cut < pos + matched:
+                matched = cut - pos
+            if matched < len(ck):
                 child = self._split(child, matched)
             child.last_access = tick
             path.append(child)
             pos += matched
             node = child
+        return path
+
+    def _bounds(self, path: list[TreeNode]) -> tuple[int, int, int]:
+        """Where a match along the walk `path` ends: `(i, k, j)` with its device nodes `path[:i]` and its
+        host-only nodes `path[k:k + j]` (`k` ends the device stretch). Without components `i = k` and every
+        node after the stretch is taken; with them, the match first tries to end beyond the device part
+        (valid once its host-only nodes are loaded), else at the deepest valid device node."""
         k = 0
         while k < len(path) and path[k].device_value is not None:
             k += 1
-        # Components need to be valid only where the prefix ends: first try to end beyond the device
-        # part (once its host-only nodes are loaded), else at the deepest valid device node.
         j = len(path) - k
         book = self._book
-        assert book is not None
+        if book is None:
+            return k, k, j
+        root = self._root
         while j > 0 and not book.valid_end(path[k + j - 1], root, None):
             j -= 1
         i = k
         if j == 0:
             while i > 0 and not book.valid_end(path[i - 1], root, "device"):
                 i -= 1
+        return i, k, j
+
+    def _result(self, kb: bytes, path: list[TreeNode]) -> MatchResult:
+        """The match of `kb` whose walk is `path` (see `_bounds` for where it ends)."""
+        i, k, j = self._bounds(path)
         device_nodes = path[:i]
         host_nodes = path[k : k + j]
-        last_device = device_nodes[-1] if device_nodes else root
-        last_host = root
+        last_device = device_nodes[-1] if device_nodes else self._root
+        last_host = self._root
         for n in reversed(path[: i + j]):
             if n.host_value is not None:
                 last_host = n

@@ -15,10 +15,10 @@ import torch
 from hicache.components.base import Component
 from hicache.tree.checks import check_tier
 from hicache.tree.eviction import Eviction
-from hicache.tree.handles import NodeRef
+from hicache.tree.handles import ComponentInfo, NodeRef
 from hicache.tree.inserting import Inserting
 from hicache.tree.load_back import LoadBack
-from hicache.tree.results import EMPTY_INDICES, ComponentStatistics
+from hicache.tree.results import EMPTY_INDICES, BranchStatistics, ComponentStatistics
 from hicache.tree.sanity import check_tree
 
 __all__ = ["RadixTree"]
@@ -57,6 +57,18 @@ class RadixTree(LoadBack, Inserting, Eviction):
             return None
         return self._book.value(live, name, tier)
 
+    def component_info(self, node: NodeRef) -> dict[str, ComponentInfo]:
+        """A snapshot of every component record `node` holds, by component name (empty without any).
+
+        Raises:
+            TypeError, ValueError: `node` is not a handle on a live node of this tree.
+        """
+        live = self._require_live(node)
+        return {
+            name: ComponentInfo(d.device_value, d.host_value, d.backup_pending, d.device_lock, d.host_lock)
+            for name, d in (live.components or {}).items()
+        }
+
     def component_window(self, node: NodeRef, tier: str = "device") -> dict[str, torch.Tensor]:
         """The component indices a prefix ending at `node` uses on `tier`, root-first per component.
 
@@ -93,6 +105,24 @@ class RadixTree(LoadBack, Inserting, Eviction):
         return self._book.indices_owned(self._iter_nodes(), name, check_tier(tier))
 
     # ------------------------------------------------------------------ observation
+
+    def branches(self) -> list[BranchStatistics]:
+        """Every top-level branch (a child of the root and its subtree), in the root's child order (O(tree):
+        for diagnostics, such as the demo's table of the most hit prefixes)."""
+        out = []
+        for top in self._root.children.values():
+            nodes = device = host = 0
+            stack = [top]
+            while stack:
+                node = stack.pop()
+                nodes += 1
+                if node.device_value is not None:
+                    device += node.num_tokens
+                if node.host_value is not None:
+                    host += node.num_tokens
+                stack.extend(node.children.values())
+            out.append(BranchStatistics(self._ref(top), top.key, top.hit_count, nodes, device, host))
+        return out
 
     def sanity_check(self) -> None:
         """Check every invariant of the tree (O(tree)).

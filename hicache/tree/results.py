@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EMPTY_INDICES",
+    "BranchStatistics",
     "ComponentEvictResult",
     "ComponentFree",
     "ComponentStatistics",
@@ -306,6 +307,28 @@ class LoadResult:
     match: MatchResult
     freed_device: torch.Tensor
     component_frees: tuple[ComponentFree, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BranchStatistics:
+    """One top-level branch of the tree (`RadixTree.branches`): a child of the root and everything below it,
+    e.g. the requests sharing one system prompt.
+
+    Attributes:
+        node: the branch's top node (a child of the root).
+        key: the top node's tokens as little-endian int64 bytes (whole pages).
+        hits: the top node's hit count (inserts that touched it).
+        nodes: nodes in the branch, the top node included.
+        device_tokens: tokens of the branch held on the device.
+        host_tokens: tokens of the branch held on the host.
+    """
+
+    node: NodeRef
+    key: bytes
+    hits: int
+    nodes: int
+    device_tokens: int
+    host_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

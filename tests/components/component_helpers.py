@@ -126,6 +126,7 @@ def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:
     def as_list(t: torch.Tensor | None) -> list[int] | None:
         return None if t is None else t.tolist()
 
+    tree = tree_of(cache)
     nodes = sorted(
         (
             n.key,
@@ -138,10 +139,10 @@ def cache_snapshot(cache: HiCache) -> tuple[Any, ...]:
             n.last_access,
             sorted(
                 (name, as_list(d.device_value), as_list(d.host_value), d.device_lock, d.host_lock)
-                for name, d in (n.components or {}).items()
+                for name, d in tree.component_info(n.ref).items()
             ),
         )
-        for n in map(tree_of(cache)._require_live, tree_of(cache).iter_nodes())  # white-box: whole nodes
+        for n in map(tree.node_info, tree.iter_nodes())
     )
     pools = [
         cache.device_pool,

@@ -163,6 +163,34 @@ def test_evicting_the_window_cascades_to_the_state_and_evicting_full_attention_t
     tree.sanity_check()
 
 
+def test_component_info_shows_each_record_without_reaching_into_the_node() -> None:
+    """The public snapshot of a node's component records: values per tier, the backup in flight and the
+    locks (tests read them through the tree's private nodes before)."""
+    tree = make_tree("swa", "mamba")
+    a = seq(16)
+    tree.insert(a, ids(0, 16), {"swa": ids(0, 8), "mamba": ids(0, 1)})
+    leaf = tree.match_prefix(a).last_device_node
+    assert tree.component_info(leaf)["mamba"].device_lock == 0
+    tree.lock_device(leaf)
+    tree.begin_backup(leaf, ids(100, 16), {"swa": ids(40, 8), "mamba": ids(7, 1)})
+    info = tree.component_info(leaf)
+    assert set(info) == {"swa", "mamba"}
+    swa_info, mamba_info = info["swa"], info["mamba"]
+    assert swa_info.device_value is not None
+    assert torch.equal(swa_info.device_value, ids(0, 8))
+    assert swa_info.host_value is None
+    assert swa_info.backup_pending is not None
+    assert torch.equal(swa_info.backup_pending, ids(40, 8))
+    assert mamba_info.backup_pending is not None
+    assert torch.equal(mamba_info.backup_pending, ids(7, 1))
+    assert swa_info.device_lock == mamba_info.device_lock == tree.node_info(leaf).device_lock
+    assert swa_info.host_lock == 0
+    tree.commit_backup(leaf)
+    assert torch.equal(tree.component_info(leaf)["mamba"].host_value, ids(7, 1))  # type: ignore[arg-type]
+    tree.unlock_device(leaf)
+    tree.sanity_check()
+
+
 def test_component_locks_are_per_component_and_never_above_the_base_lock() -> None:
     """A lock protects the whole path's window KV but only the locked node's state: an ancestor's state
     can still be evicted while a request runs."""
@@ -301,7 +329,7 @@ def test_without_components_nodes_carry_no_component_data() -> None:
     tree = RadixTree(PAGE)
     assert tree.insert(seq(16), ids(0, 16)).component_frees == ()
     tree.lock_device(tree.match_prefix(seq(16)).last_device_node)
-    assert all(tree._require_live(n).components is None for n in tree.iter_nodes())
+    assert all(tree.component_info(n) == {} for n in tree.iter_nodes())
     assert tree.component_statistics() == {}
     with pytest.raises(ValueError, match="no components"):
         tree.insert(seq(32), ids(0, 32), {"swa": ids(0, 8)})

@@ -16,12 +16,14 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from cache_internals import host_pool_of, tree_of
+from controller_helpers import HOUR_S, LoopClock
 from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_for, store_chain
 
-from hicache import HiCache, HiCacheConfig
+from hicache import HiCache, HiCacheConfig, PrefetchOutcome
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
@@ -149,7 +151,14 @@ def expected_pages(faults: dict[int, str]) -> tuple[int, bool]:
     return stop, stop < missing
 
 
-async def run_scenario(stored: FileBackend, faults: dict[int, str], seed: int) -> None:
+async def run_scenario(
+    stored: FileBackend, faults: dict[int, str], seed: int, loop_clock: LoopClock | None = None
+) -> None:
+    """Prefetch SEQ and commit it with `faults` in place, then check what loaded and what was counted.
+
+    A hanging read needs `loop_clock`: the commit's deadline passes on it once every page before the
+    hang has landed (with a 50 ms real deadline those reads raced it under load).
+    """
     rng = random.Random(seed)
     for page, how in faults.items():
         if how in FILE_FAULTS:
@@ -164,7 +173,7 @@ async def run_scenario(stored: FileBackend, faults: dict[int, str], seed: int) -
     if hang:
         overrides = {
             "prefetch_stop_policy": "timeout",
-            "prefetch_timeout_base": 0.05,
+            "prefetch_timeout_base": 60.0,
             "prefetch_timeout_per_1k_tokens": 0.0,
         }
     want_pages, want_failure = expected_pages(faults)
@@ -177,7 +186,22 @@ async def run_scenario(stored: FileBackend, faults: dict[int, str], seed: int) -
             await assert_settled(cache)
             return
         assert prefetch is not None
-        outcome = await cache.commit_prefetch("r")
+        if hang:
+            assert loop_clock is not None, "a hanging read needs the loop clock"
+            while prefetch.completed_pages < want_pages and not prefetch.done:
+                await prefetch.wait_progress()
+            outcomes: list[PrefetchOutcome] = []
+            async with anyio.create_task_group() as tg:
+
+                async def commit() -> None:
+                    outcomes.append(await cache.commit_prefetch("r"))
+
+                tg.start_soon(commit)
+                await anyio.wait_all_tasks_blocked()
+                loop_clock.advance(HOUR_S)  # the timeout policy's deadline passes while the commit waits
+            (outcome,) = outcomes
+        else:
+            outcome = await cache.commit_prefetch("r")
         assert outcome.status == "committed"
         assert outcome.completed_tokens == want_pages * PAGE
         assert outcome.loaded_tokens == want_pages * PAGE
@@ -202,9 +226,11 @@ async def run_scenario(stored: FileBackend, faults: dict[int, str], seed: int) -
 
 @pytest.mark.parametrize("how", FILE_FAULTS + WRAPPER_FAULTS)
 @pytest.mark.parametrize("page", [0, 4, N_PAGES - 1])
-async def test_one_fault_shortens_the_prefetch(stored: FileBackend, how: str, page: int) -> None:
+async def test_one_fault_shortens_the_prefetch(
+    stored: FileBackend, how: str, page: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A single fault at the first, a middle or the last page: the prefetch stops there, counted."""
-    await run_scenario(stored, {page: how}, seed=page)
+    await run_scenario(stored, {page: how}, seed=page, loop_clock=LoopClock(monkeypatch))
 
 
 @pytest.mark.parametrize("seed", range(16))

@@ -170,6 +170,31 @@ def test_attach_loaded_frees_duplicates_and_returns_the_fresh_match() -> None:
     tree.sanity_check()
 
 
+def test_attach_loaded_walks_the_key_once() -> None:
+    """Guards against `attach_loaded` matching twice (the span, then the whole key for the fresh match):
+    one walk finds the span and gives the fresh match, so it touches the LRU clock once, as a match does.
+    The span still splits at its end: a key longer than the loaded span gets a node ending there."""
+    tree = RadixTree(P)
+    key = page_key(0, 2) + page_key(50, 2)
+    leaf = tree.insert(key, ids(0, 16)).node
+    back_up(tree, leaf)
+    tree.evict_device(16)
+    first = tree.match_prefix(key)
+    (host_node,) = first.host_nodes
+    ticked = tree.node_info(host_node).last_access
+    result = tree.attach_loaded(key, 0, ids(200, 8))  # the first page pair only: a split at token 8
+    (upper, lower) = (result.match.last_device_node, *result.match.host_nodes)
+    assert tree.node_info(upper).last_access == ticked + 1
+    assert tree.node_info(lower).last_access == ticked + 1
+    assert (result.match.device_len, result.match.host_len) == (8, 8)
+    assert torch.equal(result.match.device_indices, ids(200, 8))
+    assert result.freed_device.numel() == 0
+    again = tree.match_prefix(key)
+    assert tree.node_info(upper).last_access == ticked + 2
+    assert (again.device_len, again.host_len) == (8, 8)
+    tree.sanity_check()
+
+
 def test_attach_loaded_returns_a_component_copy_whose_host_value_changed() -> None:
     """A component copy is taken only if its node still holds the host value it was copied from;
     otherwise the copy comes back in `component_frees` (never leaked, never attached stale)."""
@@ -217,3 +242,23 @@ def test_held_indices_list_every_index_the_tree_owns() -> None:
         ("mamba", "device"): [[3]],
         ("mamba", "pending"): [[6]],
     }
+
+
+def test_branches_sum_each_top_level_subtree() -> None:
+    """`branches()` answers what the demo's top-prefixes table read node by node through snapshots: per
+    child of the root, its key and hits and the nodes and tokens below it on each tier."""
+    tree = RadixTree(P)
+    assert tree.branches() == []
+    system_a, system_b = page_key(0, 2), page_key(500, 1)
+    leaf = tree.insert(system_a + page_key(200, 2), ids(20, 16)).node
+    back_up(tree, leaf)
+    tree.insert(system_a + page_key(100, 1), ids(0, 12))  # splits the backed-up node after system_a
+    tree.insert(system_b, ids(40, 4))
+    assert tree.evict_device(8).evicted_tokens == 8  # the oldest leaf, backed up: it stays on the host
+    assert tree.node_info(leaf).device_value is None
+    by_key = {b.key: b for b in tree.branches()}
+    assert set(by_key) == {as_key_bytes(system_a), as_key_bytes(system_b)}
+    a, b = by_key[as_key_bytes(system_a)], by_key[as_key_bytes(system_b)]
+    assert (a.nodes, a.hits, a.device_tokens, a.host_tokens) == (3, 2, 12, 16)
+    assert (b.nodes, b.hits, b.device_tokens, b.host_tokens) == (1, 1, 4, 0)
+    assert tree.node_info(a.node).parent == tree.root

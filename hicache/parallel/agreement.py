@@ -16,7 +16,9 @@ Why it cannot deadlock (SGLang #30760, #22607: a loop broke early on one rank an
 - Loops end by agreement: `step(busy=...)` returns `more`, true while any rank is busy or holds an
   unresolved decision, the same value on every rank, so `drive()` stops after the same step everywhere.
 - A peer that dies or stops stepping makes the collective raise `RankFailed` within the group's timeout;
-  every pending decision then fails with it and its waiters release what they hold.
+  every pending decision then fails with it and its waiters release what they hold. So does a decision
+  whose local part is stuck on some rank once it has held later decisions out of the window (`capacity`
+  slots past the oldest pending one) for longer than the timeout: no step could carry them.
 
 Two ranks that propose different decisions under one `seq` (a caller bug) get `RankDivergence` on every
 rank at the first step that sees both; a decision one rank proposed and a peer, still stepping, has not
@@ -37,7 +39,7 @@ import anyio
 import torch
 
 from hicache.parallel.decision import NONE, Decision, decode_max, encode_max
-from hicache.parallel.errors import RankDivergence, RankGroupError
+from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError
 from hicache.parallel.group import RankGroup
 
 __all__ = [
@@ -132,6 +134,9 @@ class Agreement:
         self._stepping = False
         self._failed: RankGroupError | None = None
         self._changed: anyio.Event | None = None
+        self._held_back: tuple[int, float] | None = (
+            None  # (base, since) while decisions wait outside the window
+        )
 
     @classmethod
     def for_group(cls, group: RankGroup | None) -> Agreement | None:
@@ -303,6 +308,7 @@ class Agreement:
             done.append((d, value))
         resolved = len(done)
         self._resolved += resolved
+        self._check_held_back(now, group)
         # Resolved in the order of proposals, after the loop: an `on_resolve` callback may propose a new
         # decision (on every rank alike), which then keeps `drive()` stepping.
         proposed = self._next_seq
@@ -329,6 +335,25 @@ class Agreement:
                 f"rank {group.tp_rank}: decision #{decision.seq} ({decision.kind} {decision.key!r}) was "
                 f"not proposed by every rank within {group.timeout_s:g} s while all kept stepping: every "
                 f"rank must propose the same decisions in the same order"
+            )
+
+    def _check_held_back(self, now: float, group: RankGroup) -> None:
+        """Raise `RankFailed` once the oldest pending decision has kept later ones out of the window (beyond
+        `capacity`, so no step carries them) for longer than the group timeout: its local part is stuck on
+        some rank (a storage write whose thread never returned, say), and without this bound every rank
+        would step forever with no error."""
+        base = self._base()
+        if self._next_seq - base <= self.capacity:
+            self._held_back = None
+            return
+        if self._held_back is None or self._held_back[0] != base:
+            self._held_back = (base, now)
+        elif now - self._held_back[1] > group.timeout_s:
+            stuck = self._pending[base]
+            raise RankFailed(
+                f"rank {group.tp_rank}: decision #{base} ({stuck.kind} {stuck.key!r}) has not settled on "
+                f"every rank within {group.timeout_s:g} s and holds back {self._next_seq - base - 1} later "
+                f"decisions (a step carries {self.capacity}): a rank's local part of it is stuck"
             )
 
     def _fail(self, error: RankGroupError) -> None:

@@ -91,6 +91,17 @@ def test_a_decision_one_rank_never_proposes_raises_instead_of_stepping_forever()
     assert out[1].value["errors"][0] in ("RankFailed", "RankDivergence")
 
 
+def test_a_decision_stuck_on_one_rank_that_holds_back_the_window_raises_on_every_rank() -> None:
+    """Decision #0 never settles on rank 1 while both ranks propose more than a step carries: instead of
+    stepping forever, every rank raises RankFailed naming the stuck decision within the group timeout."""
+    out = run_ranks(tp_workers.stuck_settle, 2, (1,), timeout_s=WATCHDOG_S, group_timeout_s=1.0)
+    for o in out:
+        assert o.ok, o.error
+        assert o.value["errors"][0] == "RankFailed", o.value
+        assert o.value["first_failed"]
+    assert any("decision #0 (store '1') has not settled on every rank" in o.value["errors"][1] for o in out)
+
+
 def test_fingerprints_agree_and_a_difference_names_the_node() -> None:
     same = run_ranks(tp_workers.trees_compare, 2, (None, ""), timeout_s=WATCHDOG_S)
     assert all(o.ok for o in same)

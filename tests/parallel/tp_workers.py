@@ -210,3 +210,21 @@ async def chained_on_resolve(group: RankGroup) -> dict[str, object]:
 
     steps = await ag.drive(busy)
     return {"seen": seen, "steps": steps, "max": decode_max(biggest.result or 0)}
+
+
+async def stuck_settle(group: RankGroup, stuck_rank: int) -> dict[str, object]:
+    """Decision #0's local part never finishes on `stuck_rank` (a write thread that never returned) while
+    both ranks propose and settle more decisions than one step carries (capacity 4)."""
+    ag = Agreement(group, capacity=4)
+    first = ag.propose("store", "1")
+    if group.tp_rank != stuck_rank:
+        first.settle(1)
+    later = [ag.propose("alloc_device", str(i)) for i in range(6)]
+    for d in later:
+        d.settle(1)
+    errors: list[str] = []
+    try:
+        await ag.agree(later[-1])
+    except Exception as exc:
+        errors += [type(exc).__name__, str(exc)]
+    return {"errors": errors, "first_failed": first.resolved and ag.failed is not None}

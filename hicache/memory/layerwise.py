@@ -275,6 +275,7 @@ class LayerwiseCopy:
         self._aborted = False
         self._working = False  # a thread is copying or enqueueing (under `_lock`)
         self._thread_done = threading.Event()
+        self._last_event: torch.cuda.Event | None = None  # CUDA: recorded after everything this copy enqueued
 
     def abort(self) -> None:
         """Stop the copy at its next layer: a thread not started yet never copies, a running one stops
@@ -292,9 +293,10 @@ class LayerwiseCopy:
                 return True
         if not self._thread_done.is_set():
             return False
-        readiness = self.readiness
-        if isinstance(readiness, CudaLayerReadiness) and readiness.events:
-            return bool(readiness.events[-1].query())  # type: ignore[no-untyped-call]
+        # CUDA: the event recorded after the last enqueue, not the last layer's: an enqueue that raised
+        # part-way may have launched kernels after that layer's event.
+        if self._last_event is not None:
+            return bool(self._last_event.query())  # type: ignore[no-untyped-call]
         return True
 
     async def wait_settled(self) -> None:
@@ -386,6 +388,7 @@ class LayerwiseCopy:
             readiness._enqueued.set()
             return
         host_is_src = self._src.device.type == "cpu"
+        stream: torch.cuda.Stream | None = None
         try:
             stream = torch.cuda.Stream(device=self._cuda)  # type: ignore[no-untyped-call]
             stream.wait_stream(after)
@@ -405,8 +408,14 @@ class LayerwiseCopy:
                     event.record(stream)
                     readiness.events.append(event)
         finally:
-            readiness._enqueued.set()
-            self._thread_done.set()
+            try:
+                if stream is not None:  # whatever was launched on it, a failed enqueue's kernels included
+                    last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    last.record(stream)
+                    self._last_event = last
+            finally:
+                readiness._enqueued.set()
+                self._thread_done.set()
 
     def _enqueue_layer(
         self,

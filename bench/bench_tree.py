@@ -49,7 +49,8 @@ import subprocess
 import sys
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -182,9 +183,13 @@ def bench_scale(page_size: int, reps: int, seed: int, vocab: int) -> dict[str, d
     return out
 
 
-async def bench_acquire(seqs: list[array[int]], page_size: int, rounds: int) -> dict[str, float]:
-    """`acquire` + `release` of 1,024-token lists that are all device hits, timed one request at a time."""
-    prompts = [list(s) for s in seqs[:50]]  # 50 distinct prefixes: no two share a page
+@asynccontextmanager
+async def device_hit_cache(
+    seqs: list[array[int]], page_size: int
+) -> AsyncIterator[tuple[HiCache, list[list[int]]]]:
+    """A cache holding 50 of `seqs` (distinct prefixes: no two share a page) on the device, and those
+    prompts as lists: every `acquire` of one is a full device hit."""
+    prompts = [list(s) for s in seqs[:50]]
     pages = sum(len(p) for p in prompts) // page_size
     config = HiCacheConfig(layout=KVLayout.flat(8, page_size), device_pages=pages + 64, host_pages=pages + 64)
     async with HiCache(config) as cache:
@@ -193,6 +198,12 @@ async def bench_acquire(seqs: list[array[int]], page_size: int, rounds: int) -> 
             indices = await cache.alloc_device(len(prompt))
             assert indices is not None
             await cache.insert(lease, prompt, indices)
+        yield cache, prompts
+
+
+async def bench_acquire(seqs: list[array[int]], page_size: int, rounds: int) -> dict[str, float]:
+    """`acquire` + `release` of 1,024-token lists that are all device hits, timed one request at a time."""
+    async with device_hit_cache(seqs, page_size) as (cache, prompts):
         times: list[float] = []
         gc.collect()
         gc.disable()
@@ -270,16 +281,7 @@ def count_instructions(
         return
 
     async def acquire_release() -> None:
-        prompts = [list(s) for s in seqs[:50]]
-        pages = sum(len(p) for p in prompts) // page_size
-        layout = KVLayout.flat(8, page_size)
-        config = HiCacheConfig(layout=layout, device_pages=pages + 64, host_pages=pages + 64)
-        async with HiCache(config) as cache:
-            for i, prompt in enumerate(prompts):
-                lease = await cache.acquire(f"seed-{i}", prompt)
-                indices = await cache.alloc_device(len(prompt))
-                assert indices is not None
-                await cache.insert(lease, prompt, indices)
+        async with device_hit_cache(seqs, page_size) as (cache, prompts):
             for i, prompt in enumerate(prompts):
                 cache.release(await cache.acquire(f"warm-{i}", prompt))
             gc.collect()

@@ -13,47 +13,19 @@ from typing import Self
 
 import anyio
 
-from hicache.config import HiCacheConfig
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.copies import CopyTracker
 from hicache.controller.guarded_storage import GuardedStorage
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ReleaseQueue
-from hicache.controller.state import OpenState
+from hicache.controller.parts import CacheParts
 from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
 from hicache.controller.storage_writer import StorageWriter
-from hicache.controller.tier_mover import TierMover
-from hicache.controller.workers import Workers
 from hicache.errors import CacheClosed
-from hicache.memory import KVPool
-from hicache.metrics import CacheMetrics
-from hicache.parallel import Agreement, RankFailed, check_same_pools
-from hicache.tree import RadixTree
+from hicache.parallel import RankFailed, check_same_pools
 from storage_backends.protocol import StorageBackend
 
 __all__ = ["CacheLifecycle"]
 
 
-class CacheLifecycle:
-    """Start and close of a `HiCache`; the attributes below are set by `HiCache.__init__`."""
-
-    config: HiCacheConfig
-    storage: StorageBackend | None
-    storage_breaker: CircuitBreaker
-    metrics: CacheMetrics
-    agreement: Agreement | None
-    _owns_storage: bool
-    _state: OpenState
-    _tree: RadixTree
-    _device_pool: KVPool
-    _host_pool: KVPool
-    _component_pools: dict[str, ComponentPools]
-    _release_queue: ReleaseQueue
-    _copies: CopyTracker
-    _mover: TierMover
-    _prefetcher: Prefetcher
-    _workers: Workers
+class CacheLifecycle(CacheParts):
+    """Start and close of a `HiCache` (the cache's parts: `CacheParts`)."""
 
     async def __aenter__(self) -> Self:
         try:

@@ -11,41 +11,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from hicache.config import HiCacheConfig
-from hicache.controller.accounting import Accounting
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ReleaseQueue
+from hicache.controller.parts import CacheParts
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics
-from hicache.controller.state import OpenState
-from hicache.controller.tier_mover import TierMover
-from hicache.memory import KVPool
-from hicache.parallel import Agreement, check_same_tree, check_same_tree_async
-from hicache.tree import RadixTree
-from storage_backends.protocol import StorageBackend
+from hicache.parallel import check_same_tree, check_same_tree_async
 
 __all__ = ["CacheObservation"]
 
 
-class CacheObservation:
-    """Statistics, `repr` and the sanity check of a `HiCache`; the attributes below are set by
-    `HiCache.__init__`."""
-
-    config: HiCacheConfig
-    page_size: int
-    storage: StorageBackend | None
-    storage_breaker: CircuitBreaker
-    agreement: Agreement | None
-    _state: OpenState
-    _tree: RadixTree
-    _device_pool: KVPool
-    _host_pool: KVPool
-    _component_pools: dict[str, ComponentPools]
-    _release_queue: ReleaseQueue
-    _mover: TierMover
-    _prefetcher: Prefetcher
-    _accounting: Accounting
+class CacheObservation(CacheParts):
+    """Statistics, `repr` and the sanity check of a `HiCache` (the cache's parts: `CacheParts`)."""
 
     def statistics(self) -> CacheStatistics:
         """A frozen snapshot of the tree, the pools, the release queue and the work in flight."""

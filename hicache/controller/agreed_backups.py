@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -65,7 +65,11 @@ class AgreedBackup:
     copied: int = 0
     verdict: int | None = None
     """The agreed outcome (1 commit, 0 abort), once known; 0 too when the agreement failed."""
-    finished: bool = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether the batch was committed or aborted (its verdict is known)."""
+        return self.verdict is not None
 
     @property
     def tokens(self) -> int:
@@ -81,7 +85,7 @@ class AgreedStore:
     decision: Decision | None = None
     written: bool = False
     """This rank's write is done and no thread reads the pages."""
-    released: bool = field(default=False)
+    released: bool = False
 
 
 class AgreedBackups:
@@ -275,19 +279,17 @@ class AgreedBackups:
     def _finish(self, batch: AgreedBackup, verdict: int) -> None:
         if batch.finished:
             return
-        batch.finished = True
         batch.verdict = verdict
         self.pending_targets -= len(batch.targets)
         tree = self._tree
         committed: list[NodeRef] = []
         for target, chain, host in zip(batch.targets, batch.chains, batch.chain_hosts, strict=True):
-            size = int(host.numel())
             if verdict and self._parent_backed_up(chain[0]):
                 for node in chain:
                     tree.commit_backup(node)
                 self._host_pool.set_owner(host, Owner.TREE)
                 committed.append(target)
-                self._metrics.backup_tokens.inc(size)
+                self._metrics.backup_tokens.inc(int(host.numel()))
             else:
                 for node in reversed(chain):
                     self._host_pool.free(tree.abort_backup(node).freed_host)

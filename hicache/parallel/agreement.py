@@ -134,9 +134,8 @@ class Agreement:
         self._stepping = False
         self._failed: RankGroupError | None = None
         self._changed: anyio.Event | None = None
-        self._held_back: tuple[int, float] | None = (
-            None  # (base, since) while decisions wait outside the window
-        )
+        # (base, since) while decisions wait outside the window
+        self._held_back: tuple[int, float] | None = None
 
     @classmethod
     def for_group(cls, group: RankGroup | None) -> Agreement | None:

@@ -125,21 +125,21 @@ class Decision:
 
     def _resolve(self, value: int) -> None:
         self._result = value
-        if self._event is not None:
-            self._event.set()
-        if self._on_resolve is not None:
-            callback, self._on_resolve = self._on_resolve, None
-            callback(value)
+        self._wake(value)
 
     def _fail(self, error: BaseException) -> None:
         if self.resolved:
             return
         self._error = error
+        self._wake(None)
+
+    def _wake(self, agreed: int | None) -> None:
+        """Wake the waiter and run `on_resolve` (once) with `agreed` (None: the agreement failed)."""
         if self._event is not None:
             self._event.set()
         if self._on_resolve is not None:
             callback, self._on_resolve = self._on_resolve, None
-            callback(None)
+            callback(agreed)
 
     async def wait(self) -> int:
         """Wait until the ranks agree and return the agreed value.

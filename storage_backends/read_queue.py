@@ -121,8 +121,7 @@ class ReadThreads:
             await waiter.event.wait()
         except BaseException:
             for job, (_, buffers) in zip(jobs, groups, strict=False):
-                if self._waiting.pop(job, None) is not None and not self._queue.cancel(job):
-                    self._abandon(job, buffers or ())
+                self._withdraw(job, buffers or ())
             raise
         return [job.result() for job in jobs]
 
@@ -163,19 +162,25 @@ class ReadThreads:
 
     def _settle(self, finished: list[native.ReadJob]) -> None:
         for job in finished:
-            waiter = self._waiting.pop(job, None)
-            if waiter is not None:
-                waiter.one_done()
-                continue
-            with self._lock:
-                buffers = self._abandoned.pop(job, None)
+            with self._lock:  # against `_withdraw`: a worker settles here once the queue is closed
+                waiter = self._waiting.pop(job, None)
+                buffers = self._abandoned.pop(job, None) if waiter is None else None
                 if buffers is not None:
                     stray_threads.finish(buffers)
-            if buffers is not None:
+            if waiter is not None:
+                waiter.one_done()
+            elif buffers is not None:
                 self._queue.retire(1)  # the replacement started for it is one worker too many now
 
-    def _abandon(self, job: native.ReadJob, buffers: Sequence[object]) -> None:
+    def _withdraw(self, job: native.ReadJob, buffers: Sequence[object]) -> None:
+        """A cancelled caller's job: withdrawn if not started, else abandoned (see the module docstring).
+
+        Under `_lock` with `_settle`: otherwise a worker leaving a closed queue could collect and settle the
+        job between its `_waiting.pop` here and its registration in `_abandoned`, which would then never
+        be finished (its buffers counted as a stray thread's for ever)."""
         with self._lock:
+            if self._waiting.pop(job, None) is None or self._queue.cancel(job):
+                return
             self._abandoned[job] = buffers
             stray_threads.start(buffers)
         if not self._queue.closed:

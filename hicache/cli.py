@@ -146,8 +146,9 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     if args.tp is not None:
         return _demo_tp(args)
-    args.users = 8 if args.users is None else args.users
-    args.turns = 6 if args.turns is None else args.turns
+    default = DemoConfig()  # the sizes the demo runs with unless asked otherwise (as `_demo_tp` does)
+    args.users = default.users if args.users is None else args.users
+    args.turns = default.turns if args.turns is None else args.turns
     if args.system_prompts is None:
         # A hybrid prefix is reusable only where a state was stored (at the end of a request): a system
         # prompt shared by users ends at a split without one, so the hybrid run gives each user its own.

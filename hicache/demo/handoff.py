@@ -20,7 +20,6 @@ Every request of every phase is recorded and checked against recompute like any 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +58,7 @@ async def serve_handoff(runner: ServingLoop[Any], cache: HiCache) -> None:
     # 1. This instance computes the shared system prompts itself.
     for p, system_prompt in enumerate(workload.system_prompts):
         prompt = torch.tensor(system_prompt, dtype=torch.int64)
-        await _serve_alone(runner, cache, f"s{p}", -(p + 1), prompt)
+        await runner._serve_recorded(cache, f"s{p}", -(p + 1), 0, prompt)
         await cache.wait_idle()
     # 2. Another instance serves every turn but the last, writing through to the shared storage.
     sessions = [Session(workload, conversation) for conversation in workload.conversations]
@@ -73,14 +72,3 @@ async def serve_handoff(runner: ServingLoop[Any], cache: HiCache) -> None:
     for session in sessions:
         await runner._turn_cached(cache, session)
         await cache.wait_idle()
-
-
-async def _serve_alone(
-    runner: ServingLoop[Any], cache: HiCache, request_id: str, user: int, prompt: torch.Tensor
-) -> None:
-    """Serve one request that belongs to no conversation (a system prompt) through `cache` and record it."""
-    arrival = time.perf_counter()
-    async with runner.running:
-        record = await runner._serve_one(cache, request_id, user, 0, prompt, arrival)
-    runner.records.append(record)
-    runner.progress("cache", len(runner.records), runner.workload.num_requests + runner.extra_requests)

@@ -126,12 +126,19 @@ class ServingLoop(Generic[ModelT]):
         conv = session.conversation
         prompt = session.next_prompt()
         turn = session.turn
+        record = await self._serve_recorded(cache, f"u{conv.user}t{turn}", conv.user, turn, prompt)
+        session.record_reply(prompt, record.reply)
+
+    async def _serve_recorded(
+        self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor
+    ) -> RequestRecord:
+        """Serve one request through `cache` (arriving now), record it and report progress."""
         arrival = time.perf_counter()
         async with self.running:
-            record = await self._serve_one(cache, f"u{conv.user}t{turn}", conv.user, turn, prompt, arrival)
+            record = await self._serve_one(cache, request_id, user, turn, prompt, arrival)
         self.records.append(record)
         self.progress("cache", len(self.records), self.workload.num_requests + self.extra_requests)
-        session.record_reply(prompt, record.reply)
+        return record
 
     async def _serve_one(
         self, cache: HiCache, request_id: str, user: int, turn: int, prompt: torch.Tensor, arrival: float

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hicache.demo.records import RECOMPUTE_TOLERANCE, DemoResult
+from hicache.demo.records import RECOMPUTE_TOLERANCE, DemoResult, RequestRecord
 from hicache.demo.snapshot import sum_metric
 from storage_backends.redact import redact_url
 
@@ -33,8 +33,6 @@ def summarize(result: DemoResult) -> dict[str, Any]:
     prompt_tokens = sum(int(r.prompt.numel()) for r in records)
     hits = {tier: sum(r.hits.get(tier, 0) for r in records) for tier in TIERS}
     prefetch_status = [r.prefetch for r in records if r.prefetch is not None]
-    ttft = [r.ttft_s for r in records]
-    ttft_nocache = [r.ttft_nocache_s for r in records if r.ttft_nocache_s is not None]
     skipped: dict[str, int] = {}
     for name, metric in m.items():
         if name.endswith("prefetch_skipped_total"):
@@ -76,13 +74,7 @@ def summarize(result: DemoResult) -> dict[str, Any]:
             "storage_read": int(sum_metric(m, "storage_read_bytes_total")),
             "storage_written": int(sum_metric(m, "storage_written_bytes_total")),
         },
-        "ttft_ms": {
-            "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
-            "no_cache": {
-                "p50": 1e3 * percentile(ttft_nocache, 50),
-                "p99": 1e3 * percentile(ttft_nocache, 99),
-            },
-        },
+        "ttft_ms": _ttft_ms(records),
         "not_inserted": sum(1 for r in records if not r.inserted),
         "pools": result.pools,
         "tree": result.tree,
@@ -97,21 +89,23 @@ def _returning(result: DemoResult) -> dict[str, Any]:
     """The handoff scenario's last phase alone: the users' last turns, back on this instance."""
     last = result.config.turns - 1
     records = [r for r in result.records if r.user >= 0 and r.turn == last]
-    ttft = [r.ttft_s for r in records]
-    ttft_nocache = [r.ttft_nocache_s for r in records if r.ttft_nocache_s is not None]
     return {
         "returning_requests": len(records),
         "dropped": sum(1 for r in records if r.prefetch == "dropped"),
         "rescued": sum(1 for r in records if r.prefetch_rescued),
         "prefill_tokens_saved": sum(r.reused_len for r in records),
         "prompt_tokens": sum(int(r.prompt.numel()) for r in records),
-        "ttft_ms": {
-            "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
-            "no_cache": {
-                "p50": 1e3 * percentile(ttft_nocache, 50),
-                "p99": 1e3 * percentile(ttft_nocache, 99),
-            },
-        },
+        "ttft_ms": _ttft_ms(records),
+    }
+
+
+def _ttft_ms(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """The records' time to first token in ms, p50 and p99, with the cache and without it."""
+    ttft = [r.ttft_s for r in records]
+    ttft_nocache = [r.ttft_nocache_s for r in records if r.ttft_nocache_s is not None]
+    return {
+        "cache": {"p50": 1e3 * percentile(ttft, 50), "p99": 1e3 * percentile(ttft, 99)},
+        "no_cache": {"p50": 1e3 * percentile(ttft_nocache, 50), "p99": 1e3 * percentile(ttft_nocache, 99)},
     }
 
 

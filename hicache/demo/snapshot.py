@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from hicache.controller import HiCache
+from hicache.keys import TOKEN_BYTES
 
 __all__ = ["pool_json", "sum_metric", "top_prefixes"]
 
@@ -28,7 +29,7 @@ def top_prefixes(cache: HiCache, limit: int = 8) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = [
         {
             "first_tokens": [int(t) for t in torch.frombuffer(bytearray(b.key[:64]), dtype=torch.int64)],
-            "edge_tokens": len(b.key) // 8,
+            "edge_tokens": len(b.key) // TOKEN_BYTES,
             "hits": b.hits,
             "nodes": b.nodes,
             "device_tokens": b.device_tokens,

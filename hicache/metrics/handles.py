@@ -3,8 +3,8 @@
 A handle wraps one prometheus_client collector and adds three things the controller relies on: updates
 that take their labels as keywords (``shed.inc(3, tier="host", reason="queue_full")``), constant labels
 bound once (a tensor-parallel rank's ``tp_rank``) so call sites never repeat them, and label values
-(constant ones too) shown redacted (a storage URL in a label never shows its credentials). ``value`` reads a series back
-through the collector's public ``collect()``, for tests and benchmarks.
+(constant ones too) shown redacted (a storage URL in a label never shows its credentials). ``value`` reads
+a series back through the collector's public ``collect()``, for tests and benchmarks.
 """
 
 from __future__ import annotations

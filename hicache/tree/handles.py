@@ -1,6 +1,6 @@
 """What callers hold instead of tree nodes: opaque `NodeRef` handles, and read-only snapshots of what the
-tree knows about a node (`NodeInfo`) and its components (`ComponentInfo`), a backed-up root path (`StoredPath`) and every index it holds
-(`HeldIndices`). None of them can change the tree."""
+tree knows about a node (`NodeInfo`) and its components (`ComponentInfo`), a backed-up root path
+(`StoredPath`) and every index it holds (`HeldIndices`). None of them can change the tree."""
 
 from __future__ import annotations
 

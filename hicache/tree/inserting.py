@@ -236,6 +236,9 @@ class Inserting(BackupsAndLocks):
         start = self._require_live(anchor, "anchor")
         kb, ntok = self._aligned_key(key)
         check_indices(host_indices, "host_indices", ntok)
+        if host_indices.device.type != "cpu":
+            # Checked before any change: the copy the tree keeps is made through numpy, which takes CPU only.
+            raise ValueError(f"host_indices: expected a CPU tensor, got one on {host_indices.device}")
         comp_values = self._component_values(components, len(kb) >> 3) if components else None
         step = self._step
         end = len(kb)

@@ -143,12 +143,11 @@ class LoadBack(Matching, BackupsAndLocks):
             stack.extend(c for c in cur.children.values() if c.device_value is not None)
         freed: list[torch.Tensor] = []
         kept: list[NodeRef] = []
-        loaded = device_indices
         for cur in reversed(order):  # children before parents
             dv = cur.device_value
             assert dv is not None
             if cur._dev_children or cur.backup_pending is not None:
-                if bool(torch.isin(dv[:1], loaded)):
+                if bool(torch.isin(dv[:1], device_indices)):
                     kept.append(self._ref(cur))
                 continue
             if cur.host_value is not None:
@@ -157,6 +156,6 @@ class LoadBack(Matching, BackupsAndLocks):
             elif not cur.children and not cur.device_lock and not cur.host_lock:
                 freed.append(dv)
                 self._detach(cur)
-            elif bool(torch.isin(dv[:1], loaded)):
+            elif bool(torch.isin(dv[:1], device_indices)):
                 kept.append(self._ref(cur))
         return FreeResult(freed_device=cat_indices(freed), component_frees=self._take_frees()), tuple(kept)

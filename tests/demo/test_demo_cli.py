@@ -116,3 +116,15 @@ def test_bench_lists_the_scripts_in_bench() -> None:
     assert set(done.stdout.split()) == {
         p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")
     }
+
+
+@pytest.mark.parametrize("extra", [["--model", "hybrid"], ["--tp", "2"]])
+def test_the_handoff_scenario_is_refused_beside_hybrid_or_tp(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--scenario handoff` runs with the Llama model on one rank only: with `--model hybrid` or `--tp` it
+    is refused with status 2, naming the scenario, before anything runs."""
+    from hicache.cli import main
+
+    assert main(["demo", "--scenario", "handoff", *extra]) == 2
+    assert "--scenario handoff runs with --model llama only, without --tp" in capsys.readouterr().err

@@ -76,6 +76,12 @@ BAD_CALLS: list[tuple[str, Callable[[RadixTree], object], type[Exception], str]]
         "host_indices",
     ),
     (
+        "host indices off the CPU",
+        lambda t: t.insert_host(t.root, list(range(50, 58)), torch.arange(8, device="meta")),
+        ValueError,
+        "host_indices",
+    ),
+    (
         "foreign anchor",
         lambda t: t.insert_host(RadixTree(P).insert([1] * 4, torch.arange(4)).node, [2] * 4, torch.arange(4)),
         ValueError,

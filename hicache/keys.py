@@ -35,6 +35,7 @@ __all__ = [
     "Namespace",
     "as_key_bytes",
     "chained_page_hashes",
+    "chained_page_keys",
     "key_to_tensor",
     "num_tokens",
 ]
@@ -268,3 +269,18 @@ def chained_page_hashes(
         raise ValueError(f"prev must be a 16-byte hash, got {len(prev)} bytes")
     # In C: the loop in Python cost ~4 us a page on the event loop (a 1,024-page prefetch: ~4 ms).
     return _chain_hashes(key, page_size * TOKEN_BYTES, namespace.digest, prev)
+
+
+def chained_page_keys(
+    key: bytes, page_size: int, namespace: Namespace, prev: bytes = ROOT_HASH
+) -> tuple[list[bytes], list[str]]:
+    """`chained_page_hashes`, and each hash's storage key (its 32 lowercase hex digits), aligned.
+
+    Args:
+        key: the key in bytes form, starting right after the page whose hash is `prev`.
+        page_size: tokens per page (>= 1).
+        namespace: the cache's namespace.
+        prev: the hash of the page before `key` (`ROOT_HASH` at the start of a sequence).
+    """
+    hashes = chained_page_hashes(key, page_size, namespace, prev)
+    return hashes, [h.hex() for h in hashes]

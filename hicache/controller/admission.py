@@ -15,11 +15,12 @@ from hicache.config import HiCacheConfig
 from hicache.controller.allocation import Allocator, ComponentPools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.pacing import LoopPacer
 from hicache.controller.release import ComponentTransfer
 from hicache.controller.state import OpenState
 from hicache.controller.storage_probe import probe_hit_pages
 from hicache.errors import StorageCircuitOpen
-from hicache.keys import TOKEN_BYTES, chained_page_hashes
+from hicache.keys import TOKEN_BYTES, chained_page_keys
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement
@@ -73,6 +74,8 @@ class Admission:
         storage_breaker: the storage tier's breaker (no I/O at all while it is open).
         state: whether the cache is still open after an await.
         forget_stored: called with page keys storage was found to lack.
+        pacer: hands out the loop turns an admission's stages wait for (shared with the prefetcher's
+            launches and commits).
         agreement: the tensor-parallel agreement (None for one rank): the probe's hit and the host room
             to make are then agreed across the ranks (`_plan_agreed`).
     """
@@ -88,6 +91,7 @@ class Admission:
         storage_breaker: CircuitBreaker,
         state: OpenState,
         forget_stored: Callable[[Sequence[str]], None],
+        pacer: LoopPacer,
         agreement: Agreement | None = None,
     ) -> None:
         self._config = config
@@ -99,6 +103,7 @@ class Admission:
         self._breaker = storage_breaker
         self._state = state
         self._forget_stored = forget_stored
+        self._pacer = pacer
         self._agreement = agreement
 
     async def plan(
@@ -113,7 +118,8 @@ class Admission:
 
         Skipped when there is no storage, the remainder beyond the match is below `prefetch_threshold`,
         `inflight_tokens` plus it would exceed the capacity, storage is down or holds too few of the
-        pages, or the host pool cannot take enough of them. Nothing stays held on a skip. A `peek` is
+        pages, or the host pool cannot take enough of them. Nothing stays held on a skip. Called in a
+        turn of the pacer; its allocation waits for another. A `peek` is
         anchored here (the tree splits the node its anchor ends in, touching no LRU clock) only once the
         cheap checks pass.
         """
@@ -140,17 +146,20 @@ class Admission:
         anchor_end = tree.depth(anchor)
         tree.lock_host(anchor)
         try:
-            hashes = chained_page_hashes(
+            # This first stage runs in the caller's turn of the pacer, the allocation below in another:
+            # of the prefetches started together, one hashes (or allocates) per loop iteration, so no
+            # iteration carries all of their page hashing and storage keys (issue 12).
+            hashes, page_keys = chained_page_keys(
                 key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
             )
-            page_keys = [h.hex() for h in hashes]
-            # Hashing and the probe's submission are separate loop iterations: prefetches admitted
-            # together would otherwise do both in one burst (issue 12). Shielded: no new cancel point.
+            # Hashing and the probe's submission are separate loop iterations too.
             await anyio.lowlevel.cancel_shielded_checkpoint()
             hit_pages = await self._probe(request_id, storage, page_keys, remainder)
             if isinstance(hit_pages, SkipReason):
                 tree.unlock_host(anchor)
                 return hit_pages
+            with anyio.CancelScope(shield=True):  # no new cancel point
+                await self._pacer.turn()
             self._state.check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
             hit = hit_pages * page
@@ -237,10 +246,9 @@ class Admission:
             tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
         )
         anchor_end = tree.depth(anchor)
-        hashes = chained_page_hashes(
+        hashes, page_keys = chained_page_keys(
             key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
-        page_keys = [h.hex() for h in hashes]
 
         async def local() -> int:
             try:

@@ -405,8 +405,7 @@ class HiCache(CacheLifecycle, CacheObservation):
         """
         self._state.check_open("prefetch")
         _check_request_id(request_id)
-        key = as_key_bytes(tokens, name="tokens")
-        started = await self._prefetcher.start(request_id, key, match, transfers)
+        started = await self._prefetcher.start(request_id, tokens, match, transfers)  # converts tokens
         return None if isinstance(started, SkipReason) else started
 
     async def commit_prefetch(self, request_id: str) -> PrefetchOutcome:

@@ -74,7 +74,7 @@ class Leases:
         skipped: SkipReason | None = None
         anchor_end = 0
         if self._prefetcher.storage is not None:
-            started = await self._prefetcher.start(request_id, key, self._tree.peek(key), ())
+            started = await self._prefetcher.start(request_id, key, None, ())  # it peeks
             if isinstance(started, SkipReason):
                 skipped = started
             else:

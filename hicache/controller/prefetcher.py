@@ -18,13 +18,14 @@ from hicache.controller.admission import Admission, PrefetchPlan
 from hicache.controller.allocation import Allocator, ComponentPools
 from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.pacing import LoopPacer
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.release import ComponentTransfer, ReleaseBatch, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import KnownPages
 from hicache.errors import CacheClosed, UnknownRequest
-from hicache.keys import TOKEN_BYTES
+from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, Decision
@@ -84,6 +85,8 @@ class Prefetcher:
         self._metrics = metrics
         self._state = state
         self._page_size = config.page_size
+        self.pacer = LoopPacer()
+        """One admission, launch or commit stage per loop iteration among the prefetches (issue 12)."""
         self._admission = Admission(
             config,
             tree,
@@ -94,6 +97,7 @@ class Prefetcher:
             storage_breaker,
             state,
             self.forget_stored,
+            self.pacer,
             agreement,
         )
         self._prefetches: dict[str, Prefetch] = {}
@@ -128,22 +132,30 @@ class Prefetcher:
     async def start(
         self,
         request_id: str,
-        key: bytes,
-        match: MatchResult | PrefixPeek | None,
+        tokens: KeyLike,
+        match: MatchResult | None,
         transfers: Sequence[ComponentTransfer],
     ) -> Prefetch | SkipReason:
-        """Admit and start streaming a prefetch (see `HiCache.prefetch`), or count and return why not."""
+        """Admit and start streaming a prefetch (see `HiCache.prefetch`), or count and return why not.
+
+        Its first stage (key conversion, the peek, admission's page hashing and storage keys) runs in a
+        turn of `pacer`: prefetches started together convert and hash one per loop iteration.
+        """
         if request_id in self._prefetches:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         self._check_transfers(transfers)
+        await self.pacer.turn()
+        self._state.check_open("prefetch")
+        key = as_key_bytes(tokens, name="tokens")
         page = self._page_size
         aligned = len(key) // TOKEN_BYTES // page * page
         key = key[: aligned * TOKEN_BYTES]
-        if match is None:
-            match = self._tree.peek(key)  # anchored by admission only if the prefetch goes ahead
+        found: MatchResult | PrefixPeek = match if match is not None else self._tree.peek(key)
+        if isinstance(found, MatchResult) and not self._tree.is_live(found.last_host_node):
+            found = self._tree.peek(key)  # evicted during the turn: as if none was given
         self._metrics.prefetch_requested.inc()
         storage = self.storage
-        plan = await self._admission.plan(request_id, key, match, storage, self.inflight_tokens)
+        plan = await self._admission.plan(request_id, key, found, storage, self.inflight_tokens)
         if isinstance(plan, SkipReason):
             self._metrics.prefetch_skipped.labels(reason=plan.value).inc()
             return plan
@@ -186,6 +198,8 @@ class Prefetcher:
 
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
         try:
+            with anyio.CancelScope(shield=True):  # no new cancel point
+                await self.pacer.turn()
             views = self._host_pool.page_views(prefetch.host_indices)
             # One bounded piece of loop work per step: concurrent prefetches launched together would
             # otherwise build their views and submit their first reads in one loop iteration (issue 12).
@@ -265,6 +279,8 @@ class Prefetcher:
                 None if agreed_tokens is None else min(prefetch.completed_tokens, agreed_tokens),
             )
             self._check_still_in_flight(request_id, prefetch)
+        await self.pacer.turn()  # prefetches that stop together commit in loop iterations of their own
+        self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
         self.inflight_tokens -= prefetch.num_tokens

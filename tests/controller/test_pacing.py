@@ -1,0 +1,170 @@
+"""The loop pacer: concurrent prefetches take their admission, launch and commit stages one per loop
+iteration (issue 12: sixteen of them in one iteration stalled the event loop for 30 ms).
+
+Iterations are counted exactly: `IterationCounter` wraps the running loop's `_run_once` (one call per
+iteration), so the counter read when a stage runs names its iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import anyio
+import pytest
+from controller_helpers import PassThroughBackend, make_config, store_sequence, tokens
+
+from hicache import HiCache, Namespace
+from hicache.controller.pacing import LoopPacer
+from storage_backends.memory import MemoryBackend
+from storage_backends.protocol import PageStatus
+
+
+class IterationCounter:
+    """Counts the running event loop's iterations: `now` is the current one's number."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0
+        loop = asyncio.get_running_loop()
+        run_once = loop._run_once  # type: ignore[attr-defined]
+
+        def counted() -> None:
+            self.now += 1
+            run_once()
+
+        monkeypatch.setattr(loop, "_run_once", counted)
+
+
+@pytest.fixture
+async def iterations(monkeypatch: pytest.MonkeyPatch) -> IterationCounter:
+    return IterationCounter(monkeypatch)
+
+
+async def test_callers_arriving_together_take_their_turns_in_distinct_iterations_in_order(
+    iterations: IterationCounter,
+) -> None:
+    """Eight callers ready in one iteration resume from `turn` one per iteration, first come first served."""
+    pacer = LoopPacer()
+    seen: list[tuple[int, int]] = []
+
+    async def caller(i: int) -> None:
+        await pacer.turn()
+        seen.append((i, iterations.now))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(caller, i)
+    assert [i for i, _ in seen] == list(range(8))
+    assert len({at for _, at in seen}) == 8
+    assert pacer.turns == 8 and pacer.queued == 7 and pacer.waiting == 0
+
+
+async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: IterationCounter) -> None:
+    """A lone caller does not wait a loop iteration: an idle cache's prefetch is not slowed."""
+    pacer = LoopPacer()
+    before = iterations.now
+    await pacer.turn()
+    assert iterations.now == before
+    assert (pacer.turns, pacer.queued) == (1, 0)
+
+
+async def test_a_caller_asking_again_right_after_its_turn_waits_for_the_next_iteration(
+    iterations: IterationCounter,
+) -> None:
+    """No second turn in the iteration of the last queued waiter, even as the queue drains."""
+    pacer = LoopPacer()
+    seen: list[int] = []
+
+    async def caller() -> None:
+        for _ in range(3):
+            await pacer.turn()
+            seen.append(iterations.now)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(caller)
+        tg.start_soon(caller)
+    assert len(seen) == 6
+    assert len(set(seen)) == 6
+
+
+async def test_a_waiter_cancelled_before_its_turn_gives_its_place_up(iterations: IterationCounter) -> None:
+    """The queue moves on past a cancelled waiter; the pacer goes idle once it is drained."""
+    pacer = LoopPacer()
+    seen: list[str] = []
+    cancelled: list[str] = []
+    scopes: dict[str, anyio.CancelScope] = {}
+
+    async def caller(name: str) -> None:
+        with anyio.CancelScope() as scope:
+            scopes[name] = scope
+            await pacer.turn()
+            seen.append(name)
+        if scope.cancelled_caught:
+            cancelled.append(name)
+
+    async with anyio.create_task_group() as tg:
+        for name in "abcd":
+            tg.start_soon(caller, name)
+        await anyio.wait_all_tasks_blocked()
+        assert (seen, pacer.waiting) == (["a"], 3)  # "a" found the pacer idle; the others queued
+        scopes["c"].cancel()
+    assert (seen, cancelled) == (["a", "b", "d"], ["c"])
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the pacer finds its queue drained and goes idle
+    before = iterations.now
+    await pacer.turn()
+    assert iterations.now == before  # idle again: no wait
+
+
+class ProbeRecorder(PassThroughBackend):
+    """Records the loop iteration in which each storage lookup is submitted; reads wait for `gate`."""
+
+    def __init__(self, inner: MemoryBackend, iterations: IterationCounter) -> None:
+        super().__init__(inner)
+        self.iterations = iterations
+        self.lookups: list[int] = []
+        self.gate = anyio.Event()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        self.lookups.append(self.iterations.now)
+        return await self.inner.exists(keys)
+
+    async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        await self.gate.wait()
+        return await self.inner.get(keys, buffers)
+
+
+async def test_prefetches_started_together_are_admitted_and_committed_one_per_iteration(
+    iterations: IterationCounter,
+) -> None:
+    """Eight prefetches started in one iteration: their page hashing (then their storage lookups) and,
+    once their reads all finish in one iteration, their commits each run in an iteration of their own.
+    Guards against the 30 ms loop stall of sixteen admissions in one iteration (issue 12)."""
+    config = make_config(
+        host_pages=256, storage_batch_pages=4, prefetch_stop_policy="wait_complete", prefetch_threshold=4
+    )
+    async with MemoryBackend(namespace_digest=Namespace(model_id="controller-tests").digest) as inner:
+        backend = ProbeRecorder(inner, iterations)
+        async with HiCache(config, storage=backend) as cache:  # type: ignore[arg-type]
+            seqs = [tokens(1000 * i, 32) for i in range(8)]
+            for seq in seqs:
+                await store_sequence(inner, cache, seq)
+            committed: list[tuple[int, int]] = []
+
+            async def one(i: int) -> None:
+                prefetch = await cache.prefetch(f"r{i}", seqs[i])
+                assert prefetch is not None
+                outcome = await cache.commit_prefetch(f"r{i}")
+                committed.append((outcome.loaded_tokens, iterations.now))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, i)
+                await anyio.wait_all_tasks_blocked()  # every prefetch streams, its reads held at the gate
+                assert len(backend.lookups) == 8
+                backend.gate.set()  # every read finishes in the same iteration
+            assert len(set(backend.lookups)) == 8
+            assert [loaded for loaded, _ in committed] == [32] * 8
+            assert len({at for _, at in committed}) == 8
+            assert cache.statistics().prefetches_in_flight == 0
+            cache.sanity_check()

@@ -56,7 +56,7 @@ async def test_callers_arriving_together_take_their_turns_in_distinct_iterations
             tg.start_soon(caller, i)
     assert [i for i, _ in seen] == list(range(8))
     assert len({at for _, at in seen}) == 8
-    assert pacer.turns == 8 and pacer.queued == 7 and pacer.waiting == 0
+    assert (pacer.turns, pacer.queued, pacer.waiting) == (8, 7, 0)
 
 
 async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: IterationCounter) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,10 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
         _wait_readable(queue.fileno())
         finished += queue.collect()
     assert finished == [kept, stat]
+    for job in finished:  # queued, started and finished in that order, on the monotonic clock
+        queued, started, done = job.times()
+        assert 0 < queued <= started <= done <= time.monotonic_ns()
+    assert cancelled.times()[1:] == (0, 0)  # never started
     assert kept.result() == (bytes([native.MISS]), 0, [])  # no such file: a miss
     assert stat.result()[0] == bytes([native.MISS, native.MISS])
     assert queue.cancel(kept) is False

@@ -272,6 +272,8 @@ enum { JOB_NEW, JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED };
 typedef struct ReadJob {
     PyObject_HEAD
     struct ReadJob *next; /* in the queue's pending or done list */
+    struct ReadJob *prev; /* in the pending list only: cancel() unlinks a job in O(1) */
+    const void *queue;    /* the ReadQueue it was submitted to (NULL before) */
     int state;            /* JOB_*, changed under the queue's mutex */
     int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
     read_ctx ctx;
@@ -314,7 +316,8 @@ static void job_dealloc(ReadJob *job) {
 static ReadJob *job_new(PyObject *const *args) {
     ReadJob *job = PyObject_New(ReadJob, &ReadJobType);
     if (job == NULL) return NULL;
-    job->next = NULL;
+    job->next = job->prev = NULL;
+    job->queue = NULL;
     job->state = JOB_NEW;
     job->stat_only = args[3] == Py_None;
     memset(&job->ctx, 0, sizeof(job->ctx));
@@ -586,6 +589,8 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
     job->state = JOB_QUEUED;
     job->t_queued = now_ns();
     Py_INCREF(job); /* the queue's reference, handed to collect() */
+    job->queue = q;
+    job->prev = q->tail;
     if (q->tail) q->tail->next = job;
     else q->head = job;
     q->tail = job;
@@ -600,18 +605,18 @@ static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
         return NULL;
     }
     ReadJob *job = (ReadJob *)arg;
+    if (job->queue != q) {
+        PyErr_SetString(PyExc_ValueError, "job: expected a job submitted to this queue");
+        return NULL;
+    }
     int removed = 0;
     pthread_mutex_lock(&q->mu);
-    if (job->state == JOB_QUEUED) {
-        ReadJob *prev = NULL;
-        for (ReadJob *j = q->head; j != NULL; prev = j, j = j->next) {
-            if (j != job) continue;
-            if (prev) prev->next = j->next;
-            else q->head = j->next;
-            if (q->tail == j) q->tail = prev;
-            j->next = NULL;
-            break;
-        }
+    if (job->state == JOB_QUEUED) { /* in the pending list: unlinked through its neighbours, no scan */
+        if (job->prev) job->prev->next = job->next;
+        else q->head = job->next;
+        if (job->next) job->next->prev = job->prev;
+        else q->tail = job->prev;
+        job->next = job->prev = NULL;
         job->state = JOB_CANCELLED;
         removed = 1;
     }
@@ -671,6 +676,7 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
         }
         q->head = job->next;
         if (q->head == NULL) q->tail = NULL;
+        else q->head->prev = NULL;
         job->next = NULL;
         job->state = JOB_RUNNING;
         pthread_mutex_unlock(&q->mu);

@@ -125,6 +125,36 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
         queue.submit(str(tmp_path), ".kvp", keys, bufs, NS16, 0, None)
 
 
+def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
+    """`cancel` unlinks a pending job wherever it sits (head, middle, tail, alone; through its neighbours,
+    no scan of the queue): the worker then runs exactly the others, in submission order, and a job can be
+    queued behind a cancelled tail. A job from another queue is refused, not unlinked from this one."""
+    queue = native.ReadQueue()
+    submit = lambda i: queue.submit(str(tmp_path), ".kvp", [f"abcd{i:04x}"], None, NS16, 0, None)  # noqa: E731
+    jobs = [submit(i) for i in range(6)]
+    for i in (0, 3, 5):  # head, middle, tail
+        assert queue.cancel(jobs[i]) is True
+    late = submit(6)  # queued behind the cancelled tail
+    other = native.ReadQueue()
+    foreign = other.submit(str(tmp_path), ".kvp", ["abcd0007"], None, NS16, 0, None)
+    with pytest.raises(ValueError, match="job"):
+        queue.cancel(foreign)
+    assert other.cancel(foreign) is True
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    finished: list[native.ReadJob] = []
+    while len(finished) < 4:
+        _wait_readable(queue.fileno())
+        finished += queue.collect()
+    assert finished == [jobs[1], jobs[2], jobs[4], late]
+    lone = submit(8)  # alone in the queue once the worker drained it: head and tail at once
+    assert queue.cancel(lone) in (True, False)  # the worker may have taken it already
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+    other.close()
+
+
 def test_read_queue_retire_lets_one_worker_go() -> None:
     """`retire(1)` ends exactly one idle worker's `work()`; `close()` ends the rest."""
     queue = native.ReadQueue()

@@ -100,3 +100,13 @@ def chain_hashes(key: Buffer, step: int, namespace_digest: bytes, prev: bytes, /
 
 def xxh3_64(data: Buffer, /) -> int:
     """xxh3-64 (seed 0) of a C-contiguous buffer, as `xxhash.xxh3_64_intdigest`; releases the GIL."""
+
+def chain_page_keys(
+    key: Buffer, step: int, namespace_digest: bytes, prev: bytes, /
+) -> tuple[list[bytes], list[str]]:
+    """`chain_hashes`, and each hash's storage key (its 32 lowercase hex digits), aligned
+    (`hicache.keys.chained_page_keys`).
+
+    Raises:
+        ValueError: as `chain_hashes`.
+    """

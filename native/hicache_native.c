@@ -847,10 +847,18 @@ static PyObject *xxh3_64(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong((unsigned long long)h);
 }
 
+/* hicache.keys' page keys (issue 12's loop stall): defined in the block at the end of this file. */
+PyDoc_STRVAR(chain_page_keys_doc,
+             "chain_page_keys(key, step, namespace_digest, prev, /) -> tuple[list[bytes], list[str]]\n\n"
+             "chain_hashes, and each hash's storage key (its 32 lowercase hex digits), aligned; as\n"
+             "hicache.keys.chained_page_keys.");
+static PyObject *chain_page_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 static PyMethodDef methods[] = {
     {"read_pages", (PyCFunction)(void (*)(void))read_pages, METH_FASTCALL, read_pages_doc},
     {"xxh3_64", xxh3_64, METH_O, xxh3_64_doc},
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL, chain_hashes_doc},
+    {"chain_page_keys", (PyCFunction)(void (*)(void))chain_page_keys, METH_FASTCALL, chain_page_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -879,4 +887,40 @@ PyMODINIT_FUNC PyInit__hicache_native(void) {
         return NULL;
     }
     return m;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Page keys for hicache.keys.chained_page_keys (issue 12's loop stall). The storage key of a page is its
+ * hash in lowercase hex; built here with the hashes, it costs no Python call per page on the event loop.
+ * ------------------------------------------------------------------------------------------------- */
+
+static PyObject *chain_page_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    static const char digits[] = "0123456789abcdef";
+    PyObject *hashes = chain_hashes(self, args, nargs);
+    if (hashes == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    PyObject *keys = PyList_New(n);
+    if (keys == NULL) {
+        Py_DECREF(hashes);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *h = (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(hashes, i));
+        PyObject *key = PyUnicode_New(32, 127);
+        if (key == NULL) {
+            Py_DECREF(hashes);
+            Py_DECREF(keys);
+            return NULL;
+        }
+        Py_UCS1 *out = PyUnicode_1BYTE_DATA(key);
+        for (int j = 0; j < 16; j++) {
+            out[2 * j] = (Py_UCS1)digits[h[j] >> 4];
+            out[2 * j + 1] = (Py_UCS1)digits[h[j] & 15];
+        }
+        PyList_SET_ITEM(keys, i, key);
+    }
+    PyObject *pair = PyTuple_Pack(2, hashes, keys);
+    Py_DECREF(hashes);
+    Py_DECREF(keys);
+    return pair;
 }

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache import HiCache, HiCacheConfig, KVLayout
-from hicache.keys import as_key_bytes
+from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes, chained_page_keys
 
 INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 
@@ -104,3 +104,26 @@ async def test_the_cache_names_tokens_for_a_bad_numpy_array() -> None:
         with pytest.raises(ValueError, match=r"^tokens: expected a 1-D array"):
             await cache.acquire("r", np.zeros((2, 4), dtype=np.int64))
         cache.sanity_check()
+
+
+@pytest.mark.parametrize("pages", [0, 1, 3, 1024])
+def test_page_keys_are_the_page_hashes_in_hex(pages: int) -> None:
+    """`chained_page_keys` (built in C with the hashes) gives exactly `chained_page_hashes` and, aligned with
+    them, their lowercase hex: the storage keys every backend and every other instance look pages up by."""
+    namespace = Namespace(model_id="keys")
+    key = as_key_bytes(list(range(7, 7 + pages * 4 + 3)))  # a trailing partial page gets no hash
+    prev = chained_page_hashes(as_key_bytes([1, 2, 3, 4]), 4, namespace)[0]
+    for start in (ROOT_HASH, prev):
+        hashes, keys = chained_page_keys(key, 4, namespace, start)
+        assert hashes == chained_page_hashes(key, 4, namespace, start)
+        assert keys == [h.hex() for h in hashes]
+        assert all(type(k) is str and len(k) == 32 for k in keys)
+
+
+def test_page_keys_refuse_what_page_hashes_refuse() -> None:
+    """A bad page size or previous hash raises naming the argument, as for the hashes alone."""
+    namespace = Namespace()
+    with pytest.raises(ValueError, match="page_size"):
+        chained_page_keys(b"", 0, namespace)
+    with pytest.raises(ValueError, match="prev"):
+        chained_page_keys(b"", 4, namespace, b"short")

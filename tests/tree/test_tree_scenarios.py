@@ -646,3 +646,16 @@ def test_cached_joined_path_follows_demotion_reload_and_split() -> None:
     assert torch.equal(tree.match_prefix(key).device_indices, torch.cat([indices(200, 8), indices(300, 8)]))
     assert torch.equal(tree.device_indices(leaf), torch.cat([indices(200, 8), indices(300, 8)]))
     tree.sanity_check()
+
+
+@pytest.mark.parametrize("bad", [[b"x" * 16, b"y" * 15], [b"x" * 16, bytearray(16)], (b"x" * 16, b"y" * 16)])
+def test_refill_refuses_hashes_that_are_not_a_list_of_16_byte_hashes(bad: object) -> None:
+    """A wrong-sized hash, one that is not bytes, or a tuple is refused before the tree changes."""
+    tree = RadixTree(P)
+    parent = insert_device_chain(tree, page_key(0, 1)).node
+    back_up(tree, parent)
+    with pytest.raises(TypeError, match="hashes"):
+        tree.insert_host(parent, page_key(500, 2), indices(7000, 8), bad)  # type: ignore[arg-type]
+    match = tree.match_prefix(page_key(0, 1) + page_key(500, 2))
+    assert match.device_len + match.host_len == 4  # nothing of the refill attached
+    tree.sanity_check()

@@ -20,7 +20,8 @@ loads its prefix back from host, then a "forward" calls `wait_layer` for every l
 thread, the lease is released and the scheduling step ends (`tp_sync`). Timed on rank 0, with
 `layerwise_load_back` on and off: `layerwise_request_us_p50_tpN` and `whole_request_us_p50_tpN` (acquire
 + forward waits + `tp_sync`), `layerwise_wait_us_p50_tpN` (the forward's waits alone: under TP the
-readiness collectives) and `readiness_collectives_per_load_tpN`.
+readiness collectives), `readiness_collectives_per_load_tpN` and the agreement steps per request
+(`layerwise_steps_per_request_tpN`, `whole_steps_per_request_tpN`).
 
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
@@ -116,6 +117,7 @@ async def layerwise_loop(group: RankGroup, iterations: int, layerwise: bool) -> 
     waits: list[float] = []
     collectives = 0
     loads = 0
+    steps = 0
     async with HiCache(config) as cache:
         for k, seq in enumerate(seqs):  # computed once, backed up to host
             lease = await cache.acquire(f"init{k}", seq)
@@ -125,6 +127,7 @@ async def layerwise_loop(group: RankGroup, iterations: int, layerwise: bool) -> 
             await cache.wait_idle()
         for i in range(iterations + 10):
             seq = seqs[i % 2]
+            steps_before = 0 if cache.agreement is None else cache.agreement.statistics().steps
             t0 = time.perf_counter()
             lease = await cache.acquire(f"r{i}", seq)
             assert lease.hit_tokens_by_tier["host"] == LW_TOKENS, lease.hit_tokens_by_tier
@@ -145,10 +148,13 @@ async def layerwise_loop(group: RankGroup, iterations: int, layerwise: bool) -> 
                 waits.append((t2 - t1) * 1e6)
                 collectives += int(getattr(layers, "collectives", 0))
                 loads += 1
+                if cache.agreement is not None:
+                    steps += cache.agreement.statistics().steps - steps_before
     return {
         "request_p50": statistics.median(request),
         "wait_p50": statistics.median(waits),
         "collectives_per_load": collectives / max(1, loads),
+        "steps_per_request": steps / max(1, loads),
     }
 
 
@@ -162,6 +168,7 @@ def layerwise_figures(out: dict[str, object], iterations: int) -> None:
             v = ranks[0].value
             name = "layerwise" if layerwise else "whole"
             out[f"{name}_request_us_p50_tp{tp}"] = round(v["request_p50"], 1)
+            out[f"{name}_steps_per_request_tp{tp}"] = round(v["steps_per_request"], 2)
             if layerwise:
                 out[f"layerwise_wait_us_p50_tp{tp}"] = round(v["wait_p50"], 1)
                 out[f"readiness_collectives_per_load_tp{tp}"] = round(v["collectives_per_load"], 2)

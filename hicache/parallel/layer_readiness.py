@@ -62,8 +62,9 @@ class AgreedLayerReadiness(LayerReadiness):
         self.num_layers = num_layers
         self.collectives = 0
         """Readiness collectives this load ran (every rank runs the same number)."""
-        self._agreed = 0  # layers ready on every rank
-        self._short = False  # some rank reported fewer layers than asked for: `_agreed` is final
+        # (layers ready on every rank, whether some rank reported fewer than asked for: then final),
+        # swapped as one reference: the event loop reads it while the model's thread moves it on.
+        self._state = (0, False)
         self._lock = threading.Lock()
 
     def _landed_here(self) -> int:
@@ -71,7 +72,7 @@ class AgreedLayerReadiness(LayerReadiness):
         local = self.local
         if isinstance(local, CudaLayerReadiness):
             return len(local.events)
-        landed = self._agreed
+        landed = self._state[0]
         while landed < self.num_layers and local.is_ready(landed):
             landed += 1
         return landed
@@ -102,16 +103,17 @@ class AgreedLayerReadiness(LayerReadiness):
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         with self._lock:
-            if layer >= self._agreed and not self._short:
+            ready, short = self._state
+            if layer >= ready and not short:
                 landed = self._wait_here(layer)
                 agreed = int(self.group.min_reduce(torch.tensor([landed], dtype=torch.int64)).item())
                 self.collectives += 1
-                self._agreed = max(self._agreed, agreed)
-                self._short = agreed <= layer
-            if layer >= self._agreed:
+                ready, short = max(ready, agreed), agreed <= layer
+                self._state = (ready, short)
+            if layer >= ready:
                 raise LoadBackFailed(
                     f"layer {layer}: the layer-wise load-back did not land on every tensor-parallel rank "
-                    f"(layers below {self._agreed} did); recompute"
+                    f"(layers below {ready} did); recompute"
                 )
         self.local.wait_layer(layer)  # CUDA: the stream wait; CPU: landed here, returns at once
 
@@ -121,16 +123,17 @@ class AgreedLayerReadiness(LayerReadiness):
 
     def is_ready(self, layer: int) -> bool:
         """Whether every rank agreed layer `layer` landed (only `wait_layer` moves this on)."""
-        return layer < self._agreed
+        return layer < self._state[0]
 
     @property
     def done(self) -> bool:
         """Every layer agreed landed, or some rank agreed short (the same on every rank)."""
-        return self._short or self._agreed == self.num_layers
+        ready, short = self._state
+        return short or ready == self.num_layers
 
     def __repr__(self) -> str:
-        short = " short" if self._short else ""
-        return f"<AgreedLayerReadiness {self._agreed}/{self.num_layers} layers agreed{short}>"
+        ready, short = self._state
+        return f"<AgreedLayerReadiness {ready}/{self.num_layers} layers agreed{' short' if short else ''}>"
 
 
 class AgreedLoad:

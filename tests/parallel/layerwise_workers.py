@@ -9,6 +9,7 @@ one rank only (`LayeredLoader.before_layer`). The trees are compared after every
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -259,3 +260,31 @@ async def random_layerwise_workload(
         "cached": cached_total,
         "device_tokens": stats.tree.device_tokens,
     }
+
+
+async def peer_dies_during_forward(group: RankGroup, root: str, victim: int) -> dict[str, Any]:
+    """`victim` exits right after its acquire attached a layer-wise load; the other rank's `wait_layer`
+    raises `RankFailed` within the group timeout (never hangs), its next agreement step too, and the
+    failed agreement finishes the load: its pages leave the device tier and the cache stays sane."""
+    rank = group.tp_rank
+    async with rank_cache(group, root, **OPTIONS) as (cache, _):
+        check = _checker(cache)
+        await _push_to_host(cache, group, check)
+        lease = await cache.acquire("b", SEQ)
+        if rank == victim:
+            os._exit(23)
+        errors = []
+        try:
+            await read_prefix(cache, lease, SEQ, rank)
+        except Exception as exc:
+            errors.append(type(exc).__name__)
+        try:
+            await cache.tp_sync()
+        except Exception as exc:
+            errors.append(type(exc).__name__)
+        loader = layered_loader_of(cache)
+        while loader.in_flight:  # noqa: ASYNC110 - finished by the failed agreement once its copy settled
+            await anyio.sleep(0.01)
+        cache.release(lease)
+        cache.sanity_check()
+    return {"errors": errors}

@@ -76,3 +76,19 @@ def test_random_workloads_with_copy_faults_on_one_rank_never_diverge(
     assert values[0]["failed_loads"] > 0
     for key in ("failed_loads", "retried", "cached", "device_tokens"):
         assert len({v[key] for v in values}) == 1, (key, values)
+
+
+def test_a_peer_that_dies_mid_forward_makes_wait_layer_raise_rank_failed(tmp_path: Path) -> None:
+    """Rank 1 exits after its acquire attached a layer-wise load: rank 0's `wait_layer` raises
+    `RankFailed` within the group timeout, and so does its next `tp_sync`; the failed agreement drops
+    the load, and rank 0's cache passes its own sanity check."""
+    out = run_ranks(
+        layerwise_workers.peer_dies_during_forward,
+        2,
+        (str(tmp_path), 1),
+        timeout_s=WATCHDOG_S,
+        group_timeout_s=5.0,
+    )
+    assert out[1].exitcode == 23
+    _ok(out[:1])
+    assert out[0].value["errors"] == ["RankFailed", "RankFailed"]

@@ -20,6 +20,10 @@ writes into them, revokes the readiness (every `wait_layer` of it raises `LoadBa
 takes the pages out of the device tier (`RadixTree.drop_failed_load`, whatever locks them) and frees
 them once; a lease on them can only be released (`insert` raises `LoadBackFailed`), and its holder
 recomputes. Every way out, cancellation at any await included, unlocks the load's nodes exactly once.
+Nodes that a holder below keeps on the device (a locked device-only child, a backup in flight below, a
+host-only child of a device-only node) cannot leave: the tree poisons them (no match reaches them or
+below, and they are never backed up from the device: they hold their host copy), and after a copy failure
+the loader copies their host values into their pages once more; when that lands they are hits again.
 
 Under tensor parallelism (`agreement` given) the readers get an `AgreedLayerReadiness` (every rank's
 `wait_layer(i)` returns, or raises, alike) and the load lands or fails at the agreement step that
@@ -174,18 +178,21 @@ class LayeredLoader:
         last = host_nodes[-1]
         tree.lock_device(last)
         tree.lock_host(last)
-        load = _Load(copy, _LoadReadiness(copy.readiness), key, start, device_indices, last)
+        self._start(_Load(copy, _LoadReadiness(copy.readiness), key, start, device_indices, last))
+        self._metrics.load_back_tokens.inc(length)
+        fresh = attached.match
+        return LayerwiseLoad(fresh, self.readiness_for(fresh.device_indices))
+
+    def _start(self, load: _Load) -> None:
+        """Run `load`'s copy in a task of its own (its nodes are locked by the caller, for `_finish`)."""
         self._in_flight[id(load)] = load
         self._copies.begin()
         if self._agreement is not None:
-            self._agree(load, copy)
+            self._agree(load)
         task = asyncio.get_running_loop().create_task(self._run(load), name="hicache-layerwise-load")
         self._tasks.add(task)
         # A task cancelled before its first step never runs `_run`'s cleanup: the callback does it then.
         task.add_done_callback(lambda done: self._after(done, load))
-        self._metrics.load_back_tokens.inc(length)
-        fresh = attached.match
-        return LayerwiseLoad(fresh, self.readiness_for(fresh.device_indices))
 
     async def _run(self, load: _Load) -> None:
         """Run the copy to its end (a task of its own: no caller's cancellation abandons it), then finish.
@@ -207,26 +214,25 @@ class LayeredLoader:
             await load.copy.wait_settled()
         self._copy_ended(load, None)
 
-    def _agree(self, load: _Load, copy: LayerwiseCopy) -> None:
-        """Under TP: propose the load's agreed outcome (at the engine call that attached it, on every
-        rank alike) and give its readers the agreed readiness."""
-        assert self._agreement is not None
-        assert self._agreement.group is not None
-        readiness = self._agreement.group.readiness
+    def _agree(self, load: _Load) -> None:
+        """Under TP: propose the load's agreed outcome (at the engine call that attached it, or the step
+        that dropped the load it copies again, on every rank alike) and give its readers the agreed
+        readiness. Once the agreement failed (the group is gone) a load finishes on its own copy."""
+        agreement = self._agreement
+        assert agreement is not None
+        assert agreement.group is not None
+        readiness = agreement.group.readiness
         assert readiness is not None, "checked by HiCacheConfig"
+        if agreement.failed is not None:
+            return
+        copy = load.copy
         load.agreed_layers = AgreedLayerReadiness(copy.readiness, readiness, copy.readiness.num_layers)
-        try:
-            load.agreed = AgreedLoad(
-                self._agreement,
-                f"{load.start}+{load.device_indices.numel()}",
-                settled=lambda: copy.settled,
-                finish=lambda landed: self._finish(
-                    load, None if landed else _not_everywhere(), landed=landed
-                ),
-            )
-        except BaseException as exc:  # the agreement failed already: nothing copied, drop it now
-            self._finish(load, exc, landed=False)
-            raise
+        load.agreed = AgreedLoad(
+            agreement,
+            f"{load.start}+{load.device_indices.numel()}",
+            settled=lambda: copy.settled,
+            finish=lambda landed: self._finish(load, None if landed else _not_everywhere(), landed=landed),
+        )
 
     def _copy_ended(self, load: _Load, error: BaseException | None) -> None:
         """This rank's copy settled: finish the load (one rank), or settle its agreed outcome (TP)."""
@@ -258,6 +264,8 @@ class LayeredLoader:
                 landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
             if not landed:
                 self._drop(load, error)
+            elif load.recopy:
+                self._tree.clear_poison(load.key, load.start, load.device_indices)
             if load.orphaned is not None:
                 self._free_orphaned(load)
         finally:
@@ -278,11 +286,48 @@ class LayeredLoader:
         freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
         assert not freed.component_frees, "a layer-wise load-back loads no components"
         self._device_pool.free(self._orphan_loads_below(freed.freed_device))
-        if kept:
+        if not kept:
+            return
+        if load.recopy or not isinstance(error, Exception):
+            # Copying again failed too, or the loop is shutting down: they stay poisoned (no match
+            # reaches them) until their holders let go and eviction takes their device pages.
             logger.error(
-                "layer-wise load-back failed under %d node(s) held below it; they stay on the device",
+                "layer-wise load-back failed under %d node(s) held below it; they stay on the device, "
+                "unmatched, until evicted",
                 len(kept),
             )
+            return
+        self._recopy(load, kept)
+
+    def _recopy(self, failed: _Load, kept: tuple[NodeRef, ...]) -> None:
+        """Copy the host values of `failed`'s nodes that a holder below kept on the device (poisoned,
+        root first) into their device pages again, once; when that lands they are hits again
+        (`RadixTree.clear_poison`). Locked until then, so their pages stay theirs; nothing matches them
+        meanwhile, so no reader waits for the copy."""
+        tree = self._tree
+        infos = [tree.node_info(ref) for ref in kept]
+        host: list[torch.Tensor] = []
+        device: list[torch.Tensor] = []
+        for info in infos:
+            assert info.host_value is not None
+            assert info.device_value is not None
+            host.append(info.host_value)
+            device.append(info.device_value)
+        device_indices = torch.cat(device)
+        copy = LayerwiseCopy(
+            self._host_pool,
+            torch.cat(host),
+            self._device_pool,
+            device_indices,
+            before_layer=self.before_layer,
+        )
+        last = kept[-1]
+        tree.lock_device(last)
+        tree.lock_host(last)
+        load = _Load(copy, _LoadReadiness(copy.readiness), failed.key, failed.start, device_indices, last)
+        load.recopy = True
+        logger.warning("layer-wise load-back failed under %d node(s) held below it; copying again", len(kept))
+        self._start(load)
 
     def _orphan_loads_below(self, dropped: torch.Tensor) -> torch.Tensor:
         """Of the pages a failed load took out of the tree, those free to go now.
@@ -333,6 +378,8 @@ class _Load:
     finished: bool = False
     orphaned: torch.Tensor | None = None
     """Its pages a failed load above it took out of the tree while it copied (freed once it settled)."""
+    recopy: bool = False
+    """A second copy into a failed load's pages that a holder below kept (poisoned) on the device."""
     ended: bool = False
     """Its copy settled (`_copy_ended` ran)."""
     agreed: AgreedLoad | None = None

@@ -21,7 +21,7 @@ LoadedComponents = Mapping[tuple[NodeRef, str], tuple[torch.Tensor, torch.Tensor
 
 
 class LoadBack(Matching, BackupsAndLocks):
-    """`attach_loaded` and `drop_failed_load` (mixed into `RadixTree`)."""
+    """`attach_loaded`, `drop_failed_load` and the poisoned nodes it leaves (mixed into `RadixTree`)."""
 
     def attach_loaded(
         self,
@@ -114,11 +114,14 @@ class LoadBack(Matching, BackupsAndLocks):
         value, device-only ones without children, locks or backup leave the tree. Locks stay where they
         are (a lease on a node that lost its device value releases it as before). A node kept below
         (device-only and locked, or with a backup in flight or a host-only child) keeps its ancestors on
-        the device too: those are returned as kept.
+        the device too: those failed nodes are poisoned (`TreeNode.poisoned`: no match reaches them or
+        anything below them, so no acquire hands their bytes out; they hold a host copy, so no backup or
+        storage write reads their device pages) until their device value is replaced or dropped, or
+        `clear_poison` says a copy of their host values landed in their pages.
 
         Returns:
             The device indices to free (and any component frees), and the failed nodes kept on the
-            device.
+            device, root first (poisoned now).
         """
         kb, _ = self._aligned_key(key)
         end = start + int(device_indices.numel())
@@ -158,4 +161,58 @@ class LoadBack(Matching, BackupsAndLocks):
                 self._detach(cur)
             elif bool(torch.isin(dv[:1], device_indices)):
                 kept.append(self._ref(cur))
+        for ref in kept:
+            self._poison(self._nodes[ref.id])
+        kept.reverse()
         return FreeResult(freed_device=cat_indices(freed), component_frees=self._take_frees()), tuple(kept)
+
+    def _poison(self, node: TreeNode) -> None:
+        """Hide `node` (a failed load's node kept on the device) and everything below it from matching."""
+        # A loaded node came from the host and keeps its host copy while it is on the device: a poisoned
+        # node is never backed up from its device pages.
+        assert node.host_value is not None, "a failed load-back's node without its host copy"
+        if not node.poisoned:
+            node.poisoned = True
+            self._num_poisoned += 1
+
+    def poisoned(self, node: NodeRef) -> bool:
+        """Whether `node`'s device pages hold a failed load-back's bytes (no match reaches it; see
+        `drop_failed_load`).
+
+        Raises:
+            TypeError, ValueError: `node` is not a handle on a live node of this tree.
+        """
+        return self._require_live(node).poisoned
+
+    def clear_poison(self, key: KeyLike, start: int, device_indices: torch.Tensor) -> int:
+        """A copy of the host values of poisoned nodes into their device pages `device_indices` landed:
+        the poisoned nodes on the path of `key` from token `start` whose device pages are among them
+        become hits again. Nodes whose device value changed meanwhile (dropped, evicted, replaced) are
+        no longer poisoned anyway.
+
+        Args:
+            key: the failed load's key.
+            start: the failed load's first token.
+            device_indices: the device pages the copy wrote (the poisoned nodes' device values).
+
+        Returns:
+            How many nodes were cleared.
+        """
+        kb, _ = self._aligned_key(key)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start: expected an int >= 0, got {start!r}")
+        cleared = 0
+        node, pos, step = self._root, 0, self._step
+        while pos < len(kb):
+            child = node.children.get(kb[pos : pos + step])
+            if child is None or not kb.startswith(child.key, pos):
+                break
+            dv = child.device_value
+            if child.poisoned and pos >= start * TOKEN_BYTES:
+                assert dv is not None
+                if bool(torch.isin(dv, device_indices).all()):
+                    child.poisoned = False
+                    self._num_poisoned -= 1
+                    cleared += 1
+            node, pos = child, pos + len(child.key)
+        return cleared

@@ -40,6 +40,7 @@ class Matching(TreeState):
         components the match is truncated to the deepest node where every component allows a prefix to
         end (a complete sliding window, a Mamba state): at the deepest host-only node that is valid once
         loaded (device nodes before it need not be valid ends), else at the deepest valid device node.
+        A poisoned node (`TreeNode.poisoned`) ends the match before it.
 
         Args:
             key: the token key (bytes, `array('q')`, a 1-D integer tensor or a sequence of ints).
@@ -54,7 +55,7 @@ class Matching(TreeState):
         if rem:
             end -= rem
             kb = kb[:end]
-        if self._book is not None:
+        if self._book is not None or self._num_poisoned:
             return self._match_hybrid(kb)
         self._clock = tick = self._clock + 1
         node = last_host = self._root
@@ -141,9 +142,9 @@ class Matching(TreeState):
         )
 
     def _match_hybrid(self, kb: bytes) -> MatchResult:
-        """`match_prefix` with components: the walk of the base, then truncated to where every component
-        allows a prefix to end (beyond the device part once its host-only nodes are loaded, else at the
-        deepest valid device node)."""
+        """`match_prefix` with components or poisoned nodes: the walk of the base, then truncated before
+        a poisoned node and to where every component allows a prefix to end (beyond the device part once
+        its host-only nodes are loaded, else at the deepest valid device node)."""
         return self._result(kb, self._walk(kb, len(kb)))
 
     def _walk(self, kb: bytes, cut: int) -> list[TreeNode]:
@@ -179,11 +180,12 @@ class Matching(TreeState):
         """Where a match along the walk `path` ends: `(i, k, j)` with its device nodes `path[:i]` and its
         host-only nodes `path[k:k + j]` (`k` ends the device stretch). Without components `i = k` and every
         node after the stretch is taken; with them, the match first tries to end beyond the device part
-        (valid once its host-only nodes are loaded), else at the deepest valid device node."""
+        (valid once its host-only nodes are loaded), else at the deepest valid device node. A poisoned
+        node ends the device stretch and the match (`j = 0`)."""
         k = 0
-        while k < len(path) and path[k].device_value is not None:
+        while k < len(path) and path[k].device_value is not None and not path[k].poisoned:
             k += 1
-        j = len(path) - k
+        j = len(path) - k if k == len(path) or not path[k].poisoned else 0
         book = self._book
         if book is None:
             return k, k, j
@@ -250,9 +252,9 @@ class Matching(TreeState):
                 break
             node = child
         k = 0
-        while k < len(path) and path[k][0].device_value is not None:
+        while k < len(path) and path[k][0].device_value is not None and not path[k][0].poisoned:
             k += 1
-        i, j = k, len(path) - k
+        i, j = k, (len(path) - k if k == len(path) or not path[k][0].poisoned else 0)
         if self._book is not None:
             # As `_match_hybrid`: end beyond the device part if valid once loaded, else on the device.
             while j > 0 and not self._peek_valid(path, k + j - 1, None):

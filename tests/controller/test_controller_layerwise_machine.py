@@ -1,24 +1,69 @@
 """The controller state machine with layer-wise load-back on: every rule (acquire with host and storage
 hits, serve, evict, cancel, storage faults, close) runs while loads land layer by layer in tasks of their
-own. Before each step's checks the machine waits for the loads in flight (a reader waits per layer; the
-checks read whole pages), then the same exact accounting and content checks hold, for both refill
-policies."""
+own, and copies fail (at a drawn layer, for the next few copies, copies again of kept pages included) or
+are cancelled (the loop shutting down) at drawn points. Before each step's checks the machine waits for
+the loads in flight; a lease whose load failed must then raise `LoadBackFailed` from `wait_layer` (never
+block, never hand out its pages), and its holder releases it and would recompute. Then the same exact
+accounting and content checks hold (no page leaks; every matchable device page holds its oracle KV; a
+failed load's pages kept on the device are poisoned), for both refill policies."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import anyio
-from cache_internals import layered_loader_of
+import anyio.lowlevel
+import pytest
+import torch
+from cache_internals import layered_loader_of, tree_of
 from hypothesis import HealthCheck, event, settings
-from test_controller_state_machine import ControllerMachine
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
+from kv_oracle import chain_payload
+from test_controller_state_machine import (
+    ControllerMachine,
+    Held,
+    make_tokens,
+    picks,
+    sequences,
+    short_sequences,
+)
 
-from hicache import HiCacheConfig, KVLayout
+from hicache import HiCacheConfig, KVLayout, LoadBackFailed
+from hicache.keys import TOKEN_BYTES
+from hicache.memory.layerwise import LayerReadiness, read_layer_tokens
 from hicache.policy import StopPolicy, WritePolicy
 
 
+class FailCopies:
+    """A `before_layer` hook: the next `count` copies that reach layer `layer` fail there (in the copying
+    thread, as a device error would)."""
+
+    def __init__(self, layer: int, count: int) -> None:
+        self.layer = layer
+        self.left = count
+        self._lock = threading.Lock()
+
+    def __call__(self, layer: int) -> None:
+        if layer != self.layer:
+            return
+        with self._lock:
+            if self.left <= 0:
+                return
+            self.left -= 1
+        raise RuntimeError(f"injected copy failure at layer {layer}")
+
+
+def wait_every_layer(layers: LayerReadiness, num_layers: int) -> None:
+    """What a model reading every layer does (raises `LoadBackFailed` for a failed load)."""
+    for layer in range(num_layers):
+        layers.wait_layer(layer)
+
+
 class LayerwiseControllerMachine(ControllerMachine):
-    """`ControllerMachine` over a cache that loads host hits back layer by layer."""
+    """`ControllerMachine` over a cache that loads host hits back layer by layer, with copy failures and
+    cancellations injected."""
 
     def cache_config(self, layout: KVLayout, write: WritePolicy, stop: StopPolicy) -> HiCacheConfig:
         return dataclasses.replace(super().cache_config(layout, write, stop), layerwise_load_back=True)
@@ -30,7 +75,99 @@ class LayerwiseControllerMachine(ControllerMachine):
         with anyio.fail_after(30):
             while loader.in_flight or loader._tasks:  # noqa: ASYNC110 - the copy runs in a worker thread
                 await anyio.sleep(0.001)
+        self.drop_failed_leases()
         await super().check()
+        tree = tree_of(self.c)
+        if any(tree.poisoned(node) for node in tree.iter_nodes()):
+            event("a failed load's pages kept on the device, poisoned")
+
+    def drop_failed_leases(self) -> None:
+        """Every lease whose load failed tells its reader so at once (no block, no stale read); its holder
+        gives it back, with what it computed, to recompute."""
+        num_layers = self.c.config.layout.num_layers
+        for request_id, held in list(self.leases.items()):
+            layers = held.lease.layers
+            if not layers.done or layers.is_ready(num_layers - 1):
+                continue
+            with pytest.raises(LoadBackFailed):
+                wait_every_layer(layers, num_layers)
+            event("a lease's load-back failed")
+            del self.leases[request_id]
+            self.free_held(self.c, held)
+            self.c.release(held.lease)
+
+    @rule(layer=st.integers(0, 1), count=st.integers(1, 3))
+    def fail_copies(self, layer: int, count: int) -> None:
+        """The next `count` layer-wise copies fail before `layer` (copies again of kept pages too)."""
+        layered_loader_of(self.c).before_layer = FailCopies(layer, count)
+
+    @rule(seq=sequences, stored=st.none() | picks, turns=st.integers(0, 6))
+    def acquire_then_cancel_loads(self, seq: tuple[list[int], int], stored: int | None, turns: int) -> None:
+        """Acquire, then after `turns` scheduler turns cancel every layer-wise load's task (what a loop
+        shutting down does): the lease's readiness then fails, whatever had landed."""
+        tokens = self.pick_tokens(seq, stored)
+        self.remember(tokens)
+        request_id = self.next_id("x")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            lease = await self.c.acquire(request_id, tokens)
+            if opened:
+                self.backend.gated = True
+            self.leases[request_id] = Held(lease, tokens)
+            for _ in range(turns):
+                await anyio.lowlevel.checkpoint()
+            for task in list(layered_loader_of(self.c)._tasks):
+                if task.cancel():
+                    event("a layer-wise load cancelled")
+
+        self.run(go)
+
+    @rule(seq=short_sequences)
+    def serve(self, seq: tuple[list[int], int]) -> None:
+        """A whole request whose model reads the prefix layer by layer as it lands: each layer is read only
+        once `wait_layer` returned, and holds the oracle KV then; a failed load raises `LoadBackFailed`
+        instead and the request releases everything (it would recompute)."""
+        tokens = make_tokens(*seq, self.page_size)
+        self.remember(tokens)
+        request_id = self.next_id("s")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            lease = await cache.acquire(request_id, tokens)
+            if opened:
+                self.backend.gated = True
+            expected = chain_payload(
+                lease.key[: lease.cached_len * TOKEN_BYTES], cache.config.layout, self.namespace
+            )
+            try:
+                for layer in range(cache.config.layout.num_layers):
+                    await lease.layers.wait_layer_async(layer)
+                    got = read_layer_tokens(cache.device_pool, lease.device_indices, layer)
+                    assert torch.equal(got, expected[layer]), f"layer {layer} read before it held its KV"
+            except LoadBackFailed:
+                event("serve: the prefix's load-back failed")
+                cache.release(lease)
+                return
+            padded = -(-len(tokens) // self.page_size) * self.page_size
+            new = await cache.alloc_device(padded - lease.cached_len)
+            if new is None:
+                cache.release(lease)
+                return
+            aligned = len(tokens) // self.page_size * self.page_size
+            if aligned > lease.cached_len:
+                kv = chain_payload(lease.key[: aligned * TOKEN_BYTES], cache.config.layout, self.namespace)
+                cache.device_pool.write_tokens(
+                    new[: aligned - lease.cached_len], kv[:, :, lease.cached_len :]
+                )
+            try:
+                await cache.insert(lease, tokens, torch.cat([lease.device_indices, new]))
+            except LoadBackFailed:  # a load above ours failed after we read: ours was revoked with it
+                event("serve: insert refused, the prefix's load-back failed")
+                cache.release(lease, new)
+
+        self.run(go)
 
 
 class LayerwiseRescueControllerMachine(LayerwiseControllerMachine):

@@ -52,7 +52,7 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 2
+#define NATIVE_BUILD 3 /* 3: chain_page_keys */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */

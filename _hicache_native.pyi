@@ -41,6 +41,9 @@ def read_pages(
 class ReadJob:
     """A batch of pages handed to a `ReadQueue`: its handle (cancel it, or take its result)."""
 
+    def times(self) -> tuple[int, int, int]:
+        """When the job was queued, started and finished, in `time.monotonic_ns()` (0: not yet)."""
+
     def result(self) -> tuple[bytes, int, list[tuple[int, int]]]:
         """What `read_pages` returns for the batch, once the job is done.
 

@@ -7,8 +7,8 @@ Prefetches `--total-mib` of pages (payloads of 1 MiB and of 64 KiB), hot and col
   thread count of `--raw-threads` and the fastest counts, so the backend cannot win by picking a thread
   count that suits it and handicaps the baseline.
 - backend: `FileBackend.get` of every page in one call (its default options unless `--threads`).
-- controller: a `HiCache` with a `file://` storage tier holding those same pages, as written by another
-  instance: `--sequences` requests, each `prefetch` + `commit_prefetch` under the `wait_complete` stop
+- controller: a `HiCache` whose storage tier is the backend pass's `FileBackend` (same root and worker
+  threads), holding those same pages as written by another instance: `--sequences` requests, each `prefetch` + `commit_prefetch` under the `wait_complete` stop
   policy, all concurrently, into the cache's host pool. The ratio includes everything a serving loop
   pays: the storage `exists`, the host allocation, batch-by-batch streaming and the tree insert.
 
@@ -18,6 +18,11 @@ CPU time between two ticks (its own work alone, which the load of a shared machi
 the page cache first (`posix_fadvise(DONTNEED)`, after `os.sync()`); raw and backend passes alternate so
 drift in the machine's load hits both. Figures are medians over `--repeats`.
 
+Where the time goes, per pass: the event-loop thread's CPU over the pass (`loop_cpu_ms`: on 2 cores every
+millisecond of it is taken from the read threads) and the mean number of page groups the read threads were
+reading at once (`groups_reading`, from `FileBackend.read_statistics()`; at most the thread count: below it
+the threads waited for work), under `passes` in the JSON line.
+
 Side by side with SGLang: when `../shared/baselines/sglang-file/run` is present (and not `--no-sglang`), it runs
 after our passes on the same page sizes, total and filesystem (`--dir`), in its own process: SGLang's
 `HiCacheFile` read through SGLang's real prefetch path (`_page_transfer`, 128-page batches, into a host pool;
@@ -25,7 +30,8 @@ its README says what it times). `vs_sglang_file_1mib_{hot,cold}` is our controll
 I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-caller variant.
 
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
-       [--sequences 16] [--batch-pages N] [--no-controller] [--no-sglang]
+       [--sequences 16] [--batch-pages N] [--page-kib 1024,64] [--states hot,cold] [--no-controller]
+       [--no-sglang]
 Ends with one JSON line.
 """
 
@@ -68,12 +74,15 @@ NAMESPACE = Namespace(model_id="bench-io")
 @dataclass
 class Timed:
     """One timed pass: seconds, the loop's longest stall (wall, and the loop thread's CPU between two
-    ticks: see `time_with_ticker`), pages loaded."""
+    ticks: see `time_with_ticker`), pages loaded, the loop thread's CPU over the whole pass, and the mean
+    number of page groups the backend's read threads were reading at once."""
 
     seconds: float
     max_stall_ms: float
     pages: int
     max_stall_cpu_ms: float = 0.0
+    loop_cpu_ms: float = 0.0
+    reading: float = 0.0
 
 
 @dataclass
@@ -83,15 +92,26 @@ class Series:
     seconds: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     cpu_stalls: list[float] = field(default_factory=list)
+    loop_cpu: list[float] = field(default_factory=list)
+    reading: list[float] = field(default_factory=list)
 
     def add(self, timed: Timed) -> None:
         self.seconds.append(timed.seconds)
         self.stalls.append(timed.max_stall_ms)
         self.cpu_stalls.append(timed.max_stall_cpu_ms)
+        self.loop_cpu.append(timed.loop_cpu_ms)
+        self.reading.append(timed.reading)
 
     @property
     def median(self) -> float:
         return statistics.median(self.seconds)
+
+    def figures(self, prefix: str) -> dict[str, float]:
+        """The medians of the loop's CPU and of the groups read at once, under `prefix`."""
+        return {
+            f"{prefix}loop_cpu_ms": round(statistics.median(self.loop_cpu), 1),
+            f"{prefix}groups_reading": round(statistics.median(self.reading), 2),
+        }
 
 
 def host_pool(total_bytes: int) -> torch.Tensor:
@@ -147,11 +167,22 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
     return time.perf_counter() - start
 
 
-async def timed_with_ticker(run: Callable[[], Awaitable[int]]) -> Timed:
+async def timed_with_ticker(run: Callable[[], Awaitable[int]], backend: FileBackend) -> Timed:
     """Time `run()` (which returns the pages it loaded) and the loop's longest stall (see
-    `time_with_ticker`: garbage is collected and the survivors frozen first)."""
-    ticked = await time_with_ticker(run)
-    return Timed(ticked.seconds, ticked.stall_ms, ticked.result, ticked.stall_cpu_ms)
+    `time_with_ticker`: garbage is collected and the survivors frozen first), the loop thread's CPU
+    over the pass (the ticker's included) and the mean groups `backend`'s read threads read at once."""
+    cpu: list[float] = []
+
+    async def counted() -> int:
+        start = time.thread_time()
+        pages = await run()
+        cpu.append(time.thread_time() - start)
+        return pages
+
+    before = backend.read_statistics().reading_s
+    ticked = await time_with_ticker(counted)
+    reading = (backend.read_statistics().reading_s - before) / ticked.seconds
+    return Timed(ticked.seconds, ticked.stall_ms, ticked.result, ticked.stall_cpu_ms, cpu[0] * 1000, reading)
 
 
 def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
@@ -189,9 +220,10 @@ def controller_config(
     )
 
 
-async def controller_pass(config: HiCacheConfig, seqs: Sequence[torch.Tensor]) -> Timed:
-    """Prefetch and commit every sequence concurrently in a fresh cache; time it with the ticker."""
-    async with HiCache(config) as cache:
+async def controller_pass(config: HiCacheConfig, seqs: Sequence[torch.Tensor], backend: FileBackend) -> Timed:
+    """Prefetch and commit every sequence concurrently in a fresh cache reading through `backend` (the
+    same worker threads as the backend pass); time it with the ticker."""
+    async with HiCache(config, storage=backend) as cache:
 
         async def one(i: int, seq: torch.Tensor, loaded: list[int]) -> None:
             prefetch = await cache.prefetch(f"bench-{i}", seq)
@@ -207,7 +239,7 @@ async def controller_pass(config: HiCacheConfig, seqs: Sequence[torch.Tensor]) -
                     tg.start_soon(one, i, seq, loaded)
             return sum(loaded)
 
-        timed = await timed_with_ticker(run)
+        timed = await timed_with_ticker(run, backend)
         cache.sanity_check()
     return timed
 
@@ -237,7 +269,7 @@ async def bench_page_size(
         async def backend_run() -> int:
             return (await backend.get(keys, views)).count(PageStatus.HIT)
 
-        for state in ("hot", "cold"):
+        for state in args.states.split(","):
             raws = {t: Series() for t in raw_threads}
             direct, controller = Series(), Series()
             if state == "hot":
@@ -252,13 +284,13 @@ async def bench_page_size(
                 if state == "cold":
                     drop_page_cache(paths)
                 pool.zero_()
-                result = await timed_with_ticker(backend_run)
+                result = await timed_with_ticker(backend_run, backend)
                 assert result.pages == n, f"backend loaded {result.pages} of {n} pages"
                 direct.add(result)
                 if not args.no_controller:
                     if state == "cold":
                         drop_page_cache(paths)
-                    result = await controller_pass(config, seqs)
+                    result = await controller_pass(config, seqs, backend)
                     assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
                     controller.add(result)
             assert torch.equal(pool[: n * page_bytes], expected), "backend read wrong bytes"
@@ -272,6 +304,7 @@ async def bench_page_size(
                 "ratio": raw_med / direct.median,
                 "max_stall_ms": max(direct.stalls),
                 "max_stall_cpu_ms": max(direct.cpu_stalls),
+                **direct.figures(""),
             }
             if controller.seconds:
                 entry |= {
@@ -279,6 +312,7 @@ async def bench_page_size(
                     "controller_ratio": raw_med / controller.median,
                     "controller_max_stall_ms": max(controller.stalls),
                     "controller_max_stall_cpu_ms": max(controller.cpu_stalls),
+                    **controller.figures("controller_"),
                 }
             out[state] = entry
         del expected
@@ -290,6 +324,11 @@ def label(page_bytes: int) -> str:
     return f"{page_bytes >> 20} MiB" if page_bytes >= 1 << 20 else f"{page_bytes >> 10} KiB"
 
 
+def size_name(page_bytes: int) -> str:
+    """A page size as the JSON keys spell it: `1mib`, `64kib`."""
+    return label(page_bytes).replace(" ", "").lower()
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     total = args.total_mib << 20
     pool = host_pool(total)
@@ -297,7 +336,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hicache-bench-io-", dir=args.dir) as tmp:
-        for page_bytes in (1 << 20, 64 << 10):
+        for page_bytes in [int(kib) << 10 for kib in args.page_kib.split(",")]:
             results[page_bytes] = await bench_page_size(Path(tmp) / f"p{page_bytes}", page_bytes, args, pool)
     threads = "default" if args.threads is None else args.threads
     print(
@@ -323,32 +362,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             print(
                 f"{label(page_bytes):>8} {state:>5} {r['raw_gbps']:9.2f} {r['raw_threads']:>9} "
                 f"{r['backend_gbps']:8.2f} {r['ratio']:6.2f} {r['max_stall_ms']:5.1f}/{r['max_stall_cpu_ms']:5.1f} {ctl} "
-                f"{GOALS[page_bytes]:5.2f}"
+                f"{GOALS.get(page_bytes, 0.0):5.2f}"
             )
         for state, r in states.items():
             print(f"  {label(page_bytes)} {state} raw GB/s by threads: {r['raw_gbps_by_threads']}")
-    mib, kib = results[1 << 20], results[64 << 10]
-    summary: dict[str, object] = {
-        "bench": "io",
-        "total_mib": args.total_mib,
-        "threads": threads,
-        "ratio_1mib_hot": round(mib["hot"]["ratio"], 3),
-        "ratio_64kib_hot": round(kib["hot"]["ratio"], 3),
-        "ratio_1mib_cold": round(mib["cold"]["ratio"], 3),
-        "ratio_64kib_cold": round(kib["cold"]["ratio"], 3),
-        "gbps_1mib_hot": round(mib["hot"]["backend_gbps"], 2),
-        "gbps_64kib_hot": round(kib["hot"]["backend_gbps"], 2),
-        "max_loop_stall_ms": round(max(r["max_stall_ms"] for s in results.values() for r in s.values()), 2),
-        "max_loop_stall_cpu_ms": round(
-            max(r["max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
-        ),
-    }
-    if not args.no_controller:
-        for page_bytes, name in ((1 << 20, "1mib"), (64 << 10, "64kib")):
-            for state in ("hot", "cold"):
-                summary[f"ratio_{name}_{state}_controller"] = round(
-                    results[page_bytes][state]["controller_ratio"], 3
+            where = (
+                f"backend loop CPU {r['loop_cpu_ms']:.1f} ms, {r['groups_reading']:.2f} groups read at once"
+            )
+            if "controller_gbps" in r:
+                where += (
+                    f"; controller loop CPU {r['controller_loop_cpu_ms']:.1f} ms, "
+                    f"{r['controller_groups_reading']:.2f} groups read at once"
                 )
+            print(f"  {label(page_bytes)} {state}: {where}")
+    summary: dict[str, object] = {"bench": "io", "total_mib": args.total_mib, "threads": threads}
+    for page_bytes, states in results.items():
+        for state, r in states.items():
+            name = f"{size_name(page_bytes)}_{state}"
+            summary[f"ratio_{name}"] = round(r["ratio"], 3)
+            if state == "hot":
+                summary[f"gbps_{name}"] = round(r["backend_gbps"], 2)
+    summary["max_loop_stall_ms"] = round(
+        max(r["max_stall_ms"] for s in results.values() for r in s.values()), 2
+    )
+    summary["max_loop_stall_cpu_ms"] = round(
+        max(r["max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
+    )
+    if not args.no_controller:
+        for page_bytes, states in results.items():
+            for state, r in states.items():
+                summary[f"ratio_{size_name(page_bytes)}_{state}_controller"] = round(r["controller_ratio"], 3)
         summary["max_loop_stall_ms_controller"] = round(
             max(r["controller_max_stall_ms"] for s in results.values() for r in s.values()), 2
         )
@@ -365,6 +408,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         for state, r in states.items()
         if "controller_gbps" in r
     }
+    # Where the time goes (issue 12): the loop thread's CPU per pass and the groups read at once.
+    summary["passes"] = {
+        f"{size_name(p)}_{state}": {
+            k: v for k, v in r.items() if k.endswith(("loop_cpu_ms", "groups_reading"))
+        }
+        for p, states in results.items()
+        for state, r in states.items()
+    }
     summary["load_average"] = round(os.getloadavg()[0], 2)
     summary["load_average_before"] = round(load_before, 2)
     return summary
@@ -374,7 +425,7 @@ def run_sglang(args: argparse.Namespace) -> dict[str, Any] | None:
     """SGLang's file backend on the same page sizes, total and filesystem: its JSON line, or None."""
     if args.no_sglang or not SGLANG_FILE.exists():
         return None
-    cmd = [str(SGLANG_FILE), "--total-mib", str(args.total_mib), "--page-kib", "64,1024"]
+    cmd = [str(SGLANG_FILE), "--total-mib", str(args.total_mib), "--page-kib", args.page_kib]
     cmd += ["--reps", str(args.repeats), "--dir", args.dir]
     print(f"running SGLang's file backend baseline: {' '.join(cmd)}", file=sys.stderr)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
@@ -389,9 +440,10 @@ def run_sglang(args: argparse.Namespace) -> dict[str, Any] | None:
 def sglang_summary(ours: dict[int, dict[str, dict[str, Any]]], sglang: dict[str, Any]) -> dict[str, object]:
     """Our controller's GB/s over SGLang's, per page size and cache state, and SGLang's own figures."""
     out: dict[str, object] = {}
-    for page_bytes, name in ((1 << 20, "1mib"), (64 << 10, "64kib")):
-        for state in ("hot", "cold"):
-            ctl = ours[page_bytes][state].get("controller_gbps")
+    for page_bytes, states in ours.items():
+        name = size_name(page_bytes)
+        for state, r in states.items():
+            ctl = r.get("controller_gbps")
             theirs = sglang.get(f"gbps_{name}_{state}")
             theirs16 = sglang.get(f"gbps_{name}_{state}_t16")
             if ctl is not None and theirs:
@@ -418,6 +470,8 @@ def main() -> None:
         "--batch-pages", type=int, default=None, help="storage_batch_pages of the cache (default: its own)"
     )
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
+    parser.add_argument("--page-kib", default="1024,64", help="page payload sizes in KiB, comma-separated")
+    parser.add_argument("--states", default="hot,cold", help="page cache states: hot, cold or both")
     parser.add_argument(
         "--no-sglang", action="store_true", help="skip SGLang's file backend baseline (../shared/baselines)"
     )

@@ -19,10 +19,13 @@ from storage_backends.redact import redact_text, redacted_repr, remember_secrets
 
 __all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
-STORAGE_BATCH_BYTES = 4 << 20
+STORAGE_BATCH_BYTES = 16 << 20
 """Target payload bytes per storage `get` call of a prefetch when `storage_batch_pages` is not set.
-Measured with `bench/bench_io.py` (2 cores, 16 concurrent prefetches of hot 64 KiB pages from the file
-backend): 1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s."""
+Each call costs the event loop ~50 us of its own CPU whatever its size (the stream's task, the backend's
+checks, the wake-up; measured on the file backend), taken from the read threads on a small machine.
+Measured with `bench/bench_io.py` (2 cores, 16 concurrent prefetches, hot file backend): at 64 KiB pages,
+1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s; at 1 MiB pages, 4 MiB calls cost the loop ~31 ms of
+CPU per GiB and 16 MiB calls ~19 ms (15.3 -> ~17 GB/s); 64 MiB calls gained nothing more (issue 12)."""
 
 
 def layout_signature(layout: KVLayout, components: Sequence[Component] = ()) -> str:

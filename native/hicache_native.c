@@ -13,7 +13,9 @@
  * xxh3_64() is the payload checksum of page format v2 (xxh3-64, seed 0), releasing the GIL.
  *
  * xxhash.h is vendored from xxHash 0.8.4 (BSD 2-Clause, native/xxhash/LICENSE; taken from the python-xxhash
- * 4.1.0 sdist, which builds the same release) and compiled inline (XXH_INLINE_ALL): no library to link.
+ * 4.1.0 sdist, which builds the same release) and compiled inline (XXH_INLINE_ALL): no library to link. On
+ * x86 its dispatcher (xxh_x86dispatch.c, from the same sdist) is compiled in too and the checksums go
+ * through it: built for SSE2 only, xxh3-64 ran at a third of the speed AVX-512 gives on our machines.
  * tests/storage/test_native.py checks its digests against python-xxhash's.
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,10 +30,16 @@
 #include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
+#ifdef HICACHE_XXH_DISPATCH
+/* x86: XXH3_* calls go to xxHash's runtime dispatcher (native/xxhash/xxh_x86dispatch.c), which runs the
+   widest vector unit the CPU has (AVX-512, AVX2 or SSE2) while this file is built for the baseline. */
+#include "xxhash/xxh_x86dispatch.h"
+#endif
 
 /* Outcome codes, one byte per page; storage_backends/file_pages.py names them. */
 enum {
@@ -264,6 +272,8 @@ enum { JOB_NEW, JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED };
 typedef struct ReadJob {
     PyObject_HEAD
     struct ReadJob *next; /* in the queue's pending or done list */
+    struct ReadJob *prev; /* in the pending list only: cancel() unlinks a job in O(1) */
+    const void *queue;    /* the ReadQueue it was submitted to (NULL before) */
     int state;            /* JOB_*, changed under the queue's mutex */
     int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
     read_ctx ctx;
@@ -274,7 +284,14 @@ typedef struct ReadJob {
     Py_ssize_t *key_lens;
     Py_buffer *views;
     unsigned char *codes;
+    int64_t t_queued, t_started, t_done; /* CLOCK_MONOTONIC ns (0: not yet); ReadJob.times() */
 } ReadJob;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 static PyTypeObject ReadJobType;
 
@@ -299,7 +316,8 @@ static void job_dealloc(ReadJob *job) {
 static ReadJob *job_new(PyObject *const *args) {
     ReadJob *job = PyObject_New(ReadJob, &ReadJobType);
     if (job == NULL) return NULL;
-    job->next = NULL;
+    job->next = job->prev = NULL;
+    job->queue = NULL;
     job->state = JOB_NEW;
     job->stat_only = args[3] == Py_None;
     memset(&job->ctx, 0, sizeof(job->ctx));
@@ -310,6 +328,7 @@ static ReadJob *job_new(PyObject *const *args) {
     job->key_lens = NULL;
     job->views = NULL;
     job->codes = NULL;
+    job->t_queued = job->t_started = job->t_done = 0;
     PyObject *key_seq = NULL, *buf_seq = NULL;
 
     job->ctx.root = PyUnicode_AsUTF8AndSize(args[0], &job->ctx.root_len);
@@ -448,7 +467,15 @@ static PyObject *job_result(ReadJob *job, PyObject *unused) {
     return job_outcome(job);
 }
 
+static PyObject *job_times(ReadJob *job, PyObject *unused) {
+    (void)unused;
+    return Py_BuildValue("(LLL)", (long long)job->t_queued, (long long)job->t_started, (long long)job->t_done);
+}
+
 static PyMethodDef job_methods[] = {
+    {"times", (PyCFunction)job_times, METH_NOARGS,
+     "times() -> tuple[int, int, int]\n\nWhen the job was queued, started and finished (time.monotonic_ns();\n"
+     "0 for what has not happened yet)."},
     {"result", (PyCFunction)job_result, METH_NOARGS,
      "result() -> tuple[bytes, int, list[tuple[int, int]]]\n\nAs read_pages returns, once the job is done."},
     {NULL, NULL, 0, NULL},
@@ -560,7 +587,10 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     job->state = JOB_QUEUED;
+    job->t_queued = now_ns();
     Py_INCREF(job); /* the queue's reference, handed to collect() */
+    job->queue = q;
+    job->prev = q->tail;
     if (q->tail) q->tail->next = job;
     else q->head = job;
     q->tail = job;
@@ -575,18 +605,18 @@ static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
         return NULL;
     }
     ReadJob *job = (ReadJob *)arg;
+    if (job->queue != q) {
+        PyErr_SetString(PyExc_ValueError, "job: expected a job submitted to this queue");
+        return NULL;
+    }
     int removed = 0;
     pthread_mutex_lock(&q->mu);
-    if (job->state == JOB_QUEUED) {
-        ReadJob *prev = NULL;
-        for (ReadJob *j = q->head; j != NULL; prev = j, j = j->next) {
-            if (j != job) continue;
-            if (prev) prev->next = j->next;
-            else q->head = j->next;
-            if (q->tail == j) q->tail = prev;
-            j->next = NULL;
-            break;
-        }
+    if (job->state == JOB_QUEUED) { /* in the pending list: unlinked through its neighbours, no scan */
+        if (job->prev) job->prev->next = job->next;
+        else q->head = job->next;
+        if (job->next) job->next->prev = job->prev;
+        else q->tail = job->prev;
+        job->next = job->prev = NULL;
         job->state = JOB_CANCELLED;
         removed = 1;
     }
@@ -646,12 +676,15 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
         }
         q->head = job->next;
         if (q->head == NULL) q->tail = NULL;
+        else q->head->prev = NULL;
         job->next = NULL;
         job->state = JOB_RUNNING;
         pthread_mutex_unlock(&q->mu);
+        job->t_started = now_ns();
 
         if (job->hook != NULL) call_hook(job);
         job_run(job);
+        job->t_done = now_ns();
 
         pthread_mutex_lock(&q->mu);
         job->state = JOB_DONE;

@@ -39,7 +39,7 @@ from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import check_namespace_digest, validate_keys
 from storage_backends.protocol import PageStatus
-from storage_backends.read_queue import ReadHook, ReadThreads
+from storage_backends.read_queue import ReadHook, ReadStatistics, ReadThreads
 from storage_backends.redact import redact_url
 
 __all__ = ["SUFFIX", "FileBackend", "default_concurrency"]
@@ -171,6 +171,11 @@ class FileBackend(BackendLifecycle):
     def statistics(self) -> BackendStatistics:
         """Counters since the backend was opened."""
         return self._stats.snapshot()
+
+    def read_statistics(self) -> ReadStatistics:
+        """What the read threads did since the backend was opened: groups read, and the seconds spent
+        reading them and waiting for a thread (`bench/bench_io.py` reports groups read at once)."""
+        return self._reader.statistics()
 
     # -- the protocol ---------------------------------------------------------------------------------
 

@@ -21,13 +21,14 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 
 from storage_backends import native
 from storage_backends.threads import stray_threads
 
-__all__ = ["GroupOutcome", "ReadHook", "ReadThreads"]
+__all__ = ["GroupOutcome", "ReadHook", "ReadStatistics", "ReadThreads"]
 
 _READER_NICE = 10
 """How much lower the read threads' priority is than the process's (their nice value, raised per thread).
@@ -42,6 +43,24 @@ GroupOutcome = tuple[bytes, int, list[tuple[int, int]]]
 
 ReadHook = Callable[[tuple[str, ...]], object]
 """Called in the worker thread with a group's keys before it is read (tests: a hung mount)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadStatistics:
+    """What the read threads did since they started (groups collected by the event loop).
+
+    Divide the growth of `reading_s` over a pass by the pass's wall time for the mean number of groups
+    being read at once (at most the thread count): below it, the threads sat idle for want of queued work.
+
+    Attributes:
+        groups: groups read (stat-only groups included).
+        reading_s: summed seconds from a worker taking a group to finishing it.
+        queued_s: summed seconds groups waited in the queue for a worker.
+    """
+
+    groups: int = 0
+    reading_s: float = 0.0
+    queued_s: float = 0.0
 
 
 class ReadThreads:
@@ -62,6 +81,9 @@ class ReadThreads:
         self._lock = threading.Lock()
         """Guards `_abandoned` and the stray registrations: a worker settles them once the loop is gone."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._groups = 0
+        self._reading_ns = 0
+        self._queued_ns = 0
         self.threads = 0
         """Worker threads started (a stuck read's replacement included)."""
         self._workers: list[tuple[threading.Thread, threading.Event]] = []
@@ -158,7 +180,17 @@ class ReadThreads:
         self._loop = loop
 
     def _on_ready(self) -> None:
-        self._settle(self._queue.collect())
+        finished = self._queue.collect()
+        for job in finished:  # counted here, on the loop's thread only
+            queued, started, done = job.times()
+            self._groups += 1
+            self._reading_ns += done - started
+            self._queued_ns += started - queued
+        self._settle(finished)
+
+    def statistics(self) -> ReadStatistics:
+        """Counters of the groups collected so far (see `ReadStatistics`)."""
+        return ReadStatistics(self._groups, self._reading_ns / 1e9, self._queued_ns / 1e9)
 
     def _settle(self, finished: list[native.ReadJob]) -> None:
         for job in finished:

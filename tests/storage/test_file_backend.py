@@ -360,6 +360,22 @@ async def test_statistics_and_repr(backend: FileBackend) -> None:
     assert "misses=1" in text
 
 
+async def test_read_statistics_count_the_groups_read(backend: FileBackend) -> None:
+    """`read_statistics()` counts every group the read threads finished (an `exists` chunk included) and
+    the seconds spent reading them: what `bench/bench_io.py` turns into groups read at once."""
+    keys, pages = make_keys(8), make_pages(8, 4096)
+    await backend.put(keys, pages)
+    before = backend.read_statistics()
+    assert await backend.exists(keys) == 8
+    after_exists = backend.read_statistics()
+    assert after_exists.groups == before.groups + 1  # one chunk of 8 keys
+    assert all(await backend.get(keys, empty_pages(8, 4096)))
+    after = backend.read_statistics()
+    assert after.groups > after_exists.groups
+    assert after.reading_s > before.reading_s
+    assert after.queued_s >= before.queued_s
+
+
 async def test_buffers_of_any_format_round_trip(backend: FileBackend) -> None:
     """Buffers need not be bytes: a float32 2-D view of a page works, including short-read recovery."""
     import torch

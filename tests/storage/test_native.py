@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,10 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
         _wait_readable(queue.fileno())
         finished += queue.collect()
     assert finished == [kept, stat]
+    for job in finished:  # queued, started and finished in that order, on the monotonic clock
+        queued, started, done = job.times()
+        assert 0 < queued <= started <= done <= time.monotonic_ns()
+    assert cancelled.times()[1:] == (0, 0)  # never started
     assert kept.result() == (bytes([native.MISS]), 0, [])  # no such file: a miss
     assert stat.result()[0] == bytes([native.MISS, native.MISS])
     assert queue.cancel(kept) is False
@@ -118,6 +123,36 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
     assert queue.closed
     with pytest.raises(RuntimeError, match="closed"):
         queue.submit(str(tmp_path), ".kvp", keys, bufs, NS16, 0, None)
+
+
+def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
+    """`cancel` unlinks a pending job wherever it sits (head, middle, tail, alone; through its neighbours,
+    no scan of the queue): the worker then runs exactly the others, in submission order, and a job can be
+    queued behind a cancelled tail. A job from another queue is refused, not unlinked from this one."""
+    queue = native.ReadQueue()
+    submit = lambda i: queue.submit(str(tmp_path), ".kvp", [f"abcd{i:04x}"], None, NS16, 0, None)  # noqa: E731
+    jobs = [submit(i) for i in range(6)]
+    for i in (0, 3, 5):  # head, middle, tail
+        assert queue.cancel(jobs[i]) is True
+    late = submit(6)  # queued behind the cancelled tail
+    other = native.ReadQueue()
+    foreign = other.submit(str(tmp_path), ".kvp", ["abcd0007"], None, NS16, 0, None)
+    with pytest.raises(ValueError, match="job"):
+        queue.cancel(foreign)
+    assert other.cancel(foreign) is True
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    finished: list[native.ReadJob] = []
+    while len(finished) < 4:
+        _wait_readable(queue.fileno())
+        finished += queue.collect()
+    assert finished == [jobs[1], jobs[2], jobs[4], late]
+    lone = submit(8)  # alone in the queue once the worker drained it: head and tail at once
+    assert queue.cancel(lone) in (True, False)  # the worker may have taken it already
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+    other.close()
 
 
 def test_read_queue_retire_lets_one_worker_go() -> None:

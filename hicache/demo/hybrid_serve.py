@@ -40,17 +40,7 @@ from hicache.demo.snapshot import pool_json
 from hicache.demo.workload import WorkloadSpec, make_workload
 from hicache.memory import KVLayout
 
-__all__ = ["DEMO_MODEL", "HybridDemoConfig", "hybrid_demo_config", "run_hybrid_demo"]
-
-
-DEMO_MODEL = HybridSpec(hidden_size=256, expert_size=512)
-"""The demo's model: `HybridSpec`'s tiny shape made wider (the cache's pages and states keep their size).
-
-At width 64 a decode of `page_size + 1` tokens cost as much as a whole 480-token prefill (35 vs 36 ms),
-so the time to first token was decided by queueing behind other requests' decodes, not by the prefill
-the cache saves. Wider, the prefill grows with the prompt as in a real model (480 tokens: 134 ms, 48
-tokens: 20 ms) while a decode, bound by per-step overheads, grows less (61 ms).
-"""
+__all__ = ["HybridDemoConfig", "hybrid_demo_config", "run_hybrid_demo"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +50,7 @@ class HybridDemoConfig:
     Attributes:
         demo: users, turns, workload, base pools (full-attention K/V), backend and the rest.
         model: the hybrid model's shape and weight seed (`sliding_window - 1` must be a multiple of the
-            page size, so that a window is whole pages); `DEMO_MODEL` by default.
+            page size, so that a window is whole pages).
         swa_device_pages: pages of the sliding-window component's device pool.
         swa_host_pages: pages of its host pool.
         state_device_slots: states the Mamba component's device pool holds.
@@ -68,7 +58,7 @@ class HybridDemoConfig:
     """
 
     demo: DemoConfig
-    model: HybridSpec = field(default_factory=lambda: DEMO_MODEL)
+    model: HybridSpec = field(default_factory=HybridSpec)
     swa_device_pages: int = 24
     swa_host_pages: int = 40
     state_device_slots: int = 8
@@ -85,19 +75,23 @@ class HybridDemoConfig:
 def hybrid_demo_config(**overrides: Any) -> DemoConfig:
     """The main demo's `DemoConfig` with the hybrid run's defaults, then `overrides` on top.
 
-    8-token pages (the window is two), a 384-token system prompt per user and turns of 16 to 64 tokens, so
+    8-token pages (the window is two), a 768-token system prompt per user and turns of 16 to 64 tokens, so
     that a prefill's cost grows with its length as in a real model rather than being the fixed cost of a
-    forward pass; pools small enough that eviction, host hits and storage prefetch all happen. A request
+    forward pass: a full prefill (~800 tokens) then costs several times what a cached request's fixed costs
+    (acquire, restore, a suffix prefill) and its decode do, on an idle machine and on a saturated one
+    (with a 384-token prompt a full prefill cost about one 9-token decode, and the ratio of the TTFTs
+    followed queueing noise: see BENCHMARKS.md). Pools small enough that eviction, host hits and storage
+    prefetch all happen. A request
     decodes `page_size + 1` tokens, so that its sequence always crosses a page boundary while decoding:
     the state kept there is snapshotted between decode steps, and the prefill (the time to first token)
     runs as one forward pass, never cut for a snapshot.
     """
     values: dict[str, Any] = {
         "page_size": 8,
-        "device_pages": 256,
-        "host_pages": 384,
+        "device_pages": 384,
+        "host_pages": 640,
         "prefetch_threshold": 16,
-        "workload": WorkloadSpec(system_prompt_tokens=384, user_tokens=(16, 64), decode_tokens=9),
+        "workload": WorkloadSpec(system_prompt_tokens=768, user_tokens=(16, 64), decode_tokens=9),
     }
     values.update(overrides)
     return DemoConfig(**values)

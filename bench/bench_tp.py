@@ -14,6 +14,15 @@ served from the cache must be equal at every TP size. `demo_steps_per_request_tp
 (collectives) rank 0 ran per request there: probe, commit, device allocation, a backup's host room, and
 the steps `tp_sync` runs until backups and write-through are agreed.
 
+Layer-wise load-back: on 1, 2 and 4 ranks each rank runs a `HiCache` (8 layers, no storage) whose device
+pool holds one of two 256-token sequences at a time; requests alternate between them, so each acquire
+loads its prefix back from host, then a "forward" calls `wait_layer` for every layer in a worker
+thread, the lease is released and the scheduling step ends (`tp_sync`). Timed on rank 0, with
+`layerwise_load_back` on and off: `layerwise_request_us_p50_tpN` and `whole_request_us_p50_tpN` (acquire
++ forward waits + `tp_sync`), `layerwise_wait_us_p50_tpN` (the forward's waits alone: under TP the
+readiness collectives), `readiness_collectives_per_load_tpN` and the agreement steps per request
+(`layerwise_steps_per_request_tpN`, `whole_steps_per_request_tpN`).
+
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
 """
@@ -84,8 +93,95 @@ def raw_collectives(group: RankGroup, iterations: int) -> dict[str, float]:
     return {name: statistics.median(samples) for name, samples in timed.items()}
 
 
+LW_LAYERS, LW_PAGE, LW_TOKENS = 8, 16, 256
+
+
+async def layerwise_loop(group: RankGroup, iterations: int, layerwise: bool) -> dict[str, float]:
+    """Alternate two sequences that do not fit the device together: every acquire loads from host."""
+    import anyio.to_thread
+
+    from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
+
+    tp = group.tp_size
+    layout = KVLayout(LW_LAYERS, 2, 64, torch.float32, LW_PAGE)
+    config = HiCacheConfig(
+        layout=layout,
+        device_pages=LW_TOKENS // LW_PAGE + 4,
+        host_pages=4 * LW_TOKENS // LW_PAGE,
+        namespace=Namespace(model_id="bench-tp-lw", tp_rank=group.tp_rank, tp_size=tp),
+        tp_group=group if tp > 1 else None,
+        layerwise_load_back=layerwise,
+    )
+    seqs = [[1 + 3000 * k + i for i in range(LW_TOKENS)] for k in range(2)]
+    request: list[float] = []
+    waits: list[float] = []
+    collectives = 0
+    loads = 0
+    steps = 0
+    async with HiCache(config) as cache:
+        for k, seq in enumerate(seqs):  # computed once, backed up to host
+            lease = await cache.acquire(f"init{k}", seq)
+            new = await cache.alloc_device(LW_TOKENS)
+            assert new is not None
+            await cache.insert(lease, seq, new)
+            await cache.wait_idle()
+        for i in range(iterations + 10):
+            seq = seqs[i % 2]
+            steps_before = 0 if cache.agreement is None else cache.agreement.statistics().steps
+            t0 = time.perf_counter()
+            lease = await cache.acquire(f"r{i}", seq)
+            assert lease.hit_tokens_by_tier["host"] == LW_TOKENS, lease.hit_tokens_by_tier
+            layers = lease.layers
+            t1 = time.perf_counter()
+
+            def forward() -> None:
+                for layer in range(LW_LAYERS):
+                    layers.wait_layer(layer)  # noqa: B023 - called before the loop moves on
+
+            await anyio.to_thread.run_sync(forward)
+            t2 = time.perf_counter()
+            cache.release(lease)
+            await cache.tp_sync()
+            t3 = time.perf_counter()
+            if i >= 10:  # warm-up
+                request.append((t3 - t0) * 1e6)
+                waits.append((t2 - t1) * 1e6)
+                collectives += int(getattr(layers, "collectives", 0))
+                loads += 1
+                if cache.agreement is not None:
+                    steps += cache.agreement.statistics().steps - steps_before
+    return {
+        "request_p50": statistics.median(request),
+        "wait_p50": statistics.median(waits),
+        "collectives_per_load": collectives / max(1, loads),
+        "steps_per_request": steps / max(1, loads),
+    }
+
+
+def layerwise_figures(out: dict[str, object], iterations: int) -> None:
+    for tp in (1, 2, 4):
+        for layerwise in (True, False):
+            ranks = run_ranks(layerwise_loop, tp, (iterations, layerwise), timeout_s=600)
+            bad = [r for r in ranks if not r.ok]
+            if bad:
+                raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
+            v = ranks[0].value
+            name = "layerwise" if layerwise else "whole"
+            out[f"{name}_request_us_p50_tp{tp}"] = round(v["request_p50"], 1)
+            out[f"{name}_steps_per_request_tp{tp}"] = round(v["steps_per_request"], 2)
+            if layerwise:
+                out[f"layerwise_wait_us_p50_tp{tp}"] = round(v["wait_p50"], 1)
+                out[f"readiness_collectives_per_load_tp{tp}"] = round(v["collectives_per_load"], 2)
+
+
 def main() -> None:
-    out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
+    if os.environ.get("BENCH_TP_ONLY") == "layerwise":
+        out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
+        layerwise_figures(out, ITERATIONS)
+        out["load_average"] = os.getloadavg()[0]
+        print(json.dumps(out))
+        return
+    out = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
     for tp in (1, 2, 4):
         ranks = run_ranks(agree_loop, tp, (ITERATIONS,), timeout_s=600)
         bad = [r for r in ranks if not r.ok]
@@ -111,6 +207,7 @@ def main() -> None:
         out[f"demo_wall_s_tp{tp}"] = round(result.wall_s, 2)
         out[f"demo_steps_per_request_tp{tp}"] = round(result.agreement_steps / max(1, result.requests), 2)
     out["savings_identical"] = out["saved_tokens_tp1"] == out["saved_tokens_tp2"] == out["saved_tokens_tp4"]
+    layerwise_figures(out, ITERATIONS)
     out["goal_agree_p50_tp4_under_1ms"] = float(out["agree_us_p50_tp4"]) < 1000.0  # type: ignore[arg-type]
     print(json.dumps(out))
 

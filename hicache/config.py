@@ -123,7 +123,8 @@ class HiCacheConfig:
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
         layerwise_load_back: `acquire` loads host hits back layer by layer and returns at once; the
             lease's `layers.wait_layer(i)` says when layer i may be read (see `HiCache.load_back_layerwise`).
-            Ignored with `components` (loaded whole).
+            Ignored with `components` (loaded whole). Under tensor parallelism `tp_group` needs a
+            readiness group (`RankGroup(readiness_process_group=...)`): `wait_layer` is then agreed.
         refill_under_unbacked: what a prefetch commit does with a refill whose attach point is not
             backed up: `drop` it (the default), or `backup_then_attach` (see `RefillPolicy`).
         tp_group: the tensor-parallel rank group (`hicache.parallel.RankGroup`), or None for one rank.
@@ -238,9 +239,12 @@ class HiCacheConfig:
                 raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
             if components and self.tp_group.tp_size > 1:
                 raise ValueError("tp_group: hybrid components are not supported under tensor parallelism yet")
-            if self.tp_group.tp_size > 1 and self.layerwise_load_back:
-                # A layer-wise copy lands outside an agreement step: its failure would be rank-local.
-                raise ValueError("layerwise_load_back: not supported under tensor parallelism yet (tp_group)")
+            if self.tp_group.tp_size > 1 and self.layerwise_load_back and self.tp_group.readiness is None:
+                # `wait_layer` is a collective in the model's thread, beside the agreement's steps.
+                raise ValueError(
+                    "tp_group: layerwise_load_back under tensor parallelism needs a readiness group "
+                    "(RankGroup(..., readiness_process_group=dist.new_group(ranks, backend='gloo')))"
+                )
             ns = self.namespace
             if (ns.tp_rank, ns.tp_size) != (self.tp_group.tp_rank, self.tp_group.tp_size):
                 raise ValueError(

@@ -151,7 +151,7 @@ class HiCache(CacheLifecycle, CacheObservation):
         )
         if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
             self._prefetcher.rescue = RefillRescue(tree, self._mover)
-        self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters)
+        self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters, self.agreement)
         self._leases = Leases(
             tree,
             device,

@@ -25,6 +25,11 @@ host-only child of a device-only node) cannot leave: the tree poisons them (no m
 below, and they are never backed up from the device: they hold their host copy), and after a copy failure
 the loader copies their host values into their pages once more; when that lands they are hits again.
 
+Under tensor parallelism (`agreement` given) the readers get an `AgreedLayerReadiness` (every rank's
+`wait_layer(i)` returns, or raises, alike) and the load lands or fails at the agreement step that
+resolves its `AgreedLoad`, on every rank alike, not when this rank's copy ends
+(`hicache.parallel.layer_readiness`).
+
 A cache with hybrid components loads them whole (`TierMover.load_back`): a component value (a window, a
 state) is not split by layer.
 """
@@ -52,6 +57,8 @@ from hicache.memory.layerwise import (
     all_of,
 )
 from hicache.metrics import CacheMetrics
+from hicache.parallel.agreement import Agreement
+from hicache.parallel.layer_readiness import AgreedLayerReadiness, AgreedLoad
 from hicache.tree import MatchResult, NodeRef, RadixTree
 
 __all__ = ["LayeredLoader", "LayerwiseLoad"]
@@ -81,6 +88,8 @@ class LayeredLoader:
         mover: allocates device pages (evicting), and loads whole when layer-wise cannot be used.
         copies: counts the copies in flight (so `aclose` waits for them).
         metrics: the cache's metric set (`load_back_tokens`).
+        agreement: the tensor-parallel agreement (None for one rank): each load's outcome and its
+            layers' readiness are then agreed (its group must have a `readiness` group).
     """
 
     def __init__(
@@ -91,7 +100,9 @@ class LayeredLoader:
         mover: TierMover,
         copies: CopyTracker,
         metrics: CacheMetrics,
+        agreement: Agreement | None = None,
     ) -> None:
+        self._agreement = agreement
         self._tree = tree
         self._device_pool = device_pool
         self._host_pool = host_pool
@@ -115,7 +126,7 @@ class LayeredLoader:
             return ALL_READY
         return all_of(
             [
-                load.readiness
+                load.readiness if load.agreed is None else load.agreed_layers
                 for load in self._in_flight.values()
                 if bool(torch.isin(load.device_indices, device_indices).any())
             ]
@@ -176,6 +187,8 @@ class LayeredLoader:
         """Run `load`'s copy in a task of its own (its nodes are locked by the caller, for `_finish`)."""
         self._in_flight[id(load)] = load
         self._copies.begin()
+        if self._agreement is not None:
+            self._agree(load)
         task = asyncio.get_running_loop().create_task(self._run(load), name="hicache-layerwise-load")
         self._tasks.add(task)
         # A task cancelled before its first step never runs `_run`'s cleanup: the callback does it then.
@@ -193,29 +206,62 @@ class LayeredLoader:
         except BaseException as exc:
             load.copy.abort()
             await load.copy.wait_settled()
-            self._finish(load, exc)
+            self._copy_ended(load, exc)
             if isinstance(exc, Exception):
                 return  # logged by `_finish`; the model hears of it from `wait_layer`
             raise
-        self._finish(load, None)
+        if load.agreed is not None:  # CUDA: its last event too, before the ranks may agree a drop
+            await load.copy.wait_settled()
+        self._copy_ended(load, None)
+
+    def _agree(self, load: _Load) -> None:
+        """Under TP: propose the load's agreed outcome (at the engine call that attached it, or the step
+        that dropped the load it copies again, on every rank alike) and give its readers the agreed
+        readiness. Once the agreement failed (the group is gone) a load finishes on its own copy."""
+        agreement = self._agreement
+        assert agreement is not None
+        assert agreement.group is not None
+        readiness = agreement.group.readiness
+        assert readiness is not None, "checked by HiCacheConfig"
+        if agreement.failed is not None:
+            return
+        copy = load.copy
+        load.agreed_layers = AgreedLayerReadiness(copy.readiness, readiness, copy.readiness.num_layers)
+        load.agreed = AgreedLoad(
+            agreement,
+            f"{load.start}+{load.device_indices.numel()}",
+            settled=lambda: copy.settled,
+            finish=lambda landed: self._finish(load, None if landed else _not_everywhere(), landed=landed),
+        )
+
+    def _copy_ended(self, load: _Load, error: BaseException | None) -> None:
+        """This rank's copy settled: finish the load (one rank), or settle its agreed outcome (TP)."""
+        load.ended = True
+        if load.agreed is None:
+            self._finish(load, error)
+        else:
+            inner = load.readiness.inner
+            load.agreed.settle(error is None and inner.is_ready(inner.num_layers - 1))
 
     def _after(self, task: asyncio.Task[None], load: _Load) -> None:
         """The task's done callback: finish a load whose task was cancelled before it ran."""
         self._tasks.discard(task)
-        if not load.finished:
+        if not load.finished and not load.ended:
             load.copy.abort()
-            self._finish(load, asyncio.CancelledError())
+            self._copy_ended(load, asyncio.CancelledError())
 
-    def _finish(self, load: _Load, error: BaseException | None) -> None:
-        """End `load` once: unlock its nodes and, unless every layer landed, take its pages out of the
-        device tier (see `RadixTree.drop_failed_load`) and free them, so no later match finds them."""
+    def _finish(self, load: _Load, error: BaseException | None, *, landed: bool | None = None) -> None:
+        """End `load` once: unlock its nodes and, unless every layer landed (`landed`, when the ranks
+        agreed it; else this rank's copy), take its pages out of the device tier (see
+        `RadixTree.drop_failed_load`) and free them, so no later match finds them."""
         if load.finished:
             return
         load.finished = True
         self._in_flight.pop(id(load), None)
         try:
             inner = load.readiness.inner
-            landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
+            if landed is None:
+                landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
             if not landed:
                 self._drop(load, error)
             elif load.recopy:
@@ -315,6 +361,10 @@ class LayeredLoader:
         self._device_pool.free(pages)
 
 
+def _not_everywhere() -> LoadBackFailed:
+    return LoadBackFailed("the layer-wise copy did not land on every tensor-parallel rank")
+
+
 @dataclass(eq=False)
 class _Load:
     """One layer-wise load-back in flight: its copy, its readiness, where its pages went, its lock."""
@@ -330,6 +380,12 @@ class _Load:
     """Its pages a failed load above it took out of the tree while it copied (freed once it settled)."""
     recopy: bool = False
     """A second copy into a failed load's pages that a holder below kept (poisoned) on the device."""
+    ended: bool = False
+    """Its copy settled (`_copy_ended` ran)."""
+    agreed: AgreedLoad | None = None
+    """Under TP: its outcome, agreed by the ranks (the load finishes when that resolves)."""
+    agreed_layers: LayerReadiness = ALL_READY
+    """Under TP: the readiness its readers get (`AgreedLayerReadiness`)."""
 
 
 class _LoadReadiness(LayerReadiness):

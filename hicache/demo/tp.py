@@ -8,7 +8,10 @@ and all ranks share one storage directory. transformers' own tensor parallelism 
 itself: before a prefill, every rank reads its slice of the cached prefix from its own pools and the
 slices are all-gathered into the full K/V the attention layers continue from; after it, each rank writes
 only its slice of the new K/V into its cache. (The forward pass itself is computed on every rank; what
-is sharded and checked here is the cache, which is what hicache is about.)
+is sharded and checked here is the cache, which is what hicache is about.) Host hits load back layer by
+layer, as in the single-rank demo (`TPDemoConfig.layerwise`): before reading the prefix, each rank's
+forward waits for every layer in a worker thread, and under TP each of those waits is agreed by the ranks
+(`hicache.parallel.layer_readiness`).
 
 The ranks serve the same requests in the same order, one at a time (a TP engine's scheduler broadcasts
 its batch), and check after each request that their cached prefix lengths and tree fingerprints agree.
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import torch
 
 from hicache.config import HiCacheConfig
@@ -35,6 +39,7 @@ from hicache.demo.oracle import KVOracle
 from hicache.demo.workload import Session, WorkloadSpec, make_workload
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
+from hicache.memory.layerwise import LayerReadiness
 from hicache.parallel import RankGroup
 from hicache.parallel.launch import run_ranks
 
@@ -61,6 +66,9 @@ class TPDemoConfig:
         model: the model's shape and weight seed.
         timeout_s: the watchdog of the whole run; a collective waits at most `group_timeout_s`.
         group_timeout_s: the collective timeout of the rank group.
+        layerwise: load host hits back layer by layer (as the single-rank demo does); each rank's
+            forward waits for every layer of the prefix (`wait_layer`, agreed across the ranks) before
+            reading it.
     """
 
     tp: int = 2
@@ -73,6 +81,7 @@ class TPDemoConfig:
     model: ModelSpec = field(default_factory=lambda: TP_MODEL)
     timeout_s: float = 600.0
     group_timeout_s: float = 60.0
+    layerwise: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
@@ -142,6 +151,7 @@ def rank_config(cfg: TPDemoConfig, group: RankGroup, storage_url: str, run_id: s
         ),
         prefetch_threshold=cfg.page_size,
         tp_group=group,
+        layerwise_load_back=cfg.layerwise,
     )
 
 
@@ -157,6 +167,17 @@ def _agree_equal(group: RankGroup, value: int, what: str) -> None:
     values = group.gather(torch.tensor([value], dtype=torch.int64)).view(-1).tolist()
     if any(v != values[0] for v in values):
         raise AssertionError(f"rank {group.tp_rank}: the ranks disagree on {what}: {values}")
+
+
+async def _wait_layers(layers: LayerReadiness, num_layers: int) -> None:
+    """The forward's waits, in a worker thread: every layer of the prefix landed on every rank (under TP
+    each `wait_layer` may be a collective of the readiness group, the same on every rank)."""
+
+    def wait_all() -> None:
+        for layer in range(num_layers):
+            layers.wait_layer(layer)
+
+    await anyio.to_thread.run_sync(wait_all)
 
 
 async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_id: str) -> dict[str, Any]:
@@ -187,6 +208,7 @@ async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_
                     reused = min(cached, (prompt.numel() - 1) // page * page)
                     restored = None
                     if reused:
+                        await _wait_layers(lease.layers, spec.num_layers)
                         local = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu()
                         restored = _gather_kv(group, local)
                         check = oracle.check(prompt, cache_from_kv(restored, model.model.config))

@@ -14,9 +14,11 @@ from hicache.parallel.agreement import (
 from hicache.parallel.consistency import check_same_pools, check_same_tree, check_same_tree_async
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError, TreeDivergence
 from hicache.parallel.group import RankGroup
+from hicache.parallel.layer_readiness import AgreedLayerReadiness
 
 __all__ = [
     "AGREEMENT_CAPACITY",
+    "AgreedLayerReadiness",
     "Agreement",
     "AgreementStatistics",
     "Decision",

@@ -41,13 +41,20 @@ class RankGroup:
         process_group: the `torch.distributed` process group of the TP ranks (gloo or NCCL); `None` uses
             the default (world) group, which must then be initialised.
         timeout_s: the most one collective may wait for the other ranks before `RankFailed` is raised.
+        readiness_process_group: a second process group over the same ranks (gloo: it carries small
+            host integers), for the per-layer readiness collectives that layer-wise load-back runs in the
+            model's thread while the cache's agreement steps run on the event loop: two threads issuing
+            collectives on one group could pair different collectives across the ranks. Needed only
+            with `layerwise_load_back`; `init_local` makes one.
 
     Raises:
         ValueError: naming `process_group` when torch.distributed is not initialised, or `timeout_s`
             when it is not a positive finite number.
     """
 
-    def __init__(self, process_group: Any = None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, process_group: Any = None, *, timeout_s: float = 30.0, readiness_process_group: Any = None
+    ) -> None:
         self.timeout_s = _check_seconds("timeout_s", timeout_s)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("process_group: torch.distributed is not initialised in this process")
@@ -60,6 +67,16 @@ class RankGroup:
         self._owned = False
         self.collectives = 0
         """Collectives this rank has run on the group (every rank runs the same number)."""
+        self.readiness: RankGroup | None = None
+        """The group of the per-layer readiness collectives (`readiness_process_group`), or None."""
+        if readiness_process_group is not None:
+            readiness = RankGroup(readiness_process_group, timeout_s=timeout_s)
+            if (readiness.tp_rank, readiness.tp_size) != (self.tp_rank, self.tp_size):
+                raise ValueError(
+                    f"readiness_process_group: rank {readiness.tp_rank} of {readiness.tp_size}, but the "
+                    f"process group has this process as rank {self.tp_rank} of {self.tp_size}"
+                )
+            self.readiness = readiness
 
     @classmethod
     def init_local(
@@ -93,7 +110,9 @@ class RankGroup:
             world_size=size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        group = cls(timeout_s=timeout_s)
+        # A second gloo group over the same ranks (every rank creates it here, at the same point).
+        readiness = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        group = cls(timeout_s=timeout_s, readiness_process_group=readiness)
         group._owned = True
         return group
 
@@ -169,6 +188,8 @@ class RankGroup:
         with self._lock:
             if self._failed is None:
                 self._failed = RankFailed(f"rank {self.tp_rank}/{self.tp_size}: the rank group was closed")
+            if self.readiness is not None:
+                self.readiness.close()
             if self._owned and dist.is_initialized():
                 self._owned = False
                 dist.destroy_process_group()

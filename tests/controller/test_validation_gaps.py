@@ -98,6 +98,7 @@ def _rank_view(tp_rank: int, tp_size: int) -> RankGroup:
     reads only `tp_rank` and `tp_size` (forming a real group of more than one rank needs more processes)."""
     group = RankGroup.__new__(RankGroup)
     group.tp_rank, group.tp_size = tp_rank, tp_size
+    group.readiness = None
     return group
 
 
@@ -106,24 +107,29 @@ def _tp_config(tp_rank: int, tp_size: int, **overrides: object) -> HiCacheConfig
     return make_config(namespace=namespace, tp_group=_rank_view(tp_rank, tp_size), **overrides)
 
 
-@pytest.mark.parametrize(
-    ("overrides", "argument"),
-    [
-        ({"layerwise_load_back": True}, "layerwise_load_back"),
-        ({"components": (SlidingWindow(8, KVLayout.flat(8, 4), device_pages=8, host_pages=8),)}, "tp_group"),
-    ],
-)
-def test_features_not_agreed_across_ranks_are_refused_under_tp_naming_the_argument(
-    overrides: dict[str, object], argument: str
-) -> None:
-    """Layer-wise load-back and hybrid components are not agreed across ranks yet: with more than one
-    rank the config refuses them, naming the argument, instead of letting ranks diverge."""
-    with pytest.raises(ValueError, match=rf"^{argument}: .*not supported under tensor parallelism"):
+def test_hybrid_components_are_refused_under_tp_naming_the_argument() -> None:
+    """Hybrid components are not agreed across ranks yet: with more than one rank the config refuses
+    them, naming the argument, instead of letting ranks diverge."""
+    overrides = {"components": (SlidingWindow(8, KVLayout.flat(8, 4), device_pages=8, host_pages=8),)}
+    with pytest.raises(ValueError, match=r"^tp_group: .*not supported under tensor parallelism"):
         _tp_config(1, 2, **overrides)
     # One rank has nothing to agree: the same settings are accepted.
     config = _tp_config(0, 1, **overrides)
     assert config.tp_group is not None
     assert config.tp_group.tp_size == 1
+
+
+def test_layerwise_load_back_under_tp_needs_a_readiness_group() -> None:
+    """Under TP `wait_layer` is a collective of the model's thread, beside the agreement's steps on the
+    event loop: without a second process group for it the config refuses, naming `tp_group`; with one
+    it is accepted (tests/parallel/test_tp_layerwise.py)."""
+    with pytest.raises(ValueError, match=r"^tp_group: layerwise_load_back under tensor parallelism needs"):
+        _tp_config(1, 2, layerwise_load_back=True)
+    group = _rank_view(1, 2)
+    group.readiness = _rank_view(1, 2)
+    namespace = Namespace(model_id="controller-tests", tp_rank=1, tp_size=2)
+    config = make_config(namespace=namespace, tp_group=group, layerwise_load_back=True)
+    assert config.layerwise_load_back
 
 
 def test_refill_rescue_is_accepted_under_tp() -> None:

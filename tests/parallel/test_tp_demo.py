@@ -23,6 +23,16 @@ def test_two_ranks_pass_every_check_and_save_what_one_rank_saves() -> None:
     assert (two.saved_tokens, two.hits) == (one.saved_tokens, one.hits)
 
 
+def test_two_ranks_with_and_without_layerwise_load_back_save_the_same() -> None:
+    """The TP demo loads host hits back layer by layer (each rank's forward waits for every layer,
+    agreed across the ranks); loading whole instead serves the same hits, and both pass every check."""
+    layerwise = run_tp_demo(TPDemoConfig(tp=2, users=3, turns=3))
+    whole = run_tp_demo(TPDemoConfig(tp=2, users=3, turns=3, layerwise=False))
+    assert layerwise.failures == whole.failures == []
+    assert layerwise.hits["host"] > 0
+    assert (layerwise.saved_tokens, layerwise.hits) == (whole.saved_tokens, whole.hits)
+
+
 @pytest.mark.parametrize("tp", ["3", "0"])
 def test_a_tp_size_that_does_not_divide_the_heads_is_refused(
     tp: str, capsys: pytest.CaptureFixture[str]

@@ -14,6 +14,8 @@ ERROR: int
 """Outcome byte of `read_pages`: opening or reading failed; its errno is in the errors list."""
 HEADER_SIZE: int
 """Bytes of page header the C reader expects (page format v2: 56)."""
+BUILD: int
+"""The module's interface version (`storage_backends.native` refuses a build of another)."""
 CHUNK_BYTES: int
 """Bytes read, then hashed, at a time: small enough to still be in the CPU cache when hashed."""
 

@@ -49,6 +49,11 @@ enum {
     CODE_ERROR = 3,        /* open or read failed (not a missing file): errno in the errors list */
 };
 
+/* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
+   older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
+   to rebuild, instead of failing later on a missing method. */
+#define NATIVE_BUILD 2
+
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
 #define MAX_PATH_BYTES 4096
@@ -874,7 +879,8 @@ PyMODINIT_FUNC PyInit__hicache_native(void) {
     if (PyModule_AddIntConstant(m, "HIT", CODE_HIT) < 0 || PyModule_AddIntConstant(m, "MISS", CODE_MISS) < 0 ||
         PyModule_AddIntConstant(m, "RETRY", CODE_RETRY) < 0 || PyModule_AddIntConstant(m, "ERROR", CODE_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||
-        PyModule_AddIntConstant(m, "CHUNK_BYTES", CHUNK_BYTES) < 0) {
+        PyModule_AddIntConstant(m, "CHUNK_BYTES", CHUNK_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "BUILD", NATIVE_BUILD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

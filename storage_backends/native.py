@@ -20,7 +20,22 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-from _hicache_native import (
+BUILD = 2
+"""The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
+
+_REBUILD = (
+    "Rebuild it with `make native` or `python setup.py build_ext --inplace` in the repository root (after a "
+    "merge that changed native/hicache_native.c, each worktree needs its own rebuild)."
+)
+
+if getattr(_hicache_native, "BUILD", 1) != BUILD:  # pragma: no cover - only on a stale build
+    raise ImportError(
+        f"hicache's C extension _hicache_native ({_hicache_native.__file__}) is stale: built from an older "
+        f"native/hicache_native.c (build {getattr(_hicache_native, 'BUILD', 1)}, this code needs {BUILD}). "
+        + _REBUILD
+    )
+
+from _hicache_native import (  # noqa: E402  (after the check: a stale build lacks some of these names)
     CHUNK_BYTES,
     ERROR,
     HEADER_SIZE,
@@ -35,6 +50,7 @@ from _hicache_native import (
 )
 
 __all__ = [
+    "BUILD",
     "CHUNK_BYTES",
     "ERROR",
     "HEADER_SIZE",

@@ -8,6 +8,8 @@ pages, cancellation) is covered by the backend contract and `test_file_backend.p
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -153,6 +155,28 @@ def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
     worker.join(30)
     assert not worker.is_alive()
     other.close()
+
+
+def test_a_stale_build_is_refused_with_a_rebuild_hint() -> None:
+    """A worktree that merged a new hicache_native.c without rebuilding gets an ImportError saying to
+    rebuild, not an AttributeError deep in a read; the build in use is the one this code expects."""
+    import _hicache_native
+
+    assert _hicache_native.BUILD == native.BUILD
+    stale = (
+        "import sys, types\n"
+        "fake = types.ModuleType('_hicache_native'); fake.__file__ = 'old.so'\n"
+        "sys.modules['_hicache_native'] = fake\n"
+        "try:\n"
+        "    import storage_backends.native\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", stale], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "stale" in done.stdout
+    assert "make native" in done.stdout
 
 
 def test_read_queue_retire_lets_one_worker_go() -> None:

@@ -54,8 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama: a small Llama (full attention); hybrid: a tiny LaraMini with full, sliding-window and "
         "linear-attention layers, cached with SlidingWindow and MambaState components (default llama)",
     )
-    demo.add_argument("--device-pages", type=int, default=None, help="pages in the device pool (default 160)")
-    demo.add_argument("--host-pages", type=int, default=None, help="pages in the host pool (default 224)")
+    demo.add_argument(
+        "--device-pages",
+        type=int,
+        default=None,
+        help="pages in the device pool (default 160; 384 with --model hybrid)",
+    )
+    demo.add_argument(
+        "--host-pages",
+        type=int,
+        default=None,
+        help="pages in the host pool (default 224; 640 with --model hybrid)",
+    )
     demo.add_argument(
         "--write-policy",
         choices=["write_through", "write_through_selective", "write_back"],

@@ -75,19 +75,23 @@ class HybridDemoConfig:
 def hybrid_demo_config(**overrides: Any) -> DemoConfig:
     """The main demo's `DemoConfig` with the hybrid run's defaults, then `overrides` on top.
 
-    8-token pages (the window is two), a 384-token system prompt per user and turns of 16 to 64 tokens, so
+    8-token pages (the window is two), a 768-token system prompt per user and turns of 16 to 64 tokens, so
     that a prefill's cost grows with its length as in a real model rather than being the fixed cost of a
-    forward pass; pools small enough that eviction, host hits and storage prefetch all happen. A request
+    forward pass: a full prefill (~800 tokens) then costs several times what a cached request's fixed costs
+    (acquire, restore, a suffix prefill) and its decode do, on an idle machine and on a saturated one
+    (with a 384-token prompt a full prefill cost about one 9-token decode, and the ratio of the TTFTs
+    followed queueing noise: see BENCHMARKS.md). Pools small enough that eviction, host hits and storage
+    prefetch all happen. A request
     decodes `page_size + 1` tokens, so that its sequence always crosses a page boundary while decoding:
     the state kept there is snapshotted between decode steps, and the prefill (the time to first token)
     runs as one forward pass, never cut for a snapshot.
     """
     values: dict[str, Any] = {
         "page_size": 8,
-        "device_pages": 256,
-        "host_pages": 384,
+        "device_pages": 384,
+        "host_pages": 640,
         "prefetch_threshold": 16,
-        "workload": WorkloadSpec(system_prompt_tokens=384, user_tokens=(16, 64), decode_tokens=9),
+        "workload": WorkloadSpec(system_prompt_tokens=768, user_tokens=(16, 64), decode_tokens=9),
     }
     values.update(overrides)
     return DemoConfig(**values)

@@ -2,8 +2,8 @@
 
 `ServingLoop` runs every user's conversation through the cache (a runner subclass serves each request under
 its lease), then the very same prompts again with full recompute and no cache, for the time-to-first-token
-comparison and the recompute check. Forward passes run in a worker thread under one lock (one model), so
-the event loop keeps serving cache I/O while the model computes.
+comparison and the recompute check. Forward passes run in one model thread (`ModelWorker`, one model), so
+the event loop keeps serving cache I/O while the model computes, and the model never waits for the loop.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 import anyio
 import torch
@@ -19,6 +19,7 @@ import torch
 from hicache.controller import HiCache, Lease
 from hicache.demo.model import Steps
 from hicache.demo.records import ProgressFn, RequestRecord, Served
+from hicache.demo.worker import ModelWorker
 from hicache.demo.workload import Session, Workload
 from hicache.errors import LoadBackFailed
 
@@ -59,7 +60,8 @@ class ServingLoop(Generic[ModelT]):
         self.workload = workload
         self.progress = progress
         self.torch_threads = torch_threads
-        self.model_lock = anyio.Lock()
+        self.worker = ModelWorker(torch_threads)
+        """The model thread every forward pass runs in (`close` stops it)."""
         self.running = anyio.CapacityLimiter(max_running)
         self.records: list[RequestRecord] = []
         self.extra_requests = 0
@@ -69,28 +71,18 @@ class ServingLoop(Generic[ModelT]):
         self.t0 = 0.0
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
-        """Run one model call in a worker thread, one at a time (waiting for it even if cancelled)."""
-        threads = self.torch_threads
-
-        def call() -> Any:
-            # The thread count is per OS thread under OpenMP, so it is set in the worker itself.
-            if threads is not None and torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            return fn()
-
-        async with self.model_lock:
-            return await anyio.to_thread.run_sync(call)
+        """Run one model call in the model thread, in arrival order (waiting for it even if cancelled)."""
+        value, _ = await self.worker.call(fn)
+        return value
 
     async def compute_steps(self, steps: Steps[T]) -> T:
-        """Run a model call cut into steps (a decode), taking the model lock once per step.
+        """Run a model call cut into steps (a decode), one step per turn of the model thread.
 
-        The lock is fair, so a request that arrives meanwhile waits for one step, not for a whole decode,
-        before its prefill runs: as in a server that interleaves prefills with other requests' decoding.
+        A request that arrives meanwhile waits for one step, not for a whole decode, before its prefill
+        runs: as in a server that interleaves prefills with other requests' decoding.
         """
-        while True:
-            done, value = await self.compute(partial(_advance, steps))
-            if done:
-                return cast(T, value)
+        value, _ = await self.worker.steps(steps)
+        return value
 
     # ------------------------------------------------------------------ with the cache
 
@@ -214,6 +206,7 @@ class ServingLoop(Generic[ModelT]):
         arrival = time.perf_counter()
         record.arrival_nocache_s = arrival - self.t0
         async with self.running:
+            record.queue_nocache_s = time.perf_counter() - arrival
             prefill = await self.compute(partial(model.prefill, record.prompt, None))
             record.ttft_nocache_s = time.perf_counter() - arrival
             decoded = await self.compute_steps(model.decode_steps(prefill, steps))
@@ -227,12 +220,3 @@ class ServingLoop(Generic[ModelT]):
     def verify(self) -> None:
         """Run checks 1 and 2 on every record (in the worker thread)."""
         raise NotImplementedError
-
-
-def _advance(steps: Steps[Any]) -> tuple[bool, Any]:
-    """Run the next step: `(False, None)`, or `(True, result)` once the call has returned."""
-    try:
-        next(steps)
-    except StopIteration as done:
-        return True, done.value
-    return False, None

@@ -130,6 +130,7 @@ class RequestRecord:
         queue_s: time waiting for a running slot (`max_running`) with the cache.
         acquire_s: time in `HiCache.acquire` (match, storage prefetch and commit, load back).
         ttft_nocache_s: time to first token with full recompute and no cache.
+        queue_nocache_s: time waiting for a running slot with full recompute and no cache.
         arrival_nocache_s: when the request arrived in the no-cache run, from its start.
         kv_bitwise: restored K/V equal the model's earlier K/V bit for bit (check 1).
         same_split_bitwise: logits equal the in-memory same-split continuation bit for bit (check 2).
@@ -154,6 +155,7 @@ class RequestRecord:
     queue_s: float = 0.0
     acquire_s: float = 0.0
     ttft_nocache_s: float | None = None
+    queue_nocache_s: float | None = None
     arrival_nocache_s: float | None = None
     kv_bitwise: bool = True
     same_split_bitwise: bool = True
@@ -189,6 +191,7 @@ class RequestRecord:
             "queue_s": round(self.queue_s, 6),
             "acquire_s": round(self.acquire_s, 6),
             "ttft_nocache_s": None if self.ttft_nocache_s is None else round(self.ttft_nocache_s, 6),
+            "queue_nocache_s": None if self.queue_nocache_s is None else round(self.queue_nocache_s, 6),
             "arrival_nocache_s": None if self.arrival_nocache_s is None else round(self.arrival_nocache_s, 6),
             "kv_bitwise": self.kv_bitwise,
             "same_split_bitwise": self.same_split_bitwise,

@@ -97,7 +97,10 @@ async def run_serving(
             `details`.
     """
     with intra_op_threads(config.torch_threads):  # a no-op when the caller already set it
-        return await _serve_phases(runner, config, cache_config, wall, announce, inspect)
+        try:
+            return await _serve_phases(runner, config, cache_config, wall, announce, inspect)
+        finally:
+            await anyio.to_thread.run_sync(runner.worker.close)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from test_controller_state_machine import (
 )
 
 from hicache import HiCacheConfig, KVLayout, LoadBackFailed
-from hicache.keys import TOKEN_BYTES
+from hicache.keys import TOKEN_BYTES, as_key_bytes
 from hicache.memory.layerwise import LayerReadiness, read_layer_tokens
 from hicache.policy import StopPolicy, WritePolicy
 
@@ -170,6 +170,85 @@ class LayerwiseControllerMachine(ControllerMachine):
         self.run(go)
 
 
+class HoldThenFail:
+    """A `before_layer` hook: the first copy to reach `layer` waits there until `release()`, then fails."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.reached = threading.Event()
+        self._go = threading.Event()
+        self._used = False
+
+    def __call__(self, layer: int) -> None:
+        if layer != self.layer or self._used:
+            return
+        self._used = True
+        self.reached.set()
+        assert self._go.wait(30), "the test never released the held copy"
+        raise RuntimeError(f"injected copy failure at layer {layer}")
+
+    def release(self) -> None:
+        self._go.set()
+
+
+class KeptPathMachine(LayerwiseControllerMachine):
+    """The layer-wise machine plus a rule that fails a load under a device-only child that a lease holds
+    (the failed pages must stay on the device, poisoned, and be copied again)."""
+
+    @rule(seq=sequences, stored=st.none() | picks, extra=st.integers(1, 2), fail_again=st.booleans())
+    def fail_a_load_under_a_held_child(
+        self, seq: tuple[list[int], int], stored: int | None, extra: int, fail_again: bool
+    ) -> None:
+        """A host hit loads back layer-wise and is held before its last layer; meanwhile a request that
+        computed the prefix and `extra` pages more itself inserts them (a device-only child below the
+        loading pages) and another request acquires all of it (locking the child); then the load fails
+        (and, with `fail_again`, so does its copy again)."""
+        tokens = self.pick_tokens(seq, stored)
+        aligned = len(tokens) // self.page_size * self.page_size
+        tokens = tokens[:aligned]
+        longer = tokens + [7000 + j for j in range(extra * self.page_size)]
+        self.remember(longer)
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            loader = layered_loader_of(cache)
+            hold = HoldThenFail(cache.config.layout.num_layers - 1)
+            loader.before_layer = hold
+            early = await cache.acquire(self.next_id("e"), [6000 + j for j in range(self.page_size)])
+            loading_id = self.next_id("l")
+            loading = await cache.acquire(loading_id, tokens)
+            if opened:
+                self.backend.gated = True
+            self.leases[loading_id] = Held(loading, tokens)
+            if not loader.in_flight:  # no host hit to load back: nothing to fail
+                loader.before_layer = None
+                cache.release(early)
+                return
+            event("a load held under a child")
+            await anyio.to_thread.run_sync(hold.reached.wait)
+            loader.before_layer = FailCopies(0, 1) if fail_again else None
+            try:
+                new = await cache.alloc_device(len(longer))
+                if new is None:
+                    cache.release(early)
+                    return
+                kv = chain_payload(as_key_bytes(longer), cache.config.layout, self.namespace)
+                cache.device_pool.write_tokens(new, kv)
+                await cache.insert(early, longer, new)
+                holder_id = self.next_id("h")
+                self.leases[holder_id] = Held(await cache.acquire(holder_id, longer), longer)
+            finally:
+                hold.release()
+            while not loading.layers.done:
+                await anyio.lowlevel.checkpoint()
+            tree = tree_of(cache)
+            if any(tree.poisoned(node) for node in tree.iter_nodes()):
+                event("kept path: the failed pages stayed on the device, poisoned")
+
+        self.run(go)
+
+
 class LayerwiseRescueControllerMachine(LayerwiseControllerMachine):
     """The layer-wise machine with `refill_under_unbacked="backup_then_attach"`."""
 
@@ -184,5 +263,7 @@ _settings = settings(
 )
 LayerwiseControllerMachine.TestCase.settings = _settings
 LayerwiseRescueControllerMachine.TestCase.settings = _settings
+KeptPathMachine.TestCase.settings = _settings
 test_controller_machine_layerwise = LayerwiseControllerMachine.TestCase
 test_controller_machine_layerwise_rescue = LayerwiseRescueControllerMachine.TestCase
+test_controller_machine_layerwise_kept_path = KeptPathMachine.TestCase

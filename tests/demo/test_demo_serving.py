@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from hicache.demo.loop import ServingLoop
 from hicache.demo.model import ModelSpec
 from hicache.demo.records import DemoConfig, DemoResult, noop_progress
 from hicache.demo.run import intra_op_threads
+from hicache.demo.worker import ModelWorker
 from hicache.demo.workload import WorkloadSpec, make_workload
 
 SMALL = DemoConfig(
@@ -64,14 +66,17 @@ def test_intra_op_threads_sets_and_restores_the_calling_threads_setting() -> Non
 
 
 async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> None:
-    """A decode takes the model lock once per step, and the lock is fair: a prefill that queues while a
+    """The model thread runs a decode one step per turn, in arrival order: a prefill that queues while a
     step runs goes next, rather than waiting for the whole decode (its time to first token)."""
     loop = ServingLoop(None, make_workload(WorkloadSpec(users=1, turns=1)), 2, None, noop_progress)
     order: list[str] = []
     gate = threading.Event()
 
+    running = threading.Event()
+
     def steps() -> Generator[None, None, str]:
         order.append("step 1")
+        running.set()
         assert gate.wait(30)  # holds the model lock until the prefill has queued for it
         yield
         order.append("step 2")
@@ -86,11 +91,12 @@ async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> N
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(decode)
-        await anyio.wait_all_tasks_blocked()
+        await anyio.to_thread.run_sync(running.wait)  # the model thread runs step 1
         tg.start_soon(loop.compute, lambda: order.append("prefill"))
         await anyio.wait_all_tasks_blocked()
-        assert loop.model_lock.statistics().tasks_waiting == 1
+        assert loop.worker.waiting == 1
         gate.set()
+    loop.worker.close()
     assert order == ["step 1", "prefill", "step 2", "step 3"]
     assert results == ["decoded"]
 
@@ -137,3 +143,42 @@ def test_a_password_in_the_backend_url_reaches_no_output(
     assert len(titles) == 1
     assert "***@redaction-test" in titles[0]
     assert secret not in titles[0]
+
+
+async def test_the_model_thread_hands_errors_back_and_never_abandons_a_call() -> None:
+    """A model call that raises raises in its caller (the thread serves the next call); a caller cancelled
+    while its call runs waits until the call returned, so nothing it frees on the way out is still in use
+    by the model."""
+    worker = ModelWorker(None)
+    gate = threading.Event()
+    finished: list[str] = []
+
+    def boom() -> None:
+        raise RuntimeError("model failure")
+
+    def held() -> None:
+        assert gate.wait(30)
+        finished.append("held")
+
+    with pytest.raises(RuntimeError, match="model failure"):
+        await worker.call(boom)
+    assert (await worker.call(lambda: "next"))[0] == "next"
+    scope = anyio.CancelScope()
+    returned: list[bool] = []
+
+    async def cancelled_caller() -> None:
+        with scope:
+            await worker.call(held)
+        returned.append(scope.cancelled_caught)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancelled_caller)
+        await anyio.wait_all_tasks_blocked()
+        scope.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert returned == []  # still waiting for the model
+        gate.set()
+    assert finished == ["held"]
+    assert returned == [True]
+    worker.close()
+    worker.close()  # idempotent

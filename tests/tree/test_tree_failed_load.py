@@ -4,6 +4,7 @@ device-only node that a holder keeps below them keeps them too, and is reported.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hicache.tree import NodeRef, RadixTree
@@ -213,4 +214,23 @@ def test_nothing_loaded_there_frees_nothing() -> None:
     assert freed.freed_device.numel() == 0
     assert kept == ()
     assert tree.match_prefix(KEY).device_len == 16
+    tree.sanity_check()
+
+
+def test_poison_queries_refuse_bad_arguments() -> None:
+    """`clear_poison` names a bad `start`; `poisoned` refuses a handle that is not a live node; neither
+    changes anything then."""
+    tree = RadixTree(P)
+    host_only_chain_loaded(tree)
+    child = insert_device_child(tree)
+    tree.lock_device(child)
+    _, (kept,) = tree.drop_failed_load(KEY, 0, LOADED)
+    with pytest.raises(ValueError, match="start"):
+        tree.clear_poison(KEY, -1, LOADED)
+    with pytest.raises(TypeError, match="node"):
+        tree.poisoned("node 1")  # type: ignore[arg-type]
+    assert tree.poisoned(kept)
+    assert not tree.poisoned(child)
+    assert tree.clear_poison(KEY, 0, ids(900, 16)) == 0  # not the pages copied again: stays poisoned
+    assert tree.poisoned(kept)
     tree.sanity_check()

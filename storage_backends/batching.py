@@ -164,6 +164,22 @@ def group_slices(
     if n == 0:
         return []
     per_thread = math.ceil(n / max(1, limit))
+    size = sizes[0]
+    if size > 0 and min(sizes) == max(sizes) == size:
+        # Pages of one size (a KV pool's, always): every group is the same length, found by arithmetic,
+        # not by a Python loop over the pages on the event loop (~40 us per 256-page batch). The length is
+        # where the loop below would cut: the first that would pass `group_bytes` with one more page, or
+        # that reaches `per_thread` pages and `min_group_bytes` bytes, whichever comes first.
+        length = min(max(1, group_bytes // size), max(1, per_thread, -(-min_group_bytes // size)))
+        return [slice(start, min(start + length, n)) for start in range(0, n, length)]
+    return _cut_page_by_page(sizes, per_thread, group_bytes, min_group_bytes)
+
+
+def _cut_page_by_page(
+    sizes: Sequence[int], per_thread: int, group_bytes: int, min_group_bytes: int
+) -> list[slice]:
+    """`group_slices`' rule, page by page: cut before a page that would take the group past `group_bytes`,
+    or once it has `per_thread` pages and `min_group_bytes` bytes."""
     out: list[slice] = []
     start = 0
     acc = 0
@@ -172,7 +188,7 @@ def group_slices(
             out.append(slice(start, i))
             start, acc = i, 0
         acc += size
-    out.append(slice(start, n))
+    out.append(slice(start, len(sizes)))
     return out
 
 

@@ -15,7 +15,8 @@ forever in the model's own collective. So under TP the answer of `wait_layer(i)`
 * Layers below the agreed count are ready on every rank: later `wait_layer` calls for them return with
   no collective (the count is the same on every rank, so whether a call runs a collective never depends
   on a rank-local fact). A layer at or beyond a count that some rank reported short raises
-  `LoadBackFailed` on every rank, now and for every later call of that layer or any above it.
+  `LoadBackFailed` on every rank, now and for every later call of that layer or any above it; so does
+  every layer at or beyond the agreed count once the rank that set it said its copy stopped there.
 * A peer that died or stopped responding makes the collective raise `RankFailed` within the group
   timeout.
 
@@ -39,6 +40,7 @@ import torch
 from hicache.errors import LoadBackFailed
 from hicache.memory.layerwise import CudaLayerReadiness, LayerReadiness
 from hicache.parallel.agreement import Agreement, Decision
+from hicache.parallel.decision import NONE
 from hicache.parallel.group import RankGroup
 
 __all__ = ["AgreedLayerReadiness", "AgreedLoad"]
@@ -106,9 +108,15 @@ class AgreedLayerReadiness(LayerReadiness):
             ready, short = self._state
             if layer >= ready and not short:
                 landed = self._wait_here(layer)
-                agreed = int(self.group.min_reduce(torch.tensor([landed], dtype=torch.int64)).item())
+                # Also the least count of a rank whose copy stopped: if that is the agreed count, it is
+                # final, and a later layer raises with no further collective.
+                stopped = landed if self.local.done else NONE
+                agreed, final = self.group.min_reduce(
+                    torch.tensor([landed, stopped], dtype=torch.int64)
+                ).tolist()
                 self.collectives += 1
-                ready, short = max(ready, agreed), agreed <= layer
+                ready = max(ready, agreed)
+                short = agreed < self.num_layers and (agreed <= layer or final <= agreed)
                 self._state = (ready, short)
             if layer >= ready:
                 raise LoadBackFailed(

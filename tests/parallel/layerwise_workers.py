@@ -47,8 +47,16 @@ class CopyFaults:
     """A `before_layer` hook: fails a layer's copy with probability `p` (or at `layer` once), and may
     hold a layer back until `release()` (a slow copy)."""
 
-    def __init__(self, rng: random.Random, p: float = 0.0, *, layer: int | None = None, hold: bool = False):
-        self.rng, self.p, self.layer, self.hold = rng, p, layer, hold
+    def __init__(
+        self,
+        rng: random.Random,
+        p: float = 0.0,
+        *,
+        layer: int | None = None,
+        hold: bool = False,
+        then_fail: bool = False,
+    ):
+        self.rng, self.p, self.layer, self.hold, self.then_fail = rng, p, layer, hold, then_fail
         self.reached = threading.Event()
         self._go = threading.Event()
         self.faults = 0
@@ -61,7 +69,8 @@ class CopyFaults:
             self.reached.set()
             if self.hold:
                 self._go.wait()
-                return
+                if not self.then_fail:
+                    return
             self.layer = None
             self.faults += 1
             raise RuntimeError(f"injected: copy of layer {layer} failed on this rank")
@@ -288,3 +297,55 @@ async def peer_dies_during_forward(group: RankGroup, root: str, victim: int) -> 
         cache.release(lease)
         cache.sanity_check()
     return {"errors": errors}
+
+
+async def kept_below_a_failed_load(group: RankGroup, root: str, failing: int) -> dict[str, Any]:
+    """SEQ loads back layer by layer; `failing`'s copy is held before layer 1 while a request that
+    computed LONGER itself inserts it (a device-only child below the loading pages) and another holds a
+    lease on LONGER; then that copy fails. At the resolving step every rank drops the load, keeps its
+    nodes (the locked child below) poisoned and copies them again from host; that copy is agreed too and
+    lands, so they are hits again on every rank, with this rank's KV. Trees compared after every call."""
+    rank = group.tp_rank
+    longer = [*SEQ, *range(3000, 3000 + PAGE)]
+    async with rank_cache(group, root, **dict(OPTIONS, device_pages=24)) as (cache, _):
+        check = _checker(cache)
+        await _push_to_host(cache, group, check)
+        early = await cache.acquire("early", [9000 + i for i in range(PAGE)])
+        check()
+        faults = CopyFaults(random.Random(0), layer=1 if rank == failing else None, hold=True, then_fail=True)
+        layered_loader_of(cache).before_layer = faults
+        loading = await cache.acquire("loading", SEQ)
+        check()
+        new = await cache.alloc_device(len(longer))
+        check(new)
+        assert new is not None
+        cache.device_pool.write_tokens(new, payload4(longer, rank))
+        await cache.insert(early, longer, new)
+        check()
+        holder = await cache.acquire("holder", longer)
+        check()
+        held = holder.hit_tokens_by_tier["device"]
+        faults.release()
+        failed = [await read_prefix(cache, lease, longer, rank) for lease in (loading, holder)]
+        await cache.tp_sync()  # drops on every rank, keeps the nodes poisoned, copies them again: agreed
+        check()
+        refused = 0
+        for lease in (loading, holder):
+            try:
+                await cache.insert(lease, longer[: lease.cached_len], lease.device_indices)
+            except LoadBackFailed:
+                refused += 1
+            cache.release(lease)
+            check()
+        await cache.tp_sync()
+        check()
+        match = cache.match(longer)
+        got = cache.device_pool.read_tokens(match.device_indices).cpu()
+        correct = bool(torch.equal(got, payload4(longer[: match.device_len], rank)))
+    return {
+        "held": held,
+        "failed": failed,
+        "refused": refused,
+        "device_hit": match.device_len,
+        "correct": correct,
+    }

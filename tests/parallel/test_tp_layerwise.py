@@ -92,3 +92,19 @@ def test_a_peer_that_dies_mid_forward_makes_wait_layer_raise_rank_failed(tmp_pat
     assert out[1].exitcode == 23
     _ok(out[:1])
     assert out[0].value["errors"] == ["RankFailed", "RankFailed"]
+
+
+def test_a_failed_load_kept_below_is_poisoned_and_copied_again_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's copy fails while a lease holds a device-only child below the loading pages (the kept
+    path): both ranks' forwards raise at the same layer, both keep the nodes poisoned and copy them
+    again at the same step (that copy's outcome agreed too), and the prefix is then a correct device hit
+    on both, with identical trees after every call."""
+    out = run_ranks(layerwise_workers.kept_below_a_failed_load, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S)
+    _ok(out)
+    assert out[0].value == out[1].value
+    value = out[0].value
+    assert value["held"] == len(layerwise_workers.SEQ) + 4
+    assert value["failed"] == [1, 1]
+    assert value["refused"] == 2
+    assert value["device_hit"] == len(layerwise_workers.SEQ) + 4
+    assert value["correct"]

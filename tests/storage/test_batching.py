@@ -7,6 +7,8 @@ from functools import partial
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from storage_backends.batching import (
     CORRUPT,
@@ -16,6 +18,7 @@ from storage_backends.batching import (
     BackendStatistics,
     PendingGroups,
     StatisticsRecorder,
+    _cut_page_by_page,  # the general path, as the oracle
     check_batch,
     gather_bounded,
     gather_page_groups,
@@ -144,6 +147,24 @@ def test_group_slices_spreads_small_pages_and_keeps_big_ones_alone() -> None:
     assert [(s.start, s.stop) for s in big] == [(i, i + 1) for i in range(5)]
     few = group_slices([1] * 8, limit=4, group_bytes=1 << 20)
     assert [s.stop - s.start for s in few] == [2, 2, 2, 2]
+
+
+@given(
+    pages=st.integers(1, 300),
+    size=st.integers(1, 1 << 21),
+    limit=st.integers(1, 20),
+    group_bytes=st.integers(1, 1 << 23),
+    min_group_bytes=st.integers(0, 1 << 22),
+)
+def test_group_slices_of_one_page_size_cut_where_the_page_by_page_rule_cuts(
+    pages: int, size: int, limit: int, group_bytes: int, min_group_bytes: int
+) -> None:
+    """Pages of one size take an arithmetic path (no loop over pages on the event loop): it must cut
+    exactly where the page-by-page rule cuts."""
+    sizes = [size] * pages
+    fast = group_slices(sizes, limit=limit, group_bytes=group_bytes, min_group_bytes=min_group_bytes)
+    per_thread = -(-pages // limit)
+    assert fast == _cut_page_by_page(sizes, per_thread, group_bytes, min_group_bytes)
 
 
 def test_group_slices_keeps_small_batches_together_under_min_group_bytes() -> None:

@@ -1,0 +1,46 @@
+"""Per-rank functions of the agreed-readiness tests (module level: spawned ranks import them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hicache.errors import LoadBackFailed
+from hicache.memory.layerwise import CudaLayerReadiness
+from hicache.parallel import AgreedLayerReadiness, RankGroup
+
+
+class RecordedEvent:
+    """A CUDA event stand-in: recorded, its copy still running on the GPU."""
+
+    def query(self) -> bool:
+        return False
+
+
+class EnqueuedCopy(CudaLayerReadiness):
+    """A CUDA copy's readiness whose enqueue recorded `enqueued` layers' events and stopped (all of them,
+    or short: a failed enqueue); the stream wait is recorded instead of run (no GPU needed)."""
+
+    def __init__(self, num_layers: int, enqueued: int) -> None:
+        super().__init__(num_layers)
+        self.events = [RecordedEvent() for _ in range(enqueued)]  # type: ignore[assignment]
+        self._enqueued.set()
+        self.stream_waits: list[int] = []
+
+    def wait_layer(self, layer: int) -> None:
+        self.stream_waits.append(layer)
+
+
+def forward_over_cuda_copy(group: RankGroup, enqueued_by_rank: list[int]) -> dict[str, Any]:
+    """Every layer's `wait_layer` over this rank's `EnqueuedCopy` (4 layers): which layer raised, the
+    readiness collectives and the stream waits."""
+    local = EnqueuedCopy(4, enqueued_by_rank[group.tp_rank])
+    assert group.readiness is not None
+    readiness = AgreedLayerReadiness(local, group.readiness, 4)
+    failed = -1
+    for layer in range(4):
+        try:
+            readiness.wait_layer(layer)
+        except LoadBackFailed:
+            failed = layer
+            break
+    return {"failed": failed, "collectives": readiness.collectives, "stream_waits": local.stream_waits}

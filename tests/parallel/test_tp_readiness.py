@@ -1,0 +1,25 @@
+"""`AgreedLayerReadiness` over a CUDA copy's readiness (its events stubbed, no GPU): each rank waits for
+the whole enqueue (launches only) before one collective, so a forward costs one readiness collective per
+load, and an enqueue that stopped short on one rank makes the same layer raise on every rank."""
+
+from __future__ import annotations
+
+import readiness_workers
+
+from hicache.parallel.launch import run_ranks
+
+
+def test_a_fully_enqueued_copy_costs_one_collective_per_forward() -> None:
+    out = run_ranks(readiness_workers.forward_over_cuda_copy, 2, ([4, 4],), timeout_s=120)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value == {"failed": -1, "collectives": 1, "stream_waits": [0, 1, 2, 3]}
+
+
+def test_an_enqueue_short_on_one_rank_raises_at_the_same_layer_on_every_rank() -> None:
+    """Rank 1's enqueue stopped after 2 layers: both ranks' streams wait for layers 0 and 1 only, and
+    `wait_layer(2)` raises on both, after one collective."""
+    out = run_ranks(readiness_workers.forward_over_cuda_copy, 2, ([4, 2],), timeout_s=120)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value == {"failed": 2, "collectives": 1, "stream_waits": [0, 1]}

@@ -182,3 +182,24 @@ async def test_the_model_thread_hands_errors_back_and_never_abandons_a_call() ->
     assert returned == [True]
     worker.close()
     worker.close()  # idempotent
+
+
+async def test_a_cancelled_run_still_stops_the_model_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_serving` stops the model thread on its way out even when the run is cancelled (Ctrl-C, a
+    deadline): an unshielded `close` raised at its first checkpoint and left the thread waiting forever."""
+    import hicache.demo.run as demo_run
+
+    loop = ServingLoop(None, make_workload(WorkloadSpec(users=1, turns=1)), 2, None, noop_progress)
+    with anyio.CancelScope() as scope:
+
+        async def phases(runner: ServingLoop[Any], *args: object) -> None:
+            await runner.compute(lambda: None)  # the model thread is started
+            scope.cancel()
+            await anyio.sleep_forever()
+
+        monkeypatch.setattr(demo_run, "_serve_phases", phases)
+        config = dataclasses.replace(SMALL, torch_threads=None)
+        await demo_run.run_serving(loop, config, lambda url: None, {})  # type: ignore[arg-type]
+    assert scope.cancelled_caught
+    assert loop.worker._thread is not None
+    assert not loop.worker._thread.is_alive()

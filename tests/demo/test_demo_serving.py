@@ -77,7 +77,7 @@ async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> N
     def steps() -> Generator[None, None, str]:
         order.append("step 1")
         running.set()
-        assert gate.wait(30)  # holds the model lock until the prefill has queued for it
+        assert gate.wait(30)  # holds the model thread until the prefill has queued for it
         yield
         order.append("step 2")
         yield

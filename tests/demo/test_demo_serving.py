@@ -54,6 +54,10 @@ def test_lockstep_runs_hit_the_same_tiers_every_time() -> None:
     assert [r.request_id for r in first.records] == ["u0t0", "u1t0", "u0t1", "u1t1", "u0t2", "u1t2"]
     assert hits_by_request(first) == hits_by_request(second)
     assert sum(r.reused_len for r in first.records) > 0
+    # Both runs record their wait for a running slot the same way (the no-cache one since issue 13).
+    assert all(
+        r.queue_s >= 0 and r.queue_nocache_s is not None and r.queue_nocache_s >= 0 for r in first.records
+    )
 
 
 def test_intra_op_threads_sets_and_restores_the_calling_threads_setting() -> None:

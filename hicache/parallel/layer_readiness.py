@@ -79,17 +79,20 @@ class AgreedLayerReadiness(LayerReadiness):
             landed += 1
         return landed
 
-    def _wait_here(self, layer: int) -> int:
+    def _wait_here(self, layer: int) -> tuple[int, bool]:
         """Wait (polling, bounded by half the group timeout) until this rank's layer `layer` landed or its
-        copy stopped; return the layers landed here. CUDA waits for the whole enqueue (launches only), so
-        one collective serves every layer."""
+        copy stopped; return the layers landed here and whether its copy had stopped. CUDA waits for the
+        whole enqueue (launches only), so one collective serves every layer."""
         want = self.num_layers if isinstance(self.local, CudaLayerReadiness) else layer + 1
         deadline = time.monotonic() + self.group.timeout_s / 2
         pause = _POLL_S[0]
         while True:
+            # `done` before the count: a copy that stopped then has its final count. Read after it, a
+            # copy finishing in between would report a stale count as where it stopped (failing the rest).
+            stopped = self.local.done
             landed = self._landed_here()
-            if landed >= want or self.local.done or time.monotonic() >= deadline:
-                return landed
+            if landed >= want or stopped or time.monotonic() >= deadline:
+                return landed, stopped
             time.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
 
@@ -107,10 +110,10 @@ class AgreedLayerReadiness(LayerReadiness):
         with self._lock:
             ready, short = self._state
             if layer >= ready and not short:
-                landed = self._wait_here(layer)
+                landed, stopped_here = self._wait_here(layer)
                 # Also the least count of a rank whose copy stopped: if that is the agreed count, it is
                 # final, and a later layer raises with no further collective.
-                stopped = landed if self.local.done else NONE
+                stopped = landed if stopped_here else NONE
                 agreed, final = self.group.min_reduce(
                     torch.tensor([landed, stopped], dtype=torch.int64)
                 ).tolist()

@@ -23,3 +23,13 @@ def test_an_enqueue_short_on_one_rank_raises_at_the_same_layer_on_every_rank() -
     assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
     for o in out:
         assert o.value == {"failed": 2, "collectives": 1, "stream_waits": [0, 1]}
+
+
+def test_a_copy_finishing_while_a_rank_looks_is_not_reported_stopped_short() -> None:
+    """Guards against reading whether the copy stopped after counting its landed layers: a copy that
+    finished in between was reported as stopped at the stale count, and every later layer raised
+    `LoadBackFailed` on every rank although every layer had landed."""
+    out = run_ranks(readiness_workers.forward_over_finishing_copy, 2, (), timeout_s=120)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value == {"failed": -1, "collectives": 1}

@@ -71,3 +71,12 @@ def _forward(readiness: AgreedLayerReadiness) -> int:
         except LoadBackFailed:
             return layer
     return -1
+
+
+def readiness_group_is_the_group_itself(group: RankGroup) -> str:
+    """What `RankGroup` says when given its own process group as the readiness group."""
+    try:
+        RankGroup(group.process_group, readiness_process_group=group.process_group)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

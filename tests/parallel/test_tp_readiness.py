@@ -33,3 +33,12 @@ def test_a_copy_finishing_while_a_rank_looks_is_not_reported_stopped_short() -> 
     assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
     for o in out:
         assert o.value == {"failed": -1, "collectives": 1}
+
+
+def test_the_group_itself_is_refused_as_its_readiness_group() -> None:
+    """Guards against one process group carrying both the agreement's steps (event loop) and the
+    readiness collectives (the model's thread): their collectives could pair up across the ranks."""
+    out = run_ranks(readiness_workers.readiness_group_is_the_group_itself, 2, (), timeout_s=120)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value.startswith("readiness_process_group: must be a second process group")

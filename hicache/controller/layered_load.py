@@ -210,8 +210,9 @@ class LayeredLoader:
             if isinstance(exc, Exception):
                 return  # logged by `_finish`; the model hears of it from `wait_layer`
             raise
-        if load.agreed is not None:  # CUDA: its last event too, before the ranks may agree a drop
-            await load.copy.wait_settled()
+        # CUDA: its last event too, before `landed` is judged (one rank) or the ranks may agree a drop;
+        # a CPU copy's thread has returned: settled, no await.
+        await load.copy.wait_settled()
         self._copy_ended(load, None)
 
     def _agree(self, load: _Load) -> None:

@@ -227,7 +227,9 @@ class LayeredLoader:
         if agreement.failed is not None:
             return
         copy = load.copy
-        load.agreed_layers = AgreedLayerReadiness(copy.readiness, readiness, copy.readiness.num_layers)
+        load.agreed_layers = AgreedLayerReadiness(
+            copy.readiness, readiness, copy.readiness.num_layers, revoked=lambda: load.readiness.revoked
+        )
         load.agreed = AgreedLoad(
             agreement,
             f"{load.start}+{load.device_indices.numel()}",
@@ -400,6 +402,11 @@ class _LoadReadiness(LayerReadiness):
     def revoke(self) -> None:
         """The load failed and its pages left the tree: no layer may be read any more."""
         self._revoked = True
+
+    @property
+    def revoked(self) -> bool:
+        """Whether `revoke` was called."""
+        return self._revoked
 
     def _check(self, layer: int) -> None:
         if self._revoked:

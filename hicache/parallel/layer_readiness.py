@@ -25,7 +25,11 @@ Whether the load's pages stay in the tree is agreed separately, as a decision of
 and resolved at an agreement step inside an engine call, on every rank alike: there the load lands (its
 nodes unlocked) or fails (its pages dropped from the device tier) on every rank. A copy that failed on
 some rank leaves fewer than all layers landed there, so every forward pass through the load raises at
-the same layer on every rank, at the latest at the last layer; the lease's `insert` then raises too.
+the same layer on every rank, at the latest at the last layer; the lease's `insert` then raises too. A
+load dropped although every layer landed everywhere (its task cancelled after the copy, the agreement
+failed) is revoked: a rank whose load was revoked offers no layer beyond those already agreed, so the next
+readiness collective makes every rank raise, and no forward reads its freed pages for a layer not yet
+agreed.
 """
 
 from __future__ import annotations
@@ -56,10 +60,20 @@ class AgreedLayerReadiness(LayerReadiness):
         local: this rank's copy's readiness (`CpuLayerReadiness` or `CudaLayerReadiness`).
         group: the readiness group of the TP ranks (`RankGroup.readiness`).
         num_layers: the layers of the load.
+        revoked: whether the load's pages left this rank's tree (dropped): this rank then offers no
+            layer beyond those already agreed, so the next collective makes every rank raise alike.
     """
 
-    def __init__(self, local: LayerReadiness, group: RankGroup, num_layers: int) -> None:
+    def __init__(
+        self,
+        local: LayerReadiness,
+        group: RankGroup,
+        num_layers: int,
+        *,
+        revoked: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.local = local
+        self._revoked = revoked
         self.group = group
         self.num_layers = num_layers
         self.collectives = 0
@@ -87,6 +101,8 @@ class AgreedLayerReadiness(LayerReadiness):
         deadline = time.monotonic() + self.group.timeout_s / 2
         pause = _POLL_S[0]
         while True:
+            if self._revoked():  # dropped here (every layer may have landed): no further layer
+                return self._state[0], True
             # `done` before the count: a copy that stopped then has its final count. Read after it, a
             # copy finishing in between would report a stale count as where it stopped (failing the rest).
             stopped = self.local.done

@@ -80,3 +80,13 @@ def readiness_group_is_the_group_itself(group: RankGroup) -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def forward_over_a_load_revoked_on_one_rank(group: RankGroup) -> dict[str, Any]:
+    """Every layer's `wait_layer` over a CPU copy whose 4 layers all landed, but whose load was dropped
+    (revoked) on rank 1: which layer raised, and the readiness collectives."""
+    local = CpuLayerReadiness(4)
+    for layer in range(4):
+        local.mark_ready(layer)
+    readiness = AgreedLayerReadiness(local, group.readiness or group, 4, revoked=lambda: group.tp_rank == 1)
+    return {"failed": _forward(readiness), "collectives": readiness.collectives}

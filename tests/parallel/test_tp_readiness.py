@@ -42,3 +42,13 @@ def test_the_group_itself_is_refused_as_its_readiness_group() -> None:
     assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
     for o in out:
         assert o.value.startswith("readiness_process_group: must be a second process group")
+
+
+def test_a_load_dropped_on_one_rank_though_every_layer_landed_raises_on_every_rank() -> None:
+    """Guards against a load dropped although every layer landed (cancelled after its copy, or the
+    agreement failed): its pages were freed, yet every rank's readiness said its layers were ready and a
+    forward starting then read pages that were no longer its KV. Now the revoked rank offers none."""
+    out = run_ranks(readiness_workers.forward_over_a_load_revoked_on_one_rank, 2, (), timeout_s=120)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value == {"failed": 0, "collectives": 1}

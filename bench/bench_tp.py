@@ -21,7 +21,8 @@ thread, the lease is released and the scheduling step ends (`tp_sync`). Timed on
 `layerwise_load_back` on and off: `layerwise_request_us_p50_tpN` and `whole_request_us_p50_tpN` (acquire
 + forward waits + `tp_sync`), `layerwise_wait_us_p50_tpN` (the forward's waits alone: under TP the
 readiness collectives), `readiness_collectives_per_load_tpN` and the agreement steps per request
-(`layerwise_steps_per_request_tpN`, `whole_steps_per_request_tpN`).
+(`layerwise_steps_per_request_tpN`, `whole_steps_per_request_tpN`). `BENCH_TP_ONLY=layerwise` runs this part
+alone (and adds the load average).
 
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
@@ -175,13 +176,12 @@ def layerwise_figures(out: dict[str, object], iterations: int) -> None:
 
 
 def main() -> None:
+    out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
     if os.environ.get("BENCH_TP_ONLY") == "layerwise":
-        out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
         layerwise_figures(out, ITERATIONS)
         out["load_average"] = os.getloadavg()[0]
         print(json.dumps(out))
         return
-    out = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
     for tp in (1, 2, 4):
         ranks = run_ranks(agree_loop, tp, (ITERATIONS,), timeout_s=600)
         bad = [r for r in ranks if not r.ok]

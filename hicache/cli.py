@@ -58,13 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-pages",
         type=int,
         default=None,
-        help="pages in the device pool (default 160; 384 with --model hybrid)",
+        help="pages in the device pool (default 160; 384 with --model hybrid; 24 per rank with --tp)",
     )
     demo.add_argument(
         "--host-pages",
         type=int,
         default=None,
-        help="pages in the host pool (default 224; 640 with --model hybrid)",
+        help="pages in the host pool (default 224; 640 with --model hybrid; 32 per rank with --tp)",
     )
     demo.add_argument(
         "--write-policy",

@@ -140,7 +140,7 @@ class _HybridRunner(ServingLoop[HybridModel]):
     def _restore_and_prefill(
         self, cache: HiCache, lease: Lease, prompt: torch.Tensor, reused: int, snapshot_at: int | None
     ) -> tuple[HybridPrefix | None, HybridPrefill]:
-        """Read the prefix out of the pools and prefill the rest (in the worker thread, under the model lock).
+        """Read the prefix out of the pools and prefill the rest (in the model thread).
 
         The lease keeps the prefix's pages and slots locked until it is released, after this returns. Read
         on the event loop instead, the copies would wait for the GIL behind the other request's forward

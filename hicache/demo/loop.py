@@ -59,7 +59,6 @@ class ServingLoop(Generic[ModelT]):
         self.lockstep = lockstep
         self.workload = workload
         self.progress = progress
-        self.torch_threads = torch_threads
         self.worker = ModelWorker(torch_threads)
         """The model thread every forward pass runs in (`close` stops it)."""
         self.running = anyio.CapacityLimiter(max_running)
@@ -72,8 +71,7 @@ class ServingLoop(Generic[ModelT]):
 
     async def compute(self, fn: Callable[[], Any]) -> Any:
         """Run one model call in the model thread, in arrival order (waiting for it even if cancelled)."""
-        value, _ = await self.worker.call(fn)
-        return value
+        return await self.worker.call(fn)
 
     async def compute_steps(self, steps: Steps[T]) -> T:
         """Run a model call cut into steps (a decode), one step per turn of the model thread.
@@ -81,8 +79,7 @@ class ServingLoop(Generic[ModelT]):
         A request that arrives meanwhile waits for one step, not for a whole decode, before its prefill
         runs: as in a server that interleaves prefills with other requests' decoding.
         """
-        value, _ = await self.worker.steps(steps)
-        return value
+        return await self.worker.steps(steps)
 
     # ------------------------------------------------------------------ with the cache
 

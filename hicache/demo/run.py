@@ -100,7 +100,10 @@ async def run_serving(
         try:
             return await _serve_phases(runner, config, cache_config, wall, announce, inspect)
         finally:
-            await anyio.to_thread.run_sync(runner.worker.close)
+            # Shielded: a cancelled run (Ctrl-C, a deadline) would otherwise raise at the call's first
+            # checkpoint, before `close` ran, and leave the model thread waiting for work forever.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(runner.worker.close)
 
 
 @contextlib.contextmanager

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
 import torch
@@ -43,7 +42,6 @@ class _Job(Generic[T]):
     future: asyncio.Future[T]
     fn: Callable[[], T] | None = None
     steps: Steps[T] | None = None
-    finished_at: float = field(default=0.0)
 
 
 class ModelWorker:
@@ -66,23 +64,15 @@ class ModelWorker:
         with self._cond:
             return len(self._jobs)
 
-    async def call(self, fn: Callable[[], T]) -> tuple[T, float]:
-        """Run `fn()` in the model thread (waiting for it even if cancelled).
-
-        Returns:
-            Its result and the `time.perf_counter()` at which it returned, in the model thread.
-        """
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn()` in the model thread and return its result (waiting for it even if cancelled)."""
         return await self._submit(fn, None)
 
-    async def steps(self, steps: Steps[T]) -> tuple[T, float]:
-        """Run a call cut into steps (a decode), one step per turn of the model thread.
-
-        Returns:
-            Its result and the `time.perf_counter()` at which its last step returned.
-        """
+    async def steps(self, steps: Steps[T]) -> T:
+        """Run a call cut into steps (a decode), one step per turn of the model thread; return its result."""
         return await self._submit(None, steps)
 
-    async def _submit(self, fn: Callable[[], T] | None, steps: Steps[T] | None) -> tuple[T, float]:
+    async def _submit(self, fn: Callable[[], T] | None, steps: Steps[T] | None) -> T:
         loop = asyncio.get_running_loop()
         job: _Job[T] = _Job(loop, loop.create_future(), fn, steps)
         with self._cond:
@@ -95,7 +85,7 @@ class ModelWorker:
             self._cond.notify()
         # The model is never abandoned mid-call: a cancelled caller waits for its call to return.
         await wait_uncancelled(cast("asyncio.Future[None]", job.future))
-        return job.future.result(), job.finished_at
+        return job.future.result()
 
     def close(self) -> None:
         """Stop the thread once the queued calls ran (idempotent)."""
@@ -127,11 +117,9 @@ class ModelWorker:
                     except StopIteration as stop:
                         done, value = True, stop.value
             except BaseException as exc:  # handed to the caller, whatever it is
-                job.finished_at = time.perf_counter()
                 job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
                 continue
             if done:
-                job.finished_at = time.perf_counter()
                 job.loop.call_soon_threadsafe(_settle, job.future, value, None)
             else:
                 with self._cond:

@@ -128,3 +128,20 @@ def test_the_handoff_scenario_is_refused_beside_hybrid_or_tp(
 
     assert main(["demo", "--scenario", "handoff", *extra]) == 2
     assert "--scenario handoff runs with --model llama only, without --tp" in capsys.readouterr().err
+
+
+def test_the_pool_size_help_names_the_defaults_each_demo_runs_with() -> None:
+    """`--device-pages` / `--host-pages` say what each demo runs with when they are not given."""
+    from hicache.cli import build_parser
+    from hicache.demo.hybrid_serve import hybrid_demo_config
+    from hicache.demo.records import DemoConfig
+    from hicache.demo.tp import TPDemoConfig
+
+    demo = next(a for a in build_parser()._actions if a.dest == "command").choices["demo"]  # type: ignore[union-attr]
+    helps = {a.dest: a.help for a in demo._actions}
+    llama, hybrid, tp = DemoConfig(), hybrid_demo_config(), TPDemoConfig()
+    for name in ("device_pages", "host_pages"):
+        text = helps[name]
+        assert f"default {getattr(llama, name)};" in text
+        assert f"{getattr(hybrid, name)} with --model hybrid" in text
+        assert f"{getattr(tp, name)} per rank with --tp" in text

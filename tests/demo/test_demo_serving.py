@@ -54,6 +54,10 @@ def test_lockstep_runs_hit_the_same_tiers_every_time() -> None:
     assert [r.request_id for r in first.records] == ["u0t0", "u1t0", "u0t1", "u1t1", "u0t2", "u1t2"]
     assert hits_by_request(first) == hits_by_request(second)
     assert sum(r.reused_len for r in first.records) > 0
+    # Both runs record their wait for a running slot the same way (the no-cache one since issue 13).
+    assert all(
+        r.queue_s >= 0 and r.queue_nocache_s is not None and r.queue_nocache_s >= 0 for r in first.records
+    )
 
 
 def test_intra_op_threads_sets_and_restores_the_calling_threads_setting() -> None:
@@ -77,7 +81,7 @@ async def test_a_call_waiting_for_the_model_runs_between_two_decode_steps() -> N
     def steps() -> Generator[None, None, str]:
         order.append("step 1")
         running.set()
-        assert gate.wait(30)  # holds the model lock until the prefill has queued for it
+        assert gate.wait(30)  # holds the model thread until the prefill has queued for it
         yield
         order.append("step 2")
         yield
@@ -162,7 +166,7 @@ async def test_the_model_thread_hands_errors_back_and_never_abandons_a_call() ->
 
     with pytest.raises(RuntimeError, match="model failure"):
         await worker.call(boom)
-    assert (await worker.call(lambda: "next"))[0] == "next"
+    assert await worker.call(lambda: "next") == "next"
     scope = anyio.CancelScope()
     returned: list[bool] = []
 
@@ -182,3 +186,24 @@ async def test_the_model_thread_hands_errors_back_and_never_abandons_a_call() ->
     assert returned == [True]
     worker.close()
     worker.close()  # idempotent
+
+
+async def test_a_cancelled_run_still_stops_the_model_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run_serving` stops the model thread on its way out even when the run is cancelled (Ctrl-C, a
+    deadline): an unshielded `close` raised at its first checkpoint and left the thread waiting forever."""
+    import hicache.demo.run as demo_run
+
+    loop = ServingLoop(None, make_workload(WorkloadSpec(users=1, turns=1)), 2, None, noop_progress)
+    with anyio.CancelScope() as scope:
+
+        async def phases(runner: ServingLoop[Any], *args: object) -> None:
+            await runner.compute(lambda: None)  # the model thread is started
+            scope.cancel()
+            await anyio.sleep_forever()
+
+        monkeypatch.setattr(demo_run, "_serve_phases", phases)
+        config = dataclasses.replace(SMALL, torch_threads=None)
+        await demo_run.run_serving(loop, config, lambda url: None, {})  # type: ignore[arg-type]
+    assert scope.cancelled_caught
+    assert loop.worker._thread is not None
+    assert not loop.worker._thread.is_alive()

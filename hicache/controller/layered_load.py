@@ -210,8 +210,9 @@ class LayeredLoader:
             if isinstance(exc, Exception):
                 return  # logged by `_finish`; the model hears of it from `wait_layer`
             raise
-        if load.agreed is not None:  # CUDA: its last event too, before the ranks may agree a drop
-            await load.copy.wait_settled()
+        # CUDA: its last event too, before `landed` is judged (one rank) or the ranks may agree a drop;
+        # a CPU copy's thread has returned: settled, no await.
+        await load.copy.wait_settled()
         self._copy_ended(load, None)
 
     def _agree(self, load: _Load) -> None:
@@ -226,7 +227,9 @@ class LayeredLoader:
         if agreement.failed is not None:
             return
         copy = load.copy
-        load.agreed_layers = AgreedLayerReadiness(copy.readiness, readiness, copy.readiness.num_layers)
+        load.agreed_layers = AgreedLayerReadiness(
+            copy.readiness, readiness, copy.readiness.num_layers, revoked=lambda: load.readiness.revoked
+        )
         load.agreed = AgreedLoad(
             agreement,
             f"{load.start}+{load.device_indices.numel()}",
@@ -399,6 +402,11 @@ class _LoadReadiness(LayerReadiness):
     def revoke(self) -> None:
         """The load failed and its pages left the tree: no layer may be read any more."""
         self._revoked = True
+
+    @property
+    def revoked(self) -> bool:
+        """Whether `revoke` was called."""
+        return self._revoked
 
     def _check(self, layer: int) -> None:
         if self._revoked:

@@ -48,8 +48,9 @@ class RankGroup:
             with `layerwise_load_back`; `init_local` makes one.
 
     Raises:
-        ValueError: naming `process_group` when torch.distributed is not initialised, or `timeout_s`
-            when it is not a positive finite number.
+        ValueError: naming `process_group` when torch.distributed is not initialised, `timeout_s`
+            when it is not a positive finite number, or `readiness_process_group` when it is the
+            group itself or its ranks differ.
     """
 
     def __init__(
@@ -70,6 +71,11 @@ class RankGroup:
         self.readiness: RankGroup | None = None
         """The group of the per-layer readiness collectives (`readiness_process_group`), or None."""
         if readiness_process_group is not None:
+            if readiness_process_group is self.process_group:
+                raise ValueError(
+                    "readiness_process_group: must be a second process group over the same ranks, not "
+                    "the group itself (two threads' collectives on one group could pair up wrongly)"
+                )
             readiness = RankGroup(readiness_process_group, timeout_s=timeout_s)
             if (readiness.tp_rank, readiness.tp_size) != (self.tp_rank, self.tp_size):
                 raise ValueError(

@@ -25,7 +25,11 @@ Whether the load's pages stay in the tree is agreed separately, as a decision of
 and resolved at an agreement step inside an engine call, on every rank alike: there the load lands (its
 nodes unlocked) or fails (its pages dropped from the device tier) on every rank. A copy that failed on
 some rank leaves fewer than all layers landed there, so every forward pass through the load raises at
-the same layer on every rank, at the latest at the last layer; the lease's `insert` then raises too.
+the same layer on every rank, at the latest at the last layer; the lease's `insert` then raises too. A
+load dropped although every layer landed everywhere (its task cancelled after the copy, the agreement
+failed) is revoked: a rank whose load was revoked offers no layer beyond those already agreed, so the next
+readiness collective makes every rank raise, and no forward reads its freed pages for a layer not yet
+agreed.
 """
 
 from __future__ import annotations
@@ -56,10 +60,20 @@ class AgreedLayerReadiness(LayerReadiness):
         local: this rank's copy's readiness (`CpuLayerReadiness` or `CudaLayerReadiness`).
         group: the readiness group of the TP ranks (`RankGroup.readiness`).
         num_layers: the layers of the load.
+        revoked: whether the load's pages left this rank's tree (dropped): this rank then offers no
+            layer beyond those already agreed, so the next collective makes every rank raise alike.
     """
 
-    def __init__(self, local: LayerReadiness, group: RankGroup, num_layers: int) -> None:
+    def __init__(
+        self,
+        local: LayerReadiness,
+        group: RankGroup,
+        num_layers: int,
+        *,
+        revoked: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.local = local
+        self._revoked = revoked
         self.group = group
         self.num_layers = num_layers
         self.collectives = 0
@@ -79,17 +93,22 @@ class AgreedLayerReadiness(LayerReadiness):
             landed += 1
         return landed
 
-    def _wait_here(self, layer: int) -> int:
+    def _wait_here(self, layer: int) -> tuple[int, bool]:
         """Wait (polling, bounded by half the group timeout) until this rank's layer `layer` landed or its
-        copy stopped; return the layers landed here. CUDA waits for the whole enqueue (launches only), so
-        one collective serves every layer."""
+        copy stopped; return the layers landed here and whether its copy had stopped. CUDA waits for the
+        whole enqueue (launches only), so one collective serves every layer."""
         want = self.num_layers if isinstance(self.local, CudaLayerReadiness) else layer + 1
         deadline = time.monotonic() + self.group.timeout_s / 2
         pause = _POLL_S[0]
         while True:
+            if self._revoked():  # dropped here (every layer may have landed): no further layer
+                return self._state[0], True
+            # `done` before the count: a copy that stopped then has its final count. Read after it, a
+            # copy finishing in between would report a stale count as where it stopped (failing the rest).
+            stopped = self.local.done
             landed = self._landed_here()
-            if landed >= want or self.local.done or time.monotonic() >= deadline:
-                return landed
+            if landed >= want or stopped or time.monotonic() >= deadline:
+                return landed, stopped
             time.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
 
@@ -107,10 +126,10 @@ class AgreedLayerReadiness(LayerReadiness):
         with self._lock:
             ready, short = self._state
             if layer >= ready and not short:
-                landed = self._wait_here(layer)
+                landed, stopped_here = self._wait_here(layer)
                 # Also the least count of a rank whose copy stopped: if that is the agreed count, it is
                 # final, and a later layer raises with no further collective.
-                stopped = landed if self.local.done else NONE
+                stopped = landed if stopped_here else NONE
                 agreed, final = self.group.min_reduce(
                     torch.tensor([landed, stopped], dtype=torch.int64)
                 ).tolist()

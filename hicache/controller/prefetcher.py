@@ -101,6 +101,8 @@ class Prefetcher:
             agreement,
         )
         self._prefetches: dict[str, Prefetch] = {}
+        self._starting: set[str] = set()
+        """Request ids whose `start` is between its duplicate check and its launch (it awaits meanwhile)."""
         self.inflight_tokens = 0
         """Tokens of the prefetches in flight."""
         self._detached: set[Prefetch] = set()
@@ -141,9 +143,22 @@ class Prefetcher:
         Its first stage (key conversion, the peek, admission's page hashing and storage keys) runs in a
         turn of `pacer`: prefetches started together convert and hash one per loop iteration.
         """
-        if request_id in self._prefetches:
+        if request_id in self._prefetches or request_id in self._starting:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         self._check_transfers(transfers)
+        self._starting.add(request_id)  # held across the awaits below: a second start is refused at once
+        try:
+            return await self._start(request_id, tokens, match, transfers)
+        finally:
+            self._starting.discard(request_id)
+
+    async def _start(
+        self,
+        request_id: str,
+        tokens: KeyLike,
+        match: MatchResult | None,
+        transfers: Sequence[ComponentTransfer],
+    ) -> Prefetch | SkipReason:
         await self.pacer.turn()
         self._state.check_open("prefetch")
         key = as_key_bytes(tokens, name="tokens")

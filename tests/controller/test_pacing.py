@@ -168,3 +168,34 @@ async def test_prefetches_started_together_are_admitted_and_committed_one_per_it
             assert len({at for _, at in committed}) == 8
             assert cache.statistics().prefetches_in_flight == 0
             cache.sanity_check()
+
+
+async def test_a_second_prefetch_with_the_same_request_id_is_refused_while_the_first_is_admitted() -> None:
+    """Two prefetches for one request id started in one iteration: the first holds the id across its
+    turn and admission (its storage probe awaits), so the second is refused with a ValueError naming
+    `request_id`, not launched over the first (whose pages would then be tracked by nothing)."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    digest = Namespace(model_id="controller-tests").digest
+    async with MemoryBackend(namespace_digest=digest) as inner, HiCache(config, storage=inner) as cache:
+        seq = tokens(0, 32)
+        await store_sequence(inner, cache, seq)
+        free_before = cache.statistics().host_pool.free_pages
+        results: list[object] = []
+
+        async def start() -> None:
+            try:
+                results.append(await cache.prefetch("same", seq))
+            except ValueError as error:
+                results.append(error)
+
+        async with anyio.create_task_group() as tg:  # the first awaits its storage probe meanwhile
+            tg.start_soon(start)
+            tg.start_soon(start)
+        errors = [r for r in results if isinstance(r, ValueError)]
+        assert len(errors) == 1
+        assert "request_id" in str(errors[0])
+        outcome = await cache.commit_prefetch("same")
+        assert outcome.loaded_tokens == 32
+        assert cache.statistics().prefetches_in_flight == 0
+        cache.sanity_check()
+        assert cache.statistics().host_pool.free_pages == free_before - 8  # one refill's pages, no more

@@ -546,6 +546,11 @@ static void queue_dealloc(ReadQueue *q) {
     for (int l = 0; l < 2; l++)
         for (ReadJob *job = lists[l]; job != NULL;) {
             ReadJob *next = job->next;
+            /* A caller may still hold the job: it must not point at this queue (a new one can reuse the
+               address) nor at neighbours freed here, and a pending one must not look cancellable. */
+            job->next = job->prev = NULL;
+            job->queue = NULL;
+            if (job->state == JOB_QUEUED) job->state = JOB_CANCELLED;
             Py_DECREF(job);
             job = next;
         }

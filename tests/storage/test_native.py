@@ -157,6 +157,23 @@ def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
     other.close()
 
 
+def test_a_job_outliving_its_queue_is_not_cancellable(tmp_path: Path) -> None:
+    """A queue dropped with jobs still pending lets go of them: a job the caller still holds no longer
+    points at the queue or at its freed neighbours, so `cancel` on a new queue (which may reuse the old
+    one's address) refuses it instead of unlinking it through freed memory (was a segfault)."""
+    root = str(tmp_path)
+    queue = native.ReadQueue()
+    before = queue.submit(root, ".kvp", ["abcd0000"], None, NS16, 0, None)
+    held = queue.submit(root, ".kvp", ["abcd0001"], None, NS16, 0, None)
+    del before  # the held job's neighbour goes first, then the queue (whose address the next queue may take)
+    del queue
+    fresh = native.ReadQueue()
+    with pytest.raises(ValueError, match="job"):
+        fresh.cancel(held)
+    assert held.times()[1:] == (0, 0)  # never started
+    fresh.close()
+
+
 def test_a_stale_build_is_refused_with_a_rebuild_hint() -> None:
     """A worktree that merged a new hicache_native.c without rebuilding gets an ImportError saying to
     rebuild, not an AttributeError deep in a read; the build in use is the one this code expects."""

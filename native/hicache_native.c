@@ -35,7 +35,7 @@
 
 #define XXH_INLINE_ALL
 #include "xxhash/xxhash.h"
-#ifdef HICACHE_XXH_DISPATCH
+#if defined(__x86_64__) || defined(__i386__) /* as native/xxh_dispatch.c, which compiles it */
 /* x86: XXH3_* calls go to xxHash's runtime dispatcher (native/xxhash/xxh_x86dispatch.c), which runs the
    widest vector unit the CPU has (AVX-512, AVX2 or SSE2) while this file is built for the baseline. */
 #include "xxhash/xxh_x86dispatch.h"

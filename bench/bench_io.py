@@ -8,9 +8,10 @@ Prefetches `--total-mib` of pages (payloads of 1 MiB and of 64 KiB), hot and col
   count that suits it and handicaps the baseline.
 - backend: `FileBackend.get` of every page in one call (its default options unless `--threads`).
 - controller: a `HiCache` whose storage tier is the backend pass's `FileBackend` (same root and worker
-  threads), holding those same pages as written by another instance: `--sequences` requests, each `prefetch` + `commit_prefetch` under the `wait_complete` stop
-  policy, all concurrently, into the cache's host pool. The ratio includes everything a serving loop
-  pays: the storage `exists`, the host allocation, batch-by-batch streaming and the tree insert.
+  threads), holding those same pages as written by another instance: `--sequences` requests, each
+  `prefetch` + `commit_prefetch` under the `wait_complete` stop policy, all concurrently, into the cache's
+  host pool. The ratio includes everything a serving loop pays: the storage `exists`, the host
+  allocation, batch-by-batch streaming and the tree insert.
 
 Every backend and controller pass runs inside the event loop next to a ticker task that records its own
 lateness: the longest stall of the loop is reported too (goal < 10 ms), as wall time and as the loop thread's

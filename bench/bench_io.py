@@ -383,28 +383,24 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             summary[f"ratio_{name}"] = round(r["ratio"], 3)
             if state == "hot":
                 summary[f"gbps_{name}"] = round(r["backend_gbps"], 2)
-    summary["max_loop_stall_ms"] = round(
-        max(r["max_stall_ms"] for s in results.values() for r in s.values()), 2
-    )
-    summary["max_loop_stall_cpu_ms"] = round(
-        max(r["max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
-    )
+
+    def worst(figure: str) -> float:
+        return round(max(r[figure] for s in results.values() for r in s.values()), 2)
+
+    summary["max_loop_stall_ms"] = worst("max_stall_ms")
+    summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")
     if not args.no_controller:
         for page_bytes, states in results.items():
             for state, r in states.items():
                 summary[f"ratio_{size_name(page_bytes)}_{state}_controller"] = round(r["controller_ratio"], 3)
-        summary["max_loop_stall_ms_controller"] = round(
-            max(r["controller_max_stall_ms"] for s in results.values() for r in s.values()), 2
-        )
-        summary["max_loop_stall_cpu_ms_controller"] = round(
-            max(r["controller_max_stall_cpu_ms"] for s in results.values() for r in s.values()), 2
-        )
+        summary["max_loop_stall_ms_controller"] = worst("controller_max_stall_ms")
+        summary["max_loop_stall_cpu_ms_controller"] = worst("controller_max_stall_cpu_ms")
     if not args.no_controller:
         sglang = run_sglang(args)
         if sglang is not None:
             summary |= sglang_summary(results, sglang)
     summary["controller_gbps"] = {
-        f"{label(p).replace(' ', '').lower()}_{state}": round(r["controller_gbps"], 2)
+        f"{size_name(p)}_{state}": round(r["controller_gbps"], 2)
         for p, states in results.items()
         for state, r in states.items()
         if "controller_gbps" in r

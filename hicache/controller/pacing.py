@@ -34,7 +34,7 @@ class LoopPacer:
         self._handed = False
         """The last `_hand_on` resumed a waiter, which runs in this iteration."""
         self.turns = 0
-        """Turns handed out so far."""
+        """Turns asked for so far (a caller cancelled while queued included)."""
         self.queued = 0
         """Of `turns`, those that waited for an earlier caller's turn."""
 

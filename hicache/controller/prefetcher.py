@@ -294,7 +294,10 @@ class Prefetcher:
                 None if agreed_tokens is None else min(prefetch.completed_tokens, agreed_tokens),
             )
             self._check_still_in_flight(request_id, prefetch)
-        await self.pacer.turn()  # prefetches that stop together commit in loop iterations of their own
+        # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
+        # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
+        with anyio.CancelScope(shield=True):
+            await self.pacer.turn()
         self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]

@@ -116,6 +116,43 @@ async def test_a_waiter_cancelled_before_its_turn_gives_its_place_up(iterations:
     assert iterations.now == before  # idle again: no wait
 
 
+async def test_a_waiter_cancelled_at_its_turn_consumes_it_and_the_queue_moves_on(
+    iterations: IterationCounter,
+) -> None:
+    """A waiter whose turn was handed out and that is cancelled (natively: an anyio scope lets a task whose
+    wait is over run on) before it runs: the queue does not stall on it, and the pacer still goes idle."""
+    tasks: dict[str, asyncio.Task[None]] = {}
+    seen: list[str] = []
+
+    class CancelsAtTheFirstHandOut(LoopPacer):
+        handed_to_b = False
+
+        def _hand_on(self) -> None:
+            super()._hand_on()
+            if not self.handed_to_b:  # the first hand-out resumes "b": cancel it before it runs
+                self.handed_to_b = True
+                tasks["b"].cancel()
+
+    pacer = CancelsAtTheFirstHandOut()
+
+    async def caller(name: str) -> None:
+        await pacer.turn()
+        seen.append(name)
+
+    for name in "abc":
+        tasks[name] = asyncio.get_running_loop().create_task(caller(name))
+    with anyio.fail_after(5):
+        done = await asyncio.gather(*tasks.values(), return_exceptions=True)
+    assert seen == ["a", "c"]
+    assert isinstance(done[1], asyncio.CancelledError)
+    assert pacer.waiting == 0
+    for _ in range(3):
+        await asyncio.sleep(0)  # the pacer finds its queue drained and goes idle
+    before = iterations.now
+    await pacer.turn()
+    assert iterations.now == before
+
+
 class ProbeRecorder(PassThroughBackend):
     """Records the loop iteration in which each storage lookup is submitted; reads wait for `gate`."""
 

@@ -105,6 +105,10 @@ class Admission:
         self._forget_stored = forget_stored
         self._pacer = pacer
         self._agreement = agreement
+        self._admitting_tokens = 0
+        """Tokens of the plans between their capacity check and their return: they await the probe and
+        the pacer meanwhile, and count toward the capacity as if in flight (the caller launches a plan
+        in the same step it returns it)."""
 
     async def plan(
         self,
@@ -117,27 +121,42 @@ class Admission:
         """Admit a prefetch of the storage hit of page-aligned `key` beyond `match`, or say why not.
 
         Skipped when there is no storage, the remainder beyond the match is below `prefetch_threshold`,
-        `inflight_tokens` plus it would exceed the capacity, storage is down or holds too few of the
-        pages, or the host pool cannot take enough of them. Nothing stays held on a skip. Called in a
-        turn of the pacer; its allocation waits for another. A `peek` is
-        anchored here (the tree splits the node its anchor ends in, touching no LRU clock) only once the
+        `inflight_tokens` plus the remainders of the plans still being admitted plus it would exceed the
+        capacity, storage is down or holds too few of the pages, or the host pool cannot take enough of
+        them. Nothing stays held on a skip. Called in a turn of the pacer; its allocation waits for
+        another. A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU clock) only once the
         cheap checks pass.
         """
         config = self._config
-        page = config.page_size
-        aligned = len(key) // TOKEN_BYTES
-        matched = match.device_len + match.host_len
-        remainder = aligned - matched
+        remainder = len(key) // TOKEN_BYTES - (match.device_len + match.host_len)
         if storage is None:
             return SkipReason.NO_STORAGE
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
         if self._agreement is not None:  # every rank reaches this point alike (the tree is identical)
             return await self._plan_agreed(request_id, key, match, storage, inflight_tokens, self._agreement)
-        if inflight_tokens + remainder > config.capacity_tokens:
+        if inflight_tokens + self._admitting_tokens + remainder > config.capacity_tokens:
             return SkipReason.CAPACITY
         if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
             return SkipReason.STORAGE_UNAVAILABLE
+        self._admitting_tokens += remainder
+        try:
+            return await self._admit(request_id, key, match, storage, remainder)
+        finally:
+            self._admitting_tokens -= remainder
+
+    async def _admit(
+        self,
+        request_id: str,
+        key: bytes,
+        match: MatchResult | PrefixPeek,
+        storage: GuardedStorage,
+        remainder: int,
+    ) -> PrefetchPlan | SkipReason:
+        """`plan` past its cheap checks: anchor, hash, probe, allocate and stage the components."""
+        config = self._config
+        page = config.page_size
+        matched = match.device_len + match.host_len
         tree = self._tree
         if isinstance(match, PrefixPeek):
             anchor = tree.node_at(key, match.anchor_len)

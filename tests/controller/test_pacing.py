@@ -236,3 +236,29 @@ async def test_a_second_prefetch_with_the_same_request_id_is_refused_while_the_f
         assert cache.statistics().prefetches_in_flight == 0
         cache.sanity_check()
         assert cache.statistics().host_pool.free_pages == free_before - 8  # one refill's pages, no more
+
+
+async def test_prefetches_started_together_never_exceed_the_capacity_between_them() -> None:
+    """Two 32-token prefetches started in one iteration under a 40-token capacity: each awaits its
+    storage probe and its allocation turn before it is in flight, so a capacity check that counted only
+    the launched ones would pass both. The first's remainder counts from its check on: one is skipped."""
+    config = make_config(host_pages=64, prefetch_threshold=8, prefetch_capacity_tokens=40)
+    digest = Namespace(model_id="controller-tests").digest
+    async with MemoryBackend(namespace_digest=digest) as inner, HiCache(config, storage=inner) as cache:
+        seqs = [tokens(0, 32), tokens(1000, 32)]
+        for seq in seqs:
+            await store_sequence(inner, cache, seq)
+        admitted: list[str] = []
+
+        async def start(i: int) -> None:
+            if await cache.prefetch(f"r{i}", seqs[i]) is not None:
+                admitted.append(f"r{i}")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(start, 0)
+            tg.start_soon(start, 1)
+        assert len(admitted) == 1
+        assert cache.statistics().prefetch_tokens_in_flight == 32
+        await cache.cancel_prefetch(admitted[0])
+        assert cache.statistics().prefetches_in_flight == 0
+        cache.sanity_check()

@@ -148,34 +148,25 @@ class Prefetcher:
         self._check_transfers(transfers)
         self._starting.add(request_id)  # held across the awaits below: a second start is refused at once
         try:
-            return await self._start(request_id, tokens, match, transfers)
+            await self.pacer.turn()
+            self._state.check_open("prefetch")
+            key = as_key_bytes(tokens, name="tokens")
+            page = self._page_size
+            aligned = len(key) // TOKEN_BYTES // page * page
+            key = key[: aligned * TOKEN_BYTES]
+            found: MatchResult | PrefixPeek = match if match is not None else self._tree.peek(key)
+            if isinstance(found, MatchResult) and not self._tree.is_live(found.last_host_node):
+                found = self._tree.peek(key)  # evicted during the turn: as if none was given
+            self._metrics.prefetch_requested.inc()
+            storage = self.storage
+            plan = await self._admission.plan(request_id, key, found, storage, self.inflight_tokens)
+            if isinstance(plan, SkipReason):
+                self._metrics.prefetch_skipped.labels(reason=plan.value).inc()
+                return plan
+            assert storage is not None
+            return self._launch(request_id, plan, transfers, storage)
         finally:
             self._starting.discard(request_id)
-
-    async def _start(
-        self,
-        request_id: str,
-        tokens: KeyLike,
-        match: MatchResult | None,
-        transfers: Sequence[ComponentTransfer],
-    ) -> Prefetch | SkipReason:
-        await self.pacer.turn()
-        self._state.check_open("prefetch")
-        key = as_key_bytes(tokens, name="tokens")
-        page = self._page_size
-        aligned = len(key) // TOKEN_BYTES // page * page
-        key = key[: aligned * TOKEN_BYTES]
-        found: MatchResult | PrefixPeek = match if match is not None else self._tree.peek(key)
-        if isinstance(found, MatchResult) and not self._tree.is_live(found.last_host_node):
-            found = self._tree.peek(key)  # evicted during the turn: as if none was given
-        self._metrics.prefetch_requested.inc()
-        storage = self.storage
-        plan = await self._admission.plan(request_id, key, found, storage, self.inflight_tokens)
-        if isinstance(plan, SkipReason):
-            self._metrics.prefetch_skipped.labels(reason=plan.value).inc()
-            return plan
-        assert storage is not None
-        return self._launch(request_id, plan, transfers, storage)
 
     def _launch(
         self,

@@ -124,8 +124,8 @@ class Admission:
         `inflight_tokens` plus the remainders of the plans still being admitted plus it would exceed the
         capacity, storage is down or holds too few of the pages, or the host pool cannot take enough of
         them. Nothing stays held on a skip. Called in a turn of the pacer; its allocation waits for
-        another. A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU clock) only once the
-        cheap checks pass.
+        another. A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU
+        clock) only once the cheap checks pass.
         """
         config = self._config
         remainder = len(key) // TOKEN_BYTES - (match.device_len + match.host_len)

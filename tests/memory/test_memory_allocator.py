@@ -182,6 +182,20 @@ def test_owner_tags_follow_alloc_set_owner_and_free() -> None:
         alloc.set_owner(caller, Owner.FREE)
 
 
+def test_set_owner_retags_every_page_of_scattered_runs_and_no_other() -> None:
+    """`set_owner` reads one token per page: pages in any order (a tree node's value after splits and
+    evictions), a trailing partial page included, are each re-tagged, and the pages between them not."""
+    alloc = PageAllocator(num_pages=8, page_size=P)
+    held = alloc.alloc(8 * P)
+    assert held is not None
+    pages = [6, 1, 4, 3]
+    indices = torch.cat([torch.arange(p * P, (p + 1) * P) for p in pages] + [torch.arange(7 * P, 7 * P + 1)])
+    alloc.set_owner(indices, Owner.TREE)
+    assert [alloc.owner_of(p) for p in range(8)] == [
+        Owner.TREE if p in {*pages, 7} else Owner.LEASE for p in range(8)
+    ]
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -126,7 +126,7 @@ class LayeredLoader:
             return ALL_READY
         return all_of(
             [
-                load.readiness if load.agreed is None else load.agreed_layers
+                load.readiness if load.agreed_layers is None else load.agreed_layers
                 for load in self._in_flight.values()
                 if bool(torch.isin(load.device_indices, device_indices).any())
             ]
@@ -387,8 +387,8 @@ class _Load:
     """Its copy settled (`_copy_ended` ran)."""
     agreed: AgreedLoad | None = None
     """Under TP: its outcome, agreed by the ranks (the load finishes when that resolves)."""
-    agreed_layers: LayerReadiness = ALL_READY
-    """Under TP: the readiness its readers get (`AgreedLayerReadiness`)."""
+    agreed_layers: AgreedLayerReadiness | None = None
+    """Under TP: the readiness its readers get (None: `readiness`, this rank's own)."""
 
 
 class _LoadReadiness(LayerReadiness):

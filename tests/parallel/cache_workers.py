@@ -12,7 +12,7 @@ import contextlib
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -201,6 +201,29 @@ def agree_equal(group: RankGroup, value: int, what: str) -> None:
     assert all(v == values[0] for v in values), f"the ranks disagree on {what}: {values}"
 
 
+async def serve_workload(
+    cache: HiCache,
+    group: RankGroup,
+    requests: Sequence[Sequence[int]],
+    serve_one: Callable[[str, Sequence[int]], Awaitable[dict[str, Any]]],
+    check: Callable[[], None],
+) -> list[dict[str, Any]]:
+    """Serve `requests` in turn with `serve_one(request_id, seq)`, the cached lengths agreed by the ranks;
+    every third request ends a scheduling step (`tp_sync`) and `check` runs, as it does once the cache
+    is idle at the end. Returns what `serve_one` returned, in order."""
+    served = []
+    for i, seq in enumerate(requests):
+        one = await serve_one(f"r{i}", seq)
+        agree_equal(group, one["cached"], f"the cached length of r{i}")
+        served.append(one)
+        if i % 3 == 2:
+            await cache.tp_sync()
+            check()
+    await cache.wait_idle()
+    check()
+    return served
+
+
 async def random_workload(
     group: RankGroup,
     root: str,
@@ -246,17 +269,16 @@ async def random_workload(
                     await anyio.lowlevel.checkpoint()
 
             tg.start_soon(hog)
-        for i, seq in enumerate(draw_requests(seed, n)):
-            served = await serve(cache, rank, f"r{i}", seq, check)
-            agree_equal(group, served["cached"], f"the cached length of r{i}")
+        for served in await serve_workload(
+            cache,
+            group,
+            draw_requests(seed, n),
+            lambda name, seq: serve(cache, rank, name, seq, check),
+            check,
+        ):
             for tier, k in served["hits"].items():
                 hits[tier] += k
             stopped_short += served["stopped_short"]
-            if i % 3 == 2:
-                await cache.tp_sync()
-                check()
-        await cache.wait_idle()
-        check()
         stats = cache.statistics()
         tg.cancel_scope.cancel()
     return {

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import torch
-from cache_workers import PAGE, agree_equal, draw_requests, rank_cache
+from cache_workers import PAGE, agree_equal, draw_requests, rank_cache, serve_workload
 
 from hicache import HiCache, KVLayout, LoadBackFailed
 from hicache.controller.results import Lease
@@ -250,17 +250,16 @@ async def random_layerwise_workload(
         layered_loader_of(cache).before_layer = faults
         failed_loads = retried = 0
         cached_total = 0
-        for i, seq in enumerate(draw_requests(seed, n)):
-            served = await serve_layerwise(cache, group, f"r{i}", seq, check)
-            agree_equal(group, served["cached"], f"the cached length of r{i}")
+        for served in await serve_workload(
+            cache,
+            group,
+            draw_requests(seed, n),
+            lambda name, seq: serve_layerwise(cache, group, name, seq, check),
+            check,
+        ):
             failed_loads += int(served["failed_first"] >= 0)
             retried += served["tries"] - 1
             cached_total += served["cached"]
-            if i % 3 == 2:
-                await cache.tp_sync()
-                check()
-        await cache.wait_idle()
-        check()
         stats = cache.statistics()
     return {
         "faults": faults.faults,

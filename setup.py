@@ -40,8 +40,9 @@ class BuildNative(build_ext):
 # On x86, xxHash's runtime dispatcher (vendored with xxhash.h) picks the widest vector unit the CPU has
 # (SSE2, AVX2, AVX-512) for the page checksums; it is built with baseline flags, so the module still runs on
 # any x86-64. Whether the target is x86 is the compiler's test (native/xxh_dispatch.c), not this machine's:
-# elsewhere that unit is empty and xxhash.h's own code path is the only one. Measured on this project's 2-core EPYC: xxh3-64 of a 1 MiB page at ~38 GB/s built for SSE2,
-# ~120 GB/s dispatched (AVX-512).
+# elsewhere that unit is empty and xxhash.h's own code path is the only one. Measured once (a one-off timing,
+# see BENCHMARKS.md) on this project's 2-core EPYC: xxh3-64 of a 1 MiB page at ~38 GB/s built for SSE2,
+# ~110 GB/s dispatched (AVX-512).
 setup(
     ext_modules=[
         Extension(

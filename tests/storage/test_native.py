@@ -91,6 +91,17 @@ def _wait_readable(fd: int) -> None:
     assert ready, "no job finished"
 
 
+def _start_and_collect(queue: native.ReadQueue, count: int) -> tuple[threading.Thread, list[native.ReadJob]]:
+    """Start a worker thread on `queue` and collect finished jobs until `count` came back."""
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    finished: list[native.ReadJob] = []
+    while len(finished) < count:
+        _wait_readable(queue.fileno())
+        finished += queue.collect()
+    return worker, finished
+
+
 def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
     """The queue's own contract, without the backend: a pending job can be cancelled (it never runs, and
     `collect` never returns it); a worker thread runs the others in order and signals `fileno()`; `result()`
@@ -105,12 +116,7 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
         kept.result()
     assert queue.cancel(cancelled) is True
     assert queue.cancel(cancelled) is False  # no longer pending
-    worker = threading.Thread(target=queue.work)
-    worker.start()
-    finished: list[native.ReadJob] = []
-    while len(finished) < 2:
-        _wait_readable(queue.fileno())
-        finished += queue.collect()
+    worker, finished = _start_and_collect(queue, 2)
     assert finished == [kept, stat]
     for job in finished:  # queued, started and finished in that order, on the monotonic clock
         queued, started, done = job.times()
@@ -142,12 +148,7 @@ def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="job"):
         queue.cancel(foreign)
     assert other.cancel(foreign) is True
-    worker = threading.Thread(target=queue.work)
-    worker.start()
-    finished: list[native.ReadJob] = []
-    while len(finished) < 4:
-        _wait_readable(queue.fileno())
-        finished += queue.collect()
+    worker, finished = _start_and_collect(queue, 4)
     assert finished == [jobs[1], jobs[2], jobs[4], late]
     lone = submit(8)  # alone in the queue once the worker drained it: head and tail at once
     assert queue.cancel(lone) in (True, False)  # the worker may have taken it already

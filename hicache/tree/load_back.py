@@ -159,8 +159,11 @@ class LoadBack(Matching, BackupsAndLocks):
             elif not cur.children and not cur.device_lock and not cur.host_lock:
                 freed.append(dv)
                 self._detach(cur)
-            elif bool(torch.isin(dv[:1], device_indices)):
-                kept.append(self._ref(cur))
+            else:
+                # A device-only node a holder keeps (locked, or with a host-only child): it stays, and its
+                # parents with it. It holds none of the load's pages: those went to nodes that came from
+                # the host, which keep their host copy until they leave the tree (only `_detach` drops it).
+                assert not bool(torch.isin(dv[:1], device_indices)), "a loaded page on a device-only node"
         for ref in kept:
             self._poison(self._nodes[ref.id])
         kept.reverse()

@@ -53,7 +53,8 @@ async def test_a_refill_below_poisoned_nodes_is_served_only_once_their_copy_agai
         await fail_the_load(hold, loading)
         cache.sanity_check()
         refill = await cache.acquire("refill", REFILLED)
-        assert refill.prefetch is not None and refill.prefetch.committed
+        assert refill.prefetch is not None
+        assert refill.prefetch.committed
         assert refill.cached_len == 0  # recomputes: never handed the failed pages
         assert refill.device_indices.numel() == 0
         cache.release(refill)

@@ -269,9 +269,16 @@ class Admission:
             key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
 
+        # Counted from its check until it returns, as on one rank (`plan`): a plan admitted meanwhile
+        # sees it. The capacity is this rank's value; the agreed hit is the least over the ranks.
+        admitting = self._admitting_tokens
+        self._admitting_tokens += remainder
+
         async def local() -> int:
             try:
-                if inflight_tokens + remainder > config.capacity_tokens or not self._breaker.allows():
+                if inflight_tokens + admitting + remainder > config.capacity_tokens:
+                    return 0
+                if not self._breaker.allows():
                     return 0
                 probed = await self._probe(request_id, storage, page_keys, remainder)
                 hit_pages = 0 if isinstance(probed, SkipReason) else probed
@@ -297,6 +304,8 @@ class Admission:
             evict.settle(_NO_EVICTION)
             tree.unlock_host(anchor)
             raise
+        finally:
+            self._admitting_tokens -= remainder
         n_pages = host_indices.numel() // page
         return PrefetchPlan(
             anchor=anchor,

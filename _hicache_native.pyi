@@ -69,19 +69,23 @@ class ReadQueue:
         namespace_digest: bytes,
         nowait_flags: int,
         hook: Callable[[tuple[str, ...]], object] | None,
+        leader: ReadJob | None = None,
         /,
     ) -> ReadJob:
         """Queue a batch as `read_pages` takes it; `hook` is called with its keys in the worker first.
         With `buffers=None` the pages are only stat-ed, up to the first absent (MISS) or failing (ERROR) one.
+        With a `leader` (a job of this queue) the job joins the leader's set: `fileno()` is signalled once
+        the set's last unfinished job finishes, not once per job.
 
         Raises:
             RuntimeError: after `close()`.
-            ValueError, TypeError: as `read_pages`, before anything is queued.
+            ValueError, TypeError: as `read_pages`, or naming `leader`, before anything is queued.
         """
     def cancel(self, job: ReadJob, /) -> bool:
-        """Remove a pending job (it never starts): True; False once it started."""
+        """Remove a pending job (it never starts): True; False once it started. Signals `fileno()` either
+        way (finished jobs of its set may be waiting for `collect()`)."""
     def collect(self) -> list[ReadJob]:
-        """The jobs finished since the last call (and `fileno()` reset)."""
+        """Every job finished since the last call, signalled or not (and `fileno()` reset)."""
     def work(self) -> None:
         """Run pending jobs in this thread, without the GIL, until `close()` (once nothing is pending) or
         `retire()`."""

@@ -52,7 +52,7 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 3 /* 3: chain_page_keys */
+#define NATIVE_BUILD 4 /* 3: chain_page_keys; 4: job sets (submit's `leader`) */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
@@ -279,6 +279,8 @@ typedef struct ReadJob {
     struct ReadJob *next; /* in the queue's pending or done list */
     struct ReadJob *prev; /* in the pending list only: cancel() unlinks a job in O(1) */
     const void *queue;    /* the ReadQueue it was submitted to (NULL before) */
+    struct ReadJob *leader; /* a strong reference to the first job of its set, or NULL: it leads its own */
+    Py_ssize_t set_left;    /* on a set's leader: the set's jobs not finished nor cancelled yet (under mu) */
     int state;            /* JOB_*, changed under the queue's mutex */
     int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
     read_ctx ctx;
@@ -313,6 +315,7 @@ static void job_dealloc(ReadJob *job) {
     Py_XDECREF(job->suffix_obj);
     Py_XDECREF(job->ns_obj);
     Py_XDECREF(job->hook);
+    Py_XDECREF(job->leader);
     Py_TYPE(job)->tp_free((PyObject *)job);
 }
 
@@ -323,6 +326,8 @@ static ReadJob *job_new(PyObject *const *args) {
     if (job == NULL) return NULL;
     job->next = job->prev = NULL;
     job->queue = NULL;
+    job->leader = NULL;
+    job->set_left = 0;
     job->state = JOB_NEW;
     job->stat_only = args[3] == Py_None;
     memset(&job->ctx, 0, sizeof(job->ctx));
@@ -524,8 +529,11 @@ static PyObject *read_pages(PyObject *self, PyObject *const *args, Py_ssize_t na
  * work() once (a Python thread: the queue does not start threads) and stays in it, the GIL released,
  * taking the next pending job as soon as it finishes one: no event-loop round trip and no GIL hand-off
  * between two jobs (with the loop busy, a thread that needed the GIL back waited up to the 5 ms switch
- * interval per job). A finished job goes to the done list and the queue's eventfd is signalled; the event
- * loop, watching fileno(), takes the finished jobs with collect(). A pending job can be cancelled (it never
+ * interval per job). A finished job goes to the done list; the queue's eventfd is signalled when the last
+ * unfinished job of its set finishes (a set: the jobs submitted with the same leader, one caller's batch),
+ * so a batch split over four threads wakes the event loop once, not four times; the loop, watching
+ * fileno(), takes every finished job with collect(). cancel() always signals (a cancelled caller's finished
+ * jobs must be collected even while another job of its set still reads). A pending job can be cancelled (it never
  * starts); a running one cannot (the caller registers its buffers as a stray thread's until collect()
  * returns it). A job with a hook (tests' stand-in for a hung mount) calls it in the worker, with the GIL,
  * before reading.
@@ -582,9 +590,18 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "submit() takes 7 arguments (%zd given)", nargs);
+    if (nargs != 7 && nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "submit() takes 7 or 8 arguments (%zd given)", nargs);
         return NULL;
+    }
+    ReadJob *leader = NULL;
+    if (nargs == 8 && args[7] != Py_None) {
+        if (!PyObject_TypeCheck(args[7], &ReadJobType) || ((ReadJob *)args[7])->queue != q) {
+            PyErr_SetString(PyExc_ValueError, "leader: expected a job submitted to this queue");
+            return NULL;
+        }
+        leader = (ReadJob *)args[7];
+        if (leader->leader != NULL) leader = leader->leader; /* the set's first job keeps the count */
     }
     ReadJob *job = job_new(args);
     if (job == NULL) return NULL;
@@ -595,6 +612,12 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
         Py_DECREF(job);
         PyErr_SetString(PyExc_RuntimeError, "submit(): the queue is closed");
         return NULL;
+    }
+    if (leader != NULL) {
+        job->leader = (ReadJob *)Py_NewRef(leader); /* keeps the count alive while this job is queued */
+        leader->set_left++;
+    } else {
+        job->set_left = 1;
     }
     job->state = JOB_QUEUED;
     job->t_queued = now_ns();
@@ -607,6 +630,12 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
     pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     return (PyObject *)job;
+}
+
+static void signal_loop(ReadQueue *q) {
+    uint64_t one = 1;
+    while (write(q->efd, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
 }
 
 static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
@@ -628,9 +657,12 @@ static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
         else q->tail = job->prev;
         job->next = job->prev = NULL;
         job->state = JOB_CANCELLED;
+        (job->leader ? job->leader : job)->set_left--;
         removed = 1;
     }
     pthread_mutex_unlock(&q->mu);
+    /* Finished jobs of this set may wait unsignalled for one still reading: let the loop collect them. */
+    signal_loop(q);
     if (removed) Py_DECREF(job); /* the queue's reference */
     return PyBool_FromLong(removed);
 }
@@ -701,10 +733,9 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
         if (q->done_tail) q->done_tail->next = job;
         else q->done_head = job;
         q->done_tail = job;
+        int last_of_set = --(job->leader ? job->leader : job)->set_left == 0;
         pthread_mutex_unlock(&q->mu);
-        uint64_t one = 1;
-        while (write(q->efd, &one, sizeof(one)) < 0 && errno == EINTR) {
-        }
+        if (last_of_set) signal_loop(q);
     }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -748,11 +779,14 @@ static PyObject *queue_get_closed(ReadQueue *q, void *closure) {
 
 static PyMethodDef queue_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))queue_submit, METH_FASTCALL,
-     "submit(root, suffix, keys, buffers, namespace_digest, nowait_flags, hook, /) -> ReadJob\n\n"
+     "submit(root, suffix, keys, buffers, namespace_digest, nowait_flags, hook, leader=None, /) -> ReadJob\n\n"
      "Queue a batch as read_pages takes it; hook (or None) is called with the keys in the worker first.\n"
-     "buffers=None: only stat the pages, up to the first absent (MISS) or failing (ERROR) one."},
+     "buffers=None: only stat the pages, up to the first absent (MISS) or failing (ERROR) one.\n"
+     "leader: a job of this queue whose set this one joins: fileno() is signalled once the set's last\n"
+     "unfinished job finishes, not once per job."},
     {"cancel", (PyCFunction)queue_cancel, METH_O,
-     "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started."},
+     "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started.\n"
+     "Signals fileno() either way (finished jobs of its set may be waiting for collect())."},
     {"collect", (PyCFunction)queue_collect, METH_NOARGS,
      "collect() -> list[ReadJob]\n\nThe jobs finished since the last call (and reset fileno())."},
     {"work", (PyCFunction)queue_work, METH_NOARGS,

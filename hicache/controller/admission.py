@@ -117,6 +117,8 @@ class Admission:
         match: MatchResult | PrefixPeek,
         storage: GuardedStorage | None,
         inflight_tokens: int,
+        *,
+        ticket: int | None = None,
     ) -> PrefetchPlan | SkipReason:
         """Admit a prefetch of the storage hit of page-aligned `key` beyond `match`, or say why not.
 
@@ -124,7 +126,7 @@ class Admission:
         `inflight_tokens` plus the remainders of the plans still being admitted plus it would exceed the
         capacity, storage is down or holds too few of the pages, or the host pool cannot take enough of
         them. Nothing stays held on a skip. Called in a turn of the pacer; its allocation waits for
-        another. A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU
+        another, shown `ticket` (the prefetch's, see `LoopPacer.ticket`). A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU
         clock) only once the cheap checks pass.
         """
         config = self._config
@@ -141,7 +143,7 @@ class Admission:
             return SkipReason.STORAGE_UNAVAILABLE
         self._admitting_tokens += remainder
         try:
-            return await self._admit(request_id, key, match, storage, remainder)
+            return await self._admit(request_id, key, match, storage, remainder, ticket)
         finally:
             self._admitting_tokens -= remainder
 
@@ -152,6 +154,7 @@ class Admission:
         match: MatchResult | PrefixPeek,
         storage: GuardedStorage,
         remainder: int,
+        ticket: int | None,
     ) -> PrefetchPlan | SkipReason:
         """`plan` past its cheap checks: anchor, hash, probe, allocate and stage the components."""
         config = self._config
@@ -178,7 +181,7 @@ class Admission:
                 tree.unlock_host(anchor)
                 return hit_pages
             with anyio.CancelScope(shield=True):  # no new cancel point
-                await self._pacer.turn()
+                await self._pacer.turn(ticket)
             self._state.check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
             hit = hit_pages * page

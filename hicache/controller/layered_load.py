@@ -247,8 +247,11 @@ class LayeredLoader:
             load.agreed.settle(error is None and inner.is_ready(inner.num_layers - 1))
 
     def _after(self, task: asyncio.Task[None], load: _Load) -> None:
-        """The task's done callback: finish a load whose task was cancelled before it ran."""
+        """The task's done callback: finish a load whose task ended without `_run`'s cleanup (cancelled
+        before it ran, or ended by an exception other than a cancellation while it waited for its copy)."""
         self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("layer-wise load-back task ended abnormally: %r", task.exception())
         if not load.finished and not load.ended:
             load.copy.abort()
             self._copy_ended(load, asyncio.CancelledError())
@@ -256,15 +259,22 @@ class LayeredLoader:
     def _finish(self, load: _Load, error: BaseException | None, *, landed: bool | None = None) -> None:
         """End `load` once: unlock its nodes and, unless every layer landed (`landed`, when the ranks
         agreed it; else this rank's copy), take its pages out of the device tier (see
-        `RadixTree.drop_failed_load`) and free them, so no later match finds them."""
+        `RadixTree.drop_failed_load`) and free them, so no later match finds them.
+
+        A load that did not land while its copy may still write (its task ended without waiting for the
+        copy) is not finished yet: `_defer` hides its pages and finishes it once the copy settled."""
         if load.finished:
+            return
+        inner = load.readiness.inner
+        if landed is None:
+            landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
+        if not landed and not load.copy.settled:
+            if not load.deferred:
+                self._defer(load, error)
             return
         load.finished = True
         self._in_flight.pop(id(load), None)
         try:
-            inner = load.readiness.inner
-            if landed is None:
-                landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
             if not landed:
                 self._drop(load, error)
             elif load.recopy:
@@ -276,14 +286,41 @@ class LayeredLoader:
             self._tree.unlock_device(load.last)
             self._copies.end()
 
-    def _drop(self, load: _Load, error: BaseException | None) -> None:
-        """The copy did not land: fail and revoke the readiness, then drop the pages from the tree."""
+    def _defer(self, load: _Load, error: BaseException | None) -> None:
+        """`load` did not land and its copy may still write into its pages (its task ended without
+        waiting for it): fail and revoke its readiness and hide its pages now (poisoned: no match serves
+        them); they stay locked (nothing evicts and reuses them) and in flight (a failed load above
+        orphans rather than frees them) until the copy settled, then `_finish` drops them as usual."""
+        load.deferred = True
+        load.copy.abort()
+        self._revoke(load, error)
+        hidden = self._tree.poison_load(load.key, load.start, load.device_indices)
+        logger.error(
+            "layer-wise load-back ended with its copy running; %d node(s) unmatched until it settled", hidden
+        )
+        task = asyncio.get_running_loop().create_task(
+            self._finish_when_settled(load, error), name="hicache-layerwise-settle"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _finish_when_settled(self, load: _Load, error: BaseException | None) -> None:
+        """Wait until no thread writes into `load`'s pages (cancellations are absorbed), then finish it as
+        a load that did not land (its readers were told so already)."""
+        await load.copy.wait_settled()
+        self._finish(load, error, landed=False)
+
+    def _revoke(self, load: _Load, error: BaseException | None) -> None:
+        """Fail `load`'s readiness with `error` (or `LoadBackFailed`) and revoke it."""
         cause = error if error is not None else LoadBackFailed("layer-wise copy did not land")
         load.readiness.inner.fail(cause)
         load.readiness.revoke()
-        if not load.copy.settled:  # only a task cancelled twice over gets here: its thread may still write
-            logger.error("layer-wise load-back abandoned with its copy running; its pages stay attached")
-            return
+
+    def _drop(self, load: _Load, error: BaseException | None) -> None:
+        """The copy did not land (and has settled): fail and revoke the readiness, then drop the pages from
+        the tree."""
+        assert load.copy.settled, "a load dropped while its copy may still write (see `_defer`)"
+        self._revoke(load, error)
         if isinstance(error, Exception):
             logger.error("layer-wise load-back failed: %r", error)
         freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
@@ -357,9 +394,7 @@ class LayeredLoader:
         """Free the pages a failed load above `load` took out of the tree while `load` copied into them."""
         pages = load.orphaned
         assert pages is not None
-        if not load.copy.settled:  # as in `_drop`: only a task cancelled twice over gets here
-            logger.error("layer-wise load-back abandoned with its copy running; %d pages leak", pages.numel())
-            return
+        assert load.copy.settled, "only a settled load finishes (see `_defer`)"
         self._copies.untrack_load(pages)
         self._device_pool.free(pages)
 
@@ -385,6 +420,8 @@ class _Load:
     """A second copy into a failed load's pages that a holder below kept (poisoned) on the device."""
     ended: bool = False
     """Its copy settled (`_copy_ended` ran)."""
+    deferred: bool = False
+    """It did not land and its copy may still write: hidden, finished once the copy settled (`_defer`)."""
     agreed: AgreedLoad | None = None
     """Under TP: its outcome, agreed by the ranks (the load finishes when that resolves)."""
     agreed_layers: AgreedLayerReadiness | None = None

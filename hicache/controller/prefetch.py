@@ -122,8 +122,11 @@ class Prefetch:
         transfers: Sequence[ComponentTransfer] = (),
         staged: Sequence[ComponentTransfer] = (),
         staged_reads: Sequence[tuple[Sequence[str], Sequence[memoryview]]] = (),
+        ticket: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.ticket = ticket
+        """Its place in the loop pacer's queue (`LoopPacer.ticket`): older prefetches' turns go first."""
         self.anchor = anchor
         self.key = key
         """Token key of the prefetched pages, continuing from the anchor's end."""
@@ -203,7 +206,8 @@ class Prefetch:
         bounds = [(s, min(total, s + batch_pages)) for s in range(0, total, batch_pages)]
         # batch -> (leading verified pages, -1 when the read raised; the first failed page's reason)
         finished: dict[int, tuple[int, str]] = {}
-        next_batch = 0
+        next_batch = 0  # the first batch not settled yet
+        next_read = 0  # the first batch no reader has taken yet
 
         def settle(tg: anyio.abc.TaskGroup) -> None:
             nonlocal next_batch
@@ -219,7 +223,7 @@ class Prefetch:
                     return
                 next_batch += 1
 
-        async def read(index: int, tg: anyio.abc.TaskGroup, slots: anyio.Semaphore) -> None:
+        async def read(index: int, tg: anyio.abc.TaskGroup) -> None:
             start, stop = bounds[index]
             reason = "error"
             try:
@@ -235,6 +239,8 @@ class Prefetch:
                     )
                     self.timed_out_reads += 1
                     good, reason = -1, "timeout"
+                elif ok.count(PageStatus.HIT) == len(ok):  # the common case, without a look at each page
+                    good = len(ok)
                 else:
                     good = next((i for i, flag in enumerate(ok) if not flag), len(ok))
                     if good < len(ok):
@@ -245,24 +251,26 @@ class Prefetch:
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
                 logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
                 good = -1
-            finally:
-                slots.release()
             finished[index] = (good, reason)
             settle(tg)
+
+        async def reader(tg: anyio.abc.TaskGroup) -> None:
+            # Each of `concurrency` readers takes the next batch as soon as its own read settles: no task
+            # spawned and no semaphore handed on per batch (each cost the loop an iteration, issue 12).
+            nonlocal next_read
+            while next_read < len(bounds) and next_batch < len(bounds):
+                await anyio.lowlevel.checkpoint_if_cancelled()  # a stopped stream starts no new read
+                index, next_read = next_read, next_read + 1
+                await read(index, tg)
 
         try:
             with anyio.CancelScope() as scope:
                 self._stream_scope = scope
                 if self._stop_requested:
                     scope.cancel()
-                slots = anyio.Semaphore(max(1, concurrency))
                 async with anyio.create_task_group() as tg:
-                    for index in range(len(bounds)):
-                        await slots.acquire()
-                        if next_batch >= len(bounds):
-                            slots.release()
-                            break
-                        tg.start_soon(read, index, tg, slots)
+                    for _ in range(min(max(1, concurrency), len(bounds))):
+                        tg.start_soon(reader, tg)
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend, read_timeout_s)
                 if self.unusable_keys:

@@ -147,8 +147,9 @@ class Prefetcher:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
         self._check_transfers(transfers)
         self._starting.add(request_id)  # held across the awaits below: a second start is refused at once
+        ticket = self.pacer.ticket()  # every stage of this prefetch goes ahead of those started later
         try:
-            await self.pacer.turn()
+            await self.pacer.turn(ticket)
             self._state.check_open("prefetch")
             key = as_key_bytes(tokens, name="tokens")
             page = self._page_size
@@ -159,12 +160,14 @@ class Prefetcher:
                 found = self._tree.peek(key)  # evicted during the turn: as if none was given
             self._metrics.prefetch_requested.inc()
             storage = self.storage
-            plan = await self._admission.plan(request_id, key, found, storage, self.inflight_tokens)
+            plan = await self._admission.plan(
+                request_id, key, found, storage, self.inflight_tokens, ticket=ticket
+            )
             if isinstance(plan, SkipReason):
                 self._metrics.prefetch_skipped.labels(reason=plan.value).inc()
                 return plan
             assert storage is not None
-            return self._launch(request_id, plan, transfers, storage)
+            return self._launch(request_id, plan, transfers, storage, ticket)
         finally:
             self._starting.discard(request_id)
 
@@ -174,6 +177,7 @@ class Prefetcher:
         plan: PrefetchPlan,
         transfers: Sequence[ComponentTransfer],
         storage: GuardedStorage,
+        ticket: int,
     ) -> Prefetch:
         n_tokens = int(plan.host_indices.numel())
         prefetch = Prefetch(
@@ -189,6 +193,7 @@ class Prefetcher:
             transfers=transfers,
             staged=plan.staged,
             staged_reads=plan.staged_reads,
+            ticket=ticket,
         )
         for transfer in transfers:  # the caller's buffers travel with the prefetch from here on
             if isinstance(transfer.pool, KVPool):
@@ -205,7 +210,7 @@ class Prefetcher:
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
         try:
             with anyio.CancelScope(shield=True):  # no new cancel point
-                await self.pacer.turn()
+                await self.pacer.turn(prefetch.ticket)
             views = self._host_pool.page_views(prefetch.host_indices)
             # One bounded piece of loop work per step: concurrent prefetches launched together would
             # otherwise build their views and submit their first reads in one loop iteration (issue 12).
@@ -288,7 +293,7 @@ class Prefetcher:
         # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
         # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
         with anyio.CancelScope(shield=True):
-            await self.pacer.turn()
+            await self.pacer.turn(prefetch.ticket)
         self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]

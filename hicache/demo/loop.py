@@ -59,7 +59,9 @@ class ServingLoop(Generic[ModelT]):
         self.lockstep = lockstep
         self.workload = workload
         self.progress = progress
-        self.worker = ModelWorker(torch_threads)
+        # Bounded above what the requests need (each has at most one call in it, under `running`), so
+        # they never wait for room; anything past that waits.
+        self.worker = ModelWorker(torch_threads, max_calls=2 * max_running)
         """The model thread every forward pass runs in (`close` stops it)."""
         self.running = anyio.CapacityLimiter(max_running)
         self.records: list[RequestRecord] = []

@@ -13,6 +13,12 @@ runs the next call, or the next step of a call cut into steps (a decode) and put
 end of the queue, so a prefill that arrives meanwhile waits for one step of each running decode, as
 before. The loop only hears when a call is done (`call_soon_threadsafe`), and the model never waits for
 it.
+
+The queue is bounded: at most `max_calls` calls are in the worker at once (queued, running, or a decode
+between its steps), and a submitter past that waits on the loop for one to end (backpressure; cancellable
+while it waits, and nothing is queued then). A call in the worker never waits for a slot (a decode puts
+itself back into the slot it holds), so every admitted call runs to its end and frees its slot: `close`
+lets them, and a submitter still waiting then is refused.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
+import anyio
 import torch
 
 from hicache.controller.copies import wait_uncancelled
@@ -49,10 +56,18 @@ class ModelWorker:
 
     Args:
         torch_threads: intra-op threads for the thread's forward passes (`None` leaves torch's setting).
+        max_calls: calls in the worker at once (queued or running); a submitter past it waits.
+
+    Raises:
+        ValueError: `max_calls` is not an int >= 1.
     """
 
-    def __init__(self, torch_threads: int | None) -> None:
+    def __init__(self, torch_threads: int | None, max_calls: int = 64) -> None:
+        if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+            raise ValueError(f"max_calls: expected an int >= 1, got {max_calls!r}")
         self._torch_threads = torch_threads
+        self.max_calls = max_calls
+        self._slots = anyio.Semaphore(max_calls)  # on the submitters' loop: held from admission to result
         self._jobs: deque[_Job[Any]] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -60,9 +75,19 @@ class ModelWorker:
 
     @property
     def waiting(self) -> int:
-        """Calls queued for the model thread (not the one it runs now)."""
+        """Calls queued for the model thread (not the one it runs now, nor submitters waiting for room)."""
         with self._cond:
             return len(self._jobs)
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (every call submitted from then on is refused)."""
+        return self._closed
+
+    @property
+    def admitted(self) -> int:
+        """Calls in the worker (queued or running; at most `max_calls`)."""
+        return self.max_calls - self._slots.value
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn()` in the model thread and return its result (waiting for it even if cancelled)."""
@@ -73,19 +98,27 @@ class ModelWorker:
         return await self._submit(None, steps)
 
     async def _submit(self, fn: Callable[[], T] | None, steps: Steps[T] | None) -> T:
-        loop = asyncio.get_running_loop()
-        job: _Job[T] = _Job(loop, loop.create_future(), fn, steps)
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the model worker is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="hicache-demo-model", daemon=True)
-                self._thread.start()
-            self._jobs.append(job)
-            self._cond.notify()
-        # The model is never abandoned mid-call: a cancelled caller waits for its call to return.
-        await wait_uncancelled(cast("asyncio.Future[None]", job.future))
-        return job.future.result()
+        if self._closed:
+            raise RuntimeError("the model worker is closed")
+        await self._slots.acquire()  # backpressure: cancellable, nothing queued yet
+        try:
+            loop = asyncio.get_running_loop()
+            job: _Job[T] = _Job(loop, loop.create_future(), fn, steps)
+            with self._cond:
+                if self._closed:  # closed while this call waited for room
+                    raise RuntimeError("the model worker is closed")
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._serve, name="hicache-demo-model", daemon=True
+                    )
+                    self._thread.start()
+                self._jobs.append(job)
+                self._cond.notify()
+            # The model is never abandoned mid-call: a cancelled caller waits for its call to return.
+            await wait_uncancelled(cast("asyncio.Future[None]", job.future))
+            return job.future.result()
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         """Stop the thread once the queued calls ran (idempotent)."""

@@ -159,12 +159,51 @@ class LoadBack(Matching, BackupsAndLocks):
             elif not cur.children and not cur.device_lock and not cur.host_lock:
                 freed.append(dv)
                 self._detach(cur)
-            elif bool(torch.isin(dv[:1], device_indices)):
-                kept.append(self._ref(cur))
+            else:
+                # A device-only node a holder keeps (locked, or with a host-only child): it stays, and its
+                # parents with it. It holds none of the load's pages: those went to nodes that came from
+                # the host, which keep their host copy until they leave the tree (only `_detach` drops it).
+                assert not bool(torch.isin(dv[:1], device_indices)), "a loaded page on a device-only node"
         for ref in kept:
             self._poison(self._nodes[ref.id])
         kept.reverse()
         return FreeResult(freed_device=cat_indices(freed), component_frees=self._take_frees()), tuple(kept)
+
+    def poison_load(self, key: KeyLike, start: int, device_indices: torch.Tensor) -> int:
+        """Hide the nodes holding pages of a load-back whose copy may still write into them.
+
+        Every node on the path of `key` from token `start` whose device pages are among `device_indices`
+        is poisoned (no match reaches it or anything below it). Nothing else changes: the pages stay
+        (the caller keeps them locked so nothing evicts and reuses them) until the copy settled and
+        `drop_failed_load` takes them out.
+
+        Args:
+            key: the load's key.
+            start: the load's first token.
+            device_indices: the device pages the copy writes into.
+
+        Returns:
+            How many nodes were poisoned (none once the pages left the tree).
+
+        Raises:
+            TypeError, ValueError: a malformed key or a negative `start`.
+        """
+        kb, _ = self._aligned_key(key)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start: expected an int >= 0, got {start!r}")
+        poisoned = 0
+        node, pos, step = self._root, 0, self._step
+        while pos < len(kb):
+            child = node.children.get(kb[pos : pos + step])
+            if child is None or not kb.startswith(child.key, pos):
+                break
+            dv = child.device_value
+            if pos >= start * TOKEN_BYTES and dv is not None and bool(torch.isin(dv[:1], device_indices)):
+                if not child.poisoned:
+                    poisoned += 1
+                self._poison(child)
+            node, pos = child, pos + len(child.key)
+        return poisoned
 
     def _poison(self, node: TreeNode) -> None:
         """Hide `node` (a failed load's node kept on the device) and everything below it from matching."""

@@ -36,11 +36,12 @@ class Matching(TreeState):
     def match_prefix(self, key: KeyLike) -> MatchResult:
         """Find the longest cached page-aligned prefix of `key` on the device and, beyond it, on the host.
 
-        A match ending inside a node splits it; every matched node's `last_access` is advanced. With
-        components the match is truncated to the deepest node where every component allows a prefix to
-        end (a complete sliding window, a Mamba state): at the deepest host-only node that is valid once
-        loaded (device nodes before it need not be valid ends), else at the deepest valid device node.
-        A poisoned node (`TreeNode.poisoned`) ends the match before it.
+        A match ending inside a node splits it; every node the key runs through has its `last_access`
+        advanced, up to a poisoned node (`TreeNode.poisoned`), which ends the match before it and whose
+        subtree is not touched. With components the match is truncated to the deepest node where every
+        component allows a prefix to end (a complete sliding window, a Mamba state): at the deepest
+        host-only node that is valid once loaded (device nodes before it need not be valid ends), else at
+        the deepest valid device node.
 
         Args:
             key: the token key (bytes, `array('q')`, a 1-D integer tensor or a sequence of ints).
@@ -148,7 +149,9 @@ class Matching(TreeState):
         return self._result(kb, self._walk(kb, len(kb)))
 
     def _walk(self, kb: bytes, cut: int) -> list[TreeNode]:
-        """The nodes page-aligned `kb` runs through, root-first, each touched on the LRU clock (one tick).
+        """The nodes page-aligned `kb` runs through, root-first, each touched on the LRU clock (one tick)
+        up to the first poisoned node: that one and the nodes below it are left as they were (no match
+        returns them, so a walk through them must not keep them on the device longer).
 
         A node the key ends inside is split where it ends (as `match_prefix` does), and a node across byte
         `cut` is split there.
@@ -160,6 +163,7 @@ class Matching(TreeState):
         node = self._root
         pos = 0
         path: list[TreeNode] = []
+        touch = True
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
             if child is None:
@@ -170,7 +174,10 @@ class Matching(TreeState):
                 matched = cut - pos
             if matched < len(ck):
                 child = self._split(child, matched)
-            child.last_access = tick
+            if child.poisoned:
+                touch = False
+            if touch:
+                child.last_access = tick
             path.append(child)
             pos += matched
             node = child

@@ -32,7 +32,7 @@ from test_controller_state_machine import (
 
 from hicache import HiCacheConfig, KVLayout, LoadBackFailed
 from hicache.keys import TOKEN_BYTES, as_key_bytes
-from hicache.memory.layerwise import LayerReadiness, read_layer_tokens
+from hicache.memory.layerwise import LayerReadiness, LayerwiseCopy, read_layer_tokens
 from hicache.policy import StopPolicy, WritePolicy
 
 
@@ -123,6 +123,53 @@ class LayerwiseControllerMachine(ControllerMachine):
 
         self.run(go)
 
+    @rule(seq=sequences, stored=st.none() | picks, layer=st.integers(0, 1), reach=st.booleans())
+    def acquire_then_end_loads_with_their_copy_running(
+        self, seq: tuple[list[int], int], stored: int | None, layer: int, reach: bool
+    ) -> None:
+        """Acquire with the copy held before `layer` (reached by its thread first, with `reach`), then end
+        every layer-wise load's task with an exception other than a cancellation while it waits for its
+        copy (`_run` absorbs cancellations; this is what is left): a load whose copy may still write is
+        hidden (poisoned, locked) until it settled, so meanwhile no match reaches its pages; then it is
+        dropped as a failed load."""
+        tokens = self.pick_tokens(seq, stored)
+        self.remember(tokens)
+        request_id = self.next_id("i")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            loader = layered_loader_of(cache)
+            hold = HoldThenFail(layer, fail=False)
+            loader.before_layer = hold
+            try:
+                lease = await cache.acquire(request_id, tokens)
+                if opened:
+                    self.backend.gated = True
+                self.leases[request_id] = Held(lease, tokens)
+                loads = [load for load in loader._in_flight.values() if not load.deferred]
+                if not loads:
+                    return
+                if reach:
+                    await anyio.to_thread.run_sync(hold.reached.wait)
+                for load in loads:
+                    end_its_task_while_it_waits(load.copy)
+                for task in list(loader._tasks):
+                    task.cancel()
+                with anyio.fail_after(30):
+                    while not all(load.finished or load.deferred for load in loads):
+                        await anyio.lowlevel.checkpoint()
+                for load in loads:
+                    if load.deferred:
+                        event("a load ended with its copy running, hidden until it settled")
+                        match = cache.match(load.key)
+                        assert not bool(torch.isin(match.device_indices, load.device_indices).any())
+            finally:
+                hold.release()
+                loader.before_layer = None
+
+        self.run(go)
+
     @rule(seq=short_sequences)
     def serve(self, seq: tuple[list[int], int]) -> None:
         """A whole request whose model reads the prefix layer by layer as it lands: each layer is read only
@@ -171,10 +218,12 @@ class LayerwiseControllerMachine(ControllerMachine):
 
 
 class HoldThenFail:
-    """A `before_layer` hook: the first copy to reach `layer` waits there until `release()`, then fails."""
+    """A `before_layer` hook: the first copy to reach `layer` waits there until `release()`, then fails
+    (unless `fail` is false)."""
 
-    def __init__(self, layer: int) -> None:
+    def __init__(self, layer: int, *, fail: bool = True) -> None:
         self.layer = layer
+        self.fail = fail
         self.reached = threading.Event()
         self._go = threading.Event()
         self._used = False
@@ -185,10 +234,30 @@ class HoldThenFail:
         self._used = True
         self.reached.set()
         assert self._go.wait(30), "the test never released the held copy"
-        raise RuntimeError(f"injected copy failure at layer {layer}")
+        if self.fail:
+            raise RuntimeError(f"injected copy failure at layer {layer}")
 
     def release(self) -> None:
         self._go.set()
+
+
+class Interrupted(BaseException):
+    """Ends a load's task while it waits for its copy (neither an `Exception` nor a cancellation)."""
+
+
+def end_its_task_while_it_waits(copy: LayerwiseCopy) -> None:
+    """The next `wait_settled` of `copy` (its task's, once cancelled) raises `Interrupted` at once."""
+    real = copy.wait_settled
+    used = False
+
+    async def interrupted() -> None:
+        nonlocal used
+        if not used:
+            used = True
+            raise Interrupted
+        await real()
+
+    copy.wait_settled = interrupted  # type: ignore[method-assign]
 
 
 class KeptPathMachine(LayerwiseControllerMachine):

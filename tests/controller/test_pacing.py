@@ -59,6 +59,25 @@ async def test_callers_arriving_together_take_their_turns_in_distinct_iterations
     assert (pacer.turns, pacer.queued, pacer.waiting) == (8, 7, 0)
 
 
+async def test_queued_callers_resume_oldest_ticket_first(iterations: IterationCounter) -> None:
+    """A caller showing an older ticket goes ahead of callers queued before it with newer ones; a caller
+    without a ticket takes a new one (after every ticket handed out before)."""
+    pacer = LoopPacer()
+    old, new = pacer.ticket(), pacer.ticket()
+    seen: list[str] = []
+
+    async def caller(name: str, ticket: int | None) -> None:
+        await pacer.turn(ticket)
+        seen.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(caller, "first, holds the turn", None)
+        tg.start_soon(caller, "no ticket", None)
+        tg.start_soon(caller, "new", new)
+        tg.start_soon(caller, "old", old)
+    assert seen == ["first, holds the turn", "old", "new", "no ticket"]
+
+
 async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: IterationCounter) -> None:
     """A lone caller does not wait a loop iteration: an idle cache's prefetch is not slowed."""
     pacer = LoopPacer()
@@ -160,6 +179,8 @@ class ProbeRecorder(PassThroughBackend):
         super().__init__(inner)
         self.iterations = iterations
         self.lookups: list[int] = []
+        self.reads: list[int] = []
+        """The loop iteration in which each read was submitted."""
         self.gate = anyio.Event()
 
     async def exists(self, keys: Sequence[str]) -> int:
@@ -167,6 +188,7 @@ class ProbeRecorder(PassThroughBackend):
         return await self.inner.exists(keys)
 
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        self.reads.append(self.iterations.now)
         await self.gate.wait()
         return await self.inner.get(keys, buffers)
 
@@ -201,6 +223,10 @@ async def test_prefetches_started_together_are_admitted_and_committed_one_per_it
                 assert len(backend.lookups) == 8
                 backend.gate.set()  # every read finishes in the same iteration
             assert len(set(backend.lookups)) == 8
+            # Oldest first: the first prefetch's allocation and launch go ahead of the first stages of the
+            # prefetches started after it, so the read threads get work before every lookup is made
+            # (first come first served, its first read waited for all eight lookups).
+            assert min(backend.reads) < max(backend.lookups)
             assert [loaded for loaded, _ in committed] == [32] * 8
             assert len({at for _, at in committed}) == 8
             assert cache.statistics().prefetches_in_flight == 0

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,84 @@ def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
     queue.close()
     worker.join(30)
     assert not worker.is_alive()
+    other.close()
+
+
+def _readable_now(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
+
+
+def _gate() -> tuple[threading.Event, threading.Event, Callable[[tuple[str, ...]], object]]:
+    """A hook that says when its job starts and holds the worker until released: (started, release, hook)."""
+    started, release = threading.Event(), threading.Event()
+
+    def hook(keys: tuple[str, ...]) -> None:
+        started.set()
+        assert release.wait(30)
+
+    return started, release, hook
+
+
+def test_a_set_of_jobs_signals_once_its_last_job_finishes(tmp_path: Path) -> None:
+    """Jobs submitted with a leader form a set: the first two finish without waking the loop (fileno() not
+    readable while the third still reads), the third's finish signals, and one collect() takes all three."""
+    root = str(tmp_path)
+    queue = native.ReadQueue()
+    started, release, hook = _gate()
+    first = queue.submit(root, ".kvp", ["abcd0000"], None, NS16, 0, None)
+    second = queue.submit(root, ".kvp", ["abcd0001"], None, NS16, 0, None, first)
+    third = queue.submit(root, ".kvp", ["abcd0002"], None, NS16, 0, hook, second)  # a follower's leader
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    assert started.wait(30)  # one worker, FIFO: the first two are on the done list now
+    assert not _readable_now(queue.fileno())
+    release.set()
+    _wait_readable(queue.fileno())
+    assert queue.collect() == [first, second, third]
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+
+
+def test_cancel_signals_so_a_cancelled_callers_finished_jobs_are_collected(tmp_path: Path) -> None:
+    """A caller cancelled while one job of its set still reads withdraws them all: `cancel` of a finished
+    job signals (so it is collected now, not when the slow one ends), a cancelled pending job no longer
+    counts, and the reading job's finish still signals."""
+    root = str(tmp_path)
+    queue = native.ReadQueue()
+    started, release, hook = _gate()
+    done = queue.submit(root, ".kvp", ["abcd0000"], None, NS16, 0, None)
+    reading = queue.submit(root, ".kvp", ["abcd0001"], None, NS16, 0, hook, done)
+    pending = queue.submit(root, ".kvp", ["abcd0002"], None, NS16, 0, None, done)
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    assert started.wait(30)
+    assert not _readable_now(queue.fileno())
+    assert queue.cancel(done) is False  # finished: not cancellable, but now signalled
+    assert _readable_now(queue.fileno())
+    assert queue.collect() == [done]
+    assert queue.cancel(pending) is True
+    assert queue.collect() == []  # the cancel's signal: nothing else finished
+    release.set()
+    _wait_readable(queue.fileno())
+    assert queue.collect() == [reading]
+    assert pending.times()[1:] == (0, 0)
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+
+
+def test_submit_refuses_a_leader_of_another_queue(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    queue, other = native.ReadQueue(), native.ReadQueue()
+    foreign = other.submit(root, ".kvp", ["abcd0000"], None, NS16, 0, None)
+    for leader in (foreign, "abcd"):
+        with pytest.raises(ValueError, match="leader"):
+            queue.submit(root, ".kvp", ["abcd0001"], None, NS16, 0, None, leader)  # type: ignore[arg-type]
+    assert other.cancel(foreign) is True
+    queue.close()
     other.close()
 
 

@@ -452,6 +452,15 @@ def sglang_summary(ours: dict[int, dict[str, dict[str, Any]]], sglang: dict[str,
     return out
 
 
+def states(value: str) -> str:
+    """The `--states` argument: a comma-separated list of `hot` and `cold` (a typo must not time an unwarmed
+    cache as hot)."""
+    names = value.split(",")
+    if not names or any(name not in ("hot", "cold") for name in names):
+        raise argparse.ArgumentTypeError(f"expected hot, cold or hot,cold; got {value!r}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=1024)
@@ -468,7 +477,9 @@ def main() -> None:
     )
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
     parser.add_argument("--page-kib", default="1024,64", help="page payload sizes in KiB, comma-separated")
-    parser.add_argument("--states", default="hot,cold", help="page cache states: hot, cold or both")
+    parser.add_argument(
+        "--states", type=states, default="hot,cold", help="page cache states: hot, cold or both"
+    )
     parser.add_argument(
         "--no-sglang", action="store_true", help="skip SGLang's file backend baseline (../shared/baselines)"
     )

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         StorageError,
         StorageUnavailable,
         UnknownRequest,
+        UnsupportedEventLoop,
     )
     from hicache.keys import Namespace
     from hicache.layout import KVLayout
@@ -108,6 +109,7 @@ _MODULE_OF = {
     "Tier": "hicache.tiers",
     "TreeStatistics": "hicache.tree",
     "UnknownRequest": "hicache.errors",
+    "UnsupportedEventLoop": "hicache.errors",
     "WritePolicy": "hicache.policy",
 }
 
@@ -162,6 +164,7 @@ __all__ = [
     "Tier",
     "TreeStatistics",
     "UnknownRequest",
+    "UnsupportedEventLoop",
     "WritePolicy",
 ]
 

@@ -17,6 +17,7 @@ __all__ = [
     "StorageError",
     "StorageUnavailable",
     "UnknownRequest",
+    "UnsupportedEventLoop",
 ]
 
 
@@ -44,6 +45,11 @@ class CacheClosed(HiCacheError, RuntimeError):
 class LoadBackFailed(HiCacheError, RuntimeError):
     """Raised by `LayerReadiness.wait_layer` when a layer-wise load-back's copy failed before that layer
     landed (the model must not read it)."""
+
+
+class UnsupportedEventLoop(HiCacheError, RuntimeError):
+    """Raised when a cache is started outside an asyncio event loop (anyio on trio, or no loop at all): the
+    read threads' eventfd, the loop pacer and the background workers are asyncio's."""
 
 
 class UnknownRequest(HiCacheError, KeyError):

@@ -7,6 +7,7 @@ opens the storage tier and the background workers, close cancels prefetches and 
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from types import TracebackType
 from typing import Self
@@ -17,7 +18,7 @@ from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.parts import CacheParts
 from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
 from hicache.controller.storage_writer import StorageWriter
-from hicache.errors import CacheClosed
+from hicache.errors import CacheClosed, UnsupportedEventLoop
 from hicache.parallel import RankFailed, check_same_pools
 from storage_backends.protocol import StorageBackend
 
@@ -51,6 +52,12 @@ class CacheLifecycle(CacheParts):
             raise CacheClosed("start: this HiCache was closed")
         if self._state.started:
             return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # anyio on trio: the read threads' eventfd and the pacer need asyncio's loop
+            raise UnsupportedEventLoop(
+                "start: HiCache runs on asyncio (anyio's asyncio backend); no asyncio event loop is running"
+            ) from None
         try:
             if self.storage is None and self.config.storage_url is not None:
                 self.storage = open_configured_storage(self.config)

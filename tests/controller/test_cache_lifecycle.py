@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import warnings
 from collections.abc import AsyncIterator, Sequence
@@ -11,7 +12,7 @@ import pytest
 from cache_internals import component_pools_of, host_pool_of
 from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_sequence, tokens
 
-from hicache import HiCache, KVLayout
+from hicache import HiCache, KVLayout, UnsupportedEventLoop
 from hicache.components import MambaState, SlidingWindow
 from hicache.controller import allocation as allocation_module
 from hicache.controller import copies as copies_module
@@ -225,3 +226,16 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
     assert sorted(steps[2:]) == ["aclose returned", "load_back returned"]
     assert closed_when_copy_returned == [False]
     assert all(pool.closed for pool in pools)
+
+
+def test_a_cache_started_outside_asyncio_is_refused_by_name() -> None:
+    """Driven by another event loop (trio through anyio, or none: here the coroutine is stepped by hand),
+    `start` raises `UnsupportedEventLoop` before it opens anything, instead of failing later inside the
+    read threads' eventfd watch or the pacer; the cache can still be closed cleanly."""
+    cache = HiCache(make_config())
+    step = cache.start()
+    with pytest.raises(UnsupportedEventLoop, match="asyncio"):
+        step.send(None)
+    assert not cache.statistics().prefetches_in_flight
+    asyncio.run(cache.aclose())
+    assert all(pool.closed for pool in every_pool(cache))

@@ -92,15 +92,20 @@ def _wait_readable(fd: int) -> None:
     assert ready, "no job finished"
 
 
-def _start_and_collect(queue: native.ReadQueue, count: int) -> tuple[threading.Thread, list[native.ReadJob]]:
-    """Start a worker thread on `queue` and collect finished jobs until `count` came back."""
-    worker = threading.Thread(target=queue.work)
-    worker.start()
+def _collect(queue: native.ReadQueue, count: int) -> list[native.ReadJob]:
+    """Collect finished jobs until `count` came back (a cancel's signal may wake with none finished)."""
     finished: list[native.ReadJob] = []
     while len(finished) < count:
         _wait_readable(queue.fileno())
         finished += queue.collect()
-    return worker, finished
+    return finished
+
+
+def _start_and_collect(queue: native.ReadQueue, count: int) -> tuple[threading.Thread, list[native.ReadJob]]:
+    """Start a worker thread on `queue` and collect finished jobs until `count` came back."""
+    worker = threading.Thread(target=queue.work)
+    worker.start()
+    return worker, _collect(queue, count)
 
 
 def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
@@ -151,8 +156,14 @@ def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:
     assert other.cancel(foreign) is True
     worker, finished = _start_and_collect(queue, 4)
     assert finished == [jobs[1], jobs[2], jobs[4], late]
-    lone = submit(8)  # alone in the queue once the worker drained it: head and tail at once
-    assert queue.cancel(lone) in (True, False)  # the worker may have taken it already
+    started, release, hook = _gate()
+    busy = queue.submit(str(tmp_path), ".kvp", ["abcd0008"], None, NS16, 0, hook)
+    assert started.wait(30)  # the worker holds `busy`: the queue is empty again
+    lone = submit(9)  # alone in the queue: head and tail at once
+    assert queue.cancel(lone) is True
+    release.set()
+    assert _collect(queue, 1) == [busy]
+    assert lone.times()[1:] == (0, 0)  # never started
     queue.close()
     worker.join(30)
     assert not worker.is_alive()

@@ -43,6 +43,10 @@ def read_pages(
 class ReadJob:
     """A batch of pages handed to a `ReadQueue`: its handle (cancel it, or take its result)."""
 
+    finished: bool
+    """Whether a worker finished the job: its buffers are written for good (`collect()` may not have taken
+    it yet: a job of a set waits for the set's last)."""
+
     def times(self) -> tuple[int, int, int]:
         """When the job was queued, started and finished, in `time.monotonic_ns()` (0: not yet)."""
 

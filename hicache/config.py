@@ -237,12 +237,6 @@ class HiCacheConfig:
         if self.tp_group is not None:
             if not isinstance(self.tp_group, RankGroup):
                 raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
-            if components and self.tp_group.tp_size > 1:
-                # Their slots are allocated, evicted, backed up and loaded back on rank-local pool facts.
-                raise ValueError(
-                    "tp_group: hybrid components are not supported under tensor parallelism yet (their "
-                    "slots' allocation, eviction, backup and load-back are not agreed across the ranks)"
-                )
             if self.tp_group.tp_size > 1 and self.layerwise_load_back and self.tp_group.readiness is None:
                 # `wait_layer` is a collective in the model's thread, beside the agreement's steps.
                 raise ValueError(

@@ -52,7 +52,7 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 4 /* 3: chain_page_keys; 4: job sets (submit's `leader`) */
+#define NATIVE_BUILD 5 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
@@ -741,6 +741,25 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* ReadJob.finished: read under its queue's mutex, so a caller that sees True also sees every byte the job
+   wrote (and knows it writes no more). Defined here, after ReadQueue; PyInit sets ReadJobType.tp_getset. */
+static PyObject *job_get_finished(ReadJob *job, void *closure) {
+    (void)closure;
+    ReadQueue *q = (ReadQueue *)job->queue;
+    int finished;
+    if (q != NULL) pthread_mutex_lock(&q->mu);
+    finished = job->state == JOB_DONE;
+    if (q != NULL) pthread_mutex_unlock(&q->mu);
+    return PyBool_FromLong(finished);
+}
+
+static PyGetSetDef job_getset[] = {
+    {"finished", (getter)job_get_finished, NULL,
+     "Whether a worker finished the job (its buffers are written for good; collect() may not have taken it).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyObject *queue_retire(ReadQueue *q, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
@@ -915,6 +934,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__hicache_native(void) {
+    ReadJobType.tp_getset = job_getset;
     if (PyType_Ready(&ReadJobType) < 0 || PyType_Ready(&ReadQueueType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

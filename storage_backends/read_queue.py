@@ -208,14 +208,15 @@ class ReadThreads:
                 self._queue.retire(1)  # the replacement started for it is one worker too many now
 
     def _withdraw(self, job: native.ReadJob, buffers: Sequence[object]) -> None:
-        """A cancelled caller's job: withdrawn if not started, else abandoned (see the module docstring).
+        """A cancelled caller's job: withdrawn if not started, dropped if finished (a group of a set waits
+        uncollected for the set's last), else abandoned (see the module docstring).
 
         Under `_lock` with `_settle`: otherwise a worker leaving a closed queue could collect and settle the
         job between its `_waiting.pop` here and its registration in `_abandoned`, which would then never
         be finished (its buffers counted as a stray thread's for ever)."""
         with self._lock:
-            if self._waiting.pop(job, None) is None or self._queue.cancel(job):
-                return
+            if self._waiting.pop(job, None) is None or self._queue.cancel(job) or job.finished:
+                return  # settled, withdrawn before it started, or finished: it writes no more
             self._abandoned[job] = buffers
             stray_threads.start(buffers)
         if not self._queue.closed:

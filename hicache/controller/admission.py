@@ -23,7 +23,7 @@ from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES, chained_page_keys
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
-from hicache.parallel.agreement import Agreement
+from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
 
@@ -264,6 +264,8 @@ class Admission:
         remainder = len(key) // TOKEN_BYTES - matched
         probe = agreement.propose("probe", request_id)
         evict = agreement.propose("probe_evict", request_id, default=_NO_EVICTION)
+        # Each component's host slots to evict for the staged reads ride on the probe's step.
+        rooms = [agreement.propose("probe_component_room", f"{request_id}:{c.name}") for c in tree.components]
         anchor = (
             tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
         )
@@ -272,23 +274,41 @@ class Admission:
             key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
 
+        # Counted from its check until it returns, as on one rank (`plan`): a plan admitted meanwhile
+        # sees it. The capacity is this rank's value; the agreed hit is the least over the ranks.
+        admitting = self._admitting_tokens
+        self._admitting_tokens += remainder
+
         async def local() -> int:
             try:
-                if inflight_tokens + remainder > config.capacity_tokens or not self._breaker.allows():
+                if inflight_tokens + admitting + remainder > config.capacity_tokens:
+                    return 0
+                if not self._breaker.allows():
                     return 0
                 probed = await self._probe(request_id, storage, page_keys, remainder)
                 hit_pages = 0 if isinstance(probed, SkipReason) else probed
                 self._forget_stored(page_keys[hit_pages:])
                 need = hit_pages * page - self._allocator.free_host_tokens()
                 evict.settle(_NO_EVICTION - max(0, need))
+                for comp, room in zip(tree.components, rooms, strict=True):
+                    # The slots of this rank's hit: the agreed hit is no longer, so it needs no more.
+                    slots = (
+                        comp.prefix_pages(hit_pages * page, page)
+                        * self._component_pools[comp.name].host.page_size
+                    )
+                    lack = slots - self._allocator.free_component_slots(comp.name, Tier.HOST)
+                    room.settle(encode_max(max(0, lack)))
                 return hit_pages
             finally:
                 evict.settle(_NO_EVICTION)  # every path settles it (a no-op once settled above)
+                for room in rooms:
+                    room.settle(encode_max(0))
 
         tree.lock_host(anchor)
         try:
             hit_pages = await agreement.agree_on(probe, local)
             to_evict = _NO_EVICTION - await agreement.agree(evict)
+            comp_evict = [decode_max(await agreement.agree(room)) for room in rooms]
             self._state.check_open("prefetch")
             if anchor_end + hit_pages * page - matched < config.prefetch_threshold:
                 tree.unlock_host(anchor)
@@ -298,8 +318,20 @@ class Admission:
             host_indices = self._allocator.alloc_host_free(hit_pages * page, owner=Owner.PREFETCH)
         except BaseException:
             evict.settle(_NO_EVICTION)
+            for room in rooms:
+                room.settle(encode_max(0))
             tree.unlock_host(anchor)
             raise
+        finally:
+            self._admitting_tokens -= remainder
+        staged: tuple[list[ComponentTransfer], _StagedReads] = ([], [])
+        if tree.components:
+            got = await self._stage_agreed(
+                request_id, storage, hashes[:hit_pages], host_indices, anchor, comp_evict, agreement
+            )
+            if isinstance(got, SkipReason):
+                return got
+            staged = got
         n_pages = host_indices.numel() // page
         return PrefetchPlan(
             anchor=anchor,
@@ -307,9 +339,62 @@ class Admission:
             hashes=hashes[:n_pages],
             page_keys=page_keys[:n_pages],
             host_indices=host_indices,
-            staged=[],
-            staged_reads=[],
+            staged=staged[0],
+            staged_reads=staged[1],
         )
+
+    async def _stage_agreed(
+        self,
+        request_id: str,
+        storage: GuardedStorage,
+        hashes: Sequence[bytes],
+        host_indices: torch.Tensor,
+        anchor: NodeRef,
+        comp_evict: Sequence[int],
+        agreement: Agreement,
+    ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
+        """Stage the components of an agreed prefetch, all or nothing on every rank: each rank evicts the
+        agreed component slots (the same from its identical tree), then looks its component pages up
+        and takes its slots; one `stage` decision (1: this rank has every page of the agreed hit and
+        every component staged) agrees whether the prefetch goes on. If not, every rank lets go of
+        everything and skips with `COMPONENT_MISS`. One more step per prefetch with components."""
+        tree = self._tree
+        page = self._config.page_size
+        for comp, need in zip(tree.components, comp_evict, strict=True):
+            self._allocator.evict_component_slots(comp.name, Tier.HOST, need)
+        stage = agreement.propose("stage", request_id)
+        got: list[tuple[list[ComponentTransfer], _StagedReads]] = []
+
+        async def local() -> int:
+            if host_indices.numel() < len(hashes) * page:
+                return 0  # this rank's host pool did not take every page of the agreed hit
+            staged = await self._stage_components(storage, hashes, len(hashes) * page, evict=False)
+            if isinstance(staged, SkipReason):
+                return 0
+            got.append(staged)
+            return 1
+
+        def let_go() -> None:
+            for transfers, _ in got:
+                for transfer in transfers:
+                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
+                    if not pool.closed:
+                        pool.free(transfer.indices)
+            if not self._host_pool.closed:
+                self._host_pool.free(host_indices)
+            tree.unlock_host(anchor)
+
+        try:
+            ok = await agreement.agree_on(stage, local)
+            self._state.check_open("prefetch")
+        except BaseException:
+            let_go()
+            raise
+        if not ok:
+            let_go()
+            return SkipReason.COMPONENT_MISS
+        assert got
+        return got[0]
 
     async def _stage_components_or_free(
         self,
@@ -339,12 +424,14 @@ class Admission:
         return got
 
     async def _stage_components(
-        self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int
+        self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int, *, evict: bool = True
     ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
         """Host buffers and page keys of every component a prefix of `num_tokens` tokens needs at its end.
 
         All or nothing: a skip reason when storage lacks any of the pages (a partial window, no Mamba
-        state) or a component's host pool cannot take them; nothing stays allocated then.
+        state) or a component's host pool cannot take them; nothing stays allocated then. `evict`:
+        whether to evict component values for the slots (not under tensor parallelism, where the
+        eviction was agreed before).
         """
         staged: list[ComponentTransfer] = []
         reads: _StagedReads = []
@@ -369,8 +456,13 @@ class Admission:
                     reason = SkipReason.COMPONENT_MISS
                     break
                 host_pool = self._component_pools[comp.name].host
-                indices = self._allocator.alloc_component_slots(
-                    comp.name, Tier.HOST, k * host_pool.page_size, owner=Owner.PREFETCH
+                slots = k * host_pool.page_size
+                indices = (
+                    self._allocator.alloc_component_slots(comp.name, Tier.HOST, slots, owner=Owner.PREFETCH)
+                    if evict
+                    else self._allocator.alloc_component_free(
+                        comp.name, Tier.HOST, slots, owner=Owner.PREFETCH
+                    )
                 )
                 if indices is None:
                     reason = SkipReason.COMPONENT_HOST_FULL

@@ -24,20 +24,20 @@ calls and resolving steps, so every rank sheds the same targets.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-from hicache.controller.allocation import Allocator
+from hicache.controller.allocation import Allocator, ComponentPools
 from hicache.controller.copies import CopyTracker
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
-from hicache.parallel.agreement import Agreement, Decision
+from hicache.parallel.agreement import Agreement, Decision, decode_max, encode_max
 from hicache.policy import WritePolicy
 from hicache.tiers import ShedReason, Tier
-from hicache.tree import NodeRef, RadixTree
+from hicache.tree import ComponentFree, NodeRef, RadixTree
 
 __all__ = ["AgreedBackup", "AgreedBackups", "AgreedStore"]
 
@@ -60,6 +60,9 @@ class AgreedBackup:
     host: torch.Tensor
     chain_hosts: list[torch.Tensor]
     """Each chain's part of `host` (sized when begun: a node may be split while it is copied)."""
+    chain_components: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    """Per chain, the component values copied with it: (name, device slots, host slots), one per node
+    and component backed up."""
     decision: Decision | None = None
     copy: _Copy = _Copy.QUEUED
     copied: int = 0
@@ -95,7 +98,9 @@ class AgreedBackups:
     Args:
         tree: the radix tree.
         device_pool, host_pool: the pools copied between.
-        allocator: frees and takes host pages.
+        component_pools: the hybrid components' pools, by name (their values are backed up with their
+            nodes: the host slots to evict for them are agreed with the batch's host room).
+        allocator: frees and takes host and component pages.
         copies: runs the device->host copies.
         metrics: the cache's metric set.
         agreement: the tensor-parallel agreement.
@@ -109,6 +114,7 @@ class AgreedBackups:
         tree: RadixTree,
         device_pool: KVPool,
         host_pool: KVPool,
+        component_pools: Mapping[str, ComponentPools],
         allocator: Allocator,
         copies: CopyTracker,
         metrics: CacheMetrics,
@@ -118,11 +124,10 @@ class AgreedBackups:
         store_limit: int,
         write_through: bool,
     ) -> None:
-        if tree.components:
-            raise ValueError("tree: hybrid components are not supported under tensor parallelism")
         self._tree = tree
         self._device_pool = device_pool
         self._host_pool = host_pool
+        self._component_pools = component_pools
         self._allocator = allocator
         self._copies = copies
         self._metrics = metrics
@@ -175,7 +180,15 @@ class AgreedBackups:
         if not tokens:
             return None
         deficit = max(0, tokens - self._allocator.free_host_tokens())
+        # Each component's host slots to evict ride on the same step (the most any rank lacks).
+        slots = self._component_slots(chains)
+        rooms = [(name, self._agreement.propose("backup_component_room", name)) for name in sorted(slots)]
+        for name, room in rooms:
+            room.settle(
+                encode_max(max(0, slots[name] - self._allocator.free_component_slots(name, Tier.HOST)))
+            )
         evict = await self._agreement.agree_max("backup_room", deficit)
+        comp_evict = {name: decode_max(await self._agreement.agree(room)) for name, room in rooms}
         # The tree may have changed during the step (a backup resolved): plan again, alike everywhere.
         kept, chains, again = self._chains(kept)
         if not again:
@@ -184,6 +197,15 @@ class AgreedBackups:
         if evict and self._allocator.evict_host(evict) < evict:
             self._metrics.backup_skipped.inc()  # some rank has no room: no rank backs up
             return None
+        # A component whose host slots the tree could not free (on every rank alike) is not backed up
+        # with this batch: its nodes are tombstones on host there, as on one rank.
+        backed = {
+            name: self._allocator.evict_component_slots(
+                name, Tier.HOST, need + max(0, n - slots.get(name, 0))
+            )
+            for name, n in self._component_slots(chains).items()
+            for need in [comp_evict.get(name, 0)]
+        }
         # Free host pages only grew since this rank settled (nothing allocates host pages off the engine
         # path under tensor parallelism): with the agreed eviction, they cover the batch.
         host = self._host_pool.alloc(again, Owner.COPY)
@@ -193,24 +215,61 @@ class AgreedBackups:
             )
         device_parts: list[torch.Tensor] = []
         chain_hosts: list[torch.Tensor] = []
+        chain_comps: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = []
         offset = 0
         for chain in chains:
             start = offset
+            comps: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+            chain_comps.append(comps)
             for node in chain:
                 info = self._tree.node_info(node)
                 size = info.num_tokens
                 assert info.device_value is not None
-                self._tree.begin_backup(node, host[offset : offset + size])
+                staged = self._stage_components(node, backed)
+                comps.extend((name, device, slots) for name, (device, slots) in staged.items())
+                staged_hosts = {name: slots for name, (_, slots) in staged.items()}
+                self._tree.begin_backup(node, host[offset : offset + size], staged_hosts or None)
                 device_parts.append(info.device_value)
                 offset += size
             chain_hosts.append(host[start:offset])
-        batch = AgreedBackup(kept, chains, torch.cat(device_parts), host, chain_hosts)
+        batch = AgreedBackup(kept, chains, torch.cat(device_parts), host, chain_hosts, chain_comps)
         self.pending_targets += len(kept)
         nodes = sum(len(chain) for chain in chains)
         batch.decision = self._agreement.propose(
             "backup", f"{nodes}:{again}", on_resolve=lambda agreed: self._resolved(batch, agreed)
         )
         return batch
+
+    def _component_slots(self, chains: Sequence[Sequence[NodeRef]]) -> dict[str, int]:
+        """Host slots each component's device values on `chains` need (components with none left out)."""
+        out: dict[str, int] = {}
+        for chain in chains:
+            for node in chain:
+                for comp in self._tree.components:
+                    value = self._tree.component_value(node, comp.name, Tier.DEVICE)
+                    if value is not None:
+                        out[comp.name] = out.get(comp.name, 0) + int(value.numel())
+        return out
+
+    def _stage_components(
+        self, node: NodeRef, backed: Mapping[str, bool]
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Host slots for `node`'s device component values that are backed up (`backed`): name ->
+        (device, host). The agreed eviction made the room, so every slot is had on every rank."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for comp in self._tree.components:
+            device = self._tree.component_value(node, comp.name, Tier.DEVICE)
+            if device is None or not backed.get(comp.name, False):
+                continue
+            slots = self._allocator.alloc_component_free(
+                comp.name, Tier.HOST, int(device.numel()), owner=Owner.COPY
+            )
+            if slots is None:
+                raise AssertionError(
+                    f"rank {self._agreement.tp_rank}: no {comp.name} host slots for an agreed backup"
+                )
+            out[comp.name] = (device, slots)
+        return out
 
     async def back_up_now(self, targets: Sequence[NodeRef]) -> int:
         """Begin, copy and agree a backup within this engine call (a device eviction that needs the host
@@ -249,6 +308,11 @@ class AgreedBackups:
                 self._host_pool,
                 torch.cat([b.host for b in live]),
             )
+            for b in live:
+                for comps in b.chain_components:
+                    for name, device, host in comps:
+                        pools = self._component_pools[name]
+                        await self._copies.copy(pools.device, device, pools.host, host)
         except Exception as exc:
             logger.warning("backup copy of %d batch(es) failed on this rank: %r", len(live), exc)
             ok = 0
@@ -283,16 +347,26 @@ class AgreedBackups:
         self.pending_targets -= len(batch.targets)
         tree = self._tree
         committed: list[NodeRef] = []
-        for target, chain, host in zip(batch.targets, batch.chains, batch.chain_hosts, strict=True):
+        frees: list[ComponentFree] = []
+        comps_by_chain = batch.chain_components or [[] for _ in batch.chains]
+        for target, chain, host, comps in zip(
+            batch.targets, batch.chains, batch.chain_hosts, comps_by_chain, strict=True
+        ):
             if verdict and self._parent_backed_up(chain[0]):
                 for node in chain:
-                    tree.commit_backup(node)
+                    frees.extend(tree.commit_backup(node).component_frees)
+                # The host copies are the tree's now (before freeing what it let go of among them).
+                for name, _, slots in comps:
+                    self._component_pools[name].host.set_owner(slots, Owner.TREE)
                 self._host_pool.set_owner(host, Owner.TREE)
                 committed.append(target)
                 self._metrics.backup_tokens.inc(int(host.numel()))
             else:
                 for node in reversed(chain):
-                    self._host_pool.free(tree.abort_backup(node).freed_host)
+                    aborted = tree.abort_backup(node)
+                    self._host_pool.free(aborted.freed_host)
+                    self._allocator.free_components(aborted.component_frees)
+        self._allocator.free_components(frees)
         if committed and self.write_through and self._agreement.failed is None:
             self._store(committed)
 

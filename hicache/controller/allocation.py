@@ -13,6 +13,7 @@ from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
+from hicache.parallel.agreement import Agreement
 from hicache.tiers import Tier
 from hicache.tree import ComponentFree, RadixTree
 
@@ -54,6 +55,9 @@ class Allocator:
         self._component_pools = component_pools
         self._release_queue = release_queue
         self._page_size = host_pool.page_size
+        self.agreement: Agreement | None = None
+        """Under tensor parallelism: component slots are then taken with agreed evictions
+        (`take_component_slots`)."""
 
     def free_components(self, frees: Sequence[ComponentFree]) -> None:
         """Return the component indices a tree operation's result says it let go of to their pools."""
@@ -75,6 +79,52 @@ class Allocator:
         if free < num_slots:
             self.free_components(self._tree.evict_component(name, num_slots - free, tier).component_frees)
         return pool.alloc(num_slots, owner)
+
+    def free_component_slots(self, name: str, tier: str) -> int:
+        """Slots of component `name`'s pool on `tier` free now (the release queue flushed first on host)."""
+        pool = self._component_pools[name].on(tier)
+        if tier == Tier.HOST:
+            self._release_queue.flush()
+        return pool.statistics().free_pages * pool.page_size
+
+    def alloc_component_free(
+        self, name: str, tier: str, num_slots: int, *, owner: Owner
+    ) -> torch.Tensor | None:
+        """Slots of a component's pool on `tier` from what is free, evicting nothing; None if short."""
+        pool = self._component_pools[name].on(tier)
+        if tier == Tier.HOST:
+            self._release_queue.flush()
+        return pool.alloc(num_slots, owner)
+
+    def evict_component_slots(self, name: str, tier: str, num_slots: int) -> bool:
+        """Evict `num_slots` slots of component `name` on `tier` from the tree and free what it lets go of;
+        whether it freed that many (a fact of the tree: the same on every tensor-parallel rank)."""
+        if num_slots <= 0:
+            return True
+        result = self._tree.evict_component(name, num_slots, tier)
+        self.free_components(result.component_frees)
+        return result.evicted_slots >= num_slots
+
+    async def take_component_slots(
+        self, name: str, tier: str, num_slots: int, *, owner: Owner, key: str = ""
+    ) -> torch.Tensor | None:
+        """`alloc_component_slots` at a point every rank reaches alike (an engine call). Under tensor
+        parallelism the eviction is agreed in one step (the most slots any rank lacks) and every rank
+        evicts it from its identical tree: all get their slots, or all get None (the tree could not
+        evict that much). With one rank it is `alloc_component_slots`, with no step."""
+        agreement = self.agreement
+        if agreement is None:
+            return self.alloc_component_slots(name, tier, num_slots, owner=owner)
+        lack = max(0, num_slots - self.free_component_slots(name, tier))
+        need = await agreement.agree_max("component_room", lack, f"{name}:{tier}:{key}")
+        if not self.evict_component_slots(name, tier, need):
+            return None
+        # Free slots only grew since this rank said what it lacks (nothing takes component slots off
+        # the engine path under tensor parallelism): with the agreed eviction they cover the request.
+        indices = self.alloc_component_free(name, tier, num_slots, owner=owner)
+        if indices is None:
+            raise AssertionError(f"take_component_slots: agreed room for {num_slots} {name} slots is gone")
+        return indices
 
     def host_room(self) -> int:
         """Host tokens a backup can have now: free pages plus what `evict_host` can really reclaim (host

@@ -134,6 +134,7 @@ class HiCache(CacheLifecycle, CacheObservation):
         self._allocator = Allocator(tree, device, host, comps, queue)
         self.agreement = Agreement.for_group(config.tp_group)
         """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
+        self._allocator.agreement = self.agreement
         self._mover = TierMover(
             config,
             tree,
@@ -316,18 +317,40 @@ class HiCache(CacheLifecycle, CacheObservation):
     def alloc_component(self, name: str, num_slots: int) -> torch.Tensor | None:
         """Allocate device slots of component `name` (whole pages), evicting its unlocked values if needed.
 
-        Returns None when not enough can be evicted. Pass the indices to `insert(components=...)`.
+        Returns None when not enough can be evicted. Pass the indices to `insert(components=...)`. Under
+        tensor parallelism the eviction is agreed across the ranks: use `alloc_component_async` there.
+
+        Raises:
+            ValueError: an unknown component or a count that is not a multiple of its page size.
+            RuntimeError: under tensor parallelism (naming `alloc_component_async`).
+        """
+        self._check_component_request(name, num_slots)
+        if self.agreement is not None:
+            raise RuntimeError(
+                "alloc_component: under tensor parallelism the ranks agree what to evict; call "
+                "`await cache.alloc_component_async(name, num_slots)` on every rank"
+            )
+        return self._allocator.alloc_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)
+
+    async def alloc_component_async(self, name: str, num_slots: int) -> torch.Tensor | None:
+        """`alloc_component` for any number of ranks. Under tensor parallelism it is an engine call (every
+        rank makes it, in the same order): one agreement step agrees the most slots any rank lacks, every
+        rank evicts that much, and every rank gets its slots or every rank gets None. With one rank it
+        is `alloc_component`.
 
         Raises:
             ValueError: an unknown component or a count that is not a multiple of its page size.
         """
+        self._check_component_request(name, num_slots)
+        return await self._allocator.take_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)
+
+    def _check_component_request(self, name: str, num_slots: int) -> None:
         self._state.check_open("alloc_component")
         if name not in self._component_pools:
             raise ValueError(f"name: unknown component {name!r}")
         page = self._component_pools[name].device.page_size
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0 or num_slots % page:
             raise ValueError(f"num_slots: expected a non-negative multiple of {page}, got {num_slots!r}")
-        return self._allocator.alloc_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)
 
     async def alloc_device(self, num_tokens: int) -> torch.Tensor | None:
         """Allocate device pages for `num_tokens` (a multiple of the page size), evicting as needed.

@@ -379,7 +379,9 @@ class Prefetcher:
             await prefetch.wait_for_stop_policy()
             prefetch.request_stop()
             await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
-            return prefetch.completed_pages
+            # Staged components are all or nothing: a rank missing one has no usable page (under tensor
+            # parallelism every rank then drops the prefetch, `COMPONENT_INCOMPLETE`).
+            return prefetch.completed_pages if prefetch.components_complete else 0
 
         decision = self._commits.get(prefetch.request_id)
         if self._agreement is None or decision is None:

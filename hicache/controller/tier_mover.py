@@ -97,6 +97,7 @@ class TierMover:
                 tree,
                 device_pool,
                 host_pool,
+                component_pools,
                 allocator,
                 copies,
                 metrics,
@@ -365,16 +366,23 @@ class TierMover:
             self._device_pool.set_owner(device_indices, Owner.COPY)
             self._copies.track_load(self._device_pool, device_indices)
             loaded: _ComponentCopies = {}
-            # Under tensor parallelism the load-back counts only if it succeeded on every rank.
-            agreed = self._agreement.propose("load_back", "") if self._agreement is not None else None
+            agreed = None
             try:
-                await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
+                # Component slots first (agreed under tensor parallelism): every rank takes them, the
+                # same ones, before any copy can fail on one rank and end its call early.
                 if self._components:
-                    loaded = await self._load_components(match.host_nodes)
+                    loaded = await self._alloc_components(match.host_nodes)
+                # Under tensor parallelism the load-back counts only if it succeeded on every rank.
+                agreed = self._agreement.propose("load_back", "") if self._agreement is not None else None
+                await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
+                for (_, name), (host, device) in loaded.items():
+                    pools = self._component_pools[name]
+                    await self._copies.copy(pools.host, host, pools.device, device)
             except BaseException:
                 if agreed is not None:
                     agreed.settle(0)
                 self._device_pool.free(device_indices)
+                self._free_loaded(loaded)
                 raise
             finally:
                 self._copies.untrack_load(device_indices)
@@ -384,6 +392,7 @@ class TierMover:
                 agreed.settle(1)
                 if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
                     self._device_pool.free(device_indices)
+                    self._free_loaded(loaded)
                     return tree.match_prefix(key[: start * TOKEN_BYTES])
             # The copies are the tree's now; it hands back those no node takes (the tree may have changed
             # while the copy ran: splits, a concurrent load of the same nodes).
@@ -400,11 +409,10 @@ class TierMover:
             tree.unlock_device(match.last_device_node)
         return attached.match
 
-    async def _load_components(self, nodes: Sequence[NodeRef]) -> _ComponentCopies:
-        """Copy the host component values of `nodes` to fresh device slots: (node, name) -> (host, device).
-
-        A component whose device slots cannot be had is not loaded (its nodes stay tombstones there).
-        """
+    async def _alloc_components(self, nodes: Sequence[NodeRef]) -> _ComponentCopies:
+        """Fresh device slots for the host component values of `nodes`: (node, name) -> (host, device),
+        tracked as loads in flight. A component whose device slots cannot be had is not loaded (its
+        nodes stay tombstones there); under tensor parallelism on every rank alike (agreed evictions)."""
         loaded: _ComponentCopies = {}
         try:
             for node in nodes:
@@ -412,18 +420,21 @@ class TierMover:
                     host = self._tree.component_value(node, comp.name, Tier.HOST)
                     if host is None:
                         continue
-                    device = self._allocator.alloc_component_slots(
-                        comp.name, Tier.DEVICE, int(host.numel()), owner=Owner.COPY
+                    device = await self._allocator.take_component_slots(
+                        comp.name, Tier.DEVICE, int(host.numel()), owner=Owner.COPY, key="load_back"
                     )
                     if device is None:
                         continue
                     loaded[(node, comp.name)] = (host, device)
-                    pools = self._component_pools[comp.name]
-                    self._copies.track_load(pools.device, device)
-                    await self._copies.copy(pools.host, host, pools.device, device)
+                    self._copies.track_load(self._component_pools[comp.name].device, device)
         except BaseException:
-            for (_, name), (_, device) in loaded.items():
+            for _, device in loaded.values():
                 self._copies.untrack_load(device)
-                self._component_pools[name].device.free(device)
+            self._free_loaded(loaded)
             raise
         return loaded
+
+    def _free_loaded(self, loaded: _ComponentCopies) -> None:
+        """Give back the device slots of component loads that will not land."""
+        for (_, name), (_, device) in loaded.items():
+            self._component_pools[name].device.free(device)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 import torch
+import xxhash
 
 from hicache.parallel.errors import TreeDivergence
 from hicache.parallel.group import RankGroup
@@ -64,19 +65,43 @@ def _same(digests: list[int]) -> bool:
 
 
 def check_same_pools(config: HiCacheConfig) -> None:
-    """Refuse ranks whose pages differ in size (`page_size`): the trees are page-granular, so ranks with
-    different pages could not hold identical trees. Pool sizes may differ: every decision that depends on
+    """Refuse ranks whose pages differ in size (`page_size`), or whose hybrid components differ in kind,
+    window or page size: the trees are page-granular and a component decides where a prefix may end, so
+    such ranks could not hold identical trees. Pool sizes may differ: every decision that depends on
     a rank's pools is agreed (the most any rank must evict, the least room any rank has). One collective
     on `config.tp_group`.
 
     Raises:
-        ValueError: naming `tp_group` and every rank's page size.
+        ValueError: naming `tp_group` and every rank's page size, or this rank's components.
     """
     group = config.tp_group
     assert group is not None
-    every = group.gather(torch.tensor([config.page_size], dtype=torch.int64)).view(-1).tolist()
+    kinds = _component_kinds(config)
+    digest = xxhash.xxh3_64_intdigest(repr(kinds).encode()) & ((1 << 62) - 1)
+    rows = group.gather(torch.tensor([config.page_size, digest], dtype=torch.int64)).tolist()
+    every = [row[0] for row in rows]
     if any(size != every[0] for size in every):
         raise ValueError(
             f"tp_group: every rank needs the same page_size (the ranks' trees are page-granular); "
             f"page size by rank: {every}"
         )
+    if any(row[1] != rows[0][1] for row in rows):
+        raise ValueError(
+            f"tp_group: every rank needs the same hybrid components (kind, name, window, page size: a "
+            f"component decides where a prefix may end); this rank has {kinds}"
+        )
+
+
+def _component_kinds(config: HiCacheConfig) -> list[tuple[object, ...]]:
+    """What of each component shapes the tree (pool sizes may differ between ranks)."""
+    return [
+        (
+            type(c).__name__,
+            c.name,
+            c.rank,
+            c.lock_path,
+            getattr(c, "window", None),
+            c.pool_layout(config.page_size).page_size,
+        )
+        for c in config.components
+    ]

@@ -64,6 +64,10 @@ class RankGroup:
         self.tp_size: int = dist.get_world_size(self.process_group)
         self.backend: str = str(dist.get_backend(self.process_group))
         self._lock = threading.Lock()
+        """Held for the whole of a collective (one at a time on the group), and by `close` to destroy it."""
+        self._state_lock = threading.Lock()
+        """Guards `_failed` and `_owned` only, never held while waiting: `close` marks the group failed at
+        once, even while a collective holds `_lock`."""
         self._failed: RankFailed | None = None
         self._owned = False
         self.collectives = 0
@@ -127,28 +131,38 @@ class RankGroup:
         """The error that broke the group, or None while it works."""
         return self._failed
 
-    def _run(self, what: str, op: Any) -> None:
+    def _run(self, what: str, op: Any, timeout_s: float | None = None) -> None:
+        wait_s = self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))
         with self._lock:
             if self._failed is not None:
                 raise self._failed
             try:
                 work = op()
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                work.wait(timeout=datetime.timedelta(seconds=wait_s))
             except Exception as exc:
-                self._failed = RankFailed(
+                failed = RankFailed(
                     f"rank {self.tp_rank}/{self.tp_size}: {what} did not complete within "
-                    f"{self.timeout_s:g} s (a peer rank died, closed its group or stopped responding): {exc}"
+                    f"{wait_s:g} s (a peer rank died, closed its group or stopped responding): {exc}"
                 )
-                raise self._failed from exc
+                with self._state_lock:
+                    if self._failed is None:
+                        self._failed = failed
+                    failed = self._failed
+                raise failed from exc
             finally:
                 self.collectives += 1
 
-    def min_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def min_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> torch.Tensor:
         """The elementwise minimum of `tensor` over the ranks (an int64 CPU tensor of the same shape on
         every rank); one collective.
 
+        Args:
+            tensor: this rank's values.
+            timeout_s: the most this collective may wait for the peers (at most the group's `timeout_s`,
+                its default): a caller that already spent part of its own bound passes what is left.
+
         Raises:
-            RankFailed: the collective did not complete within `timeout_s`, now or earlier.
+            RankFailed: the collective did not complete within its timeout, now or earlier.
         """
         if self.tp_size == 1:
             return tensor.clone()
@@ -158,12 +172,14 @@ class RankGroup:
             self._run(
                 "all_gather",
                 lambda: dist.all_gather_single(out, flat, group=self.process_group, async_op=True),
+                timeout_s,
             )
             return out.view(self.tp_size, *tensor.shape).amin(dim=0)
         result = tensor.clone()
         self._run(
             "all_reduce(MIN)",
             lambda: dist.all_reduce(result, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True),
+            timeout_s,
         )
         return result
 
@@ -190,15 +206,24 @@ class RankGroup:
 
     def close(self) -> None:
         """Leave the group: later collectives raise `RankFailed` here, and peers waiting in one see the
-        connection close. Destroys the process group only if `init_local` created it. Idempotent."""
-        with self._lock:
+        connection close. Destroys the process group only if `init_local` created it. Idempotent.
+
+        The group is marked closed at once (a collective starting later raises at once, whatever is in
+        flight); only the destruction of a group `init_local` made waits for a collective in flight to
+        end (bounded by the timeout: a process group must not be destroyed under one). No lock is held
+        while another is taken: the readiness group is closed after this group's state lock is let go,
+        and this group's collective lock is taken last, alone.
+        """
+        with self._state_lock:
             if self._failed is None:
                 self._failed = RankFailed(f"rank {self.tp_rank}/{self.tp_size}: the rank group was closed")
-            if self.readiness is not None:
-                self.readiness.close()
-            if self._owned and dist.is_initialized():
-                self._owned = False
-                dist.destroy_process_group()
+            owned, self._owned = self._owned, False
+        if self.readiness is not None:
+            self.readiness.close()
+        if owned:
+            with self._lock:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
 
     def __repr__(self) -> str:
         state = "failed" if self._failed is not None else "ok"

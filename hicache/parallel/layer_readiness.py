@@ -11,7 +11,8 @@ forever in the model's own collective. So under TP the answer of `wait_layer(i)`
 * A rank first waits locally, in the model's thread (never the event loop), until its layer i landed
   (CPU: copied; CUDA: every layer's copy enqueued, the stream wait follows), its copy stopped short, or
   half the group timeout passed; then the ranks exchange how many layers landed on each (one
-  collective) and every rank takes the minimum.
+  collective, bounded by what is left of the group timeout) and every rank takes the minimum. So one
+  `wait_layer` returns or raises within the group timeout.
 * Layers below the agreed count are ready on every rank: later `wait_layer` calls for them return with
   no collective (the count is the same on every rank, so whether a call runs a collective never depends
   on a rank-local fact). A layer at or beyond a count that some rank reported short raises
@@ -93,12 +94,11 @@ class AgreedLayerReadiness(LayerReadiness):
             landed += 1
         return landed
 
-    def _wait_here(self, layer: int) -> tuple[int, bool]:
-        """Wait (polling, bounded by half the group timeout) until this rank's layer `layer` landed or its
-        copy stopped; return the layers landed here and whether its copy had stopped. CUDA waits for the
-        whole enqueue (launches only), so one collective serves every layer."""
+    def _wait_here(self, layer: int, deadline: float) -> tuple[int, bool]:
+        """Wait (polling, until `deadline`) until this rank's layer `layer` landed or its copy stopped;
+        return the layers landed here and whether its copy had stopped. CUDA waits for the whole enqueue
+        (launches only), so one collective serves every layer."""
         want = self.num_layers if isinstance(self.local, CudaLayerReadiness) else layer + 1
-        deadline = time.monotonic() + self.group.timeout_s / 2
         pause = _POLL_S[0]
         while True:
             if self._revoked():  # dropped here (every layer may have landed): no further layer
@@ -114,7 +114,9 @@ class AgreedLayerReadiness(LayerReadiness):
 
     def wait_layer(self, layer: int) -> None:
         """Return once layer `layer` landed on every rank (on CUDA, the current stream then waits for its
-        copy); a collective of the readiness group unless every rank already knows the answer.
+        copy); a collective of the readiness group unless every rank already knows the answer. Returns
+        or raises within the group timeout of the call (plus the lock wait behind another reader of this
+        load): at most half of it waiting for this rank's copy, the rest for the peers in the collective.
 
         Raises:
             ValueError: naming `layer` when it is not a layer of the load.
@@ -126,12 +128,15 @@ class AgreedLayerReadiness(LayerReadiness):
         with self._lock:
             ready, short = self._state
             if layer >= ready and not short:
-                landed, stopped_here = self._wait_here(layer)
+                started = time.monotonic()
+                timeout_s = self.group.timeout_s
+                landed, stopped_here = self._wait_here(layer, started + timeout_s / 2)
                 # Also the least count of a rank whose copy stopped: if that is the agreed count, it is
                 # final, and a later layer raises with no further collective.
                 stopped = landed if stopped_here else NONE
                 agreed, final = self.group.min_reduce(
-                    torch.tensor([landed, stopped], dtype=torch.int64)
+                    torch.tensor([landed, stopped], dtype=torch.int64),
+                    timeout_s=started + timeout_s - time.monotonic(),
                 ).tolist()
                 self.collectives += 1
                 ready = max(ready, agreed)

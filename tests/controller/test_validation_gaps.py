@@ -107,16 +107,14 @@ def _tp_config(tp_rank: int, tp_size: int, **overrides: object) -> HiCacheConfig
     return make_config(namespace=namespace, tp_group=_rank_view(tp_rank, tp_size), **overrides)
 
 
-def test_hybrid_components_are_refused_under_tp_naming_the_argument() -> None:
-    """Hybrid components are not agreed across ranks yet: with more than one rank the config refuses
-    them, naming the argument, instead of letting ranks diverge."""
+def test_hybrid_components_are_accepted_under_tp_with_a_namespace_per_rank() -> None:
+    """Hybrid components under TP (their slots' evictions, backups, loads and staged reads are agreed:
+    tests/parallel/test_tp_hybrid.py): the config accepts them, and each rank's namespace, hence its
+    component storage keys, stays its own."""
     overrides = {"components": (SlidingWindow(8, KVLayout.flat(8, 4), device_pages=8, host_pages=8),)}
-    with pytest.raises(ValueError, match=r"^tp_group: .*not supported under tensor parallelism"):
-        _tp_config(1, 2, **overrides)
-    # One rank has nothing to agree: the same settings are accepted.
-    config = _tp_config(0, 1, **overrides)
-    assert config.tp_group is not None
-    assert config.tp_group.tp_size == 1
+    configs = [_tp_config(rank, 2, **overrides) for rank in range(2)]
+    assert [c.tp_group.tp_size for c in configs if c.tp_group is not None] == [2, 2]
+    assert configs[0].namespace.digest != configs[1].namespace.digest
 
 
 def test_layerwise_load_back_under_tp_needs_a_readiness_group() -> None:

@@ -331,6 +331,42 @@ async def test_a_stuck_read_does_not_take_a_thread_from_the_others(tmp_path: Pat
         assert backend._reader.stray == 0
 
 
+async def test_a_cancelled_get_drops_its_finished_groups_and_abandons_only_the_reading_one(
+    tmp_path: Path,
+) -> None:
+    """A get split into two groups, the first finished (uncollected: its set waits for the second) and the
+    second stuck in its thread, is cancelled: only the stuck group is abandoned (its buffer busy, one worker
+    added for it); the finished group's buffer is free at once and holds its page."""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
+        size = 4 << 20  # a group per page: groups are capped at 4 MiB
+        keys, pages = make_keys(2), make_pages(2, size)
+        await backend.put(keys, pages)
+        entered, gate = threading.Event(), threading.Event()
+
+        def hook(group: tuple[str, ...]) -> None:
+            if keys[1] in group:  # one worker, in order: the first group has finished by now
+                entered.set()
+                assert gate.wait(timeout=30), "test gate never opened"
+
+        backend._before_read = hook
+        out = empty_pages(2, size)
+        try:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(backend.get, keys, out)
+                    await anyio.to_thread.run_sync(entered.wait)
+                    scope.cancel()
+            assert not stray_threads.busy(out[:1])
+            assert stray_threads.busy(out[1:])
+            assert backend._reader.threads == 2  # one replacement, for the stuck group only
+            assert bytes(out[0]) == bytes(pages[0])
+        finally:
+            gate.set()
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(out[1:])
+        assert backend._reader.stray == 0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads nice values through /proc")
 async def test_read_threads_run_below_the_loops_priority(backend: FileBackend) -> None:
     """The read threads' nice value is the process's + 10, so the loop thread takes a core from them

@@ -200,9 +200,11 @@ def test_a_set_of_jobs_signals_once_its_last_job_finishes(tmp_path: Path) -> Non
     worker.start()
     assert started.wait(30)  # one worker, FIFO: the first two are on the done list now
     assert not _readable_now(queue.fileno())
+    assert (first.finished, second.finished, third.finished) == (True, True, False)
     release.set()
     _wait_readable(queue.fileno())
     assert queue.collect() == [first, second, third]
+    assert third.finished
     queue.close()
     worker.join(30)
     assert not worker.is_alive()

@@ -300,17 +300,29 @@ class LayeredLoader:
         logger.error(
             "layer-wise load-back ended with its copy running; %d node(s) unmatched until it settled", hidden
         )
-        task = asyncio.get_running_loop().create_task(
-            self._finish_when_settled(load, error), name="hicache-layerwise-settle"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._finish_when_settled(load, error)
 
-    async def _finish_when_settled(self, load: _Load, error: BaseException | None) -> None:
-        """Wait until no thread writes into `load`'s pages (cancellations are absorbed), then finish it as
-        a load that did not land (its readers were told so already)."""
-        await load.copy.wait_settled()
-        self._finish(load, error, landed=False)
+    def _finish_when_settled(self, load: _Load, error: BaseException | None) -> None:
+        """In a task of its own: wait until no thread writes into `load`'s pages (cancellations are
+        absorbed), then finish it as a load that did not land (its readers were told so already). A task
+        that ended without finishing it (cancelled before its first step) is replaced."""
+
+        async def wait_then_finish() -> None:
+            await load.copy.wait_settled()
+            self._finish(load, error, landed=False)
+
+        def after(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            if load.finished:
+                return
+            if load.copy.settled:
+                self._finish(load, error, landed=False)
+            else:
+                self._finish_when_settled(load, error)
+
+        task = asyncio.get_running_loop().create_task(wait_then_finish(), name="hicache-layerwise-settle")
+        self._tasks.add(task)
+        task.add_done_callback(after)
 
     def _revoke(self, load: _Load, error: BaseException | None) -> None:
         """Fail `load`'s readiness with `error` (or `LoadBackFailed`) and revoke it."""

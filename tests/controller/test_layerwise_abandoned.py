@@ -166,3 +166,38 @@ async def test_a_reader_of_a_load_ended_with_its_copy_running_is_told(
     cache.sanity_check()
     assert_no_locks(cache)
     assert cache.match(SEQ).device_len == 0
+
+
+async def test_the_wait_for_the_copy_cancelled_before_it_ran_is_replaced(
+    cache: HiCache,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards against a hidden load never finishing: the task that waits for its copy is cancelled before
+    its first step (a loop shutting down cancels every task it has); it never ran, so the load stayed
+    locked and in flight (and `aclose` waited for it forever). Its done callback now starts another
+    wait, and the load is dropped once the copy settled."""
+    free_before = cache.statistics().device_pool.free_pages
+    loader = layered_loader_of(cache)
+    real_defer = loader._defer
+    cancelled: list[bool] = []
+
+    def defer_then_cancel_its_wait(load: object, error: BaseException | None) -> None:
+        before = set(loader._tasks)
+        real_defer(load, error)  # type: ignore[arg-type]
+        (wait,) = set(loader._tasks) - before
+        cancelled.append(wait.cancel())
+
+    monkeypatch.setattr(loader, "_defer", defer_then_cancel_its_wait)
+    hold = await end_the_task_with_its_copy_running(cache, monkeypatch)
+    try:
+        assert cancelled == [True]
+        assert cache.match(SEQ).device_len == 0
+    finally:
+        hold.release()
+    with anyio.fail_after(60):  # before the fix: never (the load stayed in flight)
+        await settle(cache)
+    cache.sanity_check()
+    assert_no_locks(cache)
+    assert cache.statistics().device_pool.free_pages == free_before
+    match = cache.match(SEQ)
+    assert (match.device_len, match.host_len) == (0, 16)

@@ -27,7 +27,7 @@ alone (and adds the load average).
 Hybrid components: on 1, 2 and 4 ranks each rank serves one seeded workload (page-aligned conversations
 over three system prompts, file storage) through a cache with a sliding window and a Mamba state, and
 through one without: acquire, allocate (the window's new part and the end state too, with
-`alloc_component_async`), insert; every third request ends a scheduling step. Rank 0's agreement steps
+`alloc_components_async`), insert; every third request ends a scheduling step. Rank 0's agreement steps
 per request (`hybrid_steps_per_request_tpN`, `plain_steps_per_request_tpN`), p50 time per request and
 cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average).
 
@@ -206,7 +206,7 @@ def _hybrid_requests(n: int) -> list[list[int]]:
 async def hybrid_loop(group: RankGroup, root: str, n: int, hybrid: bool) -> dict[str, float]:
     """Serve `n` seeded requests through a cache with a sliding window and a Mamba state (`hybrid`) or
     without, over file storage in `root`: acquire, allocate (and, hybrid, the window's new part and the
-    end state, `alloc_component_async`), insert, release; every third request ends a scheduling step."""
+    end state, `alloc_components_async`), insert, release; every third request ends a scheduling step."""
     from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
     from hicache.components import MambaState, SlidingWindow
 
@@ -242,10 +242,8 @@ async def hybrid_loop(group: RankGroup, root: str, n: int, hybrid: bool) -> dict
             owned: dict[str, torch.Tensor] = {}
             if new is not None and hybrid:
                 start = max(total - HY_WINDOW, cached)
-                for name, slots in (("swa", total - start), ("mamba", 1)):
-                    got = await cache.alloc_component_async(name, slots)
-                    if got is not None:
-                        owned[name] = got
+                got = await cache.alloc_components_async({"swa": total - start, "mamba": 1})
+                owned = {name: slots for name, slots in got.items() if slots is not None}
             if new is not None:
                 await cache.insert(lease, seq, torch.cat([lease.device_indices[:cached], new]), owned or None)
             else:

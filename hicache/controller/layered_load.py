@@ -19,7 +19,9 @@ in the tree: they hold bytes that are no node's KV. The load then stops the copy
 writes into them, revokes the readiness (every `wait_layer` of it raises `LoadBackFailed` from then on),
 takes the pages out of the device tier (`RadixTree.drop_failed_load`, whatever locks them) and frees
 them once; a lease on them can only be released (`insert` raises `LoadBackFailed`), and its holder
-recomputes. Every way out, cancellation at any await included, unlocks the load's nodes exactly once.
+recomputes. Every way out, cancellation at any await included, unlocks the load's nodes exactly once. A
+task ended without waiting for its copy (an exception other than a cancellation) cannot free the pages
+yet: they are poisoned at once, stay locked and in flight, and are dropped once the copy settled.
 Nodes that a holder below keeps on the device (a locked device-only child, a backup in flight below, a
 host-only child of a device-only node) cannot leave: the tree poisons them (no match reaches them or
 below, and they are never backed up from the device: they hold their host copy), and after a copy failure

@@ -100,7 +100,10 @@ class ModelWorker:
     async def _submit(self, fn: Callable[[], T] | None, steps: Steps[T] | None) -> T:
         if self._closed:
             raise RuntimeError("the model worker is closed")
-        await self._slots.acquire()  # backpressure: cancellable, nothing queued yet
+        try:
+            self._slots.acquire_nowait()  # room: no extra turn of the loop
+        except anyio.WouldBlock:
+            await self._slots.acquire()  # backpressure: cancellable, nothing queued yet
         try:
             loop = asyncio.get_running_loop()
             job: _Job[T] = _Job(loop, loop.create_future(), fn, steps)

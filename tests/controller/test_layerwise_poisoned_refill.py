@@ -1,5 +1,6 @@
-"""A storage refill committed below poisoned nodes (a failed layer-wise load a holder below kept on the
-device) is never served while they are poisoned, and is once their copy again landed.
+"""A storage refill committed, or a computed key inserted, below poisoned nodes (a failed layer-wise load a
+holder below kept on the device) is never served while they are poisoned, and is once their copy again
+landed.
 
 A request for a longer prefix than the failed one peeks nothing (the poisoned nodes end every match), so
 its prefetch fetches the whole prefix from storage and commits it: the failed load's span is present
@@ -21,7 +22,7 @@ from storage_backends.memory import MemoryBackend
 from tests.cache_internals import layered_loader_of, tree_of
 from tests.controller.controller_helpers import PAGE, make_config, page_payload, store_sequence, tokens
 from tests.controller.test_layerwise_failures import LAYERS, LAYOUT4, SEQ, Hold, assert_no_locks, settle
-from tests.controller.test_layerwise_kept import fail_the_load, load_failing_under_a_child
+from tests.controller.test_layerwise_kept import compute_and_insert, fail_the_load, load_failing_under_a_child
 
 REFILLED = [*SEQ, *tokens(700, PAGE)]
 """Through the failed load's span to a page only storage holds (beside the child the holder computed)."""
@@ -78,6 +79,42 @@ async def test_a_refill_below_poisoned_nodes_is_served_only_once_their_copy_agai
     assert torch.equal(cache.device_pool.read_tokens(served.device_indices), expected)
     await settle(cache)
     for lease in (loading, holder, served):
+        cache.release(lease)
+    await settle(cache)
+    cache.sanity_check()
+    assert_no_locks(cache)
+
+
+async def test_a_key_computed_below_poisoned_nodes_is_served_once_their_copy_again_landed(
+    cache: HiCache,
+) -> None:
+    """Guards against an insert reopening the failed pages: a request that computed a key through the
+    poisoned nodes inserts it while their copy again is held; the poisoned span counts as cached (its own
+    copy is freed), the rest hangs below unserved; once the copy again landed the key is a device hit
+    with the right KV throughout (the recopied pages and the request's own)."""
+    sibling = [*SEQ, *tokens(800, PAGE)]
+    free_before = cache.statistics().device_pool.free_pages
+    again = Hold(0, fail=False)
+    hold, loading = await load_failing_under_a_child(cache, again)
+    holder = await cache.acquire("holder", [*SEQ, *tokens(500, PAGE)])
+    try:
+        await fail_the_load(hold, loading)
+        computing = await cache.acquire("computing", sibling)
+        assert computing.cached_len == 0
+        await compute_and_insert(cache, computing, sibling)
+        cache.sanity_check()
+        match = cache.match(sibling)
+        assert (match.device_len, match.host_len) == (0, 0)
+        assert cache.statistics().device_pool.free_pages == free_before - 6  # 16 + 4 + 4 tokens
+    finally:
+        again.release()
+    await settle(cache)
+    cache.sanity_check()
+    match = cache.match(sibling)
+    assert match.device_len == 20
+    expected = page_payload(as_key_bytes(sibling), LAYOUT4)
+    assert torch.equal(cache.device_pool.read_tokens(match.device_indices), expected)
+    for lease in (loading, holder):
         cache.release(lease)
     await settle(cache)
     cache.sanity_check()

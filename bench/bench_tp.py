@@ -24,6 +24,13 @@ readiness collectives), `readiness_collectives_per_load_tpN` and the agreement s
 (`layerwise_steps_per_request_tpN`, `whole_steps_per_request_tpN`). `BENCH_TP_ONLY=layerwise` runs this part
 alone (and adds the load average).
 
+Hybrid components: on 1, 2 and 4 ranks each rank serves one seeded workload (page-aligned conversations
+over three system prompts, file storage) through a cache with a sliding window and a Mamba state, and
+through one without: acquire, allocate (the window's new part and the end state too, with
+`alloc_components_async`), insert; every third request ends a scheduling step. Rank 0's agreement steps
+per request (`hybrid_steps_per_request_tpN`, `plain_steps_per_request_tpN`), p50 time per request and
+cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average).
+
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
 """
@@ -175,10 +182,113 @@ def layerwise_figures(out: dict[str, object], iterations: int) -> None:
                 out[f"readiness_collectives_per_load_tp{tp}"] = round(v["collectives_per_load"], 2)
 
 
+HY_PAGE = 16
+HY_WINDOW = 32
+HY_REQUESTS = int(os.environ.get("BENCH_TP_HYBRID_REQUESTS", "90"))
+
+
+def _hybrid_requests(n: int) -> list[list[int]]:
+    """Page-aligned conversations over three system prompts that grow and come back (seeded)."""
+    import random
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 30000) for _ in range(8 * HY_PAGE)] for _ in range(3)]
+    seen: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        base = rng.choice(seen) if seen and rng.random() < 0.5 else list(rng.choice(prompts))
+        seq = base + [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 4) * HY_PAGE)]
+        seen.append(seq)
+        out.append(seq)
+    return out
+
+
+async def hybrid_loop(group: RankGroup, root: str, n: int, hybrid: bool) -> dict[str, float]:
+    """Serve `n` seeded requests through a cache with a sliding window and a Mamba state (`hybrid`) or
+    without, over file storage in `root`: acquire, allocate (and, hybrid, the window's new part and the
+    end state, `alloc_components_async`), insert, release; every third request ends a scheduling step."""
+    from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
+    from hicache.components import MambaState, SlidingWindow
+
+    tp = group.tp_size
+    comps = (
+        (
+            SlidingWindow(HY_WINDOW, KVLayout.flat(64, HY_PAGE), device_pages=24, host_pages=48),
+            MambaState(256, device_slots=12, host_slots=24),
+        )
+        if hybrid
+        else ()
+    )
+    config = HiCacheConfig(
+        layout=KVLayout(4, 2, 32, torch.float32, HY_PAGE),
+        device_pages=48,
+        host_pages=96,
+        storage_url=f"file://{root}/{'hybrid' if hybrid else 'plain'}",
+        namespace=Namespace(model_id="bench-tp-hybrid", tp_rank=group.tp_rank, tp_size=tp),
+        prefetch_threshold=HY_PAGE,
+        components=comps,
+        tp_group=group if tp > 1 else None,
+    )
+    times: list[float] = []
+    steps = 0
+    cached_tokens = 0
+    async with HiCache(config) as cache:
+        for i, seq in enumerate(_hybrid_requests(n)):
+            before = 0 if cache.agreement is None else cache.agreement.statistics().steps
+            t0 = time.perf_counter()
+            lease = await cache.acquire(f"r{i}", seq)
+            cached, total = lease.cached_len, len(seq)
+            new = await cache.alloc_device(total - cached)
+            owned: dict[str, torch.Tensor] = {}
+            if new is not None and hybrid:
+                start = max(total - HY_WINDOW, cached)
+                got = await cache.alloc_components_async({"swa": total - start, "mamba": 1})
+                owned = {name: slots for name, slots in got.items() if slots is not None}
+            if new is not None:
+                await cache.insert(lease, seq, torch.cat([lease.device_indices[:cached], new]), owned or None)
+            else:
+                cache.release(lease)
+            if i % 3 == 2:
+                await cache.tp_sync()
+            times.append((time.perf_counter() - t0) * 1e6)
+            cached_tokens += cached
+            if cache.agreement is not None:
+                steps += cache.agreement.statistics().steps - before
+        await cache.wait_idle()
+    return {
+        "request_p50": statistics.median(times),
+        "steps_per_request": steps / max(1, n),
+        "cached_tokens": cached_tokens,
+    }
+
+
+def hybrid_figures(out: dict[str, object], n: int) -> None:
+    """Agreement steps and time per request with and without hybrid components, at TP 1, 2 and 4."""
+    import tempfile
+
+    for tp in (1, 2, 4):
+        for hybrid in (False, True):
+            with tempfile.TemporaryDirectory(prefix="bench-tp-hybrid-") as root:
+                ranks = run_ranks(hybrid_loop, tp, (root, n, hybrid), timeout_s=600)
+            bad = [r for r in ranks if not r.ok]
+            if bad:
+                raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
+            v = ranks[0].value
+            name = "hybrid" if hybrid else "plain"
+            out[f"{name}_steps_per_request_tp{tp}"] = round(v["steps_per_request"], 2)
+            out[f"{name}_request_us_p50_tp{tp}"] = round(v["request_p50"], 1)
+            out[f"{name}_cached_tokens_tp{tp}"] = v["cached_tokens"]
+
+
 def main() -> None:
     out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
-    if os.environ.get("BENCH_TP_ONLY") == "layerwise":
-        layerwise_figures(out, ITERATIONS)
+    only = os.environ.get("BENCH_TP_ONLY")
+    if only in ("layerwise", "hybrid"):
+        if only == "layerwise":
+            layerwise_figures(out, ITERATIONS)
+        else:
+            out["requests"] = HY_REQUESTS
+            hybrid_figures(out, HY_REQUESTS)
         out["load_average"] = os.getloadavg()[0]
         print(json.dumps(out))
         return
@@ -208,6 +318,7 @@ def main() -> None:
         out[f"demo_steps_per_request_tp{tp}"] = round(result.agreement_steps / max(1, result.requests), 2)
     out["savings_identical"] = out["saved_tokens_tp1"] == out["saved_tokens_tp2"] == out["saved_tokens_tp4"]
     layerwise_figures(out, ITERATIONS)
+    hybrid_figures(out, HY_REQUESTS)
     out["goal_agree_p50_tp4_under_1ms"] = float(out["agree_us_p50_tp4"]) < 1000.0  # type: ignore[arg-type]
     print(json.dumps(out))
 

@@ -13,7 +13,7 @@ from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
-from hicache.parallel.agreement import Agreement
+from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import Tier
 from hicache.tree import ComponentFree, RadixTree
 
@@ -106,25 +106,39 @@ class Allocator:
         return result.evicted_slots >= num_slots
 
     async def take_component_slots(
-        self, name: str, tier: str, num_slots: int, *, owner: Owner, key: str = ""
-    ) -> torch.Tensor | None:
-        """`alloc_component_slots` at a point every rank reaches alike (an engine call). Under tensor
-        parallelism the eviction is agreed in one step (the most slots any rank lacks) and every rank
-        evicts it from its identical tree: all get their slots, or all get None (the tree could not
-        evict that much). With one rank it is `alloc_component_slots`, with no step."""
+        self, wants: Sequence[tuple[str, str, int]], *, owner: Owner, key: str = ""
+    ) -> list[torch.Tensor | None]:
+        """`alloc_component_slots` for each (name, tier, slots) of `wants`, at a point every rank reaches
+        alike (an engine call). Under tensor parallelism the evictions are agreed in one step for all of
+        them (per component and tier, the most slots any rank lacks) and every rank evicts that from its
+        identical tree: for each component and tier all ranks get their slots, or all get None (the tree
+        could not evict that much). With one rank it is `alloc_component_slots`, with no step."""
         agreement = self.agreement
         if agreement is None:
-            return self.alloc_component_slots(name, tier, num_slots, owner=owner)
-        lack = max(0, num_slots - self.free_component_slots(name, tier))
-        need = await agreement.agree_max("component_room", lack, f"{name}:{tier}:{key}")
-        if not self.evict_component_slots(name, tier, need):
-            return None
+            return [self.alloc_component_slots(name, tier, n, owner=owner) for name, tier, n in wants]
+        totals: dict[tuple[str, str], int] = {}
+        for name, tier, n in wants:  # in the order of `wants`: the same on every rank
+            totals[(name, tier)] = totals.get((name, tier), 0) + n
+        rooms = []
+        for (name, tier), total in totals.items():
+            room = agreement.propose("component_room", f"{name}:{tier}:{key}")
+            room.settle(encode_max(max(0, total - self.free_component_slots(name, tier))))
+            rooms.append(((name, tier), room))
+        needs = {where: decode_max(await agreement.agree(room)) for where, room in rooms}  # one step
+        room_made = {
+            (name, tier): self.evict_component_slots(name, tier, need) for (name, tier), need in needs.items()
+        }
         # Free slots only grew since this rank said what it lacks (nothing takes component slots off
         # the engine path under tensor parallelism): with the agreed eviction they cover the request.
-        indices = self.alloc_component_free(name, tier, num_slots, owner=owner)
-        if indices is None:
-            raise AssertionError(f"take_component_slots: agreed room for {num_slots} {name} slots is gone")
-        return indices
+        out: list[torch.Tensor | None] = []
+        for name, tier, n in wants:
+            indices = (
+                self.alloc_component_free(name, tier, n, owner=owner) if room_made[(name, tier)] else None
+            )
+            if room_made[(name, tier)] and indices is None:
+                raise AssertionError(f"take_component_slots: agreed room for {n} {name} slots is gone")
+            out.append(indices)
+        return out
 
     def host_room(self) -> int:
         """Host tokens a backup can have now: free pages plus what `evict_host` can really reclaim (host

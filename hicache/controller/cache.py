@@ -318,31 +318,35 @@ class HiCache(CacheLifecycle, CacheObservation):
         """Allocate device slots of component `name` (whole pages), evicting its unlocked values if needed.
 
         Returns None when not enough can be evicted. Pass the indices to `insert(components=...)`. Under
-        tensor parallelism the eviction is agreed across the ranks: use `alloc_component_async` there.
+        tensor parallelism the eviction is agreed across the ranks: use `alloc_components_async` there.
 
         Raises:
             ValueError: an unknown component or a count that is not a multiple of its page size.
-            RuntimeError: under tensor parallelism (naming `alloc_component_async`).
+            RuntimeError: under tensor parallelism (naming `alloc_components_async`).
         """
         self._check_component_request(name, num_slots)
         if self.agreement is not None:
             raise RuntimeError(
                 "alloc_component: under tensor parallelism the ranks agree what to evict; call "
-                "`await cache.alloc_component_async(name, num_slots)` on every rank"
+                "`await cache.alloc_components_async({name: num_slots})` on every rank"
             )
         return self._allocator.alloc_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)
 
-    async def alloc_component_async(self, name: str, num_slots: int) -> torch.Tensor | None:
-        """`alloc_component` for any number of ranks. Under tensor parallelism it is an engine call (every
-        rank makes it, in the same order): one agreement step agrees the most slots any rank lacks, every
-        rank evicts that much, and every rank gets its slots or every rank gets None. With one rank it
-        is `alloc_component`.
+    async def alloc_components_async(self, slots: Mapping[str, int]) -> dict[str, torch.Tensor | None]:
+        """`alloc_component` for each component of `slots` (name -> slots), for any number of ranks.
+        Under tensor parallelism it is an engine call (every rank makes it, in the same order): one
+        agreement step agrees, per component, the most slots any rank lacks, every rank evicts that
+        much, and for each component every rank gets its slots or every rank gets None. With one rank it
+        is `alloc_component` for each.
 
         Raises:
             ValueError: an unknown component or a count that is not a multiple of its page size.
         """
-        self._check_component_request(name, num_slots)
-        return await self._allocator.take_component_slots(name, Tier.DEVICE, num_slots, owner=Owner.LEASE)
+        for name, num_slots in slots.items():
+            self._check_component_request(name, num_slots)
+        wants = [(name, Tier.DEVICE, n) for name, n in slots.items()]
+        got = await self._allocator.take_component_slots(wants, owner=Owner.LEASE, key="lease")
+        return dict(zip(slots, got, strict=True))
 
     def _check_component_request(self, name: str, num_slots: int) -> None:
         self._state.check_open("alloc_component")

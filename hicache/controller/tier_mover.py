@@ -412,26 +412,23 @@ class TierMover:
     async def _alloc_components(self, nodes: Sequence[NodeRef]) -> _ComponentCopies:
         """Fresh device slots for the host component values of `nodes`: (node, name) -> (host, device),
         tracked as loads in flight. A component whose device slots cannot be had is not loaded (its
-        nodes stay tombstones there); under tensor parallelism on every rank alike (agreed evictions)."""
+        nodes stay tombstones there); under tensor parallelism on every rank alike (one agreed step)."""
+        wanted: list[tuple[NodeRef, str, torch.Tensor]] = []
+        for node in nodes:
+            for comp in self._components:
+                host = self._tree.component_value(node, comp.name, Tier.HOST)
+                if host is not None:
+                    wanted.append((node, comp.name, host))
+        got = await self._allocator.take_component_slots(
+            [(name, Tier.DEVICE, int(host.numel())) for _, name, host in wanted],
+            owner=Owner.COPY,
+            key="load_back",
+        )
         loaded: _ComponentCopies = {}
-        try:
-            for node in nodes:
-                for comp in self._components:
-                    host = self._tree.component_value(node, comp.name, Tier.HOST)
-                    if host is None:
-                        continue
-                    device = await self._allocator.take_component_slots(
-                        comp.name, Tier.DEVICE, int(host.numel()), owner=Owner.COPY, key="load_back"
-                    )
-                    if device is None:
-                        continue
-                    loaded[(node, comp.name)] = (host, device)
-                    self._copies.track_load(self._component_pools[comp.name].device, device)
-        except BaseException:
-            for _, device in loaded.values():
-                self._copies.untrack_load(device)
-            self._free_loaded(loaded)
-            raise
+        for (node, name, host), device in zip(wanted, got, strict=True):
+            if device is not None:
+                loaded[(node, name)] = (host, device)
+                self._copies.track_load(self._component_pools[name].device, device)
         return loaded
 
     def _free_loaded(self, loaded: _ComponentCopies) -> None:

@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from hicache.config import HiCacheConfig
 from hicache.controller import HiCache
 from hicache.demo.model import DemoModel, ModelSpec, cache_from_kv
 from hicache.demo.oracle import KVOracle
+from hicache.demo.worker import ModelWorker
 from hicache.demo.workload import Session, WorkloadSpec, make_workload
 from hicache.keys import Namespace
 from hicache.memory import KVLayout
@@ -169,89 +171,111 @@ def _agree_equal(group: RankGroup, value: int, what: str) -> None:
         raise AssertionError(f"rank {group.tp_rank}: the ranks disagree on {what}: {values}")
 
 
-async def _wait_layers(layers: LayerReadiness, num_layers: int) -> None:
-    """The forward's waits, in a worker thread: every layer of the prefix landed on every rank (under TP
-    each `wait_layer` may be a collective of the readiness group, the same on every rank)."""
+async def _wait_layers(worker: ModelWorker, layers: LayerReadiness, num_layers: int) -> None:
+    """The forward's waits, in the model's thread: every layer of the prefix landed on every rank (under
+    TP each `wait_layer` may be a collective of the readiness group, the same on every rank)."""
 
     def wait_all() -> None:
         for layer in range(num_layers):
             layers.wait_layer(layer)
 
-    await anyio.to_thread.run_sync(wait_all)
+    await worker.call(wait_all)
 
 
 async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_id: str) -> dict[str, Any]:
     """One rank's run: serve every request through this rank's cache and check it (module level so the
     spawned ranks can import it)."""
+    model = DemoModel(cfg.model)
+    workload = make_workload(_workload_spec(cfg))
+    sessions = [Session(workload, c) for c in workload.conversations]
+    # Every forward pass (and the layer waits before it) runs in one model thread, as in the
+    # single-rank demo: the cache's event loop (its agreement steps included) never waits for the model.
+    worker = ModelWorker(torch_threads=None, max_calls=4)
+    try:
+        async with HiCache(rank_config(cfg, group, storage_url, run_id)) as cache:
+            result = await _serve_all(cache, worker, group, cfg, model, sessions)
+    finally:
+        with anyio.CancelScope(shield=True):  # the model thread must not wait for work forever
+            await anyio.to_thread.run_sync(worker.close)
+    return result
+
+
+async def _serve_all(
+    cache: HiCache,
+    worker: ModelWorker,
+    group: RankGroup,
+    cfg: TPDemoConfig,
+    model: DemoModel,
+    sessions: list[Session],
+) -> dict[str, Any]:
+    """Serve every turn of every session on this rank, model calls in `worker` (see `serve_rank`)."""
     spec = cfg.model
     heads = spec.num_kv_heads // group.tp_size
     mine = slice(group.tp_rank * heads, (group.tp_rank + 1) * heads)
-    model = DemoModel(spec)
-    oracle = KVOracle(cfg.page_size)
-    workload = make_workload(_workload_spec(cfg))
-    sessions = [Session(workload, c) for c in workload.conversations]
     page = cfg.page_size
-    steps = workload.spec.decode_tokens
+    oracle = KVOracle(page)
+    steps = _workload_spec(cfg).decode_tokens
     hits = {"device": 0, "host": 0, "storage": 0}
     failures: list[str] = []
     saved = prompt_tokens = requests = 0
-    async with HiCache(rank_config(cfg, group, storage_url, run_id)) as cache:
-        for turn in range(cfg.turns):
-            for session in sessions:
-                rid = f"u{session.conversation.user}t{turn}"
-                prompt = session.next_prompt()
-                lease = await cache.acquire(rid, prompt)
-                new_indices: torch.Tensor | None = None
-                try:
-                    cached = lease.cached_len
-                    _agree_equal(group, cached, f"the cached length of {rid}")
-                    reused = min(cached, (prompt.numel() - 1) // page * page)
-                    restored = None
-                    if reused:
-                        await _wait_layers(lease.layers, spec.num_layers)
-                        local = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu()
-                        restored = _gather_kv(group, local)
-                        check = oracle.check(prompt, cache_from_kv(restored, model.model.config))
-                        if not check.ok:
-                            failures.append(f"{rid}: restored K/V differs on pages {check.mismatched_pages}")
-                    prefill = model.prefill(prompt, restored)
-                    decoded = model.decode(prefill, steps)
-                    if restored is not None:
-                        own = model.continue_from(cache_from_kv(restored, model.model.config), prompt)
-                        if not torch.equal(own, decoded.logits[0]):
-                            failures.append(f"{rid}: logits differ from the same split")
-                    full = model.decode(model.prefill(prompt, None), steps)
-                    if (
-                        full.tokens != decoded.tokens
-                        or float((full.logits - decoded.logits).abs().max()) > RECOMPUTE_TOLERANCE
-                    ):
-                        failures.append(f"{rid}: reply differs from a full recompute")
-                    seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
-                    oracle.record(seq, prefill.cache, reused, seq.numel())
-                    kv_all = torch.cat([prefill.kv_new, decoded.kv], dim=2)[:, :, :, mine]
-                    padded = -(-seq.numel() // page) * page
-                    new_indices = await cache.alloc_device(padded - cached)
-                    _agree_equal(group, int(new_indices is not None), f"the allocation of {rid}")
-                    if new_indices is not None:
-                        n_new = seq.numel() - cached
-                        cache.device_pool.write_tokens(new_indices[:n_new], kv_all[:, :, cached - reused :])
-                        indices = torch.cat([lease.device_indices[:cached], new_indices])
-                        new_indices = None
-                        await cache.insert(lease, seq, indices)
-                finally:
-                    cache.release(lease, new_indices)
-                for tier, n in lease.hit_tokens_by_tier.items():
-                    hits[tier] += n
-                saved += reused
-                prompt_tokens += prompt.numel()
-                requests += 1
-                session.record_reply(prompt, decoded.tokens)
-                # The scheduling step's end: every rank steps until nothing is pending (backups and
-                # storage writes agreed), then the trees are compared off the loop (identical).
-                await cache.wait_idle()
-                await cache.sanity_check_async(across_ranks=True)
-        cache.sanity_check()
-        agreement_steps = 0 if cache.agreement is None else cache.agreement.statistics().steps
+    for turn in range(cfg.turns):
+        for session in sessions:
+            rid = f"u{session.conversation.user}t{turn}"
+            prompt = session.next_prompt()
+            lease = await cache.acquire(rid, prompt)
+            new_indices: torch.Tensor | None = None
+            try:
+                cached = lease.cached_len
+                _agree_equal(group, cached, f"the cached length of {rid}")
+                reused = min(cached, (prompt.numel() - 1) // page * page)
+                restored = None
+                if reused:
+                    await _wait_layers(worker, lease.layers, spec.num_layers)
+                    local = cache.device_pool.read_tokens(lease.device_indices[:reused]).cpu()
+                    restored = _gather_kv(group, local)
+                    check = oracle.check(prompt, cache_from_kv(restored, model.model.config))
+                    if not check.ok:
+                        failures.append(f"{rid}: restored K/V differs on pages {check.mismatched_pages}")
+                prefill = await worker.call(partial(model.prefill, prompt, restored))
+                decoded = await worker.steps(model.decode_steps(prefill, steps))
+                if restored is not None:
+                    past = cache_from_kv(restored, model.model.config)
+                    own = await worker.call(partial(model.continue_from, past, prompt))
+                    if not torch.equal(own, decoded.logits[0]):
+                        failures.append(f"{rid}: logits differ from the same split")
+                recompute = await worker.call(partial(model.prefill, prompt, None))
+                full = await worker.steps(model.decode_steps(recompute, steps))
+                if (
+                    full.tokens != decoded.tokens
+                    or float((full.logits - decoded.logits).abs().max()) > RECOMPUTE_TOLERANCE
+                ):
+                    failures.append(f"{rid}: reply differs from a full recompute")
+                seq = torch.cat([prompt, torch.tensor(decoded.tokens[:-1], dtype=torch.int64)])
+                oracle.record(seq, prefill.cache, reused, seq.numel())
+                kv_all = torch.cat([prefill.kv_new, decoded.kv], dim=2)[:, :, :, mine]
+                padded = -(-seq.numel() // page) * page
+                new_indices = await cache.alloc_device(padded - cached)
+                _agree_equal(group, int(new_indices is not None), f"the allocation of {rid}")
+                if new_indices is not None:
+                    n_new = seq.numel() - cached
+                    cache.device_pool.write_tokens(new_indices[:n_new], kv_all[:, :, cached - reused :])
+                    indices = torch.cat([lease.device_indices[:cached], new_indices])
+                    new_indices = None
+                    await cache.insert(lease, seq, indices)
+            finally:
+                cache.release(lease, new_indices)
+            for tier, n in lease.hit_tokens_by_tier.items():
+                hits[tier] += n
+            saved += reused
+            prompt_tokens += prompt.numel()
+            requests += 1
+            session.record_reply(prompt, decoded.tokens)
+            # The scheduling step's end: every rank steps until nothing is pending (backups and
+            # storage writes agreed), then the trees are compared off the loop (identical).
+            await cache.wait_idle()
+            await cache.sanity_check_async(across_ranks=True)
+    cache.sanity_check()
+    agreement_steps = 0 if cache.agreement is None else cache.agreement.statistics().steps
     return {
         "agreement_steps": agreement_steps,
         "requests": requests,

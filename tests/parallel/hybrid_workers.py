@@ -153,7 +153,7 @@ async def serve_hybrid(
     check: Callable[[torch.Tensor | None, dict[str, torch.Tensor]], None],
 ) -> dict[str, Any]:
     """Serve the page-aligned `seq` as a hybrid model: acquire (checked against the oracle), allocate
-    the new pages, the window's new part and the end state (agreed allocations: `alloc_component_async`),
+    the new pages, the window's new part and the end state (one agreed allocation: `alloc_components_async`),
     write them, insert. `check` runs after every cache call with what the caller holds."""
     rank = group.tp_rank
     assert len(seq) % PAGE == 0
@@ -169,15 +169,12 @@ async def serve_hybrid(
         if new is not None and n > cached:
             cache.device_pool.write_tokens(new, payload(seq[cached:], rank))
             start = max(n - WINDOW, cached)
-            swa = await cache.alloc_component_async("swa", n - start)
-            if swa is not None:
-                owned["swa"] = swa
-                cache.component_pool("swa").write_tokens(swa, swa_payload(seq[start:n], start, rank))
-            check(new, owned)
-            state = await cache.alloc_component_async("mamba", 1)
-            if state is not None:
-                owned["mamba"] = state
-                cache.component_pool("mamba").write_tokens(state, state_payload(seq, rank))
+            got = await cache.alloc_components_async({"swa": n - start, "mamba": 1})
+            owned = {name: slots for name, slots in got.items() if slots is not None}
+            if "swa" in owned:
+                cache.component_pool("swa").write_tokens(owned["swa"], swa_payload(seq[start:n], start, rank))
+            if "mamba" in owned:
+                cache.component_pool("mamba").write_tokens(owned["mamba"], state_payload(seq, rank))
             check(new, owned)
             indices = torch.cat([lease.device_indices[:cached], new])
             taken, new, owned = owned, None, {}
@@ -283,7 +280,7 @@ async def hybrid_dead_peer(group: RankGroup, root: str, victim: int) -> dict[str
             os._exit(23)
         error = ""
         try:
-            await cache.alloc_component_async("swa", PAGE)
+            await cache.alloc_components_async({"swa": PAGE})
         except Exception as exc:
             error = type(exc).__name__
         cache.sanity_check()

@@ -55,3 +55,26 @@ def close_behind_a_readiness_collective(group: RankGroup, root: str) -> dict[str
 def _swallow(group: RankGroup) -> None:
     with contextlib.suppress(RankFailed):  # rank 1 never joins: it fails at close or the timeout
         group.gather(torch.zeros(1, dtype=torch.int64))
+
+
+async def tp_demo_model_threads(group: RankGroup, root: str) -> dict[str, Any]:
+    """One rank of the TP demo with `DemoModel`'s forward passes recording the thread they run in: the
+    names of those threads, and whether any ran in the thread of the event loop."""
+    from hicache.demo import tp
+    from hicache.demo.model import DemoModel
+
+    loop_thread = threading.current_thread()
+    seen: set[str] = set()
+    on_loop = [0]
+    real_prefill = DemoModel.prefill
+
+    def prefill(self: DemoModel, *args: Any, **kwargs: Any) -> Any:
+        here = threading.current_thread()
+        seen.add(here.name)
+        on_loop[0] += here is loop_thread
+        return real_prefill(self, *args, **kwargs)
+
+    DemoModel.prefill = prefill  # type: ignore[method-assign]
+    cfg = tp.TPDemoConfig(tp=group.tp_size, users=2, turns=2)
+    result = await tp.serve_rank(group, cfg, Path(root).as_uri(), "threads")
+    return {"threads": sorted(seen), "on_loop": on_loop[0], "failures": result["failures"]}

@@ -57,7 +57,7 @@ def test_smaller_component_pools_on_one_rank_never_diverge(tmp_path: Path) -> No
 
 
 def test_a_dead_peer_makes_an_agreed_component_allocation_raise_rank_failed(tmp_path: Path) -> None:
-    """Rank 1 exits after a hybrid request: rank 0's `alloc_component_async` raises `RankFailed` within
+    """Rank 1 exits after a hybrid request: rank 0's `alloc_components_async` raises `RankFailed` within
     the group timeout, and its cache is still sane."""
     out = run_ranks(
         hybrid_workers.hybrid_dead_peer, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S, group_timeout_s=5.0

@@ -104,3 +104,13 @@ def test_close_marks_the_group_failed_without_waiting_behind_a_readiness_collect
     assert "the rank group was closed" in value["error"]
     assert value["readiness_still_in_flight"] is True
     assert value["closer_done"] is True
+
+
+def test_the_tp_demo_runs_its_forward_passes_in_the_model_thread_not_on_the_loop(tmp_path: Path) -> None:
+    """Guards against the TP demo calling the model inline on the event loop (the cache's agreement
+    steps, backups and storage writes then waited for every forward pass): every prefill runs in
+    `ModelWorker`'s thread, as in the single-rank demo."""
+    out = run_ranks(loose_end_workers.tp_demo_model_threads, 2, (str(tmp_path),), timeout_s=300)
+    assert all(o.ok for o in out), [(o.rank, o.error) for o in out]
+    for o in out:
+        assert o.value == {"threads": ["hicache-demo-model"], "on_loop": 0, "failures": []}

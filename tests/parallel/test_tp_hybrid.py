@@ -40,7 +40,7 @@ def test_hybrid_workloads_with_component_faults_on_one_rank_never_diverge(tmp_pa
     assert out[0].value["checks"] == out[1].value["checks"] > 36 * 4
     assert out[0].value["component_slots"] == out[1].value["component_slots"]
     assert out[1].value["copy_failures"] + out[1].value["storage_faults"] > 0
-    assert out[0].value["hits"]["host"] > 0
+    assert sum(out[0].value["hits"].values()) > 0  # prefixes were reused (which tier: load-dependent)
 
 
 def test_smaller_component_pools_on_one_rank_never_diverge(tmp_path: Path) -> None:

@@ -281,7 +281,7 @@ typedef struct ReadJob {
     const void *queue;    /* the ReadQueue it was submitted to (NULL before) */
     struct ReadJob *leader; /* a strong reference to the first job of its set, or NULL: it leads its own */
     Py_ssize_t set_left;    /* on a set's leader: the set's jobs not finished nor cancelled yet (under mu) */
-    int state;            /* JOB_*, changed under the queue's mutex */
+    int state;            /* JOB_*, changed under the queue's mutex (JOB_DONE: a release store) */
     int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
     read_ctx ctx;
     PyObject *root_obj, *suffix_obj, *ns_obj, *hook;
@@ -729,7 +729,7 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
         job->t_done = now_ns();
 
         pthread_mutex_lock(&q->mu);
-        job->state = JOB_DONE;
+        __atomic_store_n(&job->state, JOB_DONE, __ATOMIC_RELEASE); /* ReadJob.finished reads it unlocked */
         if (q->done_tail) q->done_tail->next = job;
         else q->done_head = job;
         q->done_tail = job;
@@ -741,16 +741,12 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* ReadJob.finished: read under its queue's mutex, so a caller that sees True also sees every byte the job
-   wrote (and knows it writes no more). Defined here, after ReadQueue; PyInit sets ReadJobType.tp_getset. */
+/* ReadJob.finished: an acquire load paired with the worker's release store, so a caller that sees True
+   also sees every byte the job wrote (and knows it writes no more). Not under the queue's mutex: a collected
+   job keeps its queue's address after that queue is freed (locking it there was a use-after-free). */
 static PyObject *job_get_finished(ReadJob *job, void *closure) {
     (void)closure;
-    ReadQueue *q = (ReadQueue *)job->queue;
-    int finished;
-    if (q != NULL) pthread_mutex_lock(&q->mu);
-    finished = job->state == JOB_DONE;
-    if (q != NULL) pthread_mutex_unlock(&q->mu);
-    return PyBool_FromLong(finished);
+    return PyBool_FromLong(__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE);
 }
 
 static PyGetSetDef job_getset[] = {

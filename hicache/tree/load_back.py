@@ -123,19 +123,8 @@ class LoadBack(Matching, BackupsAndLocks):
             The device indices to free (and any component frees), and the failed nodes kept on the
             device, root first (poisoned now).
         """
-        kb, _ = self._aligned_key(key)
         end = start + int(device_indices.numel())
-        first: TreeNode | None = None
-        node, pos, step = self._root, 0, self._step
-        while pos < end * TOKEN_BYTES:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None or not kb.startswith(child.key, pos):
-                break
-            dv = child.device_value
-            if pos >= start * TOKEN_BYTES and dv is not None and bool(torch.isin(dv[:1], device_indices)):
-                first = child
-                break
-            node, pos = child, pos + len(child.key)
+        first = next((c for c in self._load_path(key, start, end) if _holds_load(c, device_indices)), None)
         if first is None:
             return FreeResult(component_frees=self._take_frees()), ()
         order: list[TreeNode] = []
@@ -188,22 +177,35 @@ class LoadBack(Matching, BackupsAndLocks):
         Raises:
             TypeError, ValueError: a malformed key or a negative `start`.
         """
-        kb, _ = self._aligned_key(key)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start: expected an int >= 0, got {start!r}")
         poisoned = 0
-        node, pos, step = self._root, 0, self._step
-        while pos < len(kb):
-            child = node.children.get(kb[pos : pos + step])
-            if child is None or not kb.startswith(child.key, pos):
-                break
-            dv = child.device_value
-            if pos >= start * TOKEN_BYTES and dv is not None and bool(torch.isin(dv[:1], device_indices)):
+        for child in self._load_path(key, start):
+            if _holds_load(child, device_indices):
                 if not child.poisoned:
                     poisoned += 1
                 self._poison(child)
-            node, pos = child, pos + len(child.key)
         return poisoned
+
+    def _load_path(self, key: KeyLike, start: int, end: int | None = None) -> list[TreeNode]:
+        """The nodes whole in `key`'s path, root-first, that begin at token `start` or later (and before
+        token `end`): those a load-back of tokens [start, end) may have attached its pages to.
+
+        Raises:
+            TypeError, ValueError: a malformed key or a negative `start`.
+        """
+        kb, _ = self._aligned_key(key)
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start: expected an int >= 0, got {start!r}")
+        stop = len(kb) if end is None else end * TOKEN_BYTES
+        nodes: list[TreeNode] = []
+        node, pos, step = self._root, 0, self._step
+        while pos < stop:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None or not kb.startswith(child.key, pos):
+                break
+            if pos >= start * TOKEN_BYTES:
+                nodes.append(child)
+            node, pos = child, pos + len(child.key)
+        return nodes
 
     def _poison(self, node: TreeNode) -> None:
         """Hide `node` (a failed load's node kept on the device) and everything below it from matching."""
@@ -237,21 +239,19 @@ class LoadBack(Matching, BackupsAndLocks):
         Returns:
             How many nodes were cleared.
         """
-        kb, _ = self._aligned_key(key)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start: expected an int >= 0, got {start!r}")
         cleared = 0
-        node, pos, step = self._root, 0, self._step
-        while pos < len(kb):
-            child = node.children.get(kb[pos : pos + step])
-            if child is None or not kb.startswith(child.key, pos):
-                break
-            dv = child.device_value
-            if child.poisoned and pos >= start * TOKEN_BYTES:
+        for child in self._load_path(key, start):
+            if child.poisoned:
+                dv = child.device_value
                 assert dv is not None
                 if bool(torch.isin(dv, device_indices).all()):
                     child.poisoned = False
                     self._num_poisoned -= 1
                     cleared += 1
-            node, pos = child, pos + len(child.key)
         return cleared
+
+
+def _holds_load(node: TreeNode, device_indices: torch.Tensor) -> bool:
+    """Whether `node`'s device pages are among a load-back's `device_indices` (its first page says)."""
+    dv = node.device_value
+    return dv is not None and bool(torch.isin(dv[:1], device_indices))

@@ -267,6 +267,33 @@ def test_a_job_outliving_its_queue_is_not_cancellable(tmp_path: Path) -> None:
     fresh.close()
 
 
+def test_finished_on_a_job_outliving_its_queue_does_not_touch_the_freed_queue(tmp_path: Path) -> None:
+    """A collected job keeps its queue's address; `finished` read after the queue was freed must not lock
+    that queue's mutex (a use-after-free: here the freed block is reused by a bytes object whose header
+    reads as a locked mutex, and the read hung for ever)."""
+    script = (
+        "import sys, threading\n"
+        "import _hicache_native as native\n"
+        "queue = native.ReadQueue()\n"
+        "job = queue.submit(sys.argv[1], '.kvp', ['abcd0000'], None, bytes(16), 0, None)\n"
+        "worker = threading.Thread(target=queue.work); worker.start()\n"
+        "got = []\n"
+        "while not got: got = queue.collect()\n"
+        "queue.close(); worker.join(); del got\n"
+        "size, addr = type(queue).__basicsize__, id(queue)\n"
+        "del queue\n"
+        "reuse = bytes(size - sys.getsizeof(b''))  # the freed queue's block, the mutex's lock word nonzero\n"
+        "print(id(reuse) == addr, job.finished)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True, timeout=30
+    )
+    reused, finished = done.stdout.split()
+    assert finished == "True"
+    if reused != "True":
+        pytest.skip("the allocator did not hand the freed queue's block on: nothing was exercised")
+
+
 def test_a_stale_build_is_refused_with_a_rebuild_hint() -> None:
     """A worktree that merged a new hicache_native.c without rebuilding gets an ImportError saying to
     rebuild, not an AttributeError deep in a read; the build in use is the one this code expects."""

@@ -355,24 +355,27 @@ class Admission:
     ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
         """Stage the components of an agreed prefetch, all or nothing on every rank: each rank evicts the
         agreed component slots (the same from its identical tree), then looks its component pages up
-        and takes its slots; one `stage` decision (1: this rank has every page of the agreed hit and
+        and takes its slots; one `stage` decision (2: this rank has every page of the agreed hit and
         every component staged) agrees whether the prefetch goes on. If not, every rank lets go of
-        everything and skips with `COMPONENT_MISS`. One more step per prefetch with components."""
+        everything and skips alike (`HOST_FULL` or `COMPONENT_MISS`). One more step per prefetch with
+        components."""
         tree = self._tree
         page = self._config.page_size
         for comp, need in zip(tree.components, comp_evict, strict=True):
             self._allocator.evict_component_slots(comp.name, Tier.HOST, need)
+        # 2: staged; 1: a component page missing, or no slot for it; 0: the host pool did not take every
+        # page of the agreed hit. The least over the ranks says why every rank skips.
         stage = agreement.propose("stage", request_id)
         got: list[tuple[list[ComponentTransfer], _StagedReads]] = []
 
         async def local() -> int:
             if host_indices.numel() < len(hashes) * page:
-                return 0  # this rank's host pool did not take every page of the agreed hit
+                return 0
             staged = await self._stage_components(storage, hashes, len(hashes) * page, evict=False)
             if isinstance(staged, SkipReason):
-                return 0
+                return 1
             got.append(staged)
-            return 1
+            return 2
 
         def let_go() -> None:
             for transfers, _ in got:
@@ -390,9 +393,9 @@ class Admission:
         except BaseException:
             let_go()
             raise
-        if not ok:
+        if ok < 2:
             let_go()
-            return SkipReason.COMPONENT_MISS
+            return SkipReason.HOST_FULL if ok == 0 else SkipReason.COMPONENT_MISS
         assert got
         return got[0]
 

@@ -274,6 +274,11 @@ async def hybrid_dead_peer(group: RankGroup, root: str, victim: int) -> dict[str
     allocation raises `RankFailed` within the group timeout; its cache is then still sane."""
     rank = group.tp_rank
     async with hybrid_cache(group, root, None, random.Random(0)) as (cache, _):
+        refused = ""
+        try:
+            cache.alloc_component("swa", PAGE)  # evicting on this rank's own pool facts: refused
+        except RuntimeError as exc:
+            refused = str(exc)
         await serve_hybrid(cache, group, "a", list(range(100, 100 + 6 * PAGE)), lambda h, o: None)
         await cache.tp_sync()
         if rank == victim:
@@ -284,7 +289,7 @@ async def hybrid_dead_peer(group: RankGroup, root: str, victim: int) -> dict[str
         except Exception as exc:
             error = type(exc).__name__
         cache.sanity_check()
-    return {"error": error}
+    return {"error": error, "refused": refused}
 
 
 HYBRID_SEQ = [300 + i for i in range(10 * PAGE)]

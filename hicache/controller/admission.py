@@ -136,7 +136,16 @@ class Admission:
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
         if self._agreement is not None:  # every rank reaches this point alike (the tree is identical)
-            return await self._plan_agreed(request_id, key, match, storage, inflight_tokens, self._agreement)
+            # Counted from its check until it returns, staging included, as on one rank: a plan admitted
+            # meanwhile sees it. The capacity is this rank's value; the agreed hit is the least over ranks.
+            admitting = self._admitting_tokens
+            self._admitting_tokens += remainder
+            try:
+                return await self._plan_agreed(
+                    request_id, key, match, storage, inflight_tokens + admitting, self._agreement
+                )
+            finally:
+                self._admitting_tokens -= remainder
         if inflight_tokens + self._admitting_tokens + remainder > config.capacity_tokens:
             return SkipReason.CAPACITY
         if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
@@ -274,14 +283,9 @@ class Admission:
             key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
 
-        # Counted from its check until it returns, as on one rank (`plan`): a plan admitted meanwhile
-        # sees it. The capacity is this rank's value; the agreed hit is the least over the ranks.
-        admitting = self._admitting_tokens
-        self._admitting_tokens += remainder
-
         async def local() -> int:
             try:
-                if inflight_tokens + admitting + remainder > config.capacity_tokens:
+                if inflight_tokens + remainder > config.capacity_tokens:
                     return 0
                 if not self._breaker.allows():
                     return 0
@@ -322,8 +326,6 @@ class Admission:
                 room.settle(encode_max(0))
             tree.unlock_host(anchor)
             raise
-        finally:
-            self._admitting_tokens -= remainder
         staged: tuple[list[ComponentTransfer], _StagedReads] = ([], [])
         if tree.components:
             got = await self._stage_agreed(

@@ -376,24 +376,14 @@ class Admission:
             got.append(staged)
             return 1
 
-        def let_go() -> None:
-            for transfers, _ in got:
-                for transfer in transfers:
-                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
-                    if not pool.closed:
-                        pool.free(transfer.indices)
-            if not self._host_pool.closed:
-                self._host_pool.free(host_indices)
-            tree.unlock_host(anchor)
-
         try:
             ok = await agreement.agree_on(stage, local)
             self._state.check_open("prefetch")
         except BaseException:
-            let_go()
+            self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
             raise
         if not ok:
-            let_go()
+            self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
             return SkipReason.COMPONENT_MISS
         assert got
         return got[0]
@@ -413,17 +403,23 @@ class Admission:
             got = await self._stage_components(storage, hashes, num_tokens)
             self._state.check_open("prefetch")
         except BaseException:
-            # A pool already closed by `aclose` took its memory with it: nothing to give back there.
-            if isinstance(got, tuple):
-                for transfer in got[0]:
-                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
-                    if not pool.closed:
-                        pool.free(transfer.indices)
-            if not self._host_pool.closed:
-                self._host_pool.free(host_indices)
-            self._tree.unlock_host(anchor)
+            self._let_go(got[0] if isinstance(got, tuple) else [], host_indices, anchor)
             raise
         return got
+
+    def _let_go(
+        self, staged: Sequence[ComponentTransfer], host_indices: torch.Tensor, anchor: NodeRef
+    ) -> None:
+        """Give back what a prefetch that will not launch holds: its staged component slots, its host pages
+        and its lock on `anchor`. A pool already closed by `aclose` took its memory with it: nothing to
+        give back there."""
+        for transfer in staged:
+            pool = self._component_pools[transfer.component].host  # the pool it was staged in
+            if not pool.closed:
+                pool.free(transfer.indices)
+        if not self._host_pool.closed:
+            self._host_pool.free(host_indices)
+        self._tree.unlock_host(anchor)
 
     async def _stage_components(
         self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int, *, evict: bool = True

@@ -136,7 +136,16 @@ class Admission:
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
         if self._agreement is not None:  # every rank reaches this point alike (the tree is identical)
-            return await self._plan_agreed(request_id, key, match, storage, inflight_tokens, self._agreement)
+            # Counted from its check until it returns, staging included, as on one rank: a plan admitted
+            # meanwhile sees it. The capacity is this rank's value; the agreed hit is the least over ranks.
+            admitting = self._admitting_tokens
+            self._admitting_tokens += remainder
+            try:
+                return await self._plan_agreed(
+                    request_id, key, match, storage, inflight_tokens + admitting, self._agreement
+                )
+            finally:
+                self._admitting_tokens -= remainder
         if inflight_tokens + self._admitting_tokens + remainder > config.capacity_tokens:
             return SkipReason.CAPACITY
         if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
@@ -274,14 +283,9 @@ class Admission:
             key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
         )
 
-        # Counted from its check until it returns, as on one rank (`plan`): a plan admitted meanwhile
-        # sees it. The capacity is this rank's value; the agreed hit is the least over the ranks.
-        admitting = self._admitting_tokens
-        self._admitting_tokens += remainder
-
         async def local() -> int:
             try:
-                if inflight_tokens + admitting + remainder > config.capacity_tokens:
+                if inflight_tokens + remainder > config.capacity_tokens:
                     return 0
                 if not self._breaker.allows():
                     return 0
@@ -322,8 +326,6 @@ class Admission:
                 room.settle(encode_max(0))
             tree.unlock_host(anchor)
             raise
-        finally:
-            self._admitting_tokens -= remainder
         staged: tuple[list[ComponentTransfer], _StagedReads] = ([], [])
         if tree.components:
             got = await self._stage_agreed(
@@ -377,24 +379,14 @@ class Admission:
             got.append(staged)
             return 2
 
-        def let_go() -> None:
-            for transfers, _ in got:
-                for transfer in transfers:
-                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
-                    if not pool.closed:
-                        pool.free(transfer.indices)
-            if not self._host_pool.closed:
-                self._host_pool.free(host_indices)
-            tree.unlock_host(anchor)
-
         try:
             ok = await agreement.agree_on(stage, local)
             self._state.check_open("prefetch")
         except BaseException:
-            let_go()
+            self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
             raise
         if ok < 2:
-            let_go()
+            self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
             return SkipReason.HOST_FULL if ok == 0 else SkipReason.COMPONENT_MISS
         assert got
         return got[0]
@@ -414,17 +406,23 @@ class Admission:
             got = await self._stage_components(storage, hashes, num_tokens)
             self._state.check_open("prefetch")
         except BaseException:
-            # A pool already closed by `aclose` took its memory with it: nothing to give back there.
-            if isinstance(got, tuple):
-                for transfer in got[0]:
-                    pool = self._component_pools[transfer.component].host  # the pool it was staged in
-                    if not pool.closed:
-                        pool.free(transfer.indices)
-            if not self._host_pool.closed:
-                self._host_pool.free(host_indices)
-            self._tree.unlock_host(anchor)
+            self._let_go(got[0] if isinstance(got, tuple) else [], host_indices, anchor)
             raise
         return got
+
+    def _let_go(
+        self, staged: Sequence[ComponentTransfer], host_indices: torch.Tensor, anchor: NodeRef
+    ) -> None:
+        """Give back what a prefetch that will not launch holds: its staged component slots, its host pages
+        and its lock on `anchor`. A pool already closed by `aclose` took its memory with it: nothing to
+        give back there."""
+        for transfer in staged:
+            pool = self._component_pools[transfer.component].host  # the pool it was staged in
+            if not pool.closed:
+                pool.free(transfer.indices)
+        if not self._host_pool.closed:
+            self._host_pool.free(host_indices)
+        self._tree.unlock_host(anchor)
 
     async def _stage_components(
         self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int, *, evict: bool = True

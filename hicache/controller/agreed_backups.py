@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -60,7 +60,7 @@ class AgreedBackup:
     host: torch.Tensor
     chain_hosts: list[torch.Tensor]
     """Each chain's part of `host` (sized when begun: a node may be split while it is copied)."""
-    chain_components: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    chain_components: list[list[tuple[str, torch.Tensor, torch.Tensor]]]
     """Per chain, the component values copied with it: (name, device slots, host slots), one per node
     and component backed up."""
     decision: Decision | None = None
@@ -348,9 +348,8 @@ class AgreedBackups:
         tree = self._tree
         committed: list[NodeRef] = []
         frees: list[ComponentFree] = []
-        comps_by_chain = batch.chain_components or [[] for _ in batch.chains]
         for target, chain, host, comps in zip(
-            batch.targets, batch.chains, batch.chain_hosts, comps_by_chain, strict=True
+            batch.targets, batch.chains, batch.chain_hosts, batch.chain_components, strict=True
         ):
             if verdict and self._parent_backed_up(chain[0]):
                 for node in chain:

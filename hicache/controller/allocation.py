@@ -36,9 +36,12 @@ class ComponentPools(NamedTuple):
 class Allocator:
     """Takes pages from the device, host and component pools, evicting from the tree when one is short.
 
-    Synchronous: it never awaits, so what it evicts and allocates is consistent with the tree when the
-    caller next awaits. (Device allocation, which may have to back evicted nodes up to host first, is the
-    `TierMover`'s.)
+    Synchronous but for `take_component_slots` (one agreement step under tensor parallelism): what it
+    evicts and allocates is consistent with the tree when the caller next awaits. (Device allocation,
+    which may have to back evicted nodes up to host first, is the `TierMover`'s.)
+
+    `agreement`: under tensor parallelism, the ranks' agreement (component slots are then taken with
+    agreed evictions, `take_component_slots`); None for one rank.
     """
 
     def __init__(
@@ -48,6 +51,8 @@ class Allocator:
         host_pool: KVPool,
         component_pools: Mapping[str, ComponentPools],
         release_queue: ReleaseQueue,
+        *,
+        agreement: Agreement | None,
     ) -> None:
         self._tree = tree
         self._device_pool = device_pool
@@ -55,9 +60,7 @@ class Allocator:
         self._component_pools = component_pools
         self._release_queue = release_queue
         self._page_size = host_pool.page_size
-        self.agreement: Agreement | None = None
-        """Under tensor parallelism: component slots are then taken with agreed evictions
-        (`take_component_slots`)."""
+        self._agreement = agreement
 
     def free_components(self, frees: Sequence[ComponentFree]) -> None:
         """Return the component indices a tree operation's result says it let go of to their pools."""
@@ -113,7 +116,7 @@ class Allocator:
         them (per component and tier, the most slots any rank lacks) and every rank evicts that from its
         identical tree: for each component and tier all ranks get their slots, or all get None (the tree
         could not evict that much). With one rank it is `alloc_component_slots`, with no step."""
-        agreement = self.agreement
+        agreement = self._agreement
         if agreement is None:
             return [self.alloc_component_slots(name, tier, n, owner=owner) for name, tier, n in wants]
         totals: dict[tuple[str, str], int] = {}

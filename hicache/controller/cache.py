@@ -131,10 +131,9 @@ class HiCache(CacheLifecycle, CacheObservation):
             self._release_queue,
         )
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
-        self._allocator = Allocator(tree, device, host, comps, queue)
         self.agreement = Agreement.for_group(config.tp_group)
         """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
-        self._allocator.agreement = self.agreement
+        self._allocator = Allocator(tree, device, host, comps, queue, agreement=self.agreement)
         self._mover = TierMover(
             config,
             tree,

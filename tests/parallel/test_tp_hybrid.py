@@ -95,6 +95,25 @@ def test_a_prefetch_whose_components_are_incomplete_on_one_rank_is_dropped_on_ev
         assert (o.value["cached"], o.value["skipped"], o.value["drop"]) == (0, skipped, drop)
 
 
+def test_a_prefetch_with_every_component_page_on_every_rank_lands_on_every_rank(tmp_path: Path) -> None:
+    """The control of the test above, so that it cannot pass with the agreed staging always skipping:
+    with every rank's storage healthy the staged lookup agrees, the prefetch commits on both ranks and
+    each caches the whole prefix with its own window and state (`check_lease`), the trees equal."""
+    out = run_ranks(
+        hybrid_workers.component_pages_missing_on_one_rank,
+        2,
+        (str(tmp_path), 1, {}),
+        timeout_s=WATCHDOG_S,
+    )
+    _ok(out)
+    for o in out:
+        assert (o.value["cached"], o.value["skipped"], o.value["drop"]) == (
+            len(hybrid_workers.HYBRID_SEQ),
+            None,
+            None,
+        )
+
+
 def test_ranks_with_different_windows_refuse_to_start(tmp_path: Path) -> None:
     """A window of 8 tokens on one rank and 12 on the other would end prefixes at different nodes:
     refused on every rank, naming `tp_group`."""

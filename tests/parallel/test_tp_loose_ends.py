@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hicache import HiCache, Namespace
+from hicache.components import MambaState, component_storage_key
 from hicache.errors import LoadBackFailed
 from hicache.memory.layerwise import CpuLayerReadiness
 from hicache.parallel import AgreedLayerReadiness, Agreement
@@ -59,6 +60,58 @@ async def test_agreed_admissions_started_together_never_exceed_the_capacity_betw
         assert cache._prefetcher._admission._admitting_tokens == 0
         await cache.cancel_prefetch(admitted[0])
         cache.sanity_check()
+
+
+class GatedComponentProbe(PassThroughBackend):
+    """`exists` of component pages waits for `gate`; every other call passes through."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        super().__init__(inner)
+        self.gate = anyio.Event()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        if keys and keys[0].endswith(b"mamba".hex()):
+            await self.gate.wait()
+        return await self.inner.exists(keys)
+
+
+async def test_an_agreed_admission_staging_its_components_still_counts_toward_the_capacity() -> None:
+    """Guards against `_plan_agreed` ending its capacity count before it staged the components (one
+    more agreed step, a storage lookup): a second 32-token prefetch started while the first waited in
+    that lookup saw neither in flight and both were admitted under a 40-token capacity. Driven through
+    the agreed path with a one-rank agreement (its decisions resolve at once)."""
+    config = make_config(
+        host_pages=64,
+        prefetch_threshold=8,
+        prefetch_capacity_tokens=40,
+        components=(MambaState(16, device_slots=4, host_slots=4),),
+    )
+    digest = Namespace(model_id="controller-tests").digest
+    async with MemoryBackend(namespace_digest=digest) as inner:
+        backend = GatedComponentProbe(inner)
+        async with HiCache(config, storage=backend) as cache:
+            cache._prefetcher._admission._agreement = Agreement()  # the agreed path, one rank
+            seqs = [tokens(0, 32), tokens(1000, 32)]
+            for seq in seqs:
+                keys = await store_sequence(inner, cache, seq)
+                state = component_storage_key(bytes.fromhex(keys[-1]), "mamba")
+                assert all(await inner.put([state], [memoryview(bytearray(16))]))
+            admitted: list[str] = []
+
+            async def start(i: int) -> None:
+                if await cache.prefetch(f"r{i}", seqs[i]) is not None:
+                    admitted.append(f"r{i}")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(start, 0)
+                await anyio.wait_all_tasks_blocked()  # r0 staged its pages, looks its state up
+                tg.start_soon(start, 1)
+                await anyio.wait_all_tasks_blocked()
+                backend.gate.set()
+            assert admitted == ["r0"]
+            assert cache._prefetcher._admission._admitting_tokens == 0
+            await cache.cancel_prefetch("r0")
+            cache.sanity_check()
 
 
 class RecordingGroup:

@@ -20,7 +20,8 @@ from hicache.controller.breaker import CircuitBreaker
 from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.pacing import LoopPacer
 from hicache.controller.prefetch import Prefetch, PrefetchOutcome, PrefetchState
-from hicache.controller.release import ComponentTransfer, ReleaseBatch, ReleaseQueue
+from hicache.controller.prefetch_release import PrefetchRelease
+from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import KnownPages
@@ -31,7 +32,6 @@ from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, Decision
 from hicache.tiers import DropReason, PrefetchStatus, SkipReason
 from hicache.tree import ComponentFree, MatchResult, NodeRef, PrefixPeek, RadixTree
-from storage_backends.threads import stray_threads
 
 __all__ = ["Prefetcher"]
 
@@ -80,7 +80,7 @@ class Prefetcher:
         self._tree = tree
         self._host_pool = host_pool
         self._component_pools = component_pools
-        self._release_queue = release_queue
+        self._releaser = PrefetchRelease(host_pool, release_queue, config.page_size)
         self._allocator = allocator
         self._metrics = metrics
         self._state = state
@@ -108,9 +108,9 @@ class Prefetcher:
         self._detached: set[Prefetch] = set()
         """Cancelled prefetches whose stream had not stopped yet: `_stream` releases them when it does."""
         self.storage: GuardedStorage | None = None
+        """The storage backend behind its breaker (set once the storage tier is open)."""
         self.rescue: RefillRescue | None = None
         """Backs up an un-backed attach point before commit (`RefillPolicy.BACKUP_THEN_ATTACH`)."""
-        """The storage backend behind its breaker (set once the storage tier is open)."""
         self.known: KnownPages | None = None
         """Pages the storage writer takes as stored (set with the storage tier)."""
         self.task_group: anyio.abc.TaskGroup | None = None
@@ -327,7 +327,7 @@ class Prefetcher:
             frees = result.component_frees
         if drop is not None:
             # One release call: the host pages and every component transfer, in a stable order.
-            released, quarantined = self._release_pages(prefetch, host[:0], 0, prefetch.transfers)
+            released, quarantined = self._releaser.release(prefetch, host[:0], 0, prefetch.transfers)
             prefetch.state = PrefetchState.DROPPED
             self._metrics.prefetch_dropped_tokens.labels(reason=drop.value).inc(completed)
         else:
@@ -338,7 +338,7 @@ class Prefetcher:
             for transfer in prefetch.staged:
                 self._component_pools[transfer.component].host.set_owner(transfer.indices, Owner.TREE)
             caller_transfers = prefetch.transfers[: len(prefetch.transfers) - len(prefetch.staged)]
-            released, quarantined = self._release_pages(
+            released, quarantined = self._releaser.release(
                 prefetch, host[:present], completed // page, caller_transfers
             )
             self._allocator.free_components(frees)
@@ -439,7 +439,7 @@ class Prefetcher:
         self._tree.unlock_host(prefetch.anchor)
         self._metrics.prefetch_cancelled.inc()
         if prefetch.done:
-            released, quarantined = self._release_pages(
+            released, quarantined = self._releaser.release(
                 prefetch, prefetch.host_indices[:0], 0, prefetch.transfers
             )
         else:
@@ -469,59 +469,9 @@ class Prefetcher:
     def finish_detached(self, prefetch: Prefetch) -> None:
         """The stream of a cancelled prefetch stopped (or will never run): give its pages back."""
         self._detached.discard(prefetch)
-        self._release_pages(prefetch, prefetch.host_indices[:0], 0, prefetch.transfers)
+        self._releaser.release(prefetch, prefetch.host_indices[:0], 0, prefetch.transfers)
 
     def finish_all_detached(self) -> None:
         """The workers stopped: no stream can write into a detached prefetch's pages any more."""
         for prefetch in list(self._detached):
             self.finish_detached(prefetch)
-
-    # ------------------------------------------------------------------ releasing pages
-
-    def _release_pages(
-        self, prefetch: Prefetch, quiet: torch.Tensor, tail_page: int, transfers: Sequence[ComponentTransfer]
-    ) -> tuple[int, int]:
-        """Release `quiet` host indices, the prefetch's host pages from page `tail_page` on, and `transfers`
-        in one release call; pages and staged transfers a stray read may still write into are quarantined
-        instead (released once its thread returns). Returns (tokens released, of which quarantined)."""
-        page = self._page_size
-        tail = prefetch.host_indices[tail_page * page :]
-        staged_views = {
-            id(t): views for t, views in zip(prefetch.staged, prefetch.staged_views(), strict=True)
-        }
-        held = [t for t in transfers if stray_threads.busy(staged_views.get(id(t), ()))]
-        free = [t for t in transfers if all(t is not h for h in held)]
-        busy = prefetch.busy_pages(tail_page)
-        if any(busy):
-            mask = torch.tensor(busy, dtype=torch.bool).repeat_interleave(page)
-            held_pages, tail = tail[mask], tail[~mask]
-            held_views = [v for v, b in zip(prefetch.views[tail_page:], busy, strict=True) if b]
-        else:
-            held_pages, held_views = tail[:0], []
-        released = torch.cat([quiet, tail]) if quiet.numel() else tail
-        batch = self._release_buffers(released, free)
-        if held_pages.numel() or held:
-            views = held_views + [v for t in held for v in staged_views[id(t)]]
-            self._tag_released(held_pages, held)
-            self._release_queue.quarantine(held_pages, held, views=views)
-            logger.warning(
-                "prefetch %s: %d host pages quarantined until a stuck storage read returns",
-                prefetch.request_id,
-                held_pages.numel() // page,
-            )
-        quarantined = int(held_pages.numel())
-        return batch.num_tokens + quarantined, quarantined
-
-    def _release_buffers(
-        self, host_indices: torch.Tensor, transfers: Sequence[ComponentTransfer]
-    ) -> ReleaseBatch:
-        """Hand host pages and component transfers to the release queue, tagged as pending release."""
-        self._tag_released(host_indices, transfers)
-        return self._release_queue.release(host_indices, transfers)
-
-    def _tag_released(self, host_indices: torch.Tensor, transfers: Sequence[ComponentTransfer]) -> None:
-        """Tag pages handed to the release queue (pending, or quarantined first) as `Owner.RELEASE`."""
-        self._host_pool.set_owner(host_indices, Owner.RELEASE)
-        for transfer in transfers:
-            if isinstance(transfer.pool, KVPool):
-                transfer.pool.set_owner(transfer.indices, Owner.RELEASE)

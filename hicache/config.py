@@ -19,13 +19,16 @@ from storage_backends.redact import redact_text, redacted_repr, remember_secrets
 
 __all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
-STORAGE_BATCH_BYTES = 16 << 20
+STORAGE_BATCH_BYTES = 64 << 20
 """Target payload bytes per storage `get` call of a prefetch when `storage_batch_pages` is not set.
-Each call costs the event loop ~50 us of its own CPU whatever its size (the stream's task, the backend's
-checks, the wake-up; measured on the file backend), taken from the read threads on a small machine.
-Measured with `bench/bench_io.py` (2 cores, 16 concurrent prefetches, hot file backend): at 64 KiB pages,
+Each call costs the event loop CPU whatever its size (the stream's read, the backend's checks, the wake-up),
+taken from the read threads on a small machine; the backend still spreads a call over its threads, so a
+larger call loses no parallelism (a prefetch's progress moves in steps of a call). Measured with
+`bench/bench_io.py` (2 cores, 16 concurrent prefetches of 1 GiB in all, hot file backend): at 64 KiB pages,
 1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s; at 1 MiB pages, 4 MiB calls cost the loop ~31 ms of
-CPU per GiB and 16 MiB calls ~19 ms (15.3 -> ~17 GB/s); 64 MiB calls gained nothing more (issue 12)."""
+CPU per GiB, 16 MiB calls ~19 ms. Once a call's groups woke the loop once (read sets), 64 MiB calls cost
+~15-16 ms against 17-22 ms for 16 MiB, and cold passes ran 1.17-1.34 of raw against 1.05-1.13 (issue 12,
+BENCHMARKS.md)."""
 
 
 def layout_signature(layout: KVLayout, components: Sequence[Component] = ()) -> str:

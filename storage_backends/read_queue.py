@@ -6,7 +6,7 @@ GIL back after every group and the event loop to hand it the next one, and with 
 streaming) it waited up to the 5 ms GIL switch interval each time; on 2 cores the threads then sat idle most
 of a pass (measured with per-thread spans: 0.7-1.3 of 4 threads busy, 1.5-5 ms between two groups of one
 thread). The groups of one `run` call form a set that signals an eventfd the event loop watches once its
-last group finishes (a 16 MiB `get` split over four threads used to wake the loop four times); one callback
+last group finishes (a 64 MiB `get` split over four threads used to wake the loop four times); one callback
 per wake-up collects every finished group and wakes their callers.
 
 A cancelled caller keeps the rules of `storage_backends.threads`: a group not started yet is withdrawn and

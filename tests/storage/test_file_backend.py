@@ -337,8 +337,13 @@ async def test_a_cancelled_get_drops_its_finished_groups_and_abandons_only_the_r
     """A get split into two groups, the first finished (uncollected: its set waits for the second) and the
     second stuck in its thread, is cancelled: only the stuck group is abandoned (its buffer busy, one worker
     added for it); the finished group's buffer is free at once and holds its page."""
-    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
-        size = 4 << 20  # a group per page: groups are capped at 4 MiB
+    size = 1 << 20
+    async with FileBackend(
+        tmp_path / "pages",
+        namespace_digest=NS,
+        max_concurrency=1,
+        group_bytes=size,  # a group per page
+    ) as backend:
         keys, pages = make_keys(2), make_pages(2, size)
         await backend.put(keys, pages)
         entered, gate = threading.Event(), threading.Event()

@@ -257,6 +257,8 @@ async def bench_page_size(
     assert len(keys) == n
     views = page_views(pool[: n * page_bytes], page_bytes)
     backend_options: dict[str, Any] = {} if args.threads is None else {"max_concurrency": args.threads}
+    if args.group_mib is not None:
+        backend_options["group_bytes"] = args.group_mib << 20
     raw_threads = [int(t) for t in args.raw_threads.split(",")]
     out: dict[str, dict[str, Any]] = {}
     async with FileBackend(root, namespace_digest=config.namespace.digest, **backend_options) as backend:
@@ -474,6 +476,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--batch-pages", type=int, default=None, help="storage_batch_pages of the cache (default: its own)"
+    )
+    parser.add_argument(
+        "--group-mib", type=int, default=None, help="the file backend's group_bytes in MiB (default: its own)"
     )
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
     parser.add_argument("--page-kib", default="1024,64", help="page payload sizes in KiB, comma-separated")

@@ -122,7 +122,7 @@ class Prefetch:
         transfers: Sequence[ComponentTransfer] = (),
         staged: Sequence[ComponentTransfer] = (),
         staged_reads: Sequence[tuple[Sequence[str], Sequence[memoryview]]] = (),
-        ticket: int = 0,
+        ticket: int,
     ) -> None:
         self.request_id = request_id
         self.ticket = ticket

@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 FUZZ_ROUNDS ?= 20
 PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py \
 	tests/controller/test_controller_components_machine.py tests/controller/test_eviction_liveness.py \
-	tests/memory/test_memory_allocator.py
+	tests/memory/test_memory_allocator.py tests/tree/test_tree_load_back_machine.py \
+	tests/controller/test_controller_layerwise_machine.py
 
 # `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs them all, one after another.
 BENCHES := tree io s3 transfer faults ownership tp layerwise refill

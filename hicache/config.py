@@ -28,7 +28,8 @@ larger call loses no parallelism (a prefetch's progress moves in steps of a call
 1 MiB calls reached ~2.1 GB/s, 4 MiB calls ~3.1 GB/s; at 1 MiB pages, 4 MiB calls cost the loop ~31 ms of
 CPU per GiB, 16 MiB calls ~19 ms. Once a call's groups woke the loop once (read sets), 64 MiB calls cost
 ~15-16 ms against 17-22 ms for 16 MiB, and cold passes ran 1.17-1.34 of raw against 1.05-1.13 (issue 12,
-BENCHMARKS.md)."""
+BENCHMARKS.md). A call must finish within `storage_read_timeout_s` (default 5 s: 13 MB/s for 64 MiB, a tier
+far too slow to beat recomputing that much KV); set `storage_batch_pages` lower for a slower one."""
 
 
 def layout_signature(layout: KVLayout, components: Sequence[Component] = ()) -> str:

@@ -285,14 +285,8 @@ def chained_page_hashes(
 def chained_page_keys(
     key: bytes, page_size: int, namespace: Namespace, prev: bytes = ROOT_HASH
 ) -> tuple[list[bytes], list[str]]:
-    """`chained_page_hashes`, and each hash's storage key (its 32 lowercase hex digits), aligned.
-
-    Args:
-        key: the key in bytes form, starting right after the page whose hash is `prev`.
-        page_size: tokens per page (>= 1).
-        namespace: the cache's namespace.
-        prev: the hash of the page before `key` (`ROOT_HASH` at the start of a sequence).
-    """
+    """`chained_page_hashes` (same arguments), and each hash's storage key (its 32 lowercase hex digits),
+    aligned."""
     _check_chain(page_size, prev)
     # In C with the hashes: `[h.hex() for h in hashes]` cost ~30 us per 1,024 pages on the event loop.
     return _chain_page_keys(key, page_size * TOKEN_BYTES, namespace.digest, prev)

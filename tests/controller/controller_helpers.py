@@ -94,6 +94,21 @@ async def store_sequence(
     return keys
 
 
+async def prefetch_together(cache: HiCache, seqs: Sequence[Sequence[int]]) -> list[str]:
+    """Start a prefetch of each of `seqs` (request ids `r0`, `r1`, ...) in one loop iteration; the ids of
+    those admitted, in the order their `prefetch` returned."""
+    admitted: list[str] = []
+
+    async def start(i: int) -> None:
+        if await cache.prefetch(f"r{i}", seqs[i]) is not None:
+            admitted.append(f"r{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(seqs)):
+            tg.start_soon(start, i)
+    return admitted
+
+
 async def insert_device_chain(cache: HiCache, seq: Sequence[int], *, schedule_backups: bool = True) -> None:
     """Serve `seq` as a request would: acquire, allocate, write KV, insert."""
     lease = await cache.acquire(f"fill-{seq[0]}-{len(seq)}", seq)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import anyio
 import pytest
-from controller_helpers import PassThroughBackend, make_config, store_sequence, tokens
+from controller_helpers import PassThroughBackend, make_config, prefetch_together, store_sequence, tokens
 
 from hicache import HiCache, Namespace
 from hicache.controller.pacing import LoopPacer
@@ -274,15 +274,7 @@ async def test_prefetches_started_together_never_exceed_the_capacity_between_the
         seqs = [tokens(0, 32), tokens(1000, 32)]
         for seq in seqs:
             await store_sequence(inner, cache, seq)
-        admitted: list[str] = []
-
-        async def start(i: int) -> None:
-            if await cache.prefetch(f"r{i}", seqs[i]) is not None:
-                admitted.append(f"r{i}")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(start, 0)
-            tg.start_soon(start, 1)
+        admitted = await prefetch_together(cache, seqs)
         assert len(admitted) == 1
         assert cache.statistics().prefetch_tokens_in_flight == 32
         await cache.cancel_prefetch(admitted[0])

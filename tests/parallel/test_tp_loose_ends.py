@@ -19,7 +19,13 @@ from hicache.memory.layerwise import CpuLayerReadiness
 from hicache.parallel import AgreedLayerReadiness, Agreement
 from hicache.parallel.launch import run_ranks
 from storage_backends.memory import MemoryBackend
-from tests.controller.controller_helpers import PassThroughBackend, make_config, store_sequence, tokens
+from tests.controller.controller_helpers import (
+    PassThroughBackend,
+    make_config,
+    prefetch_together,
+    store_sequence,
+    tokens,
+)
 
 
 class SettlingProbe(PassThroughBackend):
@@ -46,15 +52,7 @@ async def test_agreed_admissions_started_together_never_exceed_the_capacity_betw
         seqs = [tokens(0, 32), tokens(1000, 32)]
         for seq in seqs:
             await store_sequence(inner, cache, seq)
-        admitted: list[str] = []
-
-        async def start(i: int) -> None:
-            if await cache.prefetch(f"r{i}", seqs[i]) is not None:
-                admitted.append(f"r{i}")
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(start, 0)
-            tg.start_soon(start, 1)
+        admitted = await prefetch_together(cache, seqs)
         assert len(admitted) == 1
         assert cache.statistics().prefetch_tokens_in_flight == 32
         assert cache._prefetcher._admission._admitting_tokens == 0

@@ -219,7 +219,8 @@ class FileBackend(BackendLifecycle):
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Read pages straight into `buffers`; one `PageStatus` per page, `HIT` only for a verified page.
 
-        A page that is truncated, has a bad header or fails its checksum (`CORRUPT`), names another
+        A page that is truncated, overlong, of another length, has a bad header or fails its checksum
+        (`CORRUPT`), names another
         namespace or key in its header (`FOREIGN`: a page copied, renamed or symlinked over this key), or is
         of an older format (`OLD_FORMAT`) is logged at warning level and counted in `statistics()`.
         When this returns, normally or not, no thread is still writing into any buffer.
@@ -227,7 +228,7 @@ class FileBackend(BackendLifecycle):
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
-                `keys`, a non-contiguous buffer, or a buffer whose size differs from a stored page.
+                `keys` or a non-contiguous buffer.
         """
         check_batch(keys, buffers)
         validate_keys(keys)

@@ -132,8 +132,8 @@ class PageFiles:
         finally:
             os.close(fd)
         try:
-            # Three cases: a page of another size (foreign, truncated, overlong, or the caller's buffer
-            # is wrong: `check_stored_size` tells them apart), or one of the right size that must verify.
+            # The header and size first (foreign, old format, truncated, overlong or of another length:
+            # `check_stored_size` names which), then the payload of a page of the right size.
             check_stored_size(
                 memoryview(header)[: min(got, HEADER_SIZE)], size, buf.nbytes, self._namespace, key
             )

@@ -331,6 +331,51 @@ async def test_a_stuck_read_does_not_take_a_thread_from_the_others(tmp_path: Pat
         assert backend._reader.stray == 0
 
 
+async def test_spare_read_threads_are_capped_on_a_hung_mount(tmp_path: Path) -> None:
+    """On a mount where every read hangs, each get abandoned while reading started one more worker, without
+    bound (issue 22, item 4). Now spares stop at the base thread count: with one thread, the second stuck
+    read gets no spare, a third get waits queued behind the stuck ones and is withdrawn when cancelled,
+    and once the reads return, their spare retires and a get loads again."""
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
+        keys, pages = make_keys(4), make_pages(4, 4096)
+        await backend.put(keys, pages)
+        entered = {key: threading.Event() for key in keys}
+        gate = threading.Event()
+
+        def hang(group: tuple[str, ...]) -> None:
+            if keys[3] not in group:
+                entered[group[0]].set()
+                assert gate.wait(timeout=30), "test gate never opened"
+
+        backend._before_read = hang
+        out = empty_pages(4, 4096)
+        try:
+            for i in range(2):  # two reads stuck in their threads, abandoned by their callers
+                with anyio.CancelScope() as scope:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(backend.get, keys[i : i + 1], out[i : i + 1])
+                        await anyio.to_thread.run_sync(entered[keys[i]].wait)
+                        scope.cancel()
+            reader = backend._reader
+            assert (reader.threads, reader.spares, reader.stray) == (2, 1, 2)
+            with anyio.CancelScope() as scope:  # every worker stuck: this one queues
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(backend.get, keys[2:3], out[2:3])
+                    await anyio.wait_all_tasks_blocked()
+                    assert not entered[keys[2]].is_set()
+                    scope.cancel()
+            assert (reader.threads, reader.spares, reader.stray) == (2, 1, 2)
+            assert not stray_threads.busy(out[2:3])
+            assert "spares=1/1" in repr(reader)
+        finally:
+            gate.set()
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(out[:2])
+            assert await backend.get(keys[3:], out[3:]) == [PageStatus.HIT]
+        assert bytes(out[3]) == bytes(pages[3])
+        assert (backend._reader.spares, backend._reader.stray) == (0, 0)
+
+
 async def test_a_cancelled_get_drops_its_finished_groups_and_abandons_only_the_reading_one(
     tmp_path: Path,
 ) -> None:

@@ -20,7 +20,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-BUILD = 5
+BUILD = 6
 """The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
 
 _REBUILD = (
@@ -41,6 +41,7 @@ from _hicache_native import (  # noqa: E402  (after the check: a stale build lac
     HEADER_SIZE,
     HIT,
     MISS,
+    READAHEAD,
     RETRY,
     ReadJob,
     ReadQueue,
@@ -56,6 +57,7 @@ __all__ = [
     "HEADER_SIZE",
     "HIT",
     "MISS",
+    "READAHEAD",
     "RETRY",
     "ReadJob",
     "ReadQueue",

@@ -231,9 +231,9 @@ class FileBackend(BackendLifecycle):
         """Read pages straight into `buffers`; one `PageStatus` per page, `HIT` only for a verified page.
 
         A page that is truncated, overlong, of another length, has a bad header or fails its checksum
-        (`CORRUPT`), names another
-        namespace or key in its header (`FOREIGN`: a page copied, renamed or symlinked over this key), or is
-        of an older format (`OLD_FORMAT`) is logged at warning level and counted in `statistics()`.
+        (`CORRUPT`), names another namespace or key in its header (`FOREIGN`: a page copied, renamed or
+        symlinked over this key), or is of an older format (`OLD_FORMAT`) is logged at warning level and
+        counted in `statistics()`.
         When this returns, normally or not, no thread is still writing into any buffer.
 
         Raises:

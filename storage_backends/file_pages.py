@@ -201,13 +201,13 @@ class PageFiles:
 
     def log_not_a_page(self, key: str) -> None:
         """Log that page `key`'s path holds no regular file (a directory, FIFO, socket or device, symlinks
-        followed): `exists` counts it absent, so write-through replaces it (`write_one`)."""
-        path = self.path(key)
-        try:
-            what = _not_regular(os.stat(path).st_mode)
-        except OSError as exc:  # changed since the stat: say so
-            what = str(exc)
-        log.warning("no page at %s: %s; counted absent, the next write replaces it", path, what)
+        followed): `exists` counts it absent, so write-through replaces it (`write_one`). No I/O: it runs on
+        the event loop."""
+        log.warning(
+            "no page at %s: not a regular file (a directory, FIFO, socket or device); counted absent, the "
+            "next write replaces it",
+            self.path(key),
+        )
 
     def delete_group(self, keys: Sequence[str]) -> None:
         """Remove the page files of `keys`; absent ones are ignored.

@@ -38,7 +38,8 @@ def read_pages(
     byte per page, the flags to pass next time (without the probe once the filesystem refused it,
     `READAHEAD` kept), and `(index, errno)` for every `ERROR` page. A file longer or shorter than header plus
     buffer is `RETRY`, never `HIT`. All read threads together hold at most a quarter of the soft
-    `RLIMIT_NOFILE` open ahead; a page beyond that, or whose open hits EMFILE, is opened at its own turn.
+    `RLIMIT_NOFILE` open ahead; a page beyond that, or whose open ahead hits EMFILE, is opened at its own
+    turn, and one whose own open hits EMFILE or ENFILE is `RETRY` (re-read once the batch's files are closed).
 
     Raises:
         ValueError: naming the argument, for a key that is not 4-128 lowercase hex characters, a NUL in

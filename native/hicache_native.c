@@ -211,9 +211,11 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, i
     return fd;
 }
 
-/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it. */
+/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it, and so
+   does EMFILE/ENFILE: Python re-reads the page once the batch is over and every read thread's read-ahead
+   files are closed, so a page fails for want of descriptors only where a plain read would. */
 static int open_failure(int fd, int err) {
-    if (fd == NOT_REGULAR) return CODE_RETRY;
+    if (fd == NOT_REGULAR || err == EMFILE || err == ENFILE) return CODE_RETRY;
     return err == ENOENT ? CODE_MISS : CODE_ERROR;
 }
 

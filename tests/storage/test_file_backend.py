@@ -628,7 +628,7 @@ async def test_reading_ahead_thousands_of_small_pages_keeps_few_files_open(tmp_p
 
 
 _COLD_READ_UNDER_A_LOW_LIMIT = """
-import asyncio, json, resource, sys
+import asyncio, json, os, resource, sys
 from storage_backends import native
 from storage_backends.file import FileBackend
 from storage_backends.protocol import PageStatus
@@ -642,6 +642,14 @@ async def main() -> None:
         b._files.read_flags = native.READAHEAD | int(sys.argv[2])  # the probe refused: read ahead
         out = [memoryview(bytearray(size)) for _ in range(n)]
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        held = []
+        while int(sys.argv[3]):  # hold every descriptor but a few: the read-ahead budget cannot know
+            try:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                break
+        for fd in held[len(held) - int(sys.argv[3]) :]:
+            os.close(fd)
         statuses = await b.get(keys, out)
         print(json.dumps({
             "hits": sum(s is PageStatus.HIT for s in statuses),
@@ -655,17 +663,19 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux: RLIMIT_NOFILE and the C reader")
-def test_cold_reads_on_four_threads_succeed_under_a_low_descriptor_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("free", [0, 3], ids=["limit_64", "all_but_3_descriptors_taken"])
+def test_cold_reads_on_four_threads_succeed_under_a_low_descriptor_limit(tmp_path: Path, free: int) -> None:
     """With `RLIMIT_NOFILE` 64, a cold 1,000-page get spread over four read threads failed hundreds of pages
     with EMFILE: each thread kept 32 files open ahead, 128 in all, whatever the limit (issue 22, item 11).
-    Now the threads share a read-ahead budget of a quarter of the limit, and a page whose open ahead hits
-    EMFILE is opened at its own turn: every page loads, as plain reads would. (A subprocess: the limit is
-    the whole process's.)"""
+    Now the threads share a read-ahead budget of a quarter of the limit; a page whose open ahead hits
+    EMFILE is opened at its own turn, and one whose own open hits it (other threads' read-ahead holding the
+    last descriptors) is re-read plainly after the batch: every page loads, as plain reads would, also with
+    all but three descriptors taken by the process. (A subprocess: the limit is the whole process's.)"""
     import json
     import subprocess
 
     result = subprocess.run(
-        [sys.executable, "-c", _COLD_READ_UNDER_A_LOW_LIMIT, str(tmp_path), str(_REFUSED_FLAG)],
+        [sys.executable, "-c", _COLD_READ_UNDER_A_LOW_LIMIT, str(tmp_path), str(_REFUSED_FLAG), str(free)],
         capture_output=True,
         text=True,
         timeout=120,

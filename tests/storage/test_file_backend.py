@@ -21,6 +21,8 @@ import pytest
 import xxhash
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
@@ -375,6 +377,67 @@ async def test_spare_read_threads_are_capped_on_a_hung_mount(tmp_path: Path) -> 
             assert await backend.get(keys[3:], out[3:]) == [PageStatus.HIT]
         assert bytes(out[3]) == bytes(pages[3])
         assert (backend._reader.spares, backend._reader.stray) == (0, 0)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.sampled_from(["abandon", "release"]), max_size=8))
+def test_spares_follow_the_stuck_reads_they_were_started_for(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[str]
+) -> None:
+    """Any sequence of reads abandoned while stuck and stuck reads returning, on two threads: a read that
+    finds a free worker starts and, abandoned, gets a spare while fewer than two are alive; one that finds
+    every worker stuck queues and is withdrawn; a returning read retires its own spare, if it had one. The
+    spare count and the stray count follow that model after every step, and at the end both are 0."""
+    root = tmp_path_factory.mktemp("spares")
+
+    async def scenario() -> None:
+        async with FileBackend(root, namespace_digest=NS, max_concurrency=2) as backend:
+            keys, pages = make_keys(len(ops) + 1), make_pages(len(ops) + 1, 512)
+            assert await backend.put(keys, pages) == [True] * len(keys)
+            entered = {key: threading.Event() for key in keys}
+            gates = {key: threading.Event() for key in keys}
+
+            def hang(group: tuple[str, ...]) -> None:
+                entered[group[0]].set()
+                assert gates[group[0]].wait(timeout=30), "test gate never opened"
+
+            backend._before_read = hang
+            out = empty_pages(len(keys), 512)
+            stuck: list[tuple[int, bool]] = []  # the model: (page, got a spare) of each stuck read
+            spares = 0
+            try:
+                for i, op in enumerate(ops):
+                    if op == "abandon":
+                        starts = len(stuck) < 2 + spares
+                        with anyio.CancelScope() as scope:
+                            async with anyio.create_task_group() as tg:
+                                tg.start_soon(backend.get, keys[i : i + 1], out[i : i + 1])
+                                if starts:
+                                    await anyio.to_thread.run_sync(entered[keys[i]].wait, 30)
+                                else:
+                                    await anyio.wait_all_tasks_blocked()
+                                scope.cancel()
+                        if starts:
+                            stuck.append((i, spares < 2))
+                            spares += spares < 2
+                    elif stuck:
+                        page, spared = stuck.pop(0)
+                        gates[keys[page]].set()
+                        with anyio.fail_after(30):
+                            await stray_threads.wait_quiet(out[page : page + 1])
+                        spares -= spared
+                    reader = backend._reader
+                    assert (reader.spares, reader.stray) == (spares, len(stuck)), (ops[: i + 1], reader)
+                    assert reader.spares <= reader.max_spares == 2
+            finally:
+                for gate in gates.values():
+                    gate.set()
+            with anyio.fail_after(30):
+                await stray_threads.wait_quiet(out)
+                assert await backend.get(keys[-1:], out[-1:]) == [PageStatus.HIT]
+            assert (backend._reader.spares, backend._reader.stray) == (0, 0)
+
+    anyio.run(scenario)
 
 
 async def test_a_cancelled_get_drops_its_finished_groups_and_abandons_only_the_reading_one(

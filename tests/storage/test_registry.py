@@ -65,7 +65,7 @@ async def test_open_backend_builds_file_and_memory_backends(tmp_path: Path) -> N
 def test_builtins_include_s3_without_importing_it() -> None:
     """s3 is registered by name only."""
     assert registered_schemes()["s3"] == "storage_backends.s3:S3Backend.from_url"
-    assert set(_BUILTINS) == {"file", "memory", "s3"}
+    assert set(_BUILTINS) == {"file", "memory", "s3", "valkey", "mooncake"}
 
 
 @pytest.mark.parametrize("url", ["ftp://host/x", "nosuchscheme:///x", "/just/a/path"])

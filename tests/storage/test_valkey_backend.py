@@ -1,0 +1,262 @@
+"""ValkeyBackend on real valkey-server processes on loopback: a 3-node cluster and a single node.
+
+The shared contract and hostile-storage suites run on both; then what only a network store does: URLs and
+redaction, pages spread over every shard, pages the server evicts, a node killed or paused mid-read.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import redis
+from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
+from hostile import HostileStorage, RawStore
+from net_servers import ValkeyCluster, start_valkey
+
+from hicache.errors import StorageAuthError, StorageUnavailable
+from storage_backends.protocol import PageStatus
+from storage_backends.registry import open_backend
+from storage_backends.valkey import ValkeyBackend, parse_valkey_url
+
+HIT, MISS, ERROR = PageStatus.HIT, PageStatus.MISS, PageStatus.ERROR
+DIGEST = bytes(range(16))
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """Three valkey-server nodes in cluster mode, shared by the session."""
+    cluster = start_valkey(tmp_path_factory.mktemp("valkey-cluster"), nodes=3)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """One valkey-server, not clustered, with a password, shared by the session."""
+    server = start_valkey(
+        tmp_path_factory.mktemp("valkey-single"), nodes=1, cluster=False, password="s3cr3t-pw"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def raw_client(server: ValkeyCluster) -> Any:
+    """A plain synchronous client on `server`, to read and write values behind the backend's back."""
+    if server.clustered:
+        return redis.RedisCluster(host="127.0.0.1", port=server.nodes[0].port, password=server.password)
+    return redis.Redis(host="127.0.0.1", port=server.nodes[0].port, password=server.password)
+
+
+class _ValkeyContract(BackendContract, HostileStorage):
+    server_fixture = ""
+
+    @pytest.fixture
+    def server(self, request: pytest.FixtureRequest) -> ValkeyCluster:
+        result: ValkeyCluster = request.getfixturevalue(self.server_fixture)
+        return result
+
+    @pytest.fixture
+    def url(self, server: ValkeyCluster) -> str:
+        return server.url(f"contract-{uuid.uuid4().hex[:12]}")
+
+    @pytest.fixture
+    async def backend(self, url: str, namespace_digest: bytes) -> AsyncIterator[ValkeyBackend]:
+        async with ValkeyBackend.from_url(url, namespace_digest=namespace_digest) as b:
+            yield b
+
+    @pytest.fixture
+    def reopen(self, url: str) -> Reopen:
+        async def open_again(digest: bytes) -> ValkeyBackend:
+            return ValkeyBackend.from_url(url, namespace_digest=digest)
+
+        return open_again
+
+    @pytest.fixture
+    def raw(self, server: ValkeyCluster) -> Iterator[Any]:
+        client = raw_client(server)
+        yield client
+        client.close()
+
+    @pytest.fixture
+    def raw_store(self, raw: Any, backend: ValkeyBackend) -> RawStore:
+        class Raw:
+            async def read(self, key: str) -> bytes:
+                return bytes(await anyio.to_thread.run_sync(raw.get, backend.server_key(key)))
+
+            async def write(self, key: str, data: bytes) -> None:
+                await anyio.to_thread.run_sync(raw.set, backend.server_key(key), data)
+
+        return Raw()
+
+    @pytest.fixture
+    def corrupt_page(self, raw: Any, backend: ValkeyBackend) -> Corrupt:
+        def flip_last_byte(key: str) -> None:
+            body = bytearray(raw.get(backend.server_key(key)))
+            body[-1] ^= 0x01
+            raw.set(backend.server_key(key), bytes(body))
+
+        return flip_last_byte
+
+    @pytest.fixture
+    def hold_reads(self, backend: ValkeyBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
+        gate = ReadGate()
+        monkeypatch.setattr(backend, "_get_group", gate.awaited(backend._get_group))
+        yield gate
+        gate.open()
+
+
+class TestValkeyCluster(_ValkeyContract):
+    server_fixture = "valkey_cluster"
+
+
+class TestValkeySingleNode(_ValkeyContract):
+    server_fixture = "valkey_single"
+
+
+# ---------------------------------------------------------------------------------------------- URLs
+
+
+def test_url_names_every_node_the_prefix_and_options() -> None:
+    nodes, prefix, options = parse_valkey_url("valkey://u:p%40ss@h1:7000,h2:7001/a/b?ttl_s=60&cluster=yes")
+    assert nodes == [("h1", 7000), ("h2", 7001)]
+    assert prefix == "a/b"
+    assert options == {"username": "u", "password": "p@ss", "ttl_s": 60.0, "cluster": True}
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("valkey://h1/p", "node 0"),
+        ("valkey://h1:0/p", "node 0"),
+        ("valkey://h1:7000/p?bogus=1", "bogus"),
+        ("valkey://h1:7000/p?ttl_s=x", "ttl_s"),
+        ("valkey://h1:7000/p?ttl_s=0", "ttl_s"),
+        ("valkey://h1:7000/a/../b", "prefix"),
+        ("valkey://h1:7000/%7Btag%7D", "prefix"),
+    ],
+)
+def test_bad_urls_are_refused_naming_the_part(url: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        ValkeyBackend.from_url(url, namespace_digest=DIGEST)
+
+
+def test_a_password_in_the_url_is_never_shown() -> None:
+    backend = ValkeyBackend.from_url("valkey://:hunter2-secret@127.0.0.1:1/p", namespace_digest=DIGEST)
+    try:
+        assert "hunter2-secret" not in repr(backend)
+        assert "***" in repr(backend)
+    finally:
+        backend._closed = True
+    with pytest.raises(ValueError, match="ttl_s") as info:
+        open_backend("valkey://:hunter2-secret@127.0.0.1:1/p?ttl_s=bad", namespace_digest=DIGEST)
+    assert "hunter2-secret" not in str(info.value)
+
+
+async def test_a_wrong_password_is_an_outage_naming_no_secret(valkey_single: ValkeyCluster) -> None:
+    url = valkey_single.url("p").replace("s3cr3t-pw", "wrong-pw-123")
+    async with ValkeyBackend.from_url(url, namespace_digest=DIGEST, max_retries=0) as backend:
+        with pytest.raises(StorageAuthError) as info:
+            await backend.put(make_keys(1), make_pages(1, 4096))
+    assert "wrong-pw-123" not in str(info.value)
+    assert "s3cr3t-pw" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------ cluster layout
+
+
+async def test_a_chain_spreads_over_every_shard_without_crossslot(valkey_cluster: ValkeyCluster) -> None:
+    """A batch of one chain's pages is split per node: no CROSSSLOT error, and no hash tag piles the
+    chain onto one shard."""
+    keys, pages = make_keys(96), make_pages(96, 4096)
+    async with ValkeyBackend.from_url(valkey_cluster.url("spread"), namespace_digest=DIGEST) as backend:
+        assert await backend.put(keys, pages) == [True] * 96
+        out = empty_pages(96, 4096)
+        assert await backend.get(keys, out) == [HIT] * 96
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+        assert await backend.exists(keys) == 96
+    counts = [int(node.command("DBSIZE")) for node in valkey_cluster.nodes]
+    assert all(count > 0 for count in counts), counts
+
+
+# ------------------------------------------------------------------------------------------ eviction
+
+
+async def test_pages_evicted_under_memory_pressure_are_misses_never_wrong_bytes(tmp_path: Path) -> None:
+    """`maxmemory` with `allkeys-lru`: the server drops pages while we write and read; every page read is
+    a verified hit or a miss."""
+    server = start_valkey(
+        tmp_path, nodes=1, cluster=False, extra=("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    )
+    try:
+        keys, pages = make_keys(64), make_pages(64, 65536)
+        async with ValkeyBackend.from_url(server.url("lru"), namespace_digest=DIGEST) as backend:
+            for start in range(0, 64, 8):
+                await backend.put(keys[start : start + 8], pages[start : start + 8])
+            out = empty_pages(64, 65536)
+            statuses = await backend.get(keys, out)
+            assert set(statuses) == {HIT, MISS}
+            for status, got, want in zip(statuses, out, pages, strict=True):
+                if status is HIT:
+                    assert bytes(got) == bytes(want)
+            assert backend.statistics().misses == statuses.count(MISS)
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------- node failures
+
+
+async def test_a_killed_node_fails_its_pages_and_a_dead_cluster_raises(tmp_path: Path) -> None:
+    """Killing one node of three: its pages become errors (or the call raises when every page was on
+    dead nodes), never wrong bytes; the other nodes' pages still load."""
+    cluster = start_valkey(tmp_path, nodes=3)
+    try:
+        keys, pages = make_keys(48), make_pages(48, 4096)
+        options = {"attempt_timeout_s": 1.0, "deadline_s": 3.0, "max_retries": 1, "connect_timeout_s": 0.5}
+        async with ValkeyBackend.from_url(cluster.url("kill"), namespace_digest=DIGEST, **options) as backend:
+            assert await backend.put(keys, pages) == [True] * 48
+            cluster.nodes[2].kill()
+            out = empty_pages(48, 4096, fill=0x5A)
+            statuses = await backend.get(keys, out)
+            assert set(statuses) == {HIT, ERROR}
+            for status, got, want in zip(statuses, out, pages, strict=True):
+                if status is HIT:
+                    assert bytes(got) == bytes(want)
+            for node in cluster.nodes[:2]:
+                node.kill()
+            with pytest.raises(StorageUnavailable):
+                await backend.get(keys, out)
+    finally:
+        cluster.stop()
+
+
+async def test_a_paused_node_cannot_hold_a_read_past_its_deadline(tmp_path: Path) -> None:
+    """A SIGSTOPped server accepts nothing and answers nothing: the read returns within its deadline
+    (the attempts' timeouts, retries and backoff all inside it) with an outage, and resumes afterwards."""
+    server = start_valkey(tmp_path, nodes=1, cluster=False)
+    try:
+        keys, pages = make_keys(4), make_pages(4, 4096)
+        options = {"attempt_timeout_s": 0.3, "read_deadline_s": 1.0, "max_retries": 2}
+        async with ValkeyBackend.from_url(server.url("pause"), namespace_digest=DIGEST, **options) as backend:
+            assert await backend.put(keys, pages) == [True] * 4
+            server.nodes[0].pause()
+            try:
+                with anyio.fail_after(10):  # a hang fails the test; the bound itself is the backend's
+                    with pytest.raises(StorageUnavailable, match=r"within 1\.0s"):
+                        await backend.get(keys, empty_pages(4, 4096))
+            finally:
+                server.nodes[0].resume()
+            out = empty_pages(4, 4096)
+            assert await backend.get(keys, out) == [HIT] * 4
+            assert backend.statistics().retries >= 1
+    finally:
+        server.stop()

@@ -119,8 +119,8 @@ class RoundTrips:
             try:
                 with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
                     return await op()
-            except StorageError:
-                raise
+            except (StorageError, ValueError, TypeError):
+                raise  # ours already, or the caller's misuse (a buffer of the wrong size): never retried
             except Exception as exc:
                 kind: Failure = "transient" if isinstance(exc, TimeoutError) else self._classify(exc)
                 reason = "attempt timed out" if isinstance(exc, TimeoutError) else self.redact(exc)

@@ -245,6 +245,8 @@ def start_mooncake(workdir: Path, *, extra: tuple[str, ...] = ()) -> MooncakeMas
         "--enable_http_metadata_server=true",
         "--http_metadata_server_host=127.0.0.1",
         f"--http_metadata_server_port={http_port}",
+        f"--metrics_port={free_port()}",
+        "--metrics_host=127.0.0.1",
         *extra,
     ]
     master = MooncakeMaster(rpc_port, http_port, workdir, argv)

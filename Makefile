@@ -21,7 +21,20 @@ $(STAMP): pyproject.toml setup.py native/hicache_native.c
 	# The CPU build of torch first, so the project's torch range installs nothing more (no CUDA wheel).
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	$(MAKE) --no-print-directory net-libs
 	touch $(STAMP)
+
+# Mooncake's wheel links Debian's libibverbs1 and librdmacm1 (even for TCP): apt installs them as root;
+# anyone else gets the command to run.
+NET_LIBS := libibverbs1 librdmacm1
+.PHONY: net-libs
+net-libs:
+	@if ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(NET_LIBS); \
+	else \
+		echo "Mooncake needs $(NET_LIBS): run 'sudo apt-get install -y $(NET_LIBS)'" >&2; exit 1; \
+	fi
 
 venv: $(STAMP)
 

@@ -288,3 +288,6 @@ async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(
     finally:
         holder.kill()
         holder.wait()
+        for pipe in (holder.stdin, holder.stdout):
+            if pipe is not None:
+                pipe.close()

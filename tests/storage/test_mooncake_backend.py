@@ -19,6 +19,7 @@ import anyio
 import pytest
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 from hostile import HostileStorage, RawStore
+from net_instance import run_demo, run_instance
 from net_servers import MooncakeMaster, start_mooncake
 
 from hicache.errors import StorageUnavailable
@@ -291,3 +292,31 @@ async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(
         for pipe in (holder.stdin, holder.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+# --------------------------------------------------------------------------- two processes, one pool
+
+
+def test_two_processes_share_pages_through_the_pool_and_namespaces_stay_apart(
+    mooncake_master: MooncakeMaster, raw_client: Any, tmp_path: Path
+) -> None:
+    """Instance A (its own process, the real controller, no memory of its own in the pool) writes its pages
+    into the segment this process holds; B, a fresh process, prefetches them byte-identical; C, another
+    model's namespace, finds none of them."""
+    url = mooncake_master.url(f"share-{uuid.uuid4().hex[:8]}", "segment_bytes=0&buffer_bytes=16777216")
+    a = run_instance("produce", url, tmp_path / "a.json")
+    assert a["storage"]["pages_written"] == 12
+    assert a["storage"]["errors"] == 0
+    b = run_instance("consume", url, tmp_path / "b.json")
+    assert b["requests"][0]["hits"]["storage"] == 128
+    assert all(r["matches_payload"] for r in b["requests"])
+    assert b["storage"]["pages_read"] == 12
+    c = run_instance("consume", url, tmp_path / "c.json", model="other")
+    assert all(r["hits"]["storage"] == 0 for r in c["requests"])
+    assert c["storage"]["pages_read"] == 0
+
+
+def test_the_demo_runs_on_the_pool(mooncake_master: MooncakeMaster) -> None:
+    """`hicache demo --backend mooncake://...` serves its workload with the pool as its storage tier."""
+    done = run_demo(mooncake_master.url(f"demo-{uuid.uuid4().hex[:8]}", "segment_bytes=67108864"))
+    assert "outputs identical to recompute" in done

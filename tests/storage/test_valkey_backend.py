@@ -16,6 +16,7 @@ import pytest
 import redis
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 from hostile import HostileStorage, RawStore
+from net_instance import run_demo, run_instance
 from net_servers import ValkeyCluster, start_valkey
 
 from hicache.errors import StorageAuthError, StorageUnavailable
@@ -260,3 +261,30 @@ async def test_a_paused_node_cannot_hold_a_read_past_its_deadline(tmp_path: Path
             assert backend.statistics().retries >= 1
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------- two processes, one cluster
+
+
+def test_two_processes_share_pages_through_the_cluster_and_namespaces_stay_apart(
+    valkey_cluster: ValkeyCluster, tmp_path: Path
+) -> None:
+    """Instance A (its own process, the real controller) writes its pages through to the cluster; B, a
+    fresh process, prefetches them byte-identical; C, another model's namespace, finds none of them."""
+    url = valkey_cluster.url(f"share-{uuid.uuid4().hex[:8]}")
+    a = run_instance("produce", url, tmp_path / "a.json")
+    assert a["storage"]["pages_written"] == 12
+    assert a["storage"]["errors"] == 0
+    b = run_instance("consume", url, tmp_path / "b.json")
+    assert b["requests"][0]["hits"]["storage"] == 128
+    assert all(r["matches_payload"] for r in b["requests"])
+    assert b["storage"]["pages_read"] == 12
+    c = run_instance("consume", url, tmp_path / "c.json", model="other")
+    assert all(r["hits"]["storage"] == 0 for r in c["requests"])
+    assert c["storage"]["pages_read"] == 0
+
+
+def test_the_demo_runs_on_the_cluster(valkey_cluster: ValkeyCluster) -> None:
+    """`hicache demo --backend valkey://...` serves its workload with the cluster as its storage tier."""
+    done = run_demo(valkey_cluster.url(f"demo-{uuid.uuid4().hex[:8]}"))
+    assert "outputs identical to recompute" in done

@@ -22,7 +22,14 @@ from typing import IO
 
 from s3_servers import ServerStartError, find_binary, free_port, wait_for_port
 
-__all__ = ["MooncakeMaster", "ValkeyCluster", "ValkeyNode", "start_mooncake", "start_valkey"]
+__all__ = [
+    "MooncakeMaster",
+    "ValkeyCluster",
+    "ValkeyNode",
+    "start_mooncake",
+    "start_valkey",
+    "wait_cluster_ok",
+]
 
 _START_TIMEOUT_S = 60.0
 
@@ -111,6 +118,15 @@ class ValkeyCluster:
         for node in self.nodes:
             node.kill()
 
+    def restart(self) -> None:
+        """Start every node that is not running again, on its port (empty: nothing is persisted; a cluster
+        node rejoins with its slots from its cluster config file), and wait for the cluster to be ok."""
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                node.start()
+        if self.clustered:
+            wait_cluster_ok(self.nodes, self.password)
+
 
 def start_valkey(
     workdir: Path,
@@ -177,6 +193,15 @@ def _form_cluster(nodes: list[ValkeyNode], password: str | None) -> None:
         first = i * share
         last = 16383 if i == len(nodes) - 1 else first + share - 1
         node.command("CLUSTER", "ADDSLOTSRANGE", str(first), str(last), password=password)
+    wait_cluster_ok(nodes, password)
+
+
+def wait_cluster_ok(nodes: list[ValkeyNode], password: str | None = None) -> None:
+    """Return once every node reports `cluster_state:ok` and knows every other node.
+
+    Raises:
+        ServerStartError: not within the start timeout.
+    """
     deadline = time.monotonic() + _START_TIMEOUT_S
     while True:
         infos = [node.command("CLUSTER", "INFO", password=password) for node in nodes]

@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "s3"))
 
-from s3_instance import PAGE, PROMPTS, instance_config, kv_payload  # noqa: E402
+from s3_instance import PAGE, PROMPTS, instance_config, kv_payload
 
-from hicache import HiCache  # noqa: E402
+from hicache import HiCache
 
 ROOT = Path(__file__).resolve().parents[2]
 

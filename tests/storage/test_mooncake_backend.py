@@ -239,11 +239,13 @@ _HOLDER = textwrap.dedent(
 )
 
 
-async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(
-    mooncake_master: MooncakeMaster,
-) -> None:
+async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(tmp_path: Path) -> None:
     """Another process that contributes a segment stores pages and is SIGKILLed: our reads of its pages
-    are misses or errors, never wrong bytes, and what we store meanwhile loads."""
+    are misses or errors, never wrong bytes, and what we store meanwhile loads.
+
+    A master of its own: the dead client's segment stays listed until the master's client TTL expires,
+    and pages placed there meanwhile are lost, which must not reach other tests."""
+    mooncake_master = start_mooncake(tmp_path)
     url = mooncake_master.url(f"killed-{uuid.uuid4().hex[:8]}")
     start = partial(
         subprocess.Popen,
@@ -258,7 +260,7 @@ async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(
         line = await anyio.to_thread.run_sync(holder.stdout.readline)
         assert line.strip() == b"stored", line
         keys = [f"{i:032x}" for i in range(1, 9)]
-        options = {"attempt_timeout_s": 2.0, "deadline_s": 4.0, **_SMALL}
+        options = {"attempt_timeout_s": 2.0, "deadline_s": 4.0, "segment_bytes": 32 << 20}
         async with MooncakeBackend.from_url(url, namespace_digest=DIGEST, **options) as backend:
             seen = empty_pages(8, 4096)
             assert await backend.get(keys, seen) == [HIT] * 8  # the other process's pages, shared
@@ -292,6 +294,7 @@ async def test_a_killed_client_that_held_the_segments_leaves_misses_or_errors(
         for pipe in (holder.stdin, holder.stdout):
             if pipe is not None:
                 pipe.close()
+        mooncake_master.stop()
 
 
 # --------------------------------------------------------------------------- two processes, one pool

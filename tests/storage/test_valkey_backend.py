@@ -14,11 +14,14 @@ from typing import Any
 import anyio
 import pytest
 import redis
+import torch
 from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
 from hostile import HostileStorage, RawStore
 from net_instance import run_demo, run_instance
 from net_servers import ValkeyCluster, start_valkey
+from s3_instance import PAGE, PROMPTS, instance_config, kv_payload
 
+from hicache import HiCache, Lease
 from hicache.errors import StorageAuthError, StorageUnavailable
 from storage_backends.protocol import PageStatus
 from storage_backends.registry import open_backend
@@ -26,6 +29,8 @@ from storage_backends.valkey import ValkeyBackend, parse_valkey_url
 
 HIT, MISS, ERROR = PageStatus.HIT, PageStatus.MISS, PageStatus.ERROR
 DIGEST = bytes(range(16))
+HANG_GUARD_S = 60
+"""Not a timing assertion: only turns a hang into a failure well before the pytest timeout."""
 
 
 @pytest.fixture(scope="session")
@@ -288,3 +293,74 @@ def test_the_demo_runs_on_the_cluster(valkey_cluster: ValkeyCluster) -> None:
     """`hicache demo --backend valkey://...` serves its workload with the cluster as its storage tier."""
     done = run_demo(valkey_cluster.url(f"demo-{uuid.uuid4().hex[:8]}"))
     assert "outputs identical to recompute" in done
+
+
+# ------------------------------------------------------------------ the controller on a failing cluster
+
+
+async def serve(cache: HiCache, request: str, prompt: list[int]) -> Lease:
+    """Acquire `prompt`, compute (the deterministic) KV for what was not cached, insert it."""
+    lease = await cache.acquire(request, prompt)
+    n = len(prompt)
+    new = await cache.alloc_device(-(-n // PAGE) * PAGE - lease.cached_len)
+    assert new is not None
+    cache.device_pool.write_tokens(new[: n - lease.cached_len], kv_payload(prompt)[:, :, lease.cached_len :])
+    await cache.insert(lease, prompt, torch.cat([lease.device_indices, new]))
+    return lease
+
+
+def assert_exact_kv_and_no_leaks(cache: HiCache, lease: Lease, prompt: list[int]) -> None:
+    """What the lease holds is the prompt's KV bit for bit, and every pool page is owned by the tree."""
+    got = cache.device_pool.read_tokens(lease.device_indices[: lease.cached_len])
+    assert torch.equal(got, kv_payload(prompt)[:, :, : lease.cached_len])
+    cache.release(lease)
+    cache.sanity_check()
+    stats = cache.statistics()
+    assert stats.prefetches_in_flight == 0
+    assert stats.host_pool.used_pages * PAGE == stats.tree.host_tokens
+
+
+async def test_nodes_killed_under_the_controller_fail_pages_open_the_breaker_and_it_recovers(
+    tmp_path: Path,
+) -> None:
+    """One node of three killed: a fresh cache's prefetch loads what the live nodes hold, never a wrong
+    byte. Every node killed: storage calls fail, the breaker opens, requests are served without storage.
+    The nodes back (empty): the breaker's probe succeeds, pages are written again and prefetched again."""
+    cluster = start_valkey(tmp_path, nodes=3)
+    try:
+        url = cluster.url("faults", "attempt_timeout_s=0.5&deadline_s=2&max_retries=1&connect_timeout_s=0.5")
+        config = instance_config(url, storage_breaker_threshold=1, storage_breaker_backoff_s=0.05)
+        prompt = PROMPTS[1]  # 173 tokens: 10 whole pages
+        async with HiCache(config) as producer:
+            producer.release(await serve(producer, "fill", prompt))
+            await producer.wait_idle()
+        cluster.nodes[2].kill()
+        async with HiCache(config) as cache:
+            with anyio.fail_after(HANG_GUARD_S):
+                lease = await cache.acquire("one-dead", prompt)
+            assert lease.cached_len < 160  # some of the 10 pages lived on the dead node
+            assert_exact_kv_and_no_leaks(cache, lease, prompt)
+            for node in cluster.nodes[:2]:
+                node.kill()
+            with anyio.fail_after(HANG_GUARD_S):
+                lease = await cache.acquire("all-dead", prompt)
+            assert lease.cached_len == 0
+            assert_exact_kv_and_no_leaks(cache, lease, prompt)
+            assert cache.storage_breaker.statistics().opened >= 1
+
+            await anyio.to_thread.run_sync(cluster.restart)
+            async with HiCache(config) as refill:
+                with anyio.fail_after(HANG_GUARD_S):
+                    refill.release(await serve(refill, "refill", prompt))
+                    await refill.wait_idle()
+            with anyio.fail_after(HANG_GUARD_S):
+                while True:  # until the breaker's next probe (its backoff is 50 ms) finds the cluster back
+                    lease = await cache.acquire(f"back-{uuid.uuid4().hex[:6]}", prompt)
+                    if lease.hit_tokens_by_tier["storage"]:
+                        break
+                    cache.release(lease)
+                    await anyio.sleep(0.05)
+            assert lease.hit_tokens_by_tier["storage"] == 160
+            assert_exact_kv_and_no_leaks(cache, lease, prompt)
+    finally:
+        cluster.stop()

@@ -12,7 +12,9 @@ and reports the median GB/s of each and their ratio, and the event loop's longes
 reads run at once. The last line of output is one JSON object with the keys `ratio_1mib_valkey`,
 `ratio_64kib_valkey`, `max_loop_stall_ms_valkey`, `ratio_1mib_mooncake`, `ratio_64kib_mooncake`,
 `max_loop_stall_ms_mooncake` (and the GB/s behind them). It measures backend reads, not the whole
-controller prefetch path.
+controller prefetch path. With `--sglang` (and `../shared/baselines/sglang-mooncake/run` beside the
+checkout) it then runs SGLang's own Mooncake backend through SGLang's real paths on the same amount and
+page sizes, and adds `vs_sglang_mooncake_1mib` (ours / SGLang's get GB/s at 1 MiB); null without it.
 
 Run: `python bench/bench_network.py` (a few minutes), `--smoke` (seconds), or `make bench-network`.
 """
@@ -24,6 +26,7 @@ import asyncio
 import ctypes
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +51,8 @@ from storage_backends.valkey import ValkeyBackend
 
 NAMESPACE = bytes(range(16))
 HEADER = 56
+SGLANG_RUN = Path(__file__).resolve().parents[2] / "shared" / "baselines" / "sglang-mooncake" / "run"
+"""SGLang's Mooncake backend through SGLang's real paths (`--sglang`), where this checkout has it beside."""
 
 
 async def _timed(run: Callable[[], Awaitable[Any]]) -> float:
@@ -191,8 +196,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["max_loop_stall_ms_mooncake"] = round(max(stalls), 2)
     finally:
         master.stop()
-    out["vs_sglang_mooncake_1mib"] = None  # ../shared/baselines/sglang-mooncake/ was not run here
+    out["vs_sglang_mooncake_1mib"] = None
+    if args.sglang and SGLANG_RUN.is_file():
+        sglang = _run_sglang(args.mib, args.rounds)
+        out["sglang_get_gbps_1mib"] = sglang.get("get_gbps_1mib")
+        out["sglang_get_gbps_64kib"] = sglang.get("get_gbps_64kib")
+        if sglang.get("get_gbps_1mib"):
+            out["vs_sglang_mooncake_1mib"] = round(out["gbps_1mib_mooncake"] / sglang["get_gbps_1mib"], 3)
     return out
+
+
+def _run_sglang(mib: int, reps: int) -> dict[str, Any]:
+    """SGLang's own Mooncake backend reading the same amount at the same page sizes, in this run."""
+    done = subprocess.run(
+        [str(SGLANG_RUN), "--total-mib", str(mib), "--reps", str(reps)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"sglang-mooncake baseline failed ({done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    result: dict[str, Any] = json.loads(lines[-1])
+    print(f"sglang-mooncake: get 1mib {result.get('get_gbps_1mib')} 64kib {result.get('get_gbps_64kib')}")
+    return result
 
 
 def main() -> None:
@@ -200,9 +229,14 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=128, help="MiB read per round and page size")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--smoke", action="store_true", help="a few MiB and rounds: checks it runs")
+    parser.add_argument(
+        "--sglang",
+        action="store_true",
+        help=f"also run SGLang's Mooncake backend ({SGLANG_RUN}) on the same sizes",
+    )
     args = parser.parse_args()
     if args.smoke:
-        args.mib, args.rounds = 4, 2
+        args.mib, args.rounds, args.sglang = 4, 2, False
     print(json.dumps(asyncio.run(run(args))))
 
 

@@ -156,7 +156,8 @@ def _parse_option(name: str, value: str) -> Any:
     except ValueError:
         raise ValueError(f"{name}: cannot parse {shown} from the URL query") from None
     if name in _STR_OPTIONS:
-        remember_secrets([value]) if name == "password" else None
+        if name == "password":
+            remember_secrets([value])
         return value
     known = sorted(_INT_OPTIONS | _FLOAT_OPTIONS | _BOOL_OPTIONS | _STR_OPTIONS)
     raise ValueError(f"url: unknown query parameter {name!r}; known: {known}")

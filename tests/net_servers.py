@@ -246,8 +246,19 @@ class MooncakeMaster:
         wait_for_port(self.rpc_port, self.process, self.log_path, _START_TIMEOUT_S)
         wait_for_port(self.http_port, self.process, self.log_path, _START_TIMEOUT_S)
 
+    def pause(self) -> None:
+        """SIGSTOP the master: it keeps its sockets open and answers nothing."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused master."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
             self.process.kill()
             self.process.wait()
         if self._log is not None:

@@ -25,6 +25,7 @@ from net_servers import MooncakeMaster, start_mooncake
 from hicache.errors import StorageUnavailable
 from storage_backends.mooncake import MooncakeBackend, parse_mooncake_url
 from storage_backends.protocol import PageStatus
+from storage_backends.threads import stray_threads
 
 HIT, MISS, ERROR = PageStatus.HIT, PageStatus.MISS, PageStatus.ERROR
 DIGEST = bytes(range(16))
@@ -323,3 +324,35 @@ def test_the_demo_runs_on_the_pool(mooncake_master: MooncakeMaster) -> None:
     """`hicache demo --backend mooncake://...` serves its workload with the pool as its storage tier."""
     done = run_demo(mooncake_master.url(f"demo-{uuid.uuid4().hex[:8]}", "segment_bytes=67108864"))
     assert "outputs identical to recompute" in done
+
+
+async def test_a_paused_master_cannot_hold_a_read_past_its_deadline_and_its_buffers_stay_quarantined(
+    tmp_path: Path,
+) -> None:
+    """A SIGSTOPped master answers nothing: the read returns an outage within its deadline, and the
+    worker thread still inside the client library keeps the read's buffers out of use (`stray_threads`)
+    until the master is back and the thread returns."""
+    master = start_mooncake(tmp_path)
+    try:
+        keys, pages = make_keys(4), make_pages(4, 4096)
+        options = {"attempt_timeout_s": 0.5, "read_deadline_s": 1.0, "segment_bytes": 32 << 20}
+        async with MooncakeBackend.from_url(
+            master.url("pause"), namespace_digest=DIGEST, **options
+        ) as backend:
+            assert await backend.put(keys, pages) == [True] * 4
+            out = empty_pages(4, 4096)
+            master.pause()
+            try:
+                with anyio.fail_after(10), pytest.raises(StorageUnavailable, match="timed out"):
+                    await backend.get(keys, out)
+                assert stray_threads.busy(out)
+            finally:
+                master.resume()
+            with anyio.fail_after(60):
+                while stray_threads.busy(out):  # the stuck thread returns once the master answers again
+                    await anyio.sleep(0.05)
+            back = empty_pages(4, 4096)
+            assert await backend.get(keys, back) == [HIT] * 4
+            assert [bytes(b) for b in back] == [bytes(p) for p in pages]
+    finally:
+        master.stop()

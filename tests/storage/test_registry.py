@@ -31,8 +31,7 @@ def restore_registry() -> object:
 
 async def test_opening_file_and_memory_urls_imports_no_client_library(tmp_path: Path) -> None:
     """A fresh interpreter imports hicache and storage_backends, opens file://, memory://, valkey:// and
-    mooncake:// (these two connect on first use), and never
-    loads obstore, redis, valkey-glide or Mooncake."""
+    mooncake:// (these two connect on first use), and never loads obstore, redis, glide or Mooncake."""
     script = (
         "import sys, anyio\n"
         "import hicache, storage_backends\n"

@@ -271,6 +271,8 @@ class MooncakeBackend(BackendLifecycle):
         )
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._store: Any = None
+        self._holding = False
+        """Whether `_release` left a reference to the shared client for `aclose` to drop."""
         self._connecting = anyio.Lock()
         self._registered: dict[int, int] = {}
         """Registered regions, start address -> bytes; touched under `_register_lock` in worker threads."""
@@ -294,8 +296,8 @@ class MooncakeBackend(BackendLifecycle):
     # ------------------------------------------------------------------ lifecycle and observability
 
     def _release(self) -> None:
-        """Forget the client; `aclose` hands it back (closing it in a worker thread if it was the last)."""
-        self._store = None
+        """Leave the shared client to `aclose` to hand back (once no call is in flight)."""
+        self._holding, self._store = self._store is not None, None
 
     async def aclose(self) -> None:
         """Refuse new calls, wait for calls in flight, hand the shared client back; idempotent.
@@ -303,9 +305,9 @@ class MooncakeBackend(BackendLifecycle):
         The process's client for this store closes (its segment leaves the pool) when its last backend
         closes; that takes the library about a second, spent in a worker thread.
         """
-        held = self._store is not None
         await super().aclose()
-        if held:
+        holding, self._holding = self._holding, False
+        if holding:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.drop_client)
 
@@ -494,7 +496,7 @@ class MooncakeBackend(BackendLifecycle):
         slab = bytearray(n * HEADER_SIZE)
         headers = memoryview(slab)
         base = _address(headers)
-        self._register(buffers)
+        self._register(store, buffers)
         names = [self.object_name(k) for k in keys]
         ptrs = [[base + i * HEADER_SIZE, _address(buf)] for i, buf in enumerate(buffers)]
         sizes = [[HEADER_SIZE, buf.nbytes] for buf in buffers]
@@ -554,7 +556,7 @@ class MooncakeBackend(BackendLifecycle):
         slab = bytearray(len(keys) * HEADER_SIZE)
         headers = memoryview(slab)
         base = _address(headers)
-        self._register(buffers)
+        self._register(store, buffers)
         for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
             payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
             headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] = encode_header(
@@ -571,7 +573,7 @@ class MooncakeBackend(BackendLifecycle):
             raise _Unreachable(f"every write failed, first code {codes[0]}")
         return [PageStatus.HIT if c == 0 else PageStatus.ERROR for c in codes]
 
-    def _register(self, buffers: Sequence[memoryview]) -> None:
+    def _register(self, store: Any, buffers: Sequence[memoryview]) -> None:
         """Register the whole exporting object of each buffer with the transfer engine, once."""
         if self._protocol == "tcp":
             return  # the TCP transport reads and writes any address; registration buys nothing
@@ -585,7 +587,7 @@ class MooncakeBackend(BackendLifecycle):
             with self._register_lock:
                 if self._registered.get(start, 0) >= whole.nbytes:
                     continue
-                if self._store.register_buffer(start, whole.nbytes) != 0:
+                if store.register_buffer(start, whole.nbytes) != 0:
                     raise _Unreachable(f"registering {whole.nbytes} bytes at {start:#x} failed")
                 self._registered[start] = whole.nbytes
 

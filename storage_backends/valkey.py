@@ -288,6 +288,8 @@ class ValkeyBackend(BackendLifecycle):
         )
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._client: Any = None
+        self._closing: Any = None
+        """The client `_release` took from `_client`, for `aclose` to close."""
         self._connecting = anyio.Lock()
         self._stats = StatisticsRecorder()
         self._closed = False
@@ -308,13 +310,13 @@ class ValkeyBackend(BackendLifecycle):
     # ------------------------------------------------------------------ lifecycle and observability
 
     def _release(self) -> None:
-        """Drop the client; its connections close when it is collected (see `aclose`)."""
-        self._client = None
+        """Hand the client to `aclose`, which closes its connections (once no call is in flight)."""
+        self._closing, self._client = self._client, None
 
     async def aclose(self) -> None:
         """Refuse new calls, wait for calls in flight, close the client's connections; idempotent."""
-        client = self._client
         await super().aclose()
+        client, self._closing = self._closing, None
         if client is not None:
             with anyio.CancelScope(shield=True):
                 await client.aclose()

@@ -8,9 +8,9 @@ into the pool and reads and writes pages with the zero-copy batch calls.
 Layout: page `key` is the object `<prefix>/<key>` (just `<key>` without a prefix), the page header followed
 by the payload (`storage_backends.page_format`). Both parts move without a copy: `get` scatters each object
 into a small header slab and straight into the caller's buffer (`batch_get_into_multi_buffers`), `put`
-gathers them from there (`batch_put_from_multi_buffers`); the checksum is then verified in place. Every
-buffer's whole exporting object (the host pool's one flat buffer) is registered with the transfer engine
-once, on first use, so RDMA can reach it. An object the master evicted, or lost with the client whose
+gathers them from there (`batch_put_from_multi_buffers`); the checksum is then verified in place. With
+`protocol=rdma` every buffer's whole exporting object (the host pool's one flat buffer) is registered with
+the transfer engine once, on first use, so RDMA can reach it (TCP reads and writes any address). An object the master evicted, or lost with the client whose
 segment held it, is a miss; a page of another writer is refused as `FOREIGN`.
 
 A put replaces the object stored under its key: Mooncake's own put keeps the first writer's, so the old
@@ -273,6 +273,7 @@ class MooncakeBackend(BackendLifecycle):
         self._store: Any = None
         self._holding = False
         """Whether `_release` left a reference to the shared client for `aclose` to drop."""
+        self._shared: _SharedClient | None = None
         self._connecting = anyio.Lock()
         self._registered: dict[int, int] = {}
         """Registered regions, start address -> bytes; touched under `_register_lock` in worker threads."""
@@ -449,7 +450,18 @@ class MooncakeBackend(BackendLifecycle):
         return group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=self._batch_bytes)
 
     async def _in_thread(self, func: Any, *args: Any, touches: Sequence[memoryview]) -> Any:
-        return await run_in_thread(func, *args, limiter=self._limiter, touches=touches)
+        return await run_in_thread(self._holding_client, func, *args, limiter=self._limiter, touches=touches)
+
+    def _holding_client(self, func: Any, *args: Any) -> Any:
+        """`func(*args)` in a worker thread, counted in the shared client meanwhile, so that a thread
+        abandoned inside the library (a stuck master) is never left using a closed client."""
+        shared = self._shared
+        if shared is None or not shared.enter():
+            raise _Unreachable("the Mooncake client was closed")
+        try:
+            return func(*args)
+        finally:
+            shared.leave()
 
     async def _get_group(
         self,
@@ -597,7 +609,7 @@ class MooncakeBackend(BackendLifecycle):
         async with self._connecting:
             if self._store is None:
                 self._store = await self._calls.call(
-                    partial(self._in_thread, self.acquire_client, touches=()),
+                    partial(run_in_thread, self.acquire_client, limiter=self._limiter),
                     write=False,
                     what="connect",
                     retry=False,
@@ -627,42 +639,81 @@ class MooncakeBackend(BackendLifecycle):
         key = self._client_key()
         with _clients_lock:
             shared = _clients.get(key)
-            if shared is not None:
-                shared[1] += 1
-                return shared[0]
-            from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
+            if shared is None:
+                from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
 
-            store = MooncakeDistributedStore()
-            code = store.setup(
-                self._local_hostname,
-                self._metadata,
-                self._segment_bytes,
-                self._buffer_bytes,
-                self._protocol,
-                self._device,
-                self._master,
-            )
-            if code != 0:
-                raise _Unreachable(f"setup against master {self._master} failed with code {code}")
-            _clients[key] = [store, 1]
-            return store
+                store = MooncakeDistributedStore()
+                code = store.setup(
+                    self._local_hostname,
+                    self._metadata,
+                    self._segment_bytes,
+                    self._buffer_bytes,
+                    self._protocol,
+                    self._device,
+                    self._master,
+                )
+                if code != 0:
+                    raise _Unreachable(f"setup against master {self._master} failed with code {code}")
+                shared = _clients[key] = _SharedClient(key, store)
+            shared.backends += 1
+        self._shared = shared
+        return shared.store
 
     def drop_client(self) -> None:
-        """Hand back one `acquire_client`; the last closes the client (blocking: a worker thread)."""
-        key = self._client_key()
+        """Hand back one `acquire_client` (blocking: a worker thread).
+
+        Once no backend holds the client, a new `acquire_client` sets up a fresh one (after a restarted
+        master, say); the old one closes (its segment leaves the pool) when its last worker thread, if
+        one is stuck inside the library, returns.
+        """
+        if self._shared is not None:
+            self._shared.release()
+
+
+class _SharedClient:
+    """One Mooncake client of this process: the backends holding it and the worker threads inside it."""
+
+    __slots__ = ("backends", "closed", "key", "store", "threads")
+
+    def __init__(self, key: tuple[object, ...], store: Any) -> None:
+        self.key = key
+        self.store = store
+        self.backends = 0
+        self.threads = 0
+        self.closed = False
+
+    def enter(self) -> bool:
+        """Count a worker thread in; False once the client is closed."""
         with _clients_lock:
-            shared = _clients.get(key)
-            if shared is None:
+            if self.closed:
+                return False
+            self.threads += 1
+            return True
+
+    def leave(self) -> None:
+        """Count a worker thread out (closing the client if it was the last user)."""
+        with _clients_lock:
+            self.threads -= 1
+        self._close_if_unused()
+
+    def release(self) -> None:
+        """Count a backend out: a later `acquire_client` gets a new client; this one closes once unused."""
+        with _clients_lock:
+            self.backends -= 1
+            if self.backends == 0 and _clients.get(self.key) is self:
+                del _clients[self.key]
+        self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        with _clients_lock:
+            if self.closed or self.backends or self.threads:
                 return
-            shared[1] -= 1
-            if shared[1] > 0:
-                return
-            del _clients[key]
-        shared[0].close()
+            self.closed = True
+        self.store.close()
 
 
-_clients: dict[tuple[object, ...], list[Any]] = {}
-"""The process's shared Mooncake clients by settings: `[client, references]`."""
+_clients: dict[tuple[object, ...], _SharedClient] = {}
+"""The process's shared Mooncake clients by settings, while some backend holds them."""
 _clients_lock = threading.Lock()
 
 

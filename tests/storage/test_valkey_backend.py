@@ -364,3 +364,21 @@ async def test_nodes_killed_under_the_controller_fail_pages_open_the_breaker_and
             assert_exact_kv_and_no_leaks(cache, lease, prompt)
     finally:
         cluster.stop()
+
+
+async def test_ttl_s_gives_every_page_an_expiry(valkey_single: ValkeyCluster) -> None:
+    """`ttl_s` writes each page with `PX`: the server expires it (a miss later); without it pages persist."""
+    keys, pages = make_keys(2), make_pages(2, 4096)
+    raw = raw_client(valkey_single)
+    try:
+        for ttl, query in ((None, ""), (60.0, "ttl_s=60")):
+            url = valkey_single.url(f"ttl-{uuid.uuid4().hex[:8]}", query)
+            async with ValkeyBackend.from_url(url, namespace_digest=DIGEST) as backend:
+                assert await backend.put(keys, pages) == [True, True]
+                ttls = [raw.pttl(backend.server_key(k)) for k in keys]
+            if ttl is None:
+                assert ttls == [-1, -1]  # no expiry
+            else:
+                assert all(0 < t <= 60_000 for t in ttls), ttls
+    finally:
+        raw.close()

@@ -72,8 +72,11 @@ OBJECT_NOT_FOUND: Final = -704
 """Mooncake's error code for a key with no object."""
 NO_SPACE: Final = -200
 """Mooncake's code for a put the pool has no room for (until it evicts): a failed page, not an outage."""
-_ABSENT: Final = frozenset({OBJECT_NOT_FOUND, -703})
-"""Codes of a read that found no readable object: none, or one still being written (REPLICA_IS_NOT_READY)."""
+LEASE_EXPIRED: Final = -707
+"""Mooncake's code for a read that outlived the object's lease: the master may have evicted it meanwhile."""
+_ABSENT: Final = frozenset({OBJECT_NOT_FOUND, -703, LEASE_EXPIRED})
+"""Codes of a read that found no readable object: none, one still being written (REPLICA_IS_NOT_READY), or
+one whose lease ran out during the read (its bytes may be another object's: a miss, never an outage)."""
 _SIZE_MISMATCH: Final = frozenset({-600, -800})
 """Codes a read gets for an object larger (BUFFER_OVERFLOW) or smaller (TRANSFER_FAIL) than its buffers."""
 
@@ -522,9 +525,7 @@ class MooncakeBackend(BackendLifecycle):
                     out.append(PageStatus.MISS)
                     continue
                 if (code >= 0 and code != HEADER_SIZE + buf.nbytes) or code in _SIZE_MISMATCH:
-                    status = self._classify_odd_size(
-                        store, name, key, buf.nbytes, code, f"buffers[{first + i}]"
-                    )
+                    status = self._classify_odd_size(store, name, key, buf.nbytes, code)
                     out.append(status)
                     continue
                 if code < 0:
@@ -541,14 +542,12 @@ class MooncakeBackend(BackendLifecycle):
             raise _Unreachable(f"every read failed, first code {codes[0]}")
         return out
 
-    def _classify_odd_size(
-        self, store: Any, name: str, key: str, nbytes: int, code: int, argument: str
-    ) -> PageStatus:
+    def _classify_odd_size(self, store: Any, name: str, key: str, nbytes: int, code: int) -> PageStatus:
         """A read that did not fill header and payload exactly: fetch the object whole to say why.
 
         Raises:
-            ChecksumMismatch: the object is truncated, overlong, foreign or of an old format.
-            ValueError: naming `argument`, when it is a whole page of another size (the caller's buffer).
+            ChecksumMismatch: the object is truncated, overlong, foreign, of an old format, or a whole page
+                of another length (a page of this namespace and key is never the caller's fault).
         """
         size = store.get_size(name)
         if size in _ABSENT:
@@ -560,7 +559,7 @@ class MooncakeBackend(BackendLifecycle):
         if len(body) != size:
             return PageStatus.ERROR
         view = memoryview(body)
-        check_stored_size(view[:HEADER_SIZE], view.nbytes, nbytes, self._namespace_digest, key, name=argument)
+        check_stored_size(view[:HEADER_SIZE], view.nbytes, nbytes, self._namespace_digest, key)
         raise AssertionError("check_stored_size raises for a stored size that differs from the buffer's")
 
     def _write_from(self, store: Any, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:

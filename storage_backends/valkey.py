@@ -384,7 +384,7 @@ class ValkeyBackend(BackendLifecycle):
         failures: list[StorageError] = []
         groups = self._groups(buffers)
         outcomes = await gather_bounded(
-            [partial(self._get_group, client, g.start, keys[g], buffers[g], failures) for g in groups],
+            [partial(self._get_group, client, keys[g], buffers[g], failures) for g in groups],
             self._max_concurrency,
         )
         statuses = [s for group in outcomes for s in group]
@@ -445,7 +445,6 @@ class ValkeyBackend(BackendLifecycle):
     async def _get_group(
         self,
         client: Any,
-        first: int,
         keys: Sequence[str],
         buffers: Sequence[memoryview],
         failures: list[StorageError],
@@ -455,17 +454,17 @@ class ValkeyBackend(BackendLifecycle):
         except StorageError as exc:
             failures.append(exc)
             return [PageStatus.ERROR] * len(keys)
-        verify = partial(self._verify_into, first, keys, buffers, values)
+        verify = partial(self._verify_into, keys, buffers, values)
         if sum(buffer_sizes(buffers)) >= _THREAD_THRESHOLD:
             # A cancelled caller does not wait; the thread stays registered with its buffers until it returns.
             return await run_in_thread(verify, limiter=None, touches=buffers)
         return verify()
 
     def _verify_into(
-        self, first: int, keys: Sequence[str], buffers: Sequence[memoryview], values: Sequence[Any]
+        self, keys: Sequence[str], buffers: Sequence[memoryview], values: Sequence[Any]
     ) -> list[PageStatus]:
         out: list[PageStatus] = []
-        for i, (key, buf, value) in enumerate(zip(keys, buffers, values, strict=True)):
+        for key, buf, value in zip(keys, buffers, values, strict=True):
             if value is None:
                 out.append(PageStatus.MISS)
                 continue
@@ -477,9 +476,8 @@ class ValkeyBackend(BackendLifecycle):
             try:
                 if view.nbytes != HEADER_SIZE + buf.nbytes:
                     check_stored_size(
-                        view[:HEADER_SIZE], view.nbytes, buf.nbytes, self._namespace_digest, key,
-                        name=f"buffers[{first + i}]",
-                    )  # fmt: skip
+                        view[:HEADER_SIZE], view.nbytes, buf.nbytes, self._namespace_digest, key
+                    )
                 verify_page(view[:HEADER_SIZE], view[HEADER_SIZE:], self._namespace_digest, key)
             except ChecksumMismatch as exc:
                 logger.warning("valkey page %s failed verification (%s): treated as a miss", key, exc)

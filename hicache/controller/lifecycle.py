@@ -113,20 +113,23 @@ class CacheLifecycle(CacheParts):
         closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
         After a background failure (`CacheFailed`) it finishes the shutdown that failure began.
 
-        On another event loop than `start()`'s (whose workers cannot run here) it closes what it can
-        without them: prefetches, queues, releases and the pools the cache made, and returns.
+        On another event loop than `start()`'s (whose workers cannot run here) it closes the cache, asks
+        `start()`'s loop to shut the workers down when it next runs, closes the pools the cache made now
+        if that loop is not running, and returns.
         """
+        home = self._state.loop
+        if home is not None and self._state.on_another_loop():
+            if not self._state.closed:
+                self._state.close()
+                if not home.is_closed():
+                    home.call_soon_threadsafe(self._begin_close)
+            logger.warning("%r: aclose on another event loop than start's: the workers run there", self)
+            if not home.is_running():
+                self._workers.close_pools()
+            return
         if not self._state.closed:
             self._state.close()
             self._begin_close()
-        if self._state.on_another_loop():
-            logger.warning(
-                "%r: aclose on another event loop than start's: the workers cannot run here; closing "
-                "the pools without them (storage the cache opened is left to that loop)",
-                self,
-            )
-            self._workers.close_pools()
-            return
         await self._workers.wait_closed()
 
     def _begin_close(self) -> None:

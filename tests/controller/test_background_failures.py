@@ -198,21 +198,31 @@ def test_a_start_cancelled_before_the_loop_ends_closes_the_pools() -> None:
 
 def test_a_cache_used_from_a_second_event_loop_is_refused_by_name() -> None:
     """Lifecycle trap: a cache started on one loop served `acquire` on another but never ran its backups
-    there (`wait_idle` hung, `aclose` left the pools open). Now every call names the mistake, and
-    `aclose` there still closes the pools."""
-    cache = HiCache(make_config())
-    asyncio.run(cache.start())
+    there (`wait_idle` hung, `aclose` left the pools open). Now every call names the mistake, `aclose`
+    there closes the pools (the first loop is not running), and the first loop, when it runs again,
+    shuts the workers down."""
+    first = asyncio.new_event_loop()
+    try:
+        cache = HiCache(make_config())
+        first.run_until_complete(cache.start())  # the workers' task stays suspended on `first`
 
-    async def second_loop() -> None:
-        with pytest.raises(UnsupportedEventLoop, match=r"^acquire: .*another event loop"):
-            await cache.acquire("r", tokens(1, 16))
-        with pytest.raises(UnsupportedEventLoop, match=r"^wait_idle: "):
-            await cache.wait_idle()
-        with pytest.raises(UnsupportedEventLoop, match=r"^start: "):
-            await cache.start()
-        with anyio.fail_after(10):
-            await cache.aclose()
+        async def second_loop() -> None:
+            with pytest.raises(UnsupportedEventLoop, match=r"^acquire: .*another event loop"):
+                await cache.acquire("r", tokens(1, 16))
+            with pytest.raises(UnsupportedEventLoop, match=r"^alloc_device: "):
+                await cache.alloc_device(cache.page_size)
+            with pytest.raises(UnsupportedEventLoop, match=r"^wait_idle: "):
+                await cache.wait_idle()
+            with pytest.raises(UnsupportedEventLoop, match=r"^start: "):
+                await cache.start()
+            with anyio.fail_after(10):
+                await cache.aclose()
 
-    asyncio.run(second_loop())
-    assert cache.device_pool.closed
-    assert host_pool_of(cache).closed
+        asyncio.run(second_loop())
+        assert cache.device_pool.closed
+        assert host_pool_of(cache).closed
+        assert cache.statistics().closed
+        first.run_until_complete(asyncio.wait_for(cache.aclose(), 10))  # the workers' shutdown ran
+        assert cache._workers._shut_down.is_set()
+    finally:
+        first.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CacheClosed",
+    "CacheFailed",
     "ChecksumMismatch",
     "ForeignPage",
     "HiCacheError",
@@ -42,6 +43,12 @@ class CacheClosed(HiCacheError, RuntimeError):
     """Raised when an operation is started on a cache, controller or backend that was already closed."""
 
 
+class CacheFailed(CacheClosed):
+    """Raised by every call on a cache whose background work (the release queue, a backup, a storage write
+    or a prefetch stream) raised an unexpected exception: the cache logged it once, released what it
+    could and closed; the job's exception is the `__cause__`. `aclose()` still finishes."""
+
+
 class LoadBackFailed(HiCacheError, RuntimeError):
     """Raised by `LayerReadiness.wait_layer` when a layer-wise load-back's copy failed before that layer
     landed (the model must not read it)."""
@@ -49,7 +56,8 @@ class LoadBackFailed(HiCacheError, RuntimeError):
 
 class UnsupportedEventLoop(HiCacheError, RuntimeError):
     """Raised when a cache is started outside an asyncio event loop (anyio on trio, or no loop at all): the
-    read threads' eventfd, the loop pacer and the background workers are asyncio's."""
+    read threads' eventfd, the loop pacer and the background workers are asyncio's; and when a started
+    cache is used from another event loop than the one that started it (its workers never run there)."""
 
 
 class UnknownRequest(HiCacheError, KeyError):

@@ -30,17 +30,23 @@ after our passes on the same page sizes, total and filesystem (`--dir`), in its 
 its README says what it times). `vs_sglang_file_1mib_{hot,cold}` is our controller's GB/s over SGLang's (one
 I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-caller variant.
 
+Loop CPU per GiB: `loop_cpu_ratio_controller_vs_backend_max` is the worst pass's controller loop CPU over
+the backend pass's (the same bytes: the ratio is per GiB). `--busy N` runs everything beside N processes
+that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
+
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
        [--sequences 16] [--batch-pages N] [--page-kib 1024,64] [--states hot,cold] [--no-controller]
-       [--no-sglang]
+       [--no-sglang] [--busy N] [--smoke]
 Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -49,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -389,6 +395,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     def worst(figure: str) -> float:
         return round(max(r[figure] for s in results.values() for r in s.values()), 2)
 
+    if not args.no_controller:
+        summary["loop_cpu_ratio_controller_vs_backend_max"] = round(
+            max(r["controller_loop_cpu_ms"] / r["loop_cpu_ms"] for s in results.values() for r in s.values()),
+            3,
+        )
+    summary["busy"] = args.busy
     summary["max_loop_stall_ms"] = worst("max_stall_ms")
     summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")
     if not args.no_controller:
@@ -454,6 +466,34 @@ def sglang_summary(ours: dict[int, dict[str, dict[str, Any]]], sglang: dict[str,
     return out
 
 
+def _spin(stop: Any) -> None:
+    """A competing CPU-bound process: spins until `stop` is set."""
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the duration (none for 0)."""
+    if n <= 0:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
 def states(value: str) -> str:
     """The `--states` argument: a comma-separated list of `hot` and `cold` (a typo must not time an unwarmed
     cache as hot)."""
@@ -489,8 +529,20 @@ def main() -> None:
         "--no-sglang", action="store_true", help="skip SGLang's file backend baseline (../shared/baselines)"
     )
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes competing for the CPU")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (16 MiB, one repeat), no SGLang, the same JSON keys",
+    )
     args = parser.parse_args()
-    summary = anyio.run(main_async, args)
+    if args.busy < 0:
+        parser.error(f"--busy: expected >= 0, got {args.busy}")
+    if args.smoke:
+        args.total_mib, args.repeats, args.raw_threads, args.sequences = 16, 1, "2", 2
+        args.no_sglang = True
+    with busy_processes(args.busy):
+        summary = anyio.run(main_async, args)
     sys.stdout.flush()
     print(json.dumps(summary))
 

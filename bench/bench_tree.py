@@ -7,7 +7,9 @@ Usage:
 Workload (mirrors ../shared/baselines/sglang-radix/bench.py, same generator and seed): 2,000 sequences of
 1,024 tokens, each one of 50 shared 512-token prefixes plus a random 512-token suffix, `array('q')` keys,
 one int64 value tensor per sequence. Phases on a fresh tree (wall clock, median of --reps, as the baseline
-times SGLang): insert all, match all, evict half the tokens in 1,024-token calls.
+times SGLang): insert all, match all, evict half the tokens in 1,024-token calls. With the baseline, the
+page-16 passes run --reps times before it and --reps times after it, and the figures are the medians of
+all of them (the machine's load drifts: one round before the baseline alone weighed the drift on one side).
 
 Matching is timed twice. `match_lazy` is the like-for-like figure against SGLang: SGLang's
 `RadixCache.match_prefix` (0.5.23) returns the prefix length and the last node and joins no index tensors
@@ -122,10 +124,19 @@ def evict_chunked(tree: RadixTree, target: int, chunk: int) -> tuple[int, int]:
 
 
 def bench_main(
-    page_size: int, seqs: list[array[int]], values: list[torch.Tensor], reps: int
+    page_size: int,
+    seqs: list[array[int]],
+    values: list[torch.Tensor],
+    reps: int,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
-    t_ins, t_match, t_lazy, t_ev = [], [], [], []
-    calls = 0
+    """Per-op costs on the reference workload: medians of `reps` passes on fresh trees, together with the
+    passes already in `samples` (which this extends: timing one round before SGLang's baseline and one
+    after it, so a change in the machine's load between the two weighs on both sides alike)."""
+    samples = {} if samples is None else samples
+    t_ins, t_match, t_lazy, t_ev = (samples.setdefault(k, []) for k in ("insert", "match", "lazy", "evict"))
+    calls_seen = samples.setdefault("calls", [])
+    calls = int(calls_seen[0]) if calls_seen else 0
     for _ in range(reps):
         tree = RadixTree(page_size)
         t_ins.append(timed(lambda: insert_all(tree, seqs, values))[0])  # noqa: B023
@@ -134,6 +145,7 @@ def bench_main(
         half = tree.statistics().evictable_device_tokens // 2
         dt, out = timed(lambda: evict_chunked(tree, half, 1024))  # noqa: B023
         calls = out[1]  # type: ignore[index]
+        calls_seen[:] = [calls]
         t_ev.append(dt)
         tree.sanity_check()
     n = len(seqs)
@@ -331,12 +343,15 @@ def main() -> None:
         return
     result: dict[str, object] = {"bench": "tree"}
     load_start = round(os.getloadavg()[0], 2)
-    mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}
+    page16: dict[str, list[float]] = {}
+    mains = {ps: bench_main(ps, seqs, values, a.reps, page16 if ps == 16 else None) for ps in (1, 16)}
     shapes = SMOKE_SCALES if a.smoke else SCALES
     scales = {ps: bench_scale(ps, a.reps, a.seed, vocab, shapes) for ps in (1, 16)}
     acquire = anyio.run(bench_acquire, seqs, 16, 1 if a.smoke else 40 * a.reps)
     convert = bench_key_convert(seqs, max(3, a.reps))
     base = None if a.no_baseline else run_baseline(a.reps)
+    if base is not None:  # a second round of ours after the baseline; the page-16 figures use both
+        mains[16] = bench_main(16, seqs, values, a.reps, page16)
 
     print("Reference workload (2,000 x 1,024 tokens, 50 shared prefixes), per op in microseconds")
     print(

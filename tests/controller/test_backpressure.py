@@ -205,3 +205,21 @@ async def test_a_queued_write_holds_its_host_pages_until_it_is_written() -> None
 def _nodes(cache: HiCache) -> list[NodeInfo]:
     tree = tree_of(cache)
     return [tree.node_info(node) for node in tree.iter_nodes()]
+
+
+async def test_writes_still_queued_at_close_let_go_of_their_host_locks() -> None:
+    """Closing the cache while storage stalls: the write running is cancelled and the queued ones are
+    dropped, and each lets go of the host lock it took when it was queued (none is left behind)."""
+    inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
+    storage = GatedPuts(inner)
+    config = make_config(device_pages=8, host_pages=32, write_policy="write_back", prefetch_threshold=PAGE)
+    async with inner:
+        async with HiCache(config, storage=storage) as cache:
+            for i in range(5):
+                await insert_device_chain(cache, tokens(1000 * (i + 1), 4 * PAGE))
+                await anyio.wait_all_tasks_blocked()
+            assert storage.puts == 1
+            assert cache.statistics().storage_writes_queued >= 1
+            assert any(info.host_lock for info in _nodes(cache))
+        assert all(info.host_lock == 0 for info in _nodes(cache))
+        tree_of(cache).sanity_check()

@@ -33,8 +33,8 @@ I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-call
 Loop CPU per GiB: `loop_cpu_ratio_controller_vs_backend_max` is the worst pass's controller loop CPU over
 the backend pass's (the same bytes: the ratio is per GiB). Both include the ticker's own CPU, which follows
 the pass's wall time (about 1,000 wake-ups a second); `ticker_loop_cpu_ms_per_s` is that cost, measured
-with nothing else running, and `*_loop_cpu_net_ms` / `loop_cpu_ratio_controller_vs_backend_max_net` the
-figures without it. `--busy N` runs everything beside N processes
+with nothing else running, and `*_loop_cpu_net_ms` / `loop_cpu_net_ms_per_gib_{backend,controller}_max`
+the figures without it. `--busy N` runs everything beside N processes
 that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
 
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
@@ -428,10 +428,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         summary["loop_cpu_ratio_controller_vs_backend_max"] = round(
             max(r["controller_loop_cpu_ms"] / r["loop_cpu_ms"] for r in passes), 3
         )
-        # The same without the ticker's share (see `ticker_cost`): each side's own work on the loop.
-        summary["loop_cpu_ratio_controller_vs_backend_max_net"] = round(
-            max(r["controller_loop_cpu_net_ms"] / max(r["loop_cpu_net_ms"], 0.1) for r in passes), 3
-        )
+        # Without the ticker's share (see `ticker_cost`): each side's own work on the loop, per GiB (the
+        # backend's is near 0, so a ratio of the two says nothing).
+        gib = args.total_mib / 1024
+        for side, prefix in (("backend", ""), ("controller", "controller_")):
+            summary[f"loop_cpu_net_ms_per_gib_{side}_max"] = round(
+                max(r[f"{prefix}loop_cpu_net_ms"] for r in passes) / gib, 1
+            )
     summary["busy"] = args.busy
     summary["max_loop_stall_ms"] = worst("max_stall_ms")
     summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")

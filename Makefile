@@ -16,7 +16,7 @@ BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
 .PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv clean
 
-$(STAMP): pyproject.toml setup.py native/hicache_native.c
+$(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU build of torch first, so the project's torch range installs nothing more (no CUDA wheel).
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
@@ -40,7 +40,7 @@ net-libs:
 
 venv: $(STAMP)
 
-# Rebuild only the C extension (native/hicache_native.c) in place, e.g. in a second git worktree.
+# Rebuild only the C extensions (native/hicache_native.c, native/hicache_write.c) in place, e.g. in a second git worktree.
 native: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 

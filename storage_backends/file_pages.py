@@ -150,8 +150,35 @@ class PageFiles:
         return HIT
 
     def write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Write a group of pages, each atomically; one outcome per page."""
-        return [self.write_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+        """Write a group of pages, each atomically; one outcome per page.
+
+        The C writer (`native.write_pages`) builds each header and writes the group without the GIL; a
+        page whose directory was removed behind our back (ENOENT) is written again by `write_one`, which
+        recreates it.
+        """
+        dirs = [f"{self.root}/{key[0:2]}/{key[2:4]}" for key in keys]
+        for directory in set(dirs) - self._known_dirs:
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError:
+                continue  # the page's open fails and is reported below
+            self._known_dirs.add(directory)
+        tag = f".{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        errors = native.write_pages(
+            dirs, list(keys), list(buffers), self._namespace, SUFFIX, tag, self._durable
+        )
+        if not any(errors):
+            return [HIT] * len(keys)
+        out: list[PageStatus] = []
+        for key, buf, err in zip(keys, buffers, errors, strict=True):
+            if err == errno_names.ENOENT:
+                out.append(self.write_one(key, buf))
+            elif err:
+                log.warning("cannot write page %s: %s", self.path(key), _describe(err))
+                out.append(ERROR)
+            else:
+                out.append(HIT)
+        return out
 
     def write_one(self, key: str, buf: memoryview) -> PageStatus:
         """Write one page to a temporary file in its directory and rename it over the final name."""

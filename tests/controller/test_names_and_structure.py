@@ -56,7 +56,7 @@ def test_names_are_string_enums_that_read_as_their_metric_labels() -> None:
         "component_miss",
         "component_host_full",
     }
-    assert {r.value for r in ShedReason} == {"queue_full", "storage_unavailable", "evicted"}
+    assert {r.value for r in ShedReason} == {"queue_full", "storage_unavailable"}
     for enum in (Tier, SkipReason, DropReason, PrefetchStatus, ShedReason):
         for member in enum:
             assert member.__doc__, f"{enum.__name__} needs a docstring"

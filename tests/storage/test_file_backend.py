@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import shutil
 import sys
 import threading
 import warnings
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
-from storage_backends.page_format import HEADER_SIZE
+from storage_backends.page_format import HEADER_SIZE, encode_header
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
@@ -179,24 +180,43 @@ async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
 
 
 async def test_failed_rename_reports_false_and_cleans_up(
-    backend: FileBackend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """When the final rename fails the page is False, counted as an error, and its temp file is gone."""
+    """When the final rename fails (a directory sits at the page's path: EISDIR, in the C writer) the page
+    is False, counted as an error, and its temp file is gone; the rest of the group is written."""
     keys, pages = make_keys(3), make_pages(3, 512)
-    await backend.put(keys[:1], pages[:1])
-
-    def refuse(src: str, dst: str) -> None:
-        raise PermissionError(13, "refused", dst)
-
-    monkeypatch.setattr(os, "replace", refuse)
-    assert await backend.put(keys, pages) == [False, False, False]
-    monkeypatch.undo()
-    assert backend.statistics().errors == 3
+    for key in keys[1:]:
+        backend.path_of(key).mkdir(parents=True)
+    assert await backend.put(keys, pages) == [True, False, False]
+    assert backend.statistics().errors == 2
     assert [p.name for p in files_under(backend.root)] == [f"{keys[0]}.kvp"]
     out = empty_pages(1, 512)
     assert await backend.get(keys[:1], out) == [PageStatus.HIT]
-    assert bytes(out[0]) == bytes(pages[0]), "the old version survives a failed overwrite"
+    assert bytes(out[0]) == bytes(pages[0])
     assert "cannot write page" in caplog.text
+
+
+async def test_the_c_writer_writes_exactly_what_page_format_describes(backend: FileBackend) -> None:
+    """A page the C writer (`native.write_pages`) wrote is byte for byte `encode_header` + payload, for
+    pages of several sizes in one group (the header's checksum and key digest are computed in C)."""
+    sizes = [0, 1, 4096, 65536 + 7]
+    keys = make_keys(len(sizes))
+    pages = [make_pages(1, size, seed=i)[0] for i, size in enumerate(sizes)]
+    assert await backend.put(keys, pages) == [True] * len(keys)
+    for key, page in zip(keys, pages, strict=True):
+        expected = encode_header(page, NS, key) + bytes(page)
+        assert backend.path_of(key).read_bytes() == expected
+
+
+async def test_a_page_directory_removed_behind_the_writers_back_is_recreated(backend: FileBackend) -> None:
+    """The writer remembers the directories it made; one removed since (ENOENT in the C writer) is made
+    again and the page written."""
+    keys, pages = make_keys(2), make_pages(2, 512)
+    assert await backend.put(keys[:1], pages[:1]) == [True]
+    shutil.rmtree(backend.root)
+    assert await backend.put(keys, pages) == [True, True]
+    out = empty_pages(2, 512)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.HIT]
 
 
 async def test_another_process_reads_the_pages_bitwise(backend: FileBackend) -> None:

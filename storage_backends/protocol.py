@@ -60,7 +60,7 @@ class StorageBackend(Protocol):
         A thread that never returns keeps its buffers out of use forever: that is the price of a caller
         that is never hung.
       * `delete(keys)` removes pages; absent keys are ignored.
-      * `aclose()` is idempotent; any call made after it began raises `hicache.errors.CacheClosed`, and it
+      * `aclose()` is idempotent; any call made after it began raises `storage_backends.errors.CacheClosed`, and it
         returns only once the calls already in flight have returned (`storage_backends.lifecycle`).
     """
 

@@ -234,7 +234,12 @@ class FileBackend(BackendLifecycle):
         (`CORRUPT`), names another namespace or key in its header (`FOREIGN`: a page copied, renamed or
         symlinked over this key), or is of an older format (`OLD_FORMAT`) is logged at warning level and
         counted in `statistics()`.
-        When this returns, normally or not, no thread is still writing into any buffer.
+
+        When this returns normally, no thread writes into any buffer any more. When it raises (cancelled,
+        or a group refused after others were queued), a group not started yet never starts, but a group
+        already being read, or the worker thread re-reading flagged pages, keeps writing into its buffers
+        until its read returns (a hung mount: maybe never); those buffers are registered in `storage_backends.threads.stray_threads` meanwhile, and
+        the caller must not reuse one while `stray_threads.busy([buffer])` is true (the protocol's rule).
 
         Raises:
             CacheClosed: after `aclose()`.

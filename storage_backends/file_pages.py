@@ -22,9 +22,9 @@ import secrets
 import stat
 from collections.abc import Sequence
 
-from hicache.errors import ChecksumMismatch, StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.batching import ERROR, HIT, MISS
+from storage_backends.errors import ChecksumMismatch, StorageAuthError, StorageError
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_stored_size,

@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 
 import anyio
 
-from hicache.errors import StorageAuthError, StorageError, StorageUnavailable
+from storage_backends.errors import StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.redact import redact_text
 
 __all__ = ["Failure", "RoundTrips"]

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from hicache.errors import ChecksumMismatch, ForeignPage, OldPageFormat
+from storage_backends.errors import ChecksumMismatch, ForeignPage, OldPageFormat
 from storage_backends.native import xxh3_64
 from storage_backends.protocol import PageStatus
 

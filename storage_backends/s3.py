@@ -41,7 +41,6 @@ from typing import Any, Final
 import obstore
 from obstore.store import S3Store
 
-from hicache.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.batching import (
     BackendStatistics,
     StatisticsRecorder,
@@ -50,6 +49,7 @@ from storage_backends.batching import (
     gather_bounded,
     run_in_thread,
 )
+from storage_backends.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import validate_bucket, validate_prefix
 from storage_backends.page_format import (

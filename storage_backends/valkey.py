@@ -36,7 +36,6 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import anyio
 
-from hicache.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.batching import (
     BackendStatistics,
     StatisticsRecorder,
@@ -47,6 +46,7 @@ from storage_backends.batching import (
     group_slices,
     run_in_thread,
 )
+from storage_backends.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import prefix_from_url_path, validate_prefix
 from storage_backends.net_calls import Failure, RoundTrips

@@ -153,8 +153,9 @@ class PageFiles:
         """Write a group of pages, each atomically; one outcome per page.
 
         The C writer (`native.write_pages`) builds each header and writes the group without the GIL; a
-        page whose directory was removed behind our back (ENOENT) is written again by `write_one`, which
-        recreates it.
+        page whose directory was removed behind our back (ENOENT), or with an empty directory in its place
+        (EISDIR: `exists` counts it absent), is written again by `write_one`, which recreates the one and
+        removes the other.
         """
         dirs = [f"{self.root}/{key[0:2]}/{key[2:4]}" for key in keys]
         for directory in set(dirs) - self._known_dirs:
@@ -171,7 +172,7 @@ class PageFiles:
             return [HIT] * len(keys)
         out: list[PageStatus] = []
         for key, buf, err in zip(keys, buffers, errors, strict=True):
-            if err == errno_names.ENOENT:
+            if err in (errno_names.ENOENT, errno_names.EISDIR):
                 out.append(self.write_one(key, buf))
             elif err:
                 log.warning("cannot write page %s: %s", self.path(key), _describe(err))

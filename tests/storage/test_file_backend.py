@@ -182,14 +182,16 @@ async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
 async def test_failed_rename_reports_false_and_cleans_up(
     backend: FileBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """When the final rename fails (a directory sits at the page's path: EISDIR, in the C writer) the page
-    is False, counted as an error, and its temp file is gone; the rest of the group is written."""
+    """When the final rename fails (a directory that is not empty sits at the page's path: EISDIR in the C
+    writer, and `write_one` cannot remove it either) the page is False, counted as an error, and its temp
+    file is gone; the rest of the group is written."""
     keys, pages = make_keys(3), make_pages(3, 512)
     for key in keys[1:]:
         backend.path_of(key).mkdir(parents=True)
+        (backend.path_of(key) / "keep").write_bytes(b"")
     assert await backend.put(keys, pages) == [True, False, False]
     assert backend.statistics().errors == 2
-    assert [p.name for p in files_under(backend.root)] == [f"{keys[0]}.kvp"]
+    assert sorted(p.name for p in files_under(backend.root)) == sorted([f"{keys[0]}.kvp", "keep", "keep"])
     out = empty_pages(1, 512)
     assert await backend.get(keys[:1], out) == [PageStatus.HIT]
     assert bytes(out[0]) == bytes(pages[0])

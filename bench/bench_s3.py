@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_servers import S3Server, start_juicefs, start_moto
 
 from storage_backends.batching import gather_bounded
+from storage_backends.page_format import HEADER_SIZE
 from storage_backends.s3 import S3Backend
 
 NAMESPACE = bytes(range(16))
@@ -76,7 +77,7 @@ async def bench_server(
 
         async def raw_round() -> None:
             await gather_bounded([lambda i=i: raw_one(i) for i in range(pages)], limit)  # type: ignore[misc]
-            assert all(len(b) == page_bytes + 40 for b in sink)
+            assert all(len(b) == page_bytes + HEADER_SIZE for b in sink)
 
         async def backend_round() -> None:
             assert all(await backend.get(keys, host_views))
@@ -115,7 +116,14 @@ def main() -> None:
     parser.add_argument("--page-mib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:  # 1 MiB pages still: the keys name the page size
+        args.pages, args.rounds, args.concurrency = 2, 1, 2
     page_bytes = int(args.page_mib * (1 << 20))
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp:

@@ -37,6 +37,7 @@ Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2"
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -281,19 +282,26 @@ def hybrid_figures(out: dict[str, object], n: int) -> None:
 
 
 def main() -> None:
-    out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="one tiny pass: the same JSON keys, no figure worth reading"
+    )
+    args = parser.parse_args()
+    iterations, requests = (5, 6) if args.smoke else (ITERATIONS, HY_REQUESTS)
+    demo_sizes = {"users": 1, "turns": 1} if args.smoke else {}
+    out: dict[str, object] = {"bench": "tp", "iterations": iterations, "backend": "gloo"}
     only = os.environ.get("BENCH_TP_ONLY")
     if only in ("layerwise", "hybrid"):
         if only == "layerwise":
-            layerwise_figures(out, ITERATIONS)
+            layerwise_figures(out, iterations)
         else:
-            out["requests"] = HY_REQUESTS
-            hybrid_figures(out, HY_REQUESTS)
+            out["requests"] = requests
+            hybrid_figures(out, requests)
         out["load_average"] = os.getloadavg()[0]
         print(json.dumps(out))
         return
     for tp in (1, 2, 4):
-        ranks = run_ranks(agree_loop, tp, (ITERATIONS,), timeout_s=600)
+        ranks = run_ranks(agree_loop, tp, (iterations,), timeout_s=600)
         bad = [r for r in ranks if not r.ok]
         if bad:
             raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
@@ -303,22 +311,22 @@ def main() -> None:
         out[f"acquire_agree_us_p50_tp{tp}"] = round(v["acquire_p50"], 1)
         out[f"collectives_per_agreement_tp{tp}"] = round(v["collectives_per_agreement"], 3)
     for tp in (2, 4):
-        ranks = run_ranks(raw_collectives, tp, (ITERATIONS,), timeout_s=600)
+        ranks = run_ranks(raw_collectives, tp, (iterations,), timeout_s=600)
         bad = [r for r in ranks if not r.ok]
         if bad:
             raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
         out[f"raw_all_gather_us_p50_tp{tp}"] = round(ranks[0].value["all_gather"], 1)
         out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(ranks[0].value["all_reduce_min"], 1)
     for tp in (1, 2, 4):
-        result = run_tp_demo(TPDemoConfig(tp=tp))
+        result = run_tp_demo(TPDemoConfig(tp=tp, **demo_sizes))
         if not result.all_identical:
             raise SystemExit(f"tp={tp}: the demo failed its checks: {result.failures[:5]}")
         out[f"saved_tokens_tp{tp}"] = result.saved_tokens
         out[f"demo_wall_s_tp{tp}"] = round(result.wall_s, 2)
         out[f"demo_steps_per_request_tp{tp}"] = round(result.agreement_steps / max(1, result.requests), 2)
     out["savings_identical"] = out["saved_tokens_tp1"] == out["saved_tokens_tp2"] == out["saved_tokens_tp4"]
-    layerwise_figures(out, ITERATIONS)
-    hybrid_figures(out, HY_REQUESTS)
+    layerwise_figures(out, iterations)
+    hybrid_figures(out, requests)
     out["goal_agree_p50_tp4_under_1ms"] = float(out["agree_us_p50_tp4"]) < 1000.0  # type: ignore[arg-type]
     print(json.dumps(out))
 

@@ -17,6 +17,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from hicache.memory import KVPool, Owner
 from storage_backends.threads import stray_threads
 
 __all__ = ["ComponentTransfer", "IndexPool", "ReleaseBatch", "ReleaseQueue", "ReleaseStatistics"]
@@ -93,7 +94,7 @@ class ReleaseQueue:
     them every `poll_s` seconds and releases each once its thread returned.
     """
 
-    def __init__(self, host_pool: IndexPool, *, batch_tokens: int, poll_s: float = 0.02) -> None:
+    def __init__(self, host_pool: KVPool, *, batch_tokens: int, poll_s: float = 0.02) -> None:
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens: must be >= 1, got {batch_tokens}")
         self._host_pool = host_pool
@@ -243,16 +244,19 @@ class ReleaseQueue:
         if n > self._batch_tokens:
             # Free the head of a large batch and keep the rest queued; transfers go with the last piece.
             head, rest = batch.host_indices[: self._batch_tokens], batch.host_indices[self._batch_tokens :]
-            self._host_pool.free(head)
+            self._host_pool.free(head, owner=Owner.RELEASE)
             self._pending[0] = ReleaseBatch(rest, batch.transfers)
             self._pending_tokens -= int(head.numel())
             self._released_tokens += int(head.numel())
             return
         self._pending.popleft()
         if n:
-            self._host_pool.free(batch.host_indices)
+            self._host_pool.free(batch.host_indices, owner=Owner.RELEASE)
         for transfer in batch.transfers:
-            transfer.pool.free(transfer.indices)
+            if isinstance(transfer.pool, KVPool):  # tagged on its way here (`PrefetchReleaser`)
+                transfer.pool.free(transfer.indices, owner=Owner.RELEASE)
+            else:
+                transfer.pool.free(transfer.indices)
         self._pending_tokens -= n
         self._released_tokens += n
         self._released_calls += 1

@@ -49,7 +49,7 @@ NO_SMOKE_YET = {"tree", "io", "faults", "vllm"}
 TO THE LEAD: delete this set, the mark below, and add their keys to `KEYS`, at merge."""
 
 SLOW = {"tp"}
-"""Benches whose smoke pass starts rank processes (tp: 1, 2 and 4 gloo ranks, several times)."""
+"""Benches whose smoke pass starts rank processes (tp: 1, 2 and 4 gloo ranks for its loops, then for the demo)."""
 
 
 def _param(name: str) -> object:

@@ -472,6 +472,10 @@ class HiCache(CacheLifecycle, CacheObservation):
 
         If the caller is cancelled while waiting, the prefetch stays in flight (asked to stop) and can be
         committed or cancelled again.
+
+        Raises:
+            TypeError, ValueError: naming `request_id` when it is not a non-empty str.
+            UnknownRequest: when no prefetch is in flight for it.
         """
         _check_request_id(request_id)
         return await self._prefetcher.commit(request_id)

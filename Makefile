@@ -11,21 +11,36 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_layerwise_machine.py
 
 # `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs them all, one after another.
-BENCHES := tree io s3 transfer faults ownership tp layerwise refill
+BENCHES := tree io s3 transfer faults ownership tp layerwise refill network
 BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
 .PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv clean
 
-$(STAMP): pyproject.toml setup.py native/hicache_native.c
+$(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU build of torch first, so the project's torch range installs nothing more (no CUDA wheel).
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	$(MAKE) --no-print-directory net-libs
 	touch $(STAMP)
+
+# Mooncake's wheel links Debian's libibverbs1, librdmacm1 (even for TCP), libnuma1 and libcurl4: apt
+# installs the missing ones as root; anyone else gets the command to run.
+NET_LIBS := libibverbs1 librdmacm1 libnuma1 libcurl4
+NET_SONAMES := libibverbs.so.1 librdmacm.so.1 libnuma.so.1 libcurl.so.4
+.PHONY: net-libs
+net-libs:
+	@missing=0; for so in $(NET_SONAMES); do ldconfig -p | grep -q "$$so" || missing=1; done; \
+	if [ $$missing = 0 ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(NET_LIBS); \
+	else \
+		echo "Mooncake needs $(NET_LIBS): run 'sudo apt-get install -y $(NET_LIBS)'" >&2; exit 1; \
+	fi
 
 venv: $(STAMP)
 
-# Rebuild only the C extension (native/hicache_native.c) in place, e.g. in a second git worktree.
+# Rebuild only the C extensions (native/hicache_native.c, native/hicache_write.c) in place, e.g. in a second git worktree.
 native: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 

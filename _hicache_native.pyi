@@ -18,6 +18,10 @@ BUILD: int
 """The module's interface version (`storage_backends.native` refuses a build of another)."""
 CHUNK_BYTES: int
 """Bytes read, then hashed, at a time: small enough to still be in the CPU cache when hashed."""
+READAHEAD: int
+"""Flag of `read_pages`' `nowait_flags`, beside the probe flags: read ahead (keep pages open and advised
+ahead of the one being read) from the first page not in the page cache, or from the first page without a
+probe flag. Without it every page is read plainly."""
 
 def read_pages(
     root: str,
@@ -30,9 +34,12 @@ def read_pages(
 ) -> tuple[bytes, int, list[tuple[int, int]]]:
     """Read and verify `root/ab/cd/<key><suffix>` into each buffer, the whole batch without the GIL.
 
-    Returns one outcome byte per page, the probe flags to pass next time (0 once the filesystem refused
-    `RWF_NOWAIT`), and `(index, errno)` for every `ERROR` page. A file longer or shorter than header plus
-    buffer is `RETRY`, never `HIT`.
+    `nowait_flags` is 0 (plain reads) or `READAHEAD` with any probe flags (`RWF_NOWAIT`). Returns one outcome
+    byte per page, the flags to pass next time (without the probe once the filesystem refused it,
+    `READAHEAD` kept), and `(index, errno)` for every `ERROR` page. A file longer or shorter than header plus
+    buffer is `RETRY`, never `HIT`. All read threads together hold at most a quarter of the soft
+    `RLIMIT_NOFILE` open ahead; a page beyond that, or whose open ahead hits EMFILE, is opened at its own
+    turn, and one whose own open hits EMFILE or ENFILE is `RETRY` (re-read once the batch's files are closed).
 
     Raises:
         ValueError: naming the argument, for a key that is not 4-128 lowercase hex characters, a NUL in
@@ -77,19 +84,25 @@ class ReadQueue:
         /,
     ) -> ReadJob:
         """Queue a batch as `read_pages` takes it; `hook` is called with its keys in the worker first.
-        With `buffers=None` the pages are only stat-ed, up to the first absent (MISS) or failing (ERROR) one.
+        With `buffers=None` the pages are only stat-ed, up to the first absent (MISS), failing (ERROR) or
+        not regular (RETRY: a directory, FIFO, socket or device, symlinks followed) one.
         With a `leader` (a job of this queue) the job joins the leader's set: `fileno()` is signalled once
         the set's last unfinished job finishes, not once per job.
 
         Raises:
             RuntimeError: after `close()`.
-            ValueError, TypeError: as `read_pages`, or naming `leader`, before anything is queued.
+            ValueError, TypeError: as `read_pages`, or naming `leader` (a job of another queue, one that
+                was freed included: jobs name their queue by a generation number), before anything is queued.
         """
     def cancel(self, job: ReadJob, /) -> bool:
         """Remove a pending job (it never starts): True; False once it started. Signals `fileno()` either
         way (finished jobs of its set may be waiting for `collect()`)."""
     def collect(self) -> list[ReadJob]:
-        """Every job finished since the last call, signalled or not (and `fileno()` reset)."""
+        """Every job finished since the last call, signalled or not (and `fileno()` reset).
+
+        Raises:
+            MemoryError: with every finished job kept for the next call (and `fileno()` signalled again).
+        """
     def work(self) -> None:
         """Run pending jobs in this thread, without the GIL, until `close()` (once nothing is pending) or
         `retire()`."""

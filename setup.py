@@ -1,5 +1,6 @@
-"""Builds hicache's one C extension, `_hicache_native` (the file backend's read+verify path); the rest of
-the project's metadata lives in pyproject.toml.
+"""Builds hicache's C extensions, `_hicache_native` (the file backend's read+verify path) and
+`_hicache_write` (its write path: header and write without the GIL); the rest of the project's metadata
+lives in pyproject.toml.
 
 `pip install -e .` (and `make venv`) compiles it in place. It needs a C compiler and Python's headers; where
 either is missing the build stops with an error naming what is missing and how to get it.
@@ -28,7 +29,9 @@ class BuildNative(build_ext):
             )
         compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
         if shutil.which(compiler) is None:
-            missing.append(f"a C compiler ({compiler!r} is not on PATH; on Debian/Ubuntu: apt-get install gcc)")
+            missing.append(
+                f"a C compiler ({compiler!r} is not on PATH; on Debian/Ubuntu: apt-get install gcc)"
+            )
         if missing:
             raise SystemExit(
                 "hicache: cannot build its C extension _hicache_native (native/hicache_native.c), "
@@ -43,19 +46,29 @@ class BuildNative(build_ext):
 # elsewhere that unit is empty and xxhash.h's own code path is the only one. Measured once (a one-off timing,
 # see BENCHMARKS.md) on this project's 2-core EPYC: xxh3-64 of a 1 MiB page at ~38 GB/s built for SSE2,
 # ~110 GB/s dispatched (AVX-512).
+_XXHASH = [
+    "native/xxhash/xxhash.h",
+    "native/xxhash/xxh_x86dispatch.h",
+    "native/xxhash/xxh_x86dispatch.c",
+]
+_FLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
 setup(
     ext_modules=[
         Extension(
             "_hicache_native",
             sources=["native/hicache_native.c", "native/xxh_dispatch.c"],
             include_dirs=["native"],
-            depends=[
-                "native/xxhash/xxhash.h",
-                "native/xxhash/xxh_x86dispatch.h",
-                "native/xxhash/xxh_x86dispatch.c",
-            ],
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        )
+            depends=_XXHASH,
+            extra_compile_args=_FLAGS,
+        ),
+        Extension(
+            "_hicache_write",
+            sources=["native/hicache_write.c", "native/xxh_dispatch.c"],
+            include_dirs=["native"],
+            depends=_XXHASH,
+            extra_compile_args=_FLAGS,
+        ),
     ],
     cmdclass={"build_ext": BuildNative},
 )

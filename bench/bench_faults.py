@@ -18,7 +18,10 @@ Two parts, each against a baseline measured in the same run:
   after the deadline it returns (`stuck_read_acquire_return_ms`, the worst of `--stuck-rounds`; goal
   < 50 ms), and that the stuck pages were quarantined and came back once the read was let go.
 
+`--smoke`: one tiny pass of each part (a few acquires, 40 soak requests, one stuck read), the same JSON keys.
+
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
+       [--smoke]
 Ends with one JSON line.
 """
 
@@ -453,5 +456,9 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=4000, help="requests in the soak")
     parser.add_argument("--workers", type=int, default=8, help="serving tasks in the soak")
     parser.add_argument("--stuck-rounds", type=int, default=20, help="acquires in the stuck-read part")
-    summary = anyio.run(main, parser.parse_args())
+    parser.add_argument("--smoke", action="store_true", help="one tiny pass of each part, the same JSON keys")
+    args = parser.parse_args()
+    if args.smoke:
+        args.acquires, args.rounds, args.requests, args.workers, args.stuck_rounds = 20, 1, 40, 2, 1
+    summary = anyio.run(main, args)
     print(json.dumps(summary))

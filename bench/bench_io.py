@@ -30,17 +30,26 @@ after our passes on the same page sizes, total and filesystem (`--dir`), in its 
 its README says what it times). `vs_sglang_file_1mib_{hot,cold}` is our controller's GB/s over SGLang's (one
 I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-caller variant.
 
+Loop CPU per GiB: `loop_cpu_ratio_controller_vs_backend_max` is the worst pass's controller loop CPU over
+the backend pass's (the same bytes: the ratio is per GiB). Both include the ticker's own CPU, which follows
+the pass's wall time (about 1,000 wake-ups a second); `ticker_loop_cpu_ms_per_s` is that cost, measured
+with nothing else running, and `*_loop_cpu_net_ms` / `loop_cpu_net_ms_per_gib_{backend,controller}_max`
+the figures without it. `--busy N` runs everything beside N processes
+that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
+
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
        [--sequences 16] [--batch-pages N] [--page-kib 1024,64] [--states hot,cold] [--no-controller]
-       [--no-sglang]
+       [--no-sglang] [--busy N] [--smoke]
 Ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -49,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,13 +103,17 @@ class Series:
     stalls: list[float] = field(default_factory=list)
     cpu_stalls: list[float] = field(default_factory=list)
     loop_cpu: list[float] = field(default_factory=list)
+    loop_cpu_net: list[float] = field(default_factory=list)
     reading: list[float] = field(default_factory=list)
 
-    def add(self, timed: Timed) -> None:
+    def add(self, timed: Timed, ticker_ms_per_s: float = 0.0) -> None:
+        """One pass; `ticker_ms_per_s` is the ticker's own loop CPU per second (`ticker_cost`), taken off
+        the pass's loop CPU for the net figure."""
         self.seconds.append(timed.seconds)
         self.stalls.append(timed.max_stall_ms)
         self.cpu_stalls.append(timed.max_stall_cpu_ms)
         self.loop_cpu.append(timed.loop_cpu_ms)
+        self.loop_cpu_net.append(max(0.0, timed.loop_cpu_ms - ticker_ms_per_s * timed.seconds))
         self.reading.append(timed.reading)
 
     @property
@@ -111,6 +124,7 @@ class Series:
         """The medians of the loop's CPU and of the groups read at once, under `prefix`."""
         return {
             f"{prefix}loop_cpu_ms": round(statistics.median(self.loop_cpu), 1),
+            f"{prefix}loop_cpu_net_ms": round(statistics.median(self.loop_cpu_net), 1),
             f"{prefix}groups_reading": round(statistics.median(self.reading), 2),
         }
 
@@ -184,6 +198,24 @@ async def timed_with_ticker(run: Callable[[], Awaitable[int]], backend: FileBack
     ticked = await time_with_ticker(counted)
     reading = (backend.read_statistics().reading_s - before) / ticked.seconds
     return Timed(ticked.seconds, ticked.stall_ms, ticked.result, ticked.stall_cpu_ms, cpu[0] * 1000, reading)
+
+
+async def ticker_cost(seconds: float = 0.2) -> float:
+    """The ticker's own loop-thread CPU in ms per second of wall time: a pass that only sleeps, ticked.
+
+    The ticker wakes the loop every millisecond, so its CPU grows with a pass's wall time, not with the
+    pass's work (and more so on a loaded machine): this is what `loop_cpu_net_ms` takes off."""
+
+    spent: list[float] = []
+
+    async def idle() -> int:
+        start, wall = time.thread_time(), time.perf_counter()
+        await anyio.sleep(seconds)
+        spent.append((time.thread_time() - start) * 1000 / (time.perf_counter() - wall))
+        return 0
+
+    await time_with_ticker(idle)
+    return spent[0]
 
 
 def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
@@ -277,6 +309,7 @@ async def bench_page_size(
             direct, controller = Series(), Series()
             if state == "hot":
                 raw_read(paths, views, max(raw_threads))  # warm the page cache
+            ticker = await ticker_cost()
             for _ in range(args.repeats):
                 for t, series in raws.items():
                     if state == "cold":
@@ -289,13 +322,13 @@ async def bench_page_size(
                 pool.zero_()
                 result = await timed_with_ticker(backend_run, backend)
                 assert result.pages == n, f"backend loaded {result.pages} of {n} pages"
-                direct.add(result)
+                direct.add(result, ticker)
                 if not args.no_controller:
                     if state == "cold":
                         drop_page_cache(paths)
                     result = await controller_pass(config, seqs, backend)
                     assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
-                    controller.add(result)
+                    controller.add(result, ticker)
             assert torch.equal(pool[: n * page_bytes], expected), "backend read wrong bytes"
             best_threads = min(raws, key=lambda t: raws[t].median)
             raw_med = raws[best_threads].median
@@ -307,6 +340,7 @@ async def bench_page_size(
                 "ratio": raw_med / direct.median,
                 "max_stall_ms": max(direct.stalls),
                 "max_stall_cpu_ms": max(direct.cpu_stalls),
+                "ticker_loop_cpu_ms_per_s": round(ticker, 2),
                 **direct.figures(""),
             }
             if controller.seconds:
@@ -389,6 +423,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     def worst(figure: str) -> float:
         return round(max(r[figure] for s in results.values() for r in s.values()), 2)
 
+    if not args.no_controller:
+        passes = [r for s in results.values() for r in s.values()]
+        summary["loop_cpu_ratio_controller_vs_backend_max"] = round(
+            max(r["controller_loop_cpu_ms"] / r["loop_cpu_ms"] for r in passes), 3
+        )
+        # Without the ticker's share (see `ticker_cost`): each side's own work on the loop, per GiB (the
+        # backend's is near 0, so a ratio of the two says nothing).
+        gib = args.total_mib / 1024
+        for side, prefix in (("backend", ""), ("controller", "controller_")):
+            summary[f"loop_cpu_net_ms_per_gib_{side}_max"] = round(
+                max(r[f"{prefix}loop_cpu_net_ms"] for r in passes) / gib, 1
+            )
+    summary["busy"] = args.busy
     summary["max_loop_stall_ms"] = worst("max_stall_ms")
     summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")
     if not args.no_controller:
@@ -410,7 +457,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
     # Where the time goes (issue 12): the loop thread's CPU per pass and the groups read at once.
     summary["passes"] = {
         f"{size_name(p)}_{state}": {
-            k: v for k, v in r.items() if k.endswith(("loop_cpu_ms", "groups_reading"))
+            k: v
+            for k, v in r.items()
+            if k.endswith(("loop_cpu_ms", "loop_cpu_net_ms", "groups_reading", "_per_s"))
         }
         for p, states in results.items()
         for state, r in states.items()
@@ -454,6 +503,34 @@ def sglang_summary(ours: dict[int, dict[str, dict[str, Any]]], sglang: dict[str,
     return out
 
 
+def _spin(stop: Any) -> None:
+    """A competing CPU-bound process: spins until `stop` is set."""
+    while not stop.is_set():
+        for _ in range(10_000):
+            pass
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """`n` processes spinning on the CPU for the duration (none for 0)."""
+    if n <= 0:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
 def states(value: str) -> str:
     """The `--states` argument: a comma-separated list of `hot` and `cold` (a typo must not time an unwarmed
     cache as hot)."""
@@ -489,8 +566,20 @@ def main() -> None:
         "--no-sglang", action="store_true", help="skip SGLang's file backend baseline (../shared/baselines)"
     )
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--busy", type=int, default=0, help="spinning processes competing for the CPU")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (16 MiB, one repeat), no SGLang, the same JSON keys",
+    )
     args = parser.parse_args()
-    summary = anyio.run(main_async, args)
+    if args.busy < 0:
+        parser.error(f"--busy: expected >= 0, got {args.busy}")
+    if args.smoke:
+        args.total_mib, args.repeats, args.raw_threads, args.sequences = 16, 1, "2", 2
+        args.no_sglang = True
+    with busy_processes(args.busy):
+        summary = anyio.run(main_async, args)
     sys.stdout.flush()
     print(json.dumps(summary))
 

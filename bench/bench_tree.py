@@ -2,12 +2,14 @@
 """Benchmark of hicache's radix tree core, side by side with SGLang's Python RadixCache.
 
 Usage:
-    .venv/bin/python bench/bench_tree.py [--reps 3] [--no-baseline]
+    .venv/bin/python bench/bench_tree.py [--reps 3] [--no-baseline] [--smoke]
 
 Workload (mirrors ../shared/baselines/sglang-radix/bench.py, same generator and seed): 2,000 sequences of
 1,024 tokens, each one of 50 shared 512-token prefixes plus a random 512-token suffix, `array('q')` keys,
 one int64 value tensor per sequence. Phases on a fresh tree (wall clock, median of --reps, as the baseline
-times SGLang): insert all, match all, evict half the tokens in 1,024-token calls.
+times SGLang): insert all, match all, evict half the tokens in 1,024-token calls. With the baseline, the
+page-16 passes run --reps times before it and --reps times after it, and the figures are the medians of
+all of them (the machine's load drifts: one round before the baseline alone weighed the drift on one side).
 
 Matching is timed twice. `match_lazy` is the like-for-like figure against SGLang: SGLang's
 `RadixCache.match_prefix` (0.5.23) returns the prefix length and the last node and joins no index tensors
@@ -122,10 +124,19 @@ def evict_chunked(tree: RadixTree, target: int, chunk: int) -> tuple[int, int]:
 
 
 def bench_main(
-    page_size: int, seqs: list[array[int]], values: list[torch.Tensor], reps: int
+    page_size: int,
+    seqs: list[array[int]],
+    values: list[torch.Tensor],
+    reps: int,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
-    t_ins, t_match, t_lazy, t_ev = [], [], [], []
-    calls = 0
+    """Per-op costs on the reference workload: medians of `reps` passes on fresh trees, together with the
+    passes already in `samples` (which this extends: timing one round before SGLang's baseline and one
+    after it, so a change in the machine's load between the two weighs on both sides alike)."""
+    samples = {} if samples is None else samples
+    t_ins, t_match, t_lazy, t_ev = (samples.setdefault(k, []) for k in ("insert", "match", "lazy", "evict"))
+    calls_seen = samples.setdefault("calls", [])
+    calls = int(calls_seen[0]) if calls_seen else 0
     for _ in range(reps):
         tree = RadixTree(page_size)
         t_ins.append(timed(lambda: insert_all(tree, seqs, values))[0])  # noqa: B023
@@ -134,6 +145,7 @@ def bench_main(
         half = tree.statistics().evictable_device_tokens // 2
         dt, out = timed(lambda: evict_chunked(tree, half, 1024))  # noqa: B023
         calls = out[1]  # type: ignore[index]
+        calls_seen[:] = [calls]
         t_ev.append(dt)
         tree.sanity_check()
     n = len(seqs)
@@ -146,19 +158,27 @@ def bench_main(
     }
 
 
-def bench_scale(page_size: int, reps: int, seed: int, vocab: int) -> dict[str, dict[str, float]]:
+SCALES = (("1e4", 18, 2), ("1e5", 190, 10), ("1e6", 2000, 50))
+"""(label, sequences, shared prefixes) of bench.py's scaling shapes."""
+SMOKE_SCALES = (("1e4", 4, 2), ("1e5", 6, 2), ("1e6", 8, 2))
+"""`--smoke`: the same labels on tiny trees (the figures mean nothing; the keys are the same)."""
+
+
+def bench_scale(
+    page_size: int, reps: int, seed: int, vocab: int, shapes: tuple[tuple[str, int, int], ...] = SCALES
+) -> dict[str, dict[str, float]]:
     """Per-op costs on trees of about 10^4, 10^5 and 10^6 tokens (bench.py's scaling shapes)."""
     out: dict[str, dict[str, float]] = {}
-    n_new = 200
-    for label, n_seqs, n_pref in (("1e4", 18, 2), ("1e5", 190, 10), ("1e6", 2000, 50)):
+    n_new = 200 if shapes is SCALES else 4
+    for label, n_seqs, n_pref in shapes:
         seqs, values = make_workload(n_seqs + n_new, n_pref, 512, 512, vocab, seed)
         base, fresh = seqs[:n_seqs], seqs[n_seqs:]
         rng = random.Random(seed + 1)
-        hits = [base[rng.randrange(n_seqs)] for _ in range(2000)]
+        hits = [base[rng.randrange(n_seqs)] for _ in range(2000 if shapes is SCALES else 20)]
         # The same key working set at every size (16 distinct keys, as the 10^4 tree holds only 18): the
         # distinct-key variant also measures the queries' own cache misses, which grow with the key count.
         pool = [base[rng.randrange(n_seqs)] for _ in range(16)]
-        fixed = [pool[i % 16] for i in range(2000)]
+        fixed = [pool[i % 16] for i in range(len(hits))]
         t_m, t_md, t_i, t_e = [], [], [], []
         tokens = 0
         for _ in range(reps):
@@ -243,6 +263,14 @@ def bench_key_convert(seqs: list[array[int]], reps: int) -> dict[str, float]:
 
 
 def run_baseline(reps: int) -> dict[str, float] | None:
+    """SGLang's RadixCache on the same workload, from `../shared/baselines/sglang-radix/run` (None, with a
+    note, when that checkout is missing or the run fails: the ratios are then skipped)."""
+    if not BASELINE.exists():
+        print(
+            f"note: SGLang baseline not found at {BASELINE.resolve()}; the vs_sglang_* ratios are skipped",
+            file=sys.stderr,
+        )
+        return None
     cmd = [str(BASELINE.resolve()), "--reps", str(reps), "--page-sizes", "16", "--no-scaling"]
     print(f"running SGLang baseline: {' '.join(cmd)}", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
@@ -303,20 +331,27 @@ def main() -> None:
     ap.add_argument("--instructions", choices=("insert", "acquire"), help="count instructions (callgrind)")
     ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or 500 acquires)")
     ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
+    ap.add_argument("--smoke", action="store_true", help="one tiny pass, no baseline, the same JSON keys")
     a = ap.parse_args()
     vocab = 128000
-    seqs, values = make_workload(2000, 50, 512, 512, vocab, a.seed)
+    if a.smoke:
+        a.reps, a.no_baseline = 1, True
+    seqs, values = make_workload(60 if a.smoke else 2000, 50, 512, 512, vocab, a.seed)
     if a.instructions:
         default = 2000 if a.instructions == "insert" else 500
         count_instructions(a.instructions, seqs, values, a.page_size, default if a.count is None else a.count)
         return
     result: dict[str, object] = {"bench": "tree"}
     load_start = round(os.getloadavg()[0], 2)
-    mains = {ps: bench_main(ps, seqs, values, a.reps) for ps in (1, 16)}
-    scales = {ps: bench_scale(ps, a.reps, a.seed, vocab) for ps in (1, 16)}
-    acquire = anyio.run(bench_acquire, seqs, 16, 40 * a.reps)
+    page16: dict[str, list[float]] = {}
+    mains = {ps: bench_main(ps, seqs, values, a.reps, page16 if ps == 16 else None) for ps in (1, 16)}
+    shapes = SMOKE_SCALES if a.smoke else SCALES
+    scales = {ps: bench_scale(ps, a.reps, a.seed, vocab, shapes) for ps in (1, 16)}
+    acquire = anyio.run(bench_acquire, seqs, 16, 1 if a.smoke else 40 * a.reps)
     convert = bench_key_convert(seqs, max(3, a.reps))
     base = None if a.no_baseline else run_baseline(a.reps)
+    if base is not None:  # a second round of ours after the baseline; the page-16 figures use both
+        mains[16] = bench_main(16, seqs, values, a.reps, page16)
 
     print("Reference workload (2,000 x 1,024 tokens, 50 shared prefixes), per op in microseconds")
     print(

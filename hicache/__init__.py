@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hicache.controller.layered_load import LayerwiseLoad
     from hicache.errors import (
         CacheClosed,
+        CacheFailed,
         ChecksumMismatch,
         ForeignPage,
         HiCacheError,
@@ -63,6 +64,7 @@ _MODULE_OF = {
     "BreakerState": "hicache.controller",
     "BreakerStatistics": "hicache.controller",
     "CacheClosed": "hicache.errors",
+    "CacheFailed": "hicache.errors",
     "CacheStatistics": "hicache.controller",
     "ChecksumMismatch": "hicache.errors",
     "CircuitBreaker": "hicache.controller",
@@ -119,6 +121,7 @@ __all__ = [
     "BreakerState",
     "BreakerStatistics",
     "CacheClosed",
+    "CacheFailed",
     "CacheStatistics",
     "ChecksumMismatch",
     "CircuitBreaker",

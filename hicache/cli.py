@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--backend",
         metavar="URL",
-        help="storage URL: file:///dir, memory://name, s3://bucket/prefix "
-        "(default: the file backend in a temporary directory)",
+        help="storage URL: file:///dir, memory://name, s3://bucket/prefix, valkey://host:port,.../prefix, "
+        "mooncake://master:port/prefix?metadata=... (default: the file backend in a temporary directory)",
     )
     demo.add_argument(
         "--users", type=int, default=None, help="concurrent simulated users (default 8; 4 with --tp)"

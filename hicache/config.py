@@ -5,17 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hicache.components.base import Component
 from hicache.keys import Namespace
 from hicache.layout import KVLayout
-from hicache.parallel.group import RankGroup
 from hicache.policy import EvictionPolicy, RefillPolicy, StopPolicy, WritePolicy, parse_policy
 from storage_backends.names import check_url_names
 from storage_backends.redact import redact_text, redacted_repr, remember_secrets, secret_values
+
+if TYPE_CHECKING:
+    from hicache.parallel.group import RankGroup
 
 __all__ = ["STORAGE_BATCH_BYTES", "HiCacheConfig", "layout_signature"]
 
@@ -239,7 +242,9 @@ class HiCacheConfig:
             comp.pool_layout(self.page_size)  # raises on a page size mismatch
         object.__setattr__(self, "components", components)
         if self.tp_group is not None:
-            if not isinstance(self.tp_group, RankGroup):
+            # Not imported here (it pulls in `hicache.parallel`): a RankGroup exists only once its module is.
+            group = sys.modules.get("hicache.parallel.group")
+            if group is None or not isinstance(self.tp_group, group.RankGroup):
                 raise TypeError(f"tp_group: expected a RankGroup, got {type(self.tp_group).__name__}")
             if self.tp_group.tp_size > 1 and self.layerwise_load_back and self.tp_group.readiness is None:
                 # `wait_layer` is a collective in the model's thread, beside the agreement's steps.

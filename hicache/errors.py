@@ -1,9 +1,26 @@
-"""The exception hierarchy of hicache: every error the library raises on purpose derives from `HiCacheError`."""
+"""The exception hierarchy of hicache: every error the library raises on purpose derives from `HiCacheError`.
+
+The root and the storage errors live in the leaf `storage_backends.errors` (the storage layer imports
+nothing of hicache) and are re-exported here as the same class objects; the cache's own errors follow.
+"""
 
 from __future__ import annotations
 
+from storage_backends.errors import (
+    CacheClosed,
+    ChecksumMismatch,
+    ForeignPage,
+    HiCacheError,
+    OldPageFormat,
+    PageNotFound,
+    StorageAuthError,
+    StorageError,
+    StorageUnavailable,
+)
+
 __all__ = [
     "CacheClosed",
+    "CacheFailed",
     "ChecksumMismatch",
     "ForeignPage",
     "HiCacheError",
@@ -22,10 +39,6 @@ __all__ = [
 ]
 
 
-class HiCacheError(Exception):
-    """Base class of every error hicache raises on purpose."""
-
-
 class InvariantViolation(HiCacheError, AssertionError):
     """Raised by `sanity_check()` with every violated invariant of the tree listed, one per line."""
 
@@ -39,8 +52,10 @@ class PoolError(HiCacheError, ValueError):
     """Raised when indices handed back to a pool are foreign, misaligned or already free (a double free)."""
 
 
-class CacheClosed(HiCacheError, RuntimeError):
-    """Raised when an operation is started on a cache, controller or backend that was already closed."""
+class CacheFailed(CacheClosed):
+    """Raised by every call on a cache whose background work (the release queue, a backup, a storage write
+    or a prefetch stream) raised an unexpected exception: the cache logged it once, released what it
+    could and closed; the job's exception is the `__cause__`. `aclose()` still finishes."""
 
 
 class LoadBackFailed(HiCacheError, RuntimeError):
@@ -55,42 +70,12 @@ class LeaseReleased(HiCacheError, ValueError):
 
 class UnsupportedEventLoop(HiCacheError, RuntimeError):
     """Raised when a cache is started outside an asyncio event loop (anyio on trio, or no loop at all): the
-    read threads' eventfd, the loop pacer and the background workers are asyncio's."""
+    read threads' eventfd, the loop pacer and the background workers are asyncio's; and when a started
+    cache is used from another event loop than the one that started it (its workers never run there)."""
 
 
 class UnknownRequest(HiCacheError, KeyError):
     """Raised when a prefetch request id is unknown: never started, already committed or already cancelled."""
-
-
-class StorageError(HiCacheError, OSError):
-    """Base class of storage backend errors; backends translate their native errors into these."""
-
-
-class PageNotFound(StorageError, FileNotFoundError):
-    """Raised when a page is absent from storage."""
-
-
-class ChecksumMismatch(StorageError):
-    """Raised when a stored page's header or checksum does not verify: the page is treated as a miss."""
-
-
-class ForeignPage(ChecksumMismatch):
-    """Raised when a stored page's header names another namespace or another key than the one it was read
-    under (a page copied, renamed or symlinked over this key, or written by another cache): a miss."""
-
-
-class OldPageFormat(ChecksumMismatch):
-    """Raised when a stored page was written in a page format version this reader does not read (a
-    version 1 page, from before pages carried their key): a miss."""
-
-
-class StorageUnavailable(StorageError, ConnectionError):
-    """Raised when the storage service cannot be reached after retries within the deadline."""
-
-
-class StorageAuthError(StorageError, PermissionError):
-    """Raised when the storage service refuses our credentials or permissions (HTTP 401/403): an outage
-    for this cache as much as a dead endpoint, not a miss."""
 
 
 class StorageCircuitOpen(StorageUnavailable):

@@ -60,8 +60,6 @@ class ShedReason(StrEnum):
     """Its queue was at its limit (`backup_queue_limit`, `storage_write_queue_limit`)."""
     STORAGE_UNAVAILABLE = "storage_unavailable"
     """The storage tier's circuit breaker is open."""
-    EVICTED = "evicted"
-    """Its node left the host tier while the write was queued."""
 
 
 class PrefetchStatus(StrEnum):

@@ -28,6 +28,7 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -52,7 +53,8 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 5 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished */
+#define NATIVE_BUILD 6 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
+                          6: READAHEAD, separate from the probe; stat-only RETRY for a path that is no file */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
@@ -60,6 +62,10 @@ enum {
 #define MIN_KEY_CHARS 4
 #define MAX_KEY_CHARS 128
 #define READAHEAD_PAGES 32 /* files one thread keeps open (and advised) ahead of the page it reads */
+/* In read_pages' flags, beside the probe flags: read ahead (a cold batch) instead of one page at a time.
+   Above every RWF_* flag, so "read ahead" and "probe" are two bits, and a refused probe drops only its own
+   (one flag for both switched read-ahead off for good on the NFS and FUSE mounts that refuse the probe). */
+#define READAHEAD_FLAG (1 << 24)
 
 #ifndef RWF_NOWAIT
 #define RWF_NOWAIT 0x00000008
@@ -72,7 +78,8 @@ typedef struct {
     const char *suffix;
     Py_ssize_t suffix_len;
     const unsigned char *namespace_digest; /* 16 bytes */
-    int nowait_flags;                      /* RWF_NOWAIT (or 0: no probe); set to 0 when refused */
+    int nowait_flags; /* READAHEAD_FLAG | probe flags (RWF_NOWAIT), or 0: plain reads; the probe flags
+                         are dropped when the filesystem refuses them, READAHEAD_FLAG stays */
 } read_ctx;
 
 /* The page's path: root/ab/cd/<key><suffix> (FileBackend._path). Returns 0, or -1 if it does not fit. */
@@ -204,9 +211,11 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, i
     return fd;
 }
 
-/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it. */
+/* The outcome of a page whose open_page failed: NOT_REGULAR goes back to Python, which names it, and so
+   does EMFILE/ENFILE: Python re-reads the page once the batch is over and every read thread's read-ahead
+   files are closed, so a page fails for want of descriptors only where a plain read would. */
 static int open_failure(int fd, int err) {
-    if (fd == NOT_REGULAR) return CODE_RETRY;
+    if (fd == NOT_REGULAR || err == EMFILE || err == ENFILE) return CODE_RETRY;
     return err == ENOENT ? CODE_MISS : CODE_ERROR;
 }
 
@@ -221,39 +230,79 @@ static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, un
 }
 
 /*
- * Pages are read with RWF_NOWAIT while the page cache holds them (one pass, as fast as a plain read). The
- * first page that would wait for the device switches the rest of the batch to read-ahead: keep the next
- * READAHEAD_PAGES pages open and advised (POSIX_FADV_WILLNEED) ahead of the one being read, so a cold
- * batch keeps the device busy with many reads at once instead of one page at a time, while a batch of
- * thousands of small pages never holds more than READAHEAD_PAGES descriptors (no EMFILE).
+ * Descriptors that read threads hold open ahead of the page they read, across every thread of the process,
+ * and the most they may: a quarter of the soft RLIMIT_NOFILE, read at each batch. Without the shared bound
+ * each thread held READAHEAD_PAGES files whatever the limit (4 threads: 128, against a limit of 64), and
+ * cold reads failed with EMFILE where plain reads succeed. A page opened ahead beyond the budget, or whose
+ * open fails with EMFILE/ENFILE, is opened again at its own turn (the window shrinks, the read goes on).
+ */
+static int64_t readahead_held;
+
+static int64_t readahead_budget(void) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) < 0 || rl.rlim_cur == RLIM_INFINITY) return INT32_MAX;
+    return (int64_t)(rl.rlim_cur / 4);
+}
+
+static int take_readahead_slot(int64_t budget) {
+    if (__atomic_add_fetch(&readahead_held, 1, __ATOMIC_RELAXED) <= budget) return 1;
+    __atomic_sub_fetch(&readahead_held, 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static void give_readahead_slot(void) { __atomic_sub_fetch(&readahead_held, 1, __ATOMIC_RELAXED); }
+
+/*
+ * Without READAHEAD_FLAG, every page is read plainly. With it and a probe flag (RWF_NOWAIT), pages are read
+ * with the probe while the page cache holds them (one pass, as fast as a plain read); the first page that
+ * would wait for the device switches the rest of the batch to read-ahead: keep the next READAHEAD_PAGES
+ * pages open and advised (POSIX_FADV_WILLNEED) ahead of the one being read, so a cold batch keeps the device
+ * busy with many reads at once instead of one page at a time, within the process's read-ahead budget (no
+ * EMFILE). A filesystem that refuses the probe drops the probe flag only: that batch and every later one
+ * read ahead from their first page (READAHEAD_FLAG alone).
  */
 static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys, const Py_ssize_t *key_lens,
                        Py_buffer *views, unsigned char *codes) {
     Py_ssize_t i = 0;
-    if (!ctx->nowait_flags) {
-        /* no probe asked for (readahead off): plain blocking reads, no advice */
+    if (!(ctx->nowait_flags & READAHEAD_FLAG)) {
+        /* readahead off: plain blocking reads, no probe, no advice */
         for (; i < count; i++)
             codes[i] = (unsigned char)read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, 0,
                                                &ctx->errnos[i]);
         return;
     }
-    for (; i < count; i++) {
-        int code = read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, ctx->nowait_flags,
-                            &ctx->errnos[i]);
+    int probe = ctx->nowait_flags & ~READAHEAD_FLAG;
+    for (; probe && i < count; i++) {
+        int code = read_one(ctx, keys[i], key_lens[i], views[i].buf, views[i].len, probe, &ctx->errnos[i]);
         if (code == NOWAIT_UNSUPPORTED) {
-            ctx->nowait_flags = 0; /* this filesystem cannot tell: read plainly from now on */
+            ctx->nowait_flags = READAHEAD_FLAG; /* this filesystem cannot tell: read ahead from now on */
             break;
         }
         if (code == WOULD_BLOCK) break;
         codes[i] = (unsigned char)code;
     }
-    int fds[READAHEAD_PAGES]; /* the open file of page k is fds[k % READAHEAD_PAGES] */
+    int fds[READAHEAD_PAGES];            /* the open file of page k is fds[k % READAHEAD_PAGES] */
+    unsigned char ahead[READAHEAD_PAGES]; /* whether that file holds a read-ahead slot */
+    int64_t budget = readahead_budget();
     Py_ssize_t opened = i;
     for (Py_ssize_t k = i; k < count; k++) {
         for (; opened < count && opened < k + READAHEAD_PAGES; opened++) {
-            int fd = open_page(ctx, keys[opened], key_lens[opened], &ctx->errnos[opened]);
+            int slot = opened > k; /* opened before its turn: it holds a slot of the budget */
+            if (slot && !take_readahead_slot(budget)) break;
+            int *err = &ctx->errnos[opened];
+            int fd = open_page(ctx, keys[opened], key_lens[opened], err);
+            if (fd == -1 && slot && (*err == EMFILE || *err == ENFILE)) {
+                *err = 0;
+                give_readahead_slot();
+                break; /* out of descriptors: this page is opened again at its own turn */
+            }
             if (fd >= 0) (void)posix_fadvise(fd, 0, HEADER_SIZE + views[opened].len, POSIX_FADV_WILLNEED);
+            else if (slot) {
+                give_readahead_slot();
+                slot = 0;
+            }
             fds[opened % READAHEAD_PAGES] = fd;
+            ahead[opened % READAHEAD_PAGES] = (unsigned char)slot;
         }
         int fd = fds[k % READAHEAD_PAGES];
         if (fd < 0) {
@@ -263,6 +312,7 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
         codes[k] = (unsigned char)read_fd(ctx, fd, keys[k], key_lens[k], views[k].buf, views[k].len, 0,
                                           &ctx->errnos[k]);
         close(fd);
+        if (ahead[k % READAHEAD_PAGES]) give_readahead_slot();
     }
 }
 
@@ -278,7 +328,7 @@ typedef struct ReadJob {
     PyObject_HEAD
     struct ReadJob *next; /* in the queue's pending or done list */
     struct ReadJob *prev; /* in the pending list only: cancel() unlinks a job in O(1) */
-    const void *queue;    /* the ReadQueue it was submitted to (NULL before) */
+    uint64_t queue_id;    /* the generation number of the ReadQueue it was submitted to (0: none) */
     struct ReadJob *leader; /* a strong reference to the first job of its set, or NULL: it leads its own */
     Py_ssize_t set_left;    /* on a set's leader: the set's jobs not finished nor cancelled yet (under mu) */
     int state;            /* JOB_*, changed under the queue's mutex (JOB_DONE: a release store) */
@@ -302,7 +352,22 @@ static int64_t now_ns(void) {
 
 static PyTypeObject ReadJobType;
 
+static int job_traverse(ReadJob *job, visitproc visit, void *arg) {
+    Py_VISIT(job->hook);
+    Py_VISIT(job->leader);
+    return 0;
+}
+
+/* Only the hook can lead back to the job (keys, root, suffix and namespace are str and bytes; a leader is a
+   job): clearing it breaks every cycle. A queued or running job is never cleared: the queue's reference to
+   it is visible to the collector only while the queue itself is garbage, and then no worker runs it. */
+static int job_clear(ReadJob *job) {
+    Py_CLEAR(job->hook);
+    return 0;
+}
+
 static void job_dealloc(ReadJob *job) {
+    PyObject_GC_UnTrack(job);
     for (Py_ssize_t j = 0; j < job->n_views; j++) PyBuffer_Release(&job->views[j]);
     for (Py_ssize_t j = 0; j < job->n_keys; j++) Py_DECREF(job->key_objs[j]);
     PyMem_Free(job->key_objs);
@@ -322,10 +387,10 @@ static void job_dealloc(ReadJob *job) {
 /* A job for read_pages' six arguments (root, suffix, keys, buffers, namespace_digest, nowait_flags), or NULL
    with an exception set. */
 static ReadJob *job_new(PyObject *const *args) {
-    ReadJob *job = PyObject_New(ReadJob, &ReadJobType);
+    ReadJob *job = PyObject_GC_New(ReadJob, &ReadJobType);
     if (job == NULL) return NULL;
     job->next = job->prev = NULL;
-    job->queue = NULL;
+    job->queue_id = 0;
     job->leader = NULL;
     job->set_left = 0;
     job->state = JOB_NEW;
@@ -412,6 +477,7 @@ static ReadJob *job_new(PyObject *const *args) {
     }
     Py_DECREF(key_seq);
     Py_DECREF(buf_seq);
+    PyObject_GC_Track(job);
     return job;
 fail:
     Py_XDECREF(key_seq);
@@ -420,8 +486,9 @@ fail:
     return NULL;
 }
 
-/* Which of a stat-only job's pages exist, up to the first that does not (MISS) or cannot be stat-ed (ERROR,
-   with its errno); the pages after it are MISS unasked. */
+/* Which of a stat-only job's pages exist, up to the first that does not (MISS), is no regular file (RETRY: a
+   directory, FIFO, socket or device, symlinks followed, is no page) or cannot be stat-ed (ERROR, with its
+   errno); the pages after it are MISS unasked. */
 static void stat_batch(ReadJob *job) {
     Py_ssize_t i = 0;
     for (; i < job->count; i++) {
@@ -434,6 +501,8 @@ static void stat_batch(ReadJob *job) {
         } else if (stat(path, &st) < 0) {
             job->ctx.errnos[i] = errno;
             code = open_failure(-1, errno);
+        } else if (!S_ISREG(st.st_mode)) {
+            code = CODE_RETRY;
         }
         job->codes[i] = (unsigned char)code;
         if (code != CODE_HIT) break;
@@ -495,7 +564,10 @@ static PyTypeObject ReadJobType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hicache_native.ReadJob",
     .tp_basicsize = sizeof(ReadJob),
     .tp_dealloc = (destructor)job_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)job_traverse,
+    .tp_clear = (inquiry)job_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "A batch of pages handed to a ReadQueue (its handle: cancel it, or take its result).",
     .tp_methods = job_methods,
 };
@@ -504,8 +576,11 @@ PyDoc_STRVAR(read_pages_doc,
              "read_pages(root, suffix, keys, buffers, namespace_digest, nowait_flags, /)\n"
              "    -> tuple[bytes, int, list[tuple[int, int]]]\n\n"
              "Read and verify page files root/ab/cd/<key><suffix> into buffers with the GIL released.\n"
-             "Returns one outcome byte per page (HIT, MISS, RETRY, ERROR), the probe flags to pass next\n"
-             "time (0 once the filesystem refused them) and (index, errno) of every ERROR page.");
+             "nowait_flags: 0 (plain reads), or READAHEAD with any probe flags (RWF_NOWAIT): read ahead\n"
+             "from the first page that is not in the page cache (from the first page without a probe).\n"
+             "Returns one outcome byte per page (HIT, MISS, RETRY, ERROR), the flags to pass next time\n"
+             "(the probe dropped once the filesystem refused it, READAHEAD kept) and (index, errno) of\n"
+             "every ERROR page.");
 
 static PyObject *read_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -547,21 +622,47 @@ typedef struct {
     int efd;
     int closed;
     Py_ssize_t retire; /* workers asked to leave */
+    uint64_t id;       /* this queue's generation number: its jobs name it by this, never by address */
 } ReadQueue;
 
-static void queue_dealloc(ReadQueue *q) {
+static uint64_t next_queue_id = 1; /* under the GIL */
+
+/* The pending and finished jobs it holds (a hook can lead back to the queue). Under the mutex: workers
+   change the lists without the GIL (they hold the mutex only briefly, and never wait for the GIL in it). */
+static int queue_traverse(ReadQueue *q, visitproc visit, void *arg) {
+    int r = 0;
+    pthread_mutex_lock(&q->mu);
     ReadJob *lists[2] = {q->head, q->done_head};
+    for (int l = 0; l < 2 && r == 0; l++)
+        for (ReadJob *job = lists[l]; job != NULL && r == 0; job = job->next) r = visit((PyObject *)job, arg);
+    pthread_mutex_unlock(&q->mu);
+    return r;
+}
+
+/* Close the queue and release its jobs (a garbage queue has no worker: each holds a reference to it). */
+static int queue_clear(ReadQueue *q) {
+    pthread_mutex_lock(&q->mu);
+    ReadJob *lists[2] = {q->head, q->done_head};
+    q->head = q->tail = q->done_head = q->done_tail = NULL;
+    q->closed = 1;
+    pthread_mutex_unlock(&q->mu);
     for (int l = 0; l < 2; l++)
         for (ReadJob *job = lists[l]; job != NULL;) {
             ReadJob *next = job->next;
-            /* A caller may still hold the job: it must not point at this queue (a new one can reuse the
-               address) nor at neighbours freed here, and a pending one must not look cancellable. */
+            /* A caller may still hold the job: it must not name this queue nor point at neighbours freed
+               here, and a pending one must not look cancellable. */
             job->next = job->prev = NULL;
-            job->queue = NULL;
+            job->queue_id = 0;
             if (job->state == JOB_QUEUED) job->state = JOB_CANCELLED;
             Py_DECREF(job);
             job = next;
         }
+    return 0;
+}
+
+static void queue_dealloc(ReadQueue *q) {
+    PyObject_GC_UnTrack(q);
+    queue_clear(q);
     if (q->efd >= 0) close(q->efd);
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
@@ -578,6 +679,7 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     q->head = q->tail = q->done_head = q->done_tail = NULL;
     q->closed = 0;
     q->retire = 0;
+    q->id = next_queue_id++;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
     q->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -596,7 +698,7 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
     }
     ReadJob *leader = NULL;
     if (nargs == 8 && args[7] != Py_None) {
-        if (!PyObject_TypeCheck(args[7], &ReadJobType) || ((ReadJob *)args[7])->queue != q) {
+        if (!PyObject_TypeCheck(args[7], &ReadJobType) || ((ReadJob *)args[7])->queue_id != q->id) {
             PyErr_SetString(PyExc_ValueError, "leader: expected a job submitted to this queue");
             return NULL;
         }
@@ -622,7 +724,7 @@ static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t na
     job->state = JOB_QUEUED;
     job->t_queued = now_ns();
     Py_INCREF(job); /* the queue's reference, handed to collect() */
-    job->queue = q;
+    job->queue_id = q->id;
     job->prev = q->tail;
     if (q->tail) q->tail->next = job;
     else q->head = job;
@@ -644,7 +746,7 @@ static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
         return NULL;
     }
     ReadJob *job = (ReadJob *)arg;
-    if (job->queue != q) {
+    if (job->queue_id != q->id) {
         PyErr_SetString(PyExc_ValueError, "job: expected a job submitted to this queue");
         return NULL;
     }
@@ -667,36 +769,61 @@ static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
     return PyBool_FromLong(removed);
 }
 
+/* The finished jobs. The list is allocated before any job leaves the done list: on a MemoryError every job
+   stays there and the eventfd is signalled again, so a later collect() takes them (dropping them left their
+   callers waiting for ever). No allocation under the mutex: a collection it set off could run code that
+   takes it (a finaliser closing this queue). */
 static PyObject *queue_collect(ReadQueue *q, PyObject *unused) {
     (void)unused;
     uint64_t count;
     while (read(q->efd, &count, sizeof(count)) < 0 && errno == EINTR) {
     }
+    Py_ssize_t n = 0;
     pthread_mutex_lock(&q->mu);
-    ReadJob *job = q->done_head;
-    q->done_head = q->done_tail = NULL;
+    for (ReadJob *job = q->done_head; job != NULL; job = job->next) n++;
     pthread_mutex_unlock(&q->mu);
-    PyObject *out = PyList_New(0);
-    while (job != NULL) {
-        ReadJob *next = job->next;
-        job->next = NULL;
-        if (out != NULL && PyList_Append(out, (PyObject *)job) < 0) Py_CLEAR(out);
-        Py_DECREF(job); /* the queue's reference: the list holds one now */
-        job = next;
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        signal_loop(q);
+        return NULL;
+    }
+    pthread_mutex_lock(&q->mu); /* take the first n (fewer if a worker leaving a closed queue took some) */
+    ReadJob *job = q->done_head;
+    Py_ssize_t taken = 0;
+    for (ReadJob *last = NULL; taken < n && job != NULL; taken++) {
+        last = job;
+        job = job->next;
+        if (taken + 1 == n || job == NULL) last->next = NULL;
+    }
+    ReadJob *first = q->done_head;
+    q->done_head = job;
+    if (job == NULL) q->done_tail = NULL;
+    pthread_mutex_unlock(&q->mu);
+    for (Py_ssize_t k = 0; k < taken; k++) {
+        ReadJob *next = first->next;
+        first->next = NULL;
+        PyList_SET_ITEM(out, k, (PyObject *)first); /* the queue's reference, handed to the list */
+        first = next;
+    }
+    if (taken < n && PyList_SetSlice(out, taken, n, NULL) < 0) { /* shrinking: never fails in practice */
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
 }
 
 static void call_hook(ReadJob *job) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *keys = PyTuple_New(job->count);
+    PyObject *hook = Py_XNewRef(job->hook); /* read under the GIL, as job_clear writes it */
+    PyObject *keys = hook != NULL ? PyTuple_New(job->count) : NULL;
     if (keys != NULL) {
         for (Py_ssize_t k = 0; k < job->count; k++) PyTuple_SET_ITEM(keys, k, Py_NewRef(job->key_objs[k]));
-        PyObject *r = PyObject_CallOneArg(job->hook, keys);
+        PyObject *r = PyObject_CallOneArg(hook, keys);
         Py_XDECREF(r);
         Py_DECREF(keys);
     }
-    if (PyErr_Occurred()) PyErr_WriteUnraisable(job->hook);
+    if (PyErr_Occurred()) PyErr_WriteUnraisable(hook);
+    Py_XDECREF(hook);
     PyGILState_Release(gil);
 }
 
@@ -743,7 +870,7 @@ static PyObject *queue_work(ReadQueue *q, PyObject *unused) {
 
 /* ReadJob.finished: an acquire load paired with the worker's release store, so a caller that sees True
    also sees every byte the job wrote (and knows it writes no more). Not under the queue's mutex: a collected
-   job keeps its queue's address after that queue is freed (locking it there was a use-after-free). */
+   job may outlive its queue (it keeps only the queue's generation number). */
 static PyObject *job_get_finished(ReadJob *job, void *closure) {
     (void)closure;
     return PyBool_FromLong(__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE);
@@ -824,7 +951,10 @@ static PyTypeObject ReadQueueType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hicache_native.ReadQueue",
     .tp_basicsize = sizeof(ReadQueue),
     .tp_dealloc = (destructor)queue_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)queue_traverse,
+    .tp_clear = (inquiry)queue_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "Worker threads that read page batches one after another without the GIL.",
     .tp_methods = queue_methods,
     .tp_getset = queue_getset,
@@ -943,6 +1073,7 @@ PyMODINIT_FUNC PyInit__hicache_native(void) {
         PyModule_AddIntConstant(m, "RETRY", CODE_RETRY) < 0 || PyModule_AddIntConstant(m, "ERROR", CODE_ERROR) < 0 ||
         PyModule_AddIntConstant(m, "HEADER_SIZE", HEADER_SIZE) < 0 ||
         PyModule_AddIntConstant(m, "CHUNK_BYTES", CHUNK_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "READAHEAD", READAHEAD_FLAG) < 0 ||
         PyModule_AddIntConstant(m, "BUILD", NATIVE_BUILD) < 0) {
         Py_DECREF(m);
         return NULL;

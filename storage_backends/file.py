@@ -34,7 +34,7 @@ from storage_backends.batching import (
     group_slices,
     run_in_thread,
 )
-from storage_backends.file_pages import NOWAIT, SUFFIX, PageFiles
+from storage_backends.file_pages import READ_AHEAD, SUFFIX, PageFiles
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import check_namespace_digest, validate_keys
@@ -123,7 +123,7 @@ class FileBackend(BackendLifecycle):
         self._max_concurrency = max_concurrency
         self._durable = durable
         self._files = PageFiles(
-            self._root, self._namespace, durable=durable, nowait=NOWAIT if readahead else 0
+            self._root, self._namespace, durable=durable, read_flags=READ_AHEAD if readahead else 0
         )
         self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._pending = PendingGroups()
@@ -186,11 +186,16 @@ class FileBackend(BackendLifecycle):
         """Length of the longest prefix of `keys` whose page files all exist (stops at the first miss).
 
         Keys are stat-ed in chunks by the read threads (`storage_backends.read_queue`), a wave of up to
-        `max_concurrency` chunks at once; a wave runs only if every page before it exists.
+        `max_concurrency` chunks at once; a wave runs only if every page before it exists. A path holding
+        no regular file (a directory, FIFO, socket or device, symlinks followed) is no page: absent, logged,
+        and replaced by the next `put`.
 
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: naming `keys`, for a malformed key.
+            StorageAuthError: a page's path could not be stat-ed for want of permission (EACCES, EPERM).
+            StorageError: it could not be stat-ed for another reason (ELOOP, ENOTDIR, EIO); counted in
+                `statistics().errors`, never taken for a miss.
         """
         self._check_open()
         validate_keys(keys)
@@ -209,25 +214,37 @@ class FileBackend(BackendLifecycle):
                 nowait=0,
             )
             for chunk, (codes, _, errors) in zip(chunks, outcomes, strict=True):
-                self._files.log_stat_errors(keys[chunk], errors)
                 present = codes.count(native.HIT)  # a prefix: the stat stops at the first miss
-                if present < chunk.stop - chunk.start:
-                    return chunk.start + present
+                if present == chunk.stop - chunk.start:
+                    continue
+                end = chunk.start + present
+                if codes[present] == native.ERROR:
+                    self._stats.errors += 1
+                    raise self._files.stat_failure(keys[end], errors[0][1])
+                if codes[present] == native.RETRY:
+                    self._files.log_not_a_page(keys[end])
+                return end
             pos = chunks[-1].stop
         return n
 
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Read pages straight into `buffers`; one `PageStatus` per page, `HIT` only for a verified page.
 
-        A page that is truncated, has a bad header or fails its checksum (`CORRUPT`), names another
-        namespace or key in its header (`FOREIGN`: a page copied, renamed or symlinked over this key), or is
-        of an older format (`OLD_FORMAT`) is logged at warning level and counted in `statistics()`.
-        When this returns, normally or not, no thread is still writing into any buffer.
+        A page that is truncated, overlong, of another length, has a bad header or fails its checksum
+        (`CORRUPT`), names another namespace or key in its header (`FOREIGN`: a page copied, renamed or
+        symlinked over this key), or is of an older format (`OLD_FORMAT`) is logged at warning level and
+        counted in `statistics()`.
+
+        When this returns normally, no thread writes into any buffer any more. When it raises (cancelled,
+        or a group refused after others were queued), a group not started yet never starts, but a group
+        already being read, or the worker thread re-reading flagged pages, keeps writing into its buffers
+        until its read returns (a hung mount: maybe never); those buffers are registered in `storage_backends.threads.stray_threads` meanwhile, and
+        the caller must not reuse one while `stray_threads.busy([buffer])` is true (the protocol's rule).
 
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
-                `keys`, a non-contiguous buffer, or a buffer whose size differs from a stored page.
+                `keys` or a non-contiguous buffer.
         """
         check_batch(keys, buffers)
         validate_keys(keys)
@@ -315,14 +332,14 @@ class FileBackend(BackendLifecycle):
                 root=self._root,
                 suffix=SUFFIX,
                 namespace_digest=self._namespace,
-                nowait=self._files.nowait,
+                nowait=self._files.read_flags,
                 hook=self._before_read,
             )
         finally:
             self._pending.groups -= len(groups)
         statuses: list[PageStatus | None] = []
-        for g, (codes, nowait, errors) in zip(groups, outcomes, strict=True):
-            statuses += self._files.statuses(keys[g], codes, nowait, errors)
+        for g, (codes, flags, errors) in zip(groups, outcomes, strict=True):
+            statuses += self._files.statuses(keys[g], codes, flags, errors)
         if None in statuses:
             again = [i for i, status in enumerate(statuses) if status is None]
             rechecked = await run_in_thread(

@@ -22,9 +22,9 @@ import secrets
 import stat
 from collections.abc import Sequence
 
-from hicache.errors import ChecksumMismatch, StorageError
 from storage_backends import native
 from storage_backends.batching import ERROR, HIT, MISS
+from storage_backends.errors import ChecksumMismatch, StorageAuthError, StorageError
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_stored_size,
@@ -34,7 +34,7 @@ from storage_backends.page_format import (
 )
 from storage_backends.protocol import PageStatus
 
-__all__ = ["NOWAIT", "SUFFIX", "PageFiles"]
+__all__ = ["NOWAIT", "READ_AHEAD", "SUFFIX", "PageFiles"]
 
 log = logging.getLogger("storage_backends.file")
 
@@ -43,6 +43,10 @@ SUFFIX = ".kvp"
 
 NOWAIT: int = getattr(os, "RWF_NOWAIT", 0) if hasattr(os, "posix_fadvise") else 0
 """`preadv2` flag: fail with EAGAIN instead of waiting for the device (Linux >= 4.14); 0 where absent."""
+
+READ_AHEAD: int = native.READAHEAD | NOWAIT if NOWAIT else 0
+"""The C reader's flags for reads with readahead: probe with `NOWAIT`, read ahead from the first cold page.
+Two bits: a filesystem refusing the probe (NFS, some FUSE mounts) drops the probe, never the readahead."""
 
 _TMP_SUFFIX = ".tmp"
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -60,17 +64,18 @@ class PageFiles:
         root: the absolute directory holding the pages.
         namespace_digest: the 16-byte namespace digest every page must carry.
         durable: fsync each page and its directory before reporting it written.
-        nowait: probe flags for reads (`NOWAIT`, or 0 for plain reads without readahead); dropped to 0 for
-            good when the filesystem refuses them (some FUSE mounts).
+        read_flags: the C reader's flags (`READ_AHEAD`, or 0 for plain reads without readahead); the probe
+            bit is dropped for good when the filesystem refuses it (NFS, some FUSE mounts), `native.READAHEAD`
+            stays.
     """
 
-    __slots__ = ("_durable", "_known_dirs", "_namespace", "nowait", "root")
+    __slots__ = ("_durable", "_known_dirs", "_namespace", "read_flags", "root")
 
-    def __init__(self, root: str, namespace_digest: bytes, *, durable: bool, nowait: int) -> None:
+    def __init__(self, root: str, namespace_digest: bytes, *, durable: bool, read_flags: int) -> None:
         self.root = root
         self._namespace = namespace_digest
         self._durable = durable
-        self.nowait = nowait
+        self.read_flags = read_flags
         self._known_dirs: set[str] = set()
 
     def path(self, key: str) -> str:
@@ -78,20 +83,21 @@ class PageFiles:
         return f"{self.root}/{key[0:2]}/{key[2:4]}/{key}{SUFFIX}"
 
     def statuses(
-        self, keys: Sequence[str], codes: bytes, nowait: int, errors: Sequence[tuple[int, int]]
+        self, keys: Sequence[str], codes: bytes, read_flags: int, errors: Sequence[tuple[int, int]]
     ) -> list[PageStatus | None]:
         """The outcome of a group the C reader read (`native.read_pages`' or a `ReadQueue` job's result):
         one status per page, None for a page to re-read checked (`read_checked`). Logs the errors and
-        keeps the probe flags the reader hands back (0 for good once the filesystem refused them).
+        keeps the flags the reader hands back (without the probe for good once the filesystem refused it;
+        such a filesystem's groups are read ahead from their first page).
 
         The reader reads with `RWF_NOWAIT` while the page cache holds the pages; the first page that would
         wait for the device switches the rest of the group to readahead (the next 32 pages kept open and
         advised with `posix_fadvise(WILLNEED)` ahead of the one being read), so a cold group keeps the device
         busy with many reads at once (measured with `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache,
-        0.95 -> 1.5 GB/s) and a group of thousands of small pages holds 32 files open, not thousands.
+        0.95 -> 1.5 GB/s) and a group of thousands of small pages holds 32 files open, not thousands (and
+        all read threads together at most a quarter of the process's descriptor limit: no EMFILE).
         """
-        if not nowait:
-            self.nowait = 0
+        self.read_flags &= read_flags
         if codes.count(native.HIT) == len(codes):
             return [HIT] * len(codes)
         for i, err in errors:
@@ -132,8 +138,8 @@ class PageFiles:
         finally:
             os.close(fd)
         try:
-            # Three cases: a page of another size (foreign, truncated, overlong, or the caller's buffer
-            # is wrong: `check_stored_size` tells them apart), or one of the right size that must verify.
+            # The header and size first (foreign, old format, truncated, overlong or of another length:
+            # `check_stored_size` names which), then the payload of a page of the right size.
             check_stored_size(
                 memoryview(header)[: min(got, HEADER_SIZE)], size, buf.nbytes, self._namespace, key
             )
@@ -144,8 +150,35 @@ class PageFiles:
         return HIT
 
     def write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Write a group of pages, each atomically; one outcome per page."""
-        return [self.write_one(key, buf) for key, buf in zip(keys, buffers, strict=True)]
+        """Write a group of pages, each atomically; one outcome per page.
+
+        The C writer (`native.write_pages`) builds each header and writes the group without the GIL; a
+        page whose directory was removed behind our back (ENOENT) is written again by `write_one`, which
+        recreates it.
+        """
+        dirs = [f"{self.root}/{key[0:2]}/{key[2:4]}" for key in keys]
+        for directory in set(dirs) - self._known_dirs:
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError:
+                continue  # the page's open fails and is reported below
+            self._known_dirs.add(directory)
+        tag = f".{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        errors = native.write_pages(
+            dirs, list(keys), list(buffers), self._namespace, SUFFIX, tag, self._durable
+        )
+        if not any(errors):
+            return [HIT] * len(keys)
+        out: list[PageStatus] = []
+        for key, buf, err in zip(keys, buffers, errors, strict=True):
+            if err == errno_names.ENOENT:
+                out.append(self.write_one(key, buf))
+            elif err:
+                log.warning("cannot write page %s: %s", self.path(key), _describe(err))
+                out.append(ERROR)
+            else:
+                out.append(HIT)
+        return out
 
     def write_one(self, key: str, buf: memoryview) -> PageStatus:
         """Write one page to a temporary file in its directory and rename it over the final name."""
@@ -169,7 +202,11 @@ class PageFiles:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.replace(tmp, path)
+                try:
+                    os.replace(tmp, path)
+                except IsADirectoryError:  # an empty directory in the page's place (`exists` says absent)
+                    os.rmdir(path)
+                    os.replace(tmp, path)
             except BaseException:
                 _unlink_quietly(tmp)
                 raise
@@ -180,10 +217,24 @@ class PageFiles:
             return ERROR
         return HIT
 
-    def log_stat_errors(self, keys: Sequence[str], errors: Sequence[tuple[int, int]]) -> None:
-        """Log the pages a stat-only job could not stat (they end the present prefix, as a miss does)."""
-        for i, err in errors:
-            log.warning("cannot stat page %s: %s", self.path(keys[i]), _describe(err))
+    def stat_failure(self, key: str, err: int) -> StorageError:
+        """The error for page `key`, whose path `stat` failed on with errno `err` (EACCES, ELOOP, ENOTDIR):
+        logged, and raised by `exists`, which cannot say how many pages are stored (never a miss)."""
+        message = f"cannot stat page {self.path(key)}: {_describe(err)}"
+        log.warning("%s", message)
+        if err in (errno_names.EACCES, errno_names.EPERM):
+            return StorageAuthError(message)
+        return StorageError(message)
+
+    def log_not_a_page(self, key: str) -> None:
+        """Log that page `key`'s path holds no regular file (a directory, FIFO, socket or device, symlinks
+        followed): `exists` counts it absent, so write-through replaces it (`write_one`). No I/O: it runs on
+        the event loop."""
+        log.warning(
+            "no page at %s: not a regular file (a directory, FIFO, socket or device); counted absent, the "
+            "next write replaces it",
+            self.path(key),
+        )
 
     def delete_group(self, keys: Sequence[str]) -> None:
         """Remove the page files of `keys`; absent ones are ignored.

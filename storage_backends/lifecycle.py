@@ -22,7 +22,7 @@ from typing import Any, Final, Self
 
 import anyio
 
-from hicache.errors import CacheClosed
+from storage_backends.errors import CacheClosed
 
 __all__ = ["BackendLifecycle"]
 

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from hicache.errors import ChecksumMismatch
 from storage_backends.batching import (
     HIT,
     MISS,
@@ -26,6 +25,7 @@ from storage_backends.batching import (
     check_batch,
     gather_page_groups,
 )
+from storage_backends.errors import ChecksumMismatch
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.page_format import (
     HEADER_SIZE,

@@ -5,8 +5,10 @@ and verify (one memory pass per page, the whole batch without the GIL), `ReadQue
 run such batches (`ReadJob`s) one after another without ever taking the GIL (`storage_backends.read_queue`),
 `chain_hashes`, the chained page hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the
 page payload
-checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `pip install -e .` or `make venv`
-builds it; see the README's "Dependencies and why".
+checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `write_pages`, the file backend's
+write path (header, checksum and atomic write of a group of pages without the GIL), lives in a second
+module, `_hicache_write` (native/hicache_write.c). `pip install -e .` or `make venv` builds both; see the
+README's "Dependencies and why".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-BUILD = 5
+BUILD = 6
 """The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
 
 _REBUILD = (
@@ -41,6 +43,7 @@ from _hicache_native import (  # noqa: E402  (after the check: a stale build lac
     HEADER_SIZE,
     HIT,
     MISS,
+    READAHEAD,
     RETRY,
     ReadJob,
     ReadQueue,
@@ -56,6 +59,7 @@ __all__ = [
     "HEADER_SIZE",
     "HIT",
     "MISS",
+    "READAHEAD",
     "RETRY",
     "ReadJob",
     "ReadQueue",
@@ -65,3 +69,13 @@ __all__ = [
 ]
 
 del _hicache_native
+
+try:
+    from _hicache_write import write_pages
+except ImportError as exc:  # pragma: no cover - only on an install that skipped the build
+    raise ImportError(
+        "hicache's C extension _hicache_write (native/hicache_write.c: the file backend's write path) is not "
+        "built. " + _REBUILD
+    ) from exc
+
+__all__ += ["write_pages"]

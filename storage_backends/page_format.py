@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from hicache.errors import ChecksumMismatch, ForeignPage, OldPageFormat
+from storage_backends.errors import ChecksumMismatch, ForeignPage, OldPageFormat
 from storage_backends.native import xxh3_64
 from storage_backends.protocol import PageStatus
 
@@ -215,25 +215,24 @@ def check_stored_size(
     buffer_bytes: int,
     namespace_digest: bytes,
     key: str,
-    *,
-    name: str = "buffers",
 ) -> None:
     """Check a stored page of `stored_bytes` bytes (header included) against a `buffer_bytes` buffer.
 
-    For a reader that found the stored size differs from `HEADER_SIZE + buffer_bytes`, or has not looked:
-    decides whether that is the page's fault (a miss) or the caller's (an exception).
+    For a reader that found the stored size differs from `HEADER_SIZE + buffer_bytes`, or has not looked.
+    Every such page is the page's fault, never the caller's: the namespace digest binds the page bytes'
+    layout (`hicache.keys.Namespace.layout`), so a page of this namespace and key holding another number of
+    bytes was written wrongly or damaged, and is as unusable as a torn one (a `CORRUPT` miss, which the
+    cache deletes so that write-through can put the real page back).
 
     Raises:
         ChecksumMismatch: with `failure_status` saying why, for a bad, foreign or old-format header, or a
-            truncated or overlong page.
-        ValueError: naming `name` (the buffer's argument), when a whole, well-formed page of this namespace and key holds
-            another number of bytes than the buffer: the caller's buffer is wrong, not the page.
+            truncated, overlong or well-formed page of another length.
     """
     fields = decode_header(header)
     _check_owner(fields, namespace_digest, key)
-    if fields.payload_length != buffer_bytes and stored_bytes == HEADER_SIZE + fields.payload_length:
-        raise ValueError(
-            f"{name}: page {key} holds {fields.payload_length} bytes, the buffer has {buffer_bytes}"
+    if fields.payload_length != buffer_bytes:
+        raise ChecksumMismatch(
+            f"page holds {fields.payload_length} payload bytes, the reader's page has {buffer_bytes}"
         )
     if stored_bytes != HEADER_SIZE + buffer_bytes:
         raise ChecksumMismatch(f"page is {stored_bytes} bytes, expected {HEADER_SIZE + buffer_bytes}")

@@ -55,13 +55,17 @@ class StorageBackend(Protocol):
           - when it raises (cancelled, or failed after cancelling its siblings), a worker thread may still
             read or write some of them; each such thread is registered, with exactly the buffers it may
             touch, in `storage_backends.threads.stray_threads` until it returns, and a caller must not
-            reuse a buffer while `stray_threads.busy([buffer])` is true. Backends start their worker
-            threads through `storage_backends.batching.run_in_thread(..., touches=buffers)`, which does it.
+            reuse a buffer while `stray_threads.busy([buffer])` is true. A backend whose calls run in
+            one-off worker threads starts them through `storage_backends.batching.run_in_thread(...,
+            touches=buffers)`, which registers an abandoned one; the file backend's reads run in its own
+            long-lived read threads instead (`storage_backends.read_queue`), which withdraw a group not
+            started yet and register one abandoned mid-read with `stray_threads.start(buffers)` until it
+            finishes.
         A thread that never returns keeps its buffers out of use forever: that is the price of a caller
         that is never hung.
       * `delete(keys)` removes pages; absent keys are ignored.
-      * `aclose()` is idempotent; any call made after it began raises `hicache.errors.CacheClosed`, and it
-        returns only once the calls already in flight have returned (`storage_backends.lifecycle`).
+      * `aclose()` is idempotent; any call made after it began raises `storage_backends.errors.CacheClosed`,
+        and it returns only once the calls already in flight have returned (`storage_backends.lifecycle`).
     """
 
     async def exists(self, keys: Sequence[str]) -> int:

@@ -11,8 +11,11 @@ per wake-up collects every finished group and wakes their callers.
 
 A cancelled caller keeps the rules of `storage_backends.threads`: a group not started yet is withdrawn and
 never starts; a group already reading is abandoned and its buffers are registered in `stray_threads` until
-it finishes, and a worker is added meanwhile so a read stuck on a hung mount does not cost the others a
-thread.
+it finishes, and a spare worker is added meanwhile so a read stuck on a hung mount does not cost the others
+a thread. Spares are capped at the base thread count (`ReadThreads.max_spares`): on a mount where every read
+hangs, each abandoned read, `exists` stat and breaker probe added one more thread, without bound. At the cap
+no spare is added: the groups queue behind the stuck reads and their callers' deadlines fail them (counted as
+timeouts, which open the breaker); each stuck read that returns retires the spare started for it.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class ReadStatistics:
 
 
 class ReadThreads:
-    """`threads` workers reading page groups through one `native.ReadQueue`, and the callers waiting.
+    """`threads` workers reading page groups through one `native.ReadQueue`, and the callers waiting; plus up
+    to `threads` spares while groups abandoned by their callers are still stuck reading (see the module).
 
     Used from one event loop at a time (asyncio's: the loop watches the queue's eventfd). `close()` lets the
     workers leave once nothing is pending; a worker stuck in a read leaves when its read returns.
@@ -78,7 +82,8 @@ class ReadThreads:
         self._fd = self._queue.fileno()
         self._name = name
         self._waiting: dict[native.ReadJob, _Waiter] = {}
-        self._abandoned: dict[native.ReadJob, Sequence[object]] = {}
+        self._abandoned: dict[native.ReadJob, tuple[Sequence[object], bool]] = {}
+        """Groups abandoned while reading: their buffers, and whether a spare worker was started for them."""
         self._lock = threading.Lock()
         """Guards `_abandoned` and the stray registrations: a worker settles them once the loop is gone."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,7 +91,11 @@ class ReadThreads:
         self._reading_ns = 0
         self._queued_ns = 0
         self.threads = 0
-        """Worker threads started (a stuck read's replacement included)."""
+        """Worker threads started (stuck reads' spares included)."""
+        self.max_spares = threads
+        """The most spare workers alive at once (one per group abandoned while reading, see the module)."""
+        self.spares = 0
+        """Spare workers started for abandoned groups still reading (at most `max_spares`)."""
         self._workers: list[tuple[threading.Thread, threading.Event]] = []
         for _ in range(threads):
             self._start_worker()
@@ -199,13 +208,16 @@ class ReadThreads:
         for job in finished:
             with self._lock:  # against `_withdraw`: a worker settles here once the queue is closed
                 waiter = self._waiting.pop(job, None)
-                buffers = self._abandoned.pop(job, None) if waiter is None else None
-                if buffers is not None:
+                abandoned = self._abandoned.pop(job, None) if waiter is None else None
+                spared = False
+                if abandoned is not None:
+                    buffers, spared = abandoned
                     stray_threads.finish(buffers)
+                    self.spares -= spared
             if waiter is not None:
                 waiter.one_done()
-            elif buffers is not None:
-                self._queue.retire(1)  # the replacement started for it is one worker too many now
+            elif spared:
+                self._queue.retire(1)  # the spare started for it is one worker too many now
 
     def _withdraw(self, job: native.ReadJob, buffers: Sequence[object]) -> None:
         """A cancelled caller's job: withdrawn if not started, dropped if finished (a group of a set waits
@@ -217,13 +229,18 @@ class ReadThreads:
         with self._lock:
             if self._waiting.pop(job, None) is None or self._queue.cancel(job) or job.finished:
                 return  # settled, withdrawn before it started, or finished: it writes no more
-            self._abandoned[job] = buffers
+            spare = self.spares < self.max_spares and not self._queue.closed
+            self.spares += spare
+            self._abandoned[job] = (buffers, spare)
             stray_threads.start(buffers)
-        if not self._queue.closed:
+        if spare:
             self._start_worker()
 
     def __repr__(self) -> str:
-        return f"<ReadThreads {self._name} threads={self.threads} waiting={len(self._waiting)} stray={self.stray}>"
+        return (
+            f"<ReadThreads {self._name} threads={self.threads} spares={self.spares}/{self.max_spares} "
+            f"waiting={len(self._waiting)} stray={self.stray}>"
+        )
 
 
 class _Waiter:

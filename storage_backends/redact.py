@@ -321,6 +321,9 @@ LOGGERS: Final = (
     "storage_backends.file",
     "storage_backends.memory",
     "storage_backends.s3",
+    "storage_backends.valkey",
+    "storage_backends.mooncake",
+    "storage_backends.net_calls",
 )
 """The loggers hicache and its backends write to; each carries one `RedactingFilter`."""
 

@@ -21,6 +21,8 @@ _BUILTINS = {
     "file": "storage_backends.file:FileBackend.from_url",
     "memory": "storage_backends.memory:MemoryBackend.from_url",
     "s3": "storage_backends.s3:S3Backend.from_url",
+    "valkey": "storage_backends.valkey:ValkeyBackend.from_url",
+    "mooncake": "storage_backends.mooncake:MooncakeBackend.from_url",
 }
 
 _SCHEME_RE = re.compile(r"[a-z][a-z0-9+.-]*")

@@ -41,7 +41,6 @@ from typing import Any, Final
 import obstore
 from obstore.store import S3Store
 
-from hicache.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.batching import (
     BackendStatistics,
     StatisticsRecorder,
@@ -50,6 +49,7 @@ from storage_backends.batching import (
     gather_bounded,
     run_in_thread,
 )
+from storage_backends.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import validate_bucket, validate_prefix
 from storage_backends.page_format import (
@@ -286,14 +286,13 @@ class S3Backend(BackendLifecycle):
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Read pages into caller buffers; one `PageStatus` per page, `HIT` only for a verified page.
 
-        A page of another namespace or key (`FOREIGN`), of an older format (`OLD_FORMAT`), truncated or
-        failing its checksum (`CORRUPT`) is logged at warning level, counted in `statistics()` and never
+        A page of another namespace or key (`FOREIGN`), of an older format (`OLD_FORMAT`), truncated,
+        overlong, of another length or failing its checksum (`CORRUPT`) is logged at warning level, counted in `statistics()` and never
         copied into its buffer.
 
         Raises:
             CacheClosed: after `aclose()`.
-            ValueError: for mismatched lengths, a bad key, a read-only or non-contiguous buffer, or a
-                buffer whose size differs from the stored page's (named `buffers[i]`).
+            ValueError: for mismatched lengths, a bad key, or a read-only or non-contiguous buffer.
             StorageUnavailable, StorageAuthError: no page was read because the server was unreachable or
                 refused our credentials.
         """
@@ -305,10 +304,7 @@ class S3Backend(BackendLifecycle):
                 raise ValueError(f"buffers[{i}]: expected a writable memoryview")
         batch = Batch()
         flags = await gather_bounded(
-            [
-                partial(self._get_one, store, i, key, buf, batch)
-                for i, (key, buf) in enumerate(zip(keys, buffers, strict=True))
-            ],
+            [partial(self._get_one, store, key, buf, batch) for key, buf in zip(keys, buffers, strict=True)],
             self._max_concurrency,
         )
         batch.raise_if_all_failed(flags)
@@ -365,9 +361,7 @@ class S3Backend(BackendLifecycle):
             raise  # not a miss: `exists` cannot say how many pages are stored
         return True
 
-    async def _get_one(
-        self, store: S3Store, index: int, key: str, buf: memoryview, batch: Batch
-    ) -> PageStatus:
+    async def _get_one(self, store: S3Store, key: str, buf: memoryview, batch: Batch) -> PageStatus:
         path = self.object_path(key)
         try:
             body = await self._requests.call(partial(_fetch, store, path), batch, "GET", path)
@@ -380,12 +374,10 @@ class S3Backend(BackendLifecycle):
         verify = partial(_verify_and_copy, body, buf, self._namespace_digest, key)
         try:
             if len(body) != HEADER_SIZE + buf.nbytes:
-                # Three cases: a whole page of another size (the caller's error: ValueError), a truncated
-                # or overlong object, or a page of another namespace, key or format; only the first raises.
+                # A whole page of another length, a truncated or overlong object, or a page of another
+                # namespace, key or format: each a counted miss (`failure_status`), never an exception.
                 view = memoryview(body)[:HEADER_SIZE]
-                check_stored_size(
-                    view, len(body), buf.nbytes, self._namespace_digest, key, name=f"buffers[{index}]"
-                )
+                check_stored_size(view, len(body), buf.nbytes, self._namespace_digest, key)
             elif buf.nbytes >= _THREAD_THRESHOLD:
                 # A cancelled caller does not wait; the thread is registered as a stray with `buf` until
                 # it returns (`run_in_thread`), so the caller keeps `buf` out of use meanwhile.

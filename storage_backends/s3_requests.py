@@ -2,7 +2,7 @@
 
 `Requests` runs each request under capped exponential backoff with jitter, at most `max_retries` retries
 inside a per-request deadline (obstore's own retries are disabled so the counts are exact), and translates
-every native failure into a `hicache.errors` class with credentials redacted. `Batch` is the fuse the
+every native failure into a `storage_backends.errors` class with credentials redacted. `Batch` is the fuse the
 requests of one call share: once one has given up on an unreachable server (or the server refused our
 credentials) the requests not yet started fail at once instead of each waiting out its own deadline.
 """
@@ -26,7 +26,7 @@ from obstore.exceptions import (
     UnknownConfigurationKeyError,
 )
 
-from hicache.errors import PageNotFound, StorageAuthError, StorageError, StorageUnavailable
+from storage_backends.errors import PageNotFound, StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_text
 
@@ -126,7 +126,7 @@ class Requests:
         self.retries = 0
 
     async def call(self, op: Callable[[], Awaitable[T]], batch: Batch, method: str, path: str) -> T:
-        """Run one request with retries; translate every failure into a `hicache.errors` class.
+        """Run one request with retries; translate every failure into a `storage_backends.errors` class.
 
         Raises:
             PageNotFound: the object does not exist (never retried).

@@ -10,6 +10,7 @@ from hicache import HiCache, KVPool
 from hicache.controller.allocation import ComponentPools
 from hicache.controller.layered_load import LayeredLoader
 from hicache.controller.release import ReleaseQueue
+from hicache.controller.storage_writer import StorageWriter
 from hicache.tree import RadixTree
 
 
@@ -36,3 +37,10 @@ def release_queue_of(cache: HiCache) -> ReleaseQueue:
 def layered_loader_of(cache: HiCache) -> LayeredLoader:
     """The cache's layer-wise load-back runner (tests hold a layer back with its `before_layer`)."""
     return cache._loader
+
+
+def storage_writer_of(cache: HiCache) -> StorageWriter:
+    """The cache's host -> storage writer (it must have a storage tier)."""
+    writer = cache._mover.writer
+    assert writer is not None, "the cache has no storage tier"
+    return writer

@@ -444,8 +444,14 @@ class Admission:
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
                 try:
                     present = 0
-                    with anyio.move_on_after(self._config.storage_read_timeout_s):
+                    with anyio.move_on_after(self._config.storage_read_timeout_s) as lookup:
                         present = await storage.exists(keys) if keys else 0
+                    if lookup.cancelled_caught:  # a hung lookup is a storage error, never a miss
+                        logger.warning("prefetch: component lookup timed out")
+                        storage.record_timeout("exists")
+                        self._metrics.storage_page_failures.labels(reason="timeout").inc()
+                        reason = SkipReason.STORAGE_ERROR
+                        break
                 except StorageCircuitOpen:
                     reason = SkipReason.STORAGE_UNAVAILABLE
                     break

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -39,15 +39,36 @@ from hicache.policy import WritePolicy
 from hicache.tiers import ShedReason, Tier
 from hicache.tree import ComponentFree, NodeRef, RadixTree
 
-__all__ = ["AgreedBackup", "AgreedBackups", "AgreedStore"]
+__all__ = ["AgreedBackup", "AgreedBackups", "AgreedStore", "BackupState", "StoreState"]
 
 logger = logging.getLogger("hicache.cache")
 
 
-class _Copy(Enum):
+class BackupState(Enum):
+    """Where an `AgreedBackup` batch is in its life: its copy on this rank, then the ranks' verdict."""
+
     QUEUED = "queued"
+    """Begun on every rank (host pages taken, nodes pending); this rank's copy has not started."""
     COPYING = "copying"
-    DONE = "done"
+    """This rank's copy runs."""
+    COPIED = "copied"
+    """This rank's copy landed (its decision settled with 1); the ranks' verdict is pending."""
+    COPY_FAILED = "copy failed"
+    """This rank's copy failed or was not run (settled with 0); the verdict, an abort, is pending."""
+    COMMITTED = "committed"
+    """Agreed 1: each chain whose parent is backed up was committed, the others aborted."""
+    ABORTED = "aborted"
+    """Agreed 0, or the agreement failed: every chain was aborted and its host pages freed."""
+
+
+_NEXT_STATES: dict[BackupState, frozenset[BackupState]] = {
+    BackupState.QUEUED: frozenset({BackupState.COPYING, BackupState.COPY_FAILED, BackupState.ABORTED}),
+    BackupState.COPYING: frozenset({BackupState.COPIED, BackupState.COPY_FAILED}),
+    BackupState.COPIED: frozenset({BackupState.COMMITTED, BackupState.ABORTED}),
+    BackupState.COPY_FAILED: frozenset({BackupState.ABORTED}),  # the verdict is the ranks' minimum
+    BackupState.COMMITTED: frozenset(),
+    BackupState.ABORTED: frozenset(),
+}
 
 
 @dataclass(eq=False)
@@ -64,20 +85,33 @@ class AgreedBackup:
     """Per chain, the component values copied with it: (name, device slots, host slots), one per node
     and component backed up."""
     decision: Decision | None = None
-    copy: _Copy = _Copy.QUEUED
-    copied: int = 0
-    verdict: int | None = None
-    """The agreed outcome (1 commit, 0 abort), once known; 0 too when the agreement failed."""
+    state: BackupState = field(default=BackupState.QUEUED, init=False)
+
+    def enter(self, state: BackupState) -> None:
+        """Move to `state`, one of the states that may follow the current one."""
+        assert state in _NEXT_STATES[self.state], f"an agreed backup cannot go {self.state} -> {state}"
+        self.state = state
 
     @property
     def finished(self) -> bool:
         """Whether the batch was committed or aborted (its verdict is known)."""
-        return self.verdict is not None
+        return self.state in (BackupState.COMMITTED, BackupState.ABORTED)
 
     @property
     def tokens(self) -> int:
         """Host tokens the batch copies into."""
         return int(self.host.numel())
+
+
+class StoreState(Enum):
+    """Where an `AgreedStore` is in its life, one state after the other."""
+
+    WRITING = "writing"
+    """Host-locked at an agreed step; this rank's write runs (or waits for the writer)."""
+    WRITTEN = "written"
+    """This rank's write is done and no thread reads the pages; the ranks' agreement is pending."""
+    RELEASED = "released"
+    """Every rank's write is done (or the agreement failed): the host locks were let go of."""
 
 
 @dataclass(eq=False)
@@ -86,9 +120,7 @@ class AgreedStore:
 
     targets: list[NodeRef]
     decision: Decision | None = None
-    written: bool = False
-    """This rank's write is done and no thread reads the pages."""
-    released: bool = False
+    state: StoreState = field(default=StoreState.WRITING, init=False)
 
 
 class AgreedBackups:
@@ -281,10 +313,11 @@ class AgreedBackups:
 
         async def copy() -> int:
             await self.copy([batch])
-            return batch.copied
+            # `_copied` settled the decision already (the first value settled counts): this only says it.
+            return int(batch.state in (BackupState.COPIED, BackupState.COMMITTED))
 
         await self._agreement.agree_on(batch.decision, copy)
-        return len(batch.targets) if batch.verdict else 0
+        return len(batch.targets) if batch.state is BackupState.COMMITTED else 0
 
     def start(self, batch: AgreedBackup | None) -> None:
         """Hand a begun batch to the background copy (not taken: it counts as failed on this rank)."""
@@ -295,11 +328,11 @@ class AgreedBackups:
 
     async def copy(self, batches: Sequence[AgreedBackup]) -> None:
         """Copy `batches` device->host in one copy and settle each one's decision with the outcome."""
-        live = [b for b in batches if not b.finished and b.copy is _Copy.QUEUED]
+        live = [b for b in batches if b.state is BackupState.QUEUED]
         if not live:
             return
         for b in live:
-            b.copy = _Copy.COPYING
+            b.enter(BackupState.COPYING)
         ok = 1
         try:
             await self._copies.copy(
@@ -324,8 +357,9 @@ class AgreedBackups:
             self._copied(b, ok)
 
     def _copied(self, batch: AgreedBackup, ok: int) -> None:
-        batch.copy = _Copy.DONE
-        batch.copied = ok
+        """This rank's copy of `batch` ended (`ok` 1) or will not run (0): settle its decision."""
+        if not batch.finished:  # a batch aborted before its copy started stays aborted
+            batch.enter(BackupState.COPIED if ok else BackupState.COPY_FAILED)
         decision = batch.decision
         assert decision is not None
         if decision.resolved:  # the agreement failed meanwhile: abort now that no copy writes
@@ -336,14 +370,14 @@ class AgreedBackups:
     # ------------------------------------------------------------------ resolving (agreement steps)
 
     def _resolved(self, batch: AgreedBackup, agreed: int | None) -> None:
-        if agreed is None and batch.copy is _Copy.COPYING:
+        if agreed is None and batch.state is BackupState.COPYING:
             return  # the agreement failed (closing): aborted once the copy returns (`_copied`)
         self._finish(batch, agreed or 0)
 
     def _finish(self, batch: AgreedBackup, verdict: int) -> None:
         if batch.finished:
             return
-        batch.verdict = verdict
+        batch.enter(BackupState.COMMITTED if verdict else BackupState.ABORTED)
         self.pending_targets -= len(batch.targets)
         tree = self._tree
         committed: list[NodeRef] = []
@@ -398,22 +432,23 @@ class AgreedBackups:
             self.stored(store)
 
     def _store_resolved(self, store: AgreedStore, agreed: int | None) -> None:
-        if agreed is None and not store.written:
+        if agreed is None and store.state is StoreState.WRITING:
             return  # the agreement failed (closing): let go once no thread reads the pages (`stored`)
         self._unlock(store)
 
     def _unlock(self, store: AgreedStore) -> None:
         """Every rank's write is done (or the agreement failed): let go of the host locks."""
-        if store.released:
+        if store.state is StoreState.RELEASED:
             return
-        store.released = True
+        store.state = StoreState.RELEASED
         self.storing_targets -= len(store.targets)
         for target in store.targets:
             self._tree.unlock_host(target)
 
     def stored(self, store: AgreedStore) -> None:
         """This rank's write of `store` is done and no thread reads its pages."""
-        store.written = True
+        if store.state is StoreState.WRITING:
+            store.state = StoreState.WRITTEN
         assert store.decision is not None
         if store.decision.resolved:  # the agreement failed meanwhile
             self._unlock(store)

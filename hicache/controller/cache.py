@@ -174,6 +174,7 @@ class HiCache(CacheLifecycle, CacheObservation):
             copies=self._copies,
             owned_pools=pools.owned,
             close_timeout_s=config.close_timeout_s,
+            on_failure=self._background_failed,
         )
 
     # ------------------------------------------------------------------ tensor parallelism
@@ -215,7 +216,12 @@ class HiCache(CacheLifecycle, CacheObservation):
         pages are not waited for: a stuck read may never return. Under tensor parallelism backups and
         write-through finish at agreement steps: this is then a collective (`tp_sync` first), to call on
         every rank at the same point.
+
+        Raises:
+            CacheFailed: a background job failed (before or during the wait): the work is lost.
+            UnsupportedEventLoop: on another event loop than `start()`'s (the workers never run here).
         """
+        self._state.check_loop("wait_idle")
         if self.agreement is not None and not self._state.closed:
             await self.tp_sync()
         backups, writes = self._mover.backups, self._mover.storage_writes
@@ -224,10 +230,12 @@ class HiCache(CacheLifecycle, CacheObservation):
             await backups.wait_idle()
             await writes.wait_idle()
             if self._state.closed:
-                return
+                break
             await self._release_queue.drain()
             if backups.idle and writes.idle:
-                return
+                break
+        if self._state.failure is not None:
+            raise self._state.closed_error("wait_idle")
 
     # ------------------------------------------------------------------ matching and leases
 
@@ -244,10 +252,19 @@ class HiCache(CacheLifecycle, CacheObservation):
 
         Returns:
             A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
+
+        Raises:
+            CacheClosed: the cache is closed, or was closed during the call (`CacheFailed` after a
+                background failure).
         """
         self._state.check_open("acquire")
         _check_request_id(request_id)
-        return await self._leases.acquire(request_id, as_key_bytes(tokens, name="tokens"))
+        try:
+            return await self._leases.acquire(request_id, as_key_bytes(tokens, name="tokens"))
+        except Exception as exc:
+            if self._state.closed:  # closed during the call: say so, not which inner step noticed
+                raise self._state.closed_error("acquire", "this HiCache was closed during the call") from exc
+            raise
 
     def release(
         self,

@@ -39,9 +39,10 @@ state) is not split by layer.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,7 +132,7 @@ class LayeredLoader:
         return HeldReadiness(
             all_of(
                 [
-                    load.readiness if load.agreed_layers is None else load.agreed_layers
+                    load.readiness if load.agreed is None else load.agreed.layers
                     for load in self._in_flight.values()
                     if bool(torch.isin(load.device_indices, device_indices).any())
                 ]
@@ -234,24 +235,27 @@ class LayeredLoader:
         if agreement.failed is not None:
             return
         copy = load.copy
-        load.agreed_layers = AgreedLayerReadiness(
+        layers = AgreedLayerReadiness(
             copy.readiness, readiness, copy.readiness.num_layers, revoked=lambda: load.readiness.revoked
         )
-        load.agreed = AgreedLoad(
+        outcome = AgreedLoad(
             agreement,
             f"{load.start}+{load.device_indices.numel()}",
             settled=lambda: copy.settled,
             finish=lambda landed: self._finish(load, None if landed else _not_everywhere(), landed=landed),
         )
+        load.agreed = _Agreed(outcome, layers)
 
     def _copy_ended(self, load: _Load, error: BaseException | None) -> None:
-        """This rank's copy settled: finish the load (one rank), or settle its agreed outcome (TP)."""
-        load.ended = True
+        """This rank's copy settled: finish the load (one rank), or settle its agreed outcome (TP; the
+        ranks' agreement may have finished the load already, once the copy had settled)."""
         if load.agreed is None:
             self._finish(load, error)
         else:
+            if load.state is _LoadState.COPYING:
+                load.enter(_LoadState.AGREEING)
             inner = load.readiness.inner
-            load.agreed.settle(error is None and inner.is_ready(inner.num_layers - 1))
+            load.agreed.outcome.settle(error is None and inner.is_ready(inner.num_layers - 1))
 
     def _after(self, task: asyncio.Task[None], load: _Load) -> None:
         """The task's done callback: finish a load whose task ended without `_run`'s cleanup (cancelled
@@ -259,7 +263,7 @@ class LayeredLoader:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("layer-wise load-back task ended abnormally: %r", task.exception())
-        if not load.finished and not load.ended:
+        if load.state is _LoadState.COPYING:  # `_copy_ended` never ran
             load.copy.abort()
             self._copy_ended(load, asyncio.CancelledError())
 
@@ -270,16 +274,16 @@ class LayeredLoader:
 
         A load that did not land while its copy may still write (its task ended without waiting for the
         copy) is not finished yet: `_defer` hides its pages and finishes it once the copy settled."""
-        if load.finished:
+        if load.state is _LoadState.FINISHED:
             return
         inner = load.readiness.inner
         if landed is None:
             landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
         if not landed and not load.copy.settled:
-            if not load.deferred:
+            if load.state is not _LoadState.DEFERRED:
                 self._defer(load, error)
             return
-        load.finished = True
+        load.enter(_LoadState.FINISHED)
         self._in_flight.pop(id(load), None)
         try:
             if not landed:
@@ -298,7 +302,7 @@ class LayeredLoader:
         waiting for it): fail and revoke its readiness and hide its pages now (poisoned: no match serves
         them); they stay locked (nothing evicts and reuses them) and in flight (a failed load above
         orphans rather than frees them) until the copy settled, then `_finish` drops them as usual."""
-        load.deferred = True
+        load.enter(_LoadState.DEFERRED)
         load.copy.abort()
         self._revoke(load, error)
         hidden = self._tree.poison_load(load.key, load.start, load.device_indices)
@@ -318,7 +322,7 @@ class LayeredLoader:
 
         def after(task: asyncio.Task[None]) -> None:
             self._tasks.discard(task)
-            if load.finished:
+            if load.state is _LoadState.FINISHED:
                 return
             if load.copy.settled:
                 self._finish(load, error, landed=False)
@@ -383,8 +387,9 @@ class LayeredLoader:
         last = kept[-1]
         tree.lock_device(last)
         tree.lock_host(last)
-        load = _Load(copy, _LoadReadiness(copy.readiness), failed.key, failed.start, device_indices, last)
-        load.recopy = True
+        load = _Load(
+            copy, _LoadReadiness(copy.readiness), failed.key, failed.start, device_indices, last, recopy=True
+        )
         logger.warning("layer-wise load-back failed under %d node(s) held below it; copying again", len(kept))
         self._start(load)
 
@@ -422,6 +427,36 @@ def _not_everywhere() -> LoadBackFailed:
     return LoadBackFailed("the layer-wise copy did not land on every tensor-parallel rank")
 
 
+class _LoadState(enum.Enum):
+    """Where a layer-wise load is in its life. Its copy's own progress is the copy's (`LayerwiseCopy`)."""
+
+    COPYING = "copying"
+    """Its copy runs, or settled without `_copy_ended` having run yet."""
+    AGREEING = "agreeing"
+    """Under TP: this rank's copy settled and was settled into the agreed outcome, which decides."""
+    DEFERRED = "deferred"
+    """It did not land and its copy may still write: hidden, finished once the copy settled (`_defer`)."""
+    FINISHED = "finished"
+    """Unlocked, and landed or dropped; nothing happens to it any more."""
+
+
+_NEXT_STATES: dict[_LoadState, frozenset[_LoadState]] = {
+    _LoadState.COPYING: frozenset({_LoadState.AGREEING, _LoadState.DEFERRED, _LoadState.FINISHED}),
+    _LoadState.AGREEING: frozenset({_LoadState.DEFERRED, _LoadState.FINISHED}),
+    _LoadState.DEFERRED: frozenset({_LoadState.FINISHED}),
+    _LoadState.FINISHED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """Under TP: a load's outcome, agreed by the ranks (it finishes when that resolves), and the readiness
+    its readers get instead of this rank's own."""
+
+    outcome: AgreedLoad
+    layers: AgreedLayerReadiness
+
+
 @dataclass(eq=False)
 class _Load:
     """One layer-wise load-back in flight: its copy, its readiness, where its pages went, its lock."""
@@ -432,19 +467,28 @@ class _Load:
     start: int
     device_indices: torch.Tensor
     last: NodeRef
-    finished: bool = False
-    orphaned: torch.Tensor | None = None
-    """Its pages a failed load above it took out of the tree while it copied (freed once it settled)."""
     recopy: bool = False
     """A second copy into a failed load's pages that a holder below kept (poisoned) on the device."""
-    ended: bool = False
-    """Its copy settled (`_copy_ended` ran)."""
-    deferred: bool = False
-    """It did not land and its copy may still write: hidden, finished once the copy settled (`_defer`)."""
-    agreed: AgreedLoad | None = None
-    """Under TP: its outcome, agreed by the ranks (the load finishes when that resolves)."""
-    agreed_layers: AgreedLayerReadiness | None = None
-    """Under TP: the readiness its readers get (None: `readiness`, this rank's own)."""
+    state: _LoadState = field(default=_LoadState.COPYING, init=False)
+    orphaned: torch.Tensor | None = None
+    """Its pages a failed load above it took out of the tree while it copied (freed once it finished)."""
+    agreed: _Agreed | None = None
+    """Under TP (set when it starts, unless the agreement had failed): see `_Agreed`."""
+
+    def enter(self, state: _LoadState) -> None:
+        """Move to `state`, one of the states that may follow the current one."""
+        assert state in _NEXT_STATES[self.state], f"a layer-wise load cannot go {self.state} -> {state}"
+        self.state = state
+
+    @property
+    def finished(self) -> bool:
+        """Whether it is `FINISHED`."""
+        return self.state is _LoadState.FINISHED
+
+    @property
+    def deferred(self) -> bool:
+        """Whether it is `DEFERRED`."""
+        return self.state is _LoadState.DEFERRED
 
 
 class _LoadReadiness(LayerReadiness):

@@ -8,6 +8,7 @@ opens the storage tier and the background workers, close cancels prefetches and 
 from __future__ import annotations
 
 import asyncio
+import logging
 import warnings
 from types import TracebackType
 from typing import Self
@@ -18,11 +19,13 @@ from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.parts import CacheParts
 from hicache.controller.storage_tier import open_configured_storage, warn_if_shared
 from hicache.controller.storage_writer import StorageWriter
-from hicache.errors import CacheClosed, UnsupportedEventLoop
+from hicache.errors import UnsupportedEventLoop
 from hicache.parallel import RankFailed, check_same_pools
 from storage_backends.protocol import StorageBackend
 
 __all__ = ["CacheLifecycle"]
+
+logger = logging.getLogger("hicache.cache")
 
 
 class CacheLifecycle(CacheParts):
@@ -47,13 +50,18 @@ class CacheLifecycle(CacheParts):
 
         If starting fails (the backend cannot be opened, or the caller is cancelled), everything made so
         far (storage, pools) is closed before the error propagates, and the cache is closed.
+
+        Raises:
+            UnsupportedEventLoop: no asyncio loop runs, or the cache was started on another event loop.
+            CacheClosed: the cache was closed (`CacheFailed` after a background failure).
         """
+        self._state.check_loop("start")
         if self._state.closed:
-            raise CacheClosed("start: this HiCache was closed")
+            raise self._state.closed_error("start")
         if self._state.started:
             return
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:  # anyio on trio: the read threads' eventfd and the pacer need asyncio's loop
             raise UnsupportedEventLoop(
                 "start: HiCache runs on asyncio (anyio's asyncio backend); no asyncio event loop is running"
@@ -73,10 +81,10 @@ class CacheLifecycle(CacheParts):
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
             # A failed start: close what it opened and the pools; the cache stays closed.
-            self._state.closed = True
+            self._state.close()
             await self._workers.abort(self.storage if self._owns_storage else None)
             raise
-        self._state.started = True
+        self._state.open(loop)
 
     def _open_storage_tier(self, storage: StorageBackend) -> None:
         """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
@@ -103,14 +111,49 @@ class CacheLifecycle(CacheParts):
         whichever is first). What is left then (a stuck storage thread, pages it may still write into) is
         logged and finishes in the background: buffers are released, and the pools the cache made are
         closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
+        After a background failure (`CacheFailed`) it finishes the shutdown that failure began.
+
+        On another event loop than `start()`'s (whose workers cannot run here) it closes the cache, asks
+        `start()`'s loop to shut the workers down when it next runs, closes the pools the cache made now
+        if that loop is not running, and returns.
         """
+        home = self._state.loop
+        if home is not None and self._state.on_another_loop():
+            if not self._state.closed:
+                self._state.close()
+                if not home.is_closed():
+                    home.call_soon_threadsafe(self._begin_close)
+            logger.warning("%r: aclose on another event loop than start's: the workers run there", self)
+            if not home.is_running():
+                self._workers.close_pools()
+            return
         if not self._state.closed:
-            self._state.closed = True
-            self._prefetcher.cancel_all()
-            if self.agreement is not None:
-                self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache was closed"))
-            self._workers.begin_close()
+            self._state.close()
+            self._begin_close()
         await self._workers.wait_closed()
+
+    def _begin_close(self) -> None:
+        """The cache closes (its state says closed already): cancel the prefetches, fail the agreement and
+        stop the workers."""
+        self._prefetcher.cancel_all()
+        if self.agreement is not None:
+            reason = "failed" if self._state.failure is not None else "was closed"
+            self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache {reason}"))
+        self._workers.begin_close()
+
+    def _background_failed(self, job: str, error: Exception) -> None:
+        """A background job raised `error` (`Workers`' `on_failure`): log it once, fail the cache (every
+        later call raises `CacheFailed`) and close it as `aclose()` would; `aclose()` then finishes."""
+        if not self._state.fail(error):
+            logger.warning("%r: background job %s raised after the cache closed: %r", self, job, error)
+            return
+        logger.error(
+            "%r: background job %s failed; the cache is closed and every call now raises CacheFailed",
+            self,
+            job,
+            exc_info=error,
+        )
+        self._begin_close()
 
     def __del__(self) -> None:
         # getattr: a constructor that raised never set the state, and must not fail again here.

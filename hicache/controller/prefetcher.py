@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import torch
 
@@ -25,7 +24,7 @@ from hicache.controller.release import ComponentTransfer, ReleaseQueue
 from hicache.controller.rescue import RefillRescue
 from hicache.controller.state import OpenState
 from hicache.controller.storage_writer import KnownPages
-from hicache.errors import CacheClosed, UnknownRequest
+from hicache.errors import UnknownRequest
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
@@ -113,8 +112,8 @@ class Prefetcher:
         """Backs up an un-backed attach point before commit (`RefillPolicy.BACKUP_THEN_ATTACH`)."""
         self.known: KnownPages | None = None
         """Pages the storage writer takes as stored (set with the storage tier)."""
-        self.task_group: anyio.abc.TaskGroup | None = None
-        """Where streams run (set while the cache's workers run)."""
+        self.spawn: Callable[..., None] | None = None
+        """Runs a stream in the cache's workers, failing the cache if it raises (set while they run)."""
 
     def __len__(self) -> int:
         return len(self._prefetches)
@@ -202,13 +201,14 @@ class Prefetcher:
         for transfer in transfers:  # the caller's buffers travel with the prefetch from here on
             if isinstance(transfer.pool, KVPool):
                 transfer.pool.set_owner(transfer.indices, Owner.PREFETCH)
+        spawn = self.spawn
+        assert spawn is not None  # admission checked the cache is open after its last await
         self._prefetches[request_id] = prefetch
         if self._agreement is not None:  # proposed where every rank launches it: right after admission
             self._commits[request_id] = self._agreement.propose("commit", request_id)
         self.inflight_tokens += prefetch.num_tokens
         self._metrics.prefetch_hit_tokens.inc(prefetch.num_tokens)
-        assert self.task_group is not None
-        self.task_group.start_soon(self._stream, prefetch, storage)
+        spawn(self._stream, prefetch, storage)
         return prefetch
 
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
@@ -259,14 +259,14 @@ class Prefetcher:
 
     def get(self, request_id: str) -> Prefetch:
         """The prefetch in flight for `request_id` (see `HiCache.get_prefetch`)."""
-        try:
-            return self._prefetches[request_id]
-        except KeyError:
-            if self._state.closed:
-                raise CacheClosed(
-                    f"request_id: the cache was closed; no prefetch for {request_id!r}"
-                ) from None
-            raise UnknownRequest(f"request_id: no prefetch in flight for {request_id!r}") from None
+        prefetch = self._prefetches.get(request_id)
+        if prefetch is not None:
+            return prefetch
+        if self._state.closed:
+            raise self._state.closed_error(
+                "request_id", f"the cache was closed; no prefetch for {request_id!r}"
+            )
+        raise UnknownRequest(f"request_id: no prefetch in flight for {request_id!r}")
 
     def is_in_flight(self, prefetch: Prefetch) -> bool:
         """Whether `prefetch` is still the one in flight for its request (not resolved meanwhile)."""
@@ -276,7 +276,9 @@ class Prefetcher:
         """After an await: the prefetch may have been resolved meanwhile (by `aclose` or another call)."""
         if self._prefetches.get(request_id) is not prefetch:
             if self._state.closed:
-                raise CacheClosed(f"request_id: the cache was closed while {request_id!r} was prefetching")
+                raise self._state.closed_error(
+                    "request_id", f"the cache was closed while {request_id!r} was prefetching"
+                )
             raise UnknownRequest(f"request_id: the prefetch for {request_id!r} was resolved meanwhile")
 
     async def commit(self, request_id: str) -> PrefetchOutcome:

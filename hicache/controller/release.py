@@ -191,20 +191,28 @@ class ReleaseQueue:
         )
 
     def settle_quarantine(self) -> int:
-        """Move every quarantined call whose stray threads returned to the pending releases; count them."""
+        """Move every quarantined call whose stray threads returned to the pending releases; count them.
+
+        Raises:
+            Exception: the first an `on_quiet` callback raised (the other calls settled all the same).
+        """
         if not self._quarantined:
             return 0
         still: list[_Quarantined] = []
-        settled = 0
+        quiet: list[_Quarantined] = []
         for held in self._quarantined:
-            if stray_threads.busy(held.views):
-                still.append(held)
-                continue
-            self._quarantined_tokens -= held.batch.num_tokens
-            self._settle(held)
-            settled += 1
+            (still if stray_threads.busy(held.views) else quiet).append(held)
         self._quarantined = still
-        return settled
+        error: Exception | None = None
+        for held in quiet:
+            self._quarantined_tokens -= held.batch.num_tokens
+            try:
+                self._settle(held)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return len(quiet)
 
     def _settle(self, held: _Quarantined) -> None:
         if held.batch.num_tokens or held.batch.transfers:
@@ -239,24 +247,32 @@ class ReleaseQueue:
         self._idle.set()
 
     def _step(self) -> None:
-        batch = self._pending[0]
+        """Free the head of the queue (at most `batch_tokens` host tokens). The queue moves on before
+        anything is freed: a free that raises (a page freed twice) loses that piece, never stops the rest.
+        """
+        batch = self._pending.popleft()
         n = batch.num_tokens
         if n > self._batch_tokens:
             # Free the head of a large batch and keep the rest queued; transfers go with the last piece.
             head, rest = batch.host_indices[: self._batch_tokens], batch.host_indices[self._batch_tokens :]
-            self._host_pool.free(head, owner=Owner.RELEASE)
-            self._pending[0] = ReleaseBatch(rest, batch.transfers)
+            self._pending.appendleft(ReleaseBatch(rest, batch.transfers))
             self._pending_tokens -= int(head.numel())
             self._released_tokens += int(head.numel())
+            self._host_pool.free(head, owner=Owner.RELEASE)
             return
-        self._pending.popleft()
-        if n:
-            self._host_pool.free(batch.host_indices, owner=Owner.RELEASE)
-        for transfer in batch.transfers:
-            if isinstance(transfer.pool, KVPool):  # tagged on its way here (`PrefetchReleaser`)
-                transfer.pool.free(transfer.indices, owner=Owner.RELEASE)
-            else:
-                transfer.pool.free(transfer.indices)
         self._pending_tokens -= n
         self._released_tokens += n
         self._released_calls += 1
+        frees: list[tuple[IndexPool, torch.Tensor]] = [(self._host_pool, batch.host_indices)] if n else []
+        frees.extend((t.pool, t.indices) for t in batch.transfers)
+        error: Exception | None = None
+        for pool, indices in frees:
+            try:
+                if isinstance(pool, KVPool):  # tagged on its way here (`PrefetchReleaser`)
+                    pool.free(indices, owner=Owner.RELEASE)
+                else:
+                    pool.free(indices)
+            except Exception as exc:  # free the rest of the call, then raise the first
+                error = error or exc
+        if error is not None:
+            raise error

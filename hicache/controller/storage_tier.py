@@ -15,12 +15,12 @@ logger = logging.getLogger("hicache.cache")
 
 def open_configured_storage(config: HiCacheConfig) -> StorageBackend:
     """Open the backend of `config.storage_url` (which must be set) with `config.storage_options`, plus
-    the cache's timeouts for a client that has its own (S3: per-request read and write deadlines),
+    the cache's timeouts for a client that has its own (S3, Valkey, Mooncake: per-round-trip read and write deadlines),
     unless the options set them."""
     url = config.storage_url
     assert url is not None
     options = dict(config.storage_options)
-    if url.startswith("s3://"):
+    if url.startswith(("s3://", "valkey://", "mooncake://")):
         options.setdefault("read_deadline_s", config.storage_read_timeout_s)
         options.setdefault("write_deadline_s", config.storage_write_timeout_s)
     return open_backend(url, namespace_digest=config.namespace.digest, **options)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import partial
 
 import anyio
 import torch
@@ -16,7 +15,7 @@ from hicache.controller.guarded_storage import GuardedStorage
 from hicache.controller.release import ReleaseQueue
 from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics
-from hicache.tiers import ShedReason, Tier
+from hicache.tiers import Tier
 from hicache.tree import NodeRef, RadixTree, StoredPath
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
@@ -109,51 +108,36 @@ class StorageWriter:
         self._read_timeout_s = read_timeout_s
         self._write_timeout_s = write_timeout_s
         self.known = KnownPages()
-        self._touched: list[memoryview] = []
-        """Host page buffers handed to `put` by the job running now."""
 
-    async def store(self, target: NodeRef) -> None:
-        """Write the backed-up pages on `target`'s path to storage, skipping those already stored."""
-        await self.store_many([target])
-
-    async def store_many(
-        self, targets: Sequence[NodeRef], *, on_done: Callable[[], None] | None = None
-    ) -> None:
+    async def store_many(self, targets: Sequence[NodeRef], *, on_done: Callable[[], None]) -> None:
         """Write the backed-up pages on every target's path that storage lacks, in one `exists` and one
         `put` call for all of them (pages shared by several paths once).
 
         The `exists` call asks about the unknown pages of every path in target order; the leading ones it
         finds are skipped, the rest are put (a page another instance wrote meanwhile may be written
-        again: puts are atomic and idempotent). Each target stays host-locked until its pages are written.
+        again: puts are atomic and idempotent).
 
         Args:
-            targets: the nodes whose paths to write.
-            on_done: when given, the caller holds the targets' host locks (under tensor parallelism they
-                are taken and let go of at agreed points) and this is called, once, when no thread reads
-                their pages any more (at once, or when a stray write thread returns); the writer then
-                locks nothing itself.
+            targets: the nodes whose paths to write. The caller host-locked them when it queued the write
+                (so host eviction cannot take a queued write's pages) and holds the locks until `on_done`.
+            on_done: called, once, when no thread reads the targets' pages any more (at once, or when a
+                stray write thread returns): the caller lets go of its host locks then.
         """
         tree = self._tree
         page = self._host_pool.page_size
-        locked: list[NodeRef] = []
         keys: list[str] = []
         views: list[memoryview] = []
         seen: set[str] = set()
-        self._touched = []
+        touched: list[memoryview] = []
+        """Host page buffers this call handed to `put` (a stray write thread may still read them)."""
         try:
             paths: list[tuple[NodeRef, StoredPath]] = []
-            evicted = 0
             for target in targets:
                 path = tree.stored_path(target)
-                if path is None:
-                    evicted += 1  # evicted from host (or detached) while its write was queued
-                    continue
+                assert path is not None, "a queued write's target is host-locked: it stays backed up"
                 hashes, values = path.hashes, path.host_values
                 if not hashes:
                     continue
-                if on_done is None:
-                    tree.lock_host(target)
-                    locked.append(target)
                 paths.append((target, path))
                 target_keys = [h.hex() for h in hashes]
                 stored = self.known.known_prefix(target_keys)
@@ -165,30 +149,24 @@ class StorageWriter:
                         seen.add(key)
                         keys.append(key)
                         views.append(view)
-            if evicted:
-                self._metrics.writes_shed.inc(
-                    evicted, tier=Tier.STORAGE.value, reason=ShedReason.EVICTED.value
-                )
             if keys:
                 found = await self._exists(keys)
                 if found is None:
                     return
                 self.known.add(keys[:found])
                 if found < len(keys):
-                    await self._put(keys[found:], views[found:])
+                    await self._put(keys[found:], views[found:], touched)
             if tree.components:
                 for target, path in paths:
-                    await self._store_components(path, target)
+                    await self._store_components(path, target, touched)
         finally:
-            touched, self._touched = self._touched, []
-            let_go = partial(_unlock_all, tree, locked) if on_done is None else on_done
             if stray_threads.busy(touched):
                 # A stray write thread still reads these host pages: keep them locked until it returns.
                 self._release_queue.quarantine(
-                    torch.empty(0, dtype=torch.int64), views=touched, on_quiet=let_go
+                    torch.empty(0, dtype=torch.int64), views=touched, on_quiet=on_done
                 )
             else:
-                let_go()
+                on_done()
 
     async def _exists(self, keys: list[str]) -> int | None:
         """`storage.exists` under the read timeout; None (counted) when it timed out."""
@@ -205,9 +183,10 @@ class StorageWriter:
         if isinstance(self._storage, GuardedStorage):
             self._storage.record_timeout(op)
 
-    async def _put(self, keys: list[str], views: list[memoryview]) -> None:
+    async def _put(self, keys: list[str], views: list[memoryview], touched: list[memoryview]) -> None:
+        """`storage.put` under the write timeout, counted; `views` join `touched` before the call."""
         metrics = self._metrics
-        self._touched.extend(views)
+        touched.extend(views)
         timeout = self._write_timeout_s
         try:
             with anyio.move_on_after(timeout) as deadline:
@@ -225,7 +204,7 @@ class StorageWriter:
         if not all(ok):
             metrics.storage_page_failures.labels(reason="write").inc(len(ok) - sum(ok))
 
-    async def _store_components(self, path: StoredPath, target: NodeRef) -> None:
+    async def _store_components(self, path: StoredPath, target: NodeRef, touched: list[memoryview]) -> None:
         """Write the host component pages of `path` (host-locked by the caller) that storage lacks.
 
         Keys are the page hash plus the component name; pages use the component pool's page format.
@@ -256,12 +235,7 @@ class StorageWriter:
             if found >= len(keys):
                 self.known.add(keys)
                 continue
-            await self._put(keys, views)
-
-
-def _unlock_all(tree: RadixTree, nodes: Sequence[NodeRef]) -> None:
-    for node in nodes:
-        tree.unlock_host(node)
+            await self._put(keys, views, touched)
 
 
 def _tokens_from(values: Sequence[torch.Tensor], start: int) -> torch.Tensor:

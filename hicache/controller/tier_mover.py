@@ -86,7 +86,11 @@ class TierMover:
             "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
         )
         self.storage_writes: WorkQueue[NodeRef | AgreedStore] = WorkQueue(
-            "storage write-through", self._store, limit=config.storage_write_queue_limit, max_batch=_MAX_BATCH
+            "storage write-through",
+            self._store,
+            limit=config.storage_write_queue_limit,
+            max_batch=_MAX_BATCH,
+            on_drop=lambda items: _unlock_all(tree, [t for t in items if not isinstance(t, AgreedStore)]),
         )
         self._writer: StorageWriter | None = None
         self._backup_lock = anyio.Lock()
@@ -300,13 +304,21 @@ class TierMover:
         self._metrics.writes_shed.inc(count, tier=tier.value, reason=reason.value)
 
     def _queue_storage_writes(self, targets: list[NodeRef]) -> None:
-        """Queue write-through of `targets`; shed (and count) them at once while storage is down."""
+        """Queue write-through of `targets`, each host-locked until it is written (host eviction never
+        takes a queued write's pages); shed (and count) what the queue refuses, and all while storage is
+        down. Admission is the only place a write is shed."""
         if not self._breaker.allows():
             self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             return
+        for target in targets:
+            self._tree.lock_host(target)
         shed = self.storage_writes.put(targets)
-        if shed:
+        queued = len(targets) - len(shed)
+        if not self.storage_writes.accepting:  # closing: nothing was queued, nothing is shed
+            queued = 0
+        elif shed:
             self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
+        _unlock_all(self._tree, targets[queued:])
 
     async def _store(self, items: list[NodeRef | AgreedStore]) -> None:
         targets = [item for item in items if not isinstance(item, AgreedStore)]
@@ -332,13 +344,14 @@ class TierMover:
             logger.warning("storage write-through of %d node(s) failed: %r", len(store.targets), exc)
 
     async def _store_targets(self, targets: list[NodeRef]) -> None:
-        if self.writer is None:
-            return
-        if not self._breaker.allows():
+        """Write queued `targets` (host-locked since they were queued; let go of once written)."""
+        done = partial(_unlock_all, self._tree, targets)
+        if self.writer is None or not self._breaker.allows():
             self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
+            done()
             return
         try:
-            await self.writer.store_many(targets)
+            await self.writer.store_many(targets, on_done=done)
         except StorageCircuitOpen:
             self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
         except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
@@ -435,3 +448,8 @@ class TierMover:
         """Give back the device slots of component loads that will not land."""
         for (_, name), (_, device) in loaded.items():
             self._component_pools[name].device.free(device, owner=Owner.COPY)
+
+
+def _unlock_all(tree: RadixTree, nodes: Sequence[NodeRef]) -> None:
+    for node in nodes:
+        tree.unlock_host(node)

@@ -37,6 +37,7 @@ class WorkQueue(Generic[T]):
         job: the coroutine function run once per batch of items (in queue order).
         limit: the most items queued at once (None: unbounded).
         max_batch: the most items handed to one `job` call.
+        on_drop: called with the items `close()` drops unrun (to let go of what they hold).
 
     Raises:
         ValueError: naming `limit` or `max_batch` when below 1.
@@ -49,6 +50,7 @@ class WorkQueue(Generic[T]):
         *,
         limit: int | None = None,
         max_batch: int = 1,
+        on_drop: Callable[[list[T]], object] | None = None,
     ) -> None:
         if limit is not None and limit < 1:
             raise ValueError(f"limit: expected >= 1 or None, got {limit}")
@@ -58,6 +60,7 @@ class WorkQueue(Generic[T]):
         self.limit = limit
         self.max_batch = max_batch
         self._job = job
+        self._on_drop = on_drop
         self._items: deque[T] = deque()
         self._unfinished = 0
         self._max_queued = 0
@@ -85,6 +88,7 @@ class WorkQueue(Generic[T]):
         """Drop every queued job and refuse new ones; `wait_idle` and `wait_below` return from now on.
         Returns the dropped count. A job already running finishes (or is cancelled) in its worker."""
         dropped = len(self._items)
+        items = list(self._items)
         self._items.clear()
         self._unfinished -= dropped
         self._closed = True
@@ -92,7 +96,14 @@ class WorkQueue(Generic[T]):
         self._taken.set()
         if dropped:
             logger.info("%s: %d queued job(s) dropped on close", self.name, dropped)
+            if self._on_drop is not None:
+                self._on_drop(items)
         return dropped
+
+    @property
+    def accepting(self) -> bool:
+        """`put` queues work (the queue is not closed)."""
+        return not self._closed
 
     @property
     def max_queued(self) -> int:

@@ -3,21 +3,25 @@
 One task of its own runs the workers (the release queue, the backup and write-through queues, prefetch
 streams) until the cache closes, then shuts down however long stuck I/O takes: it releases what is left,
 closes storage, waits for copies and stray reads, and closes the pools the cache made.
+
+A worker that raises never ends the others' work in silence: `on_failure` fails the cache (every later
+call raises `CacheFailed`), and the shutdown runs as after `aclose()`, each of its steps past a failing one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
+import anyio.abc
 
 from hicache.controller.copies import CopyTracker
 from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.release import ReleaseQueue
 from hicache.controller.tier_mover import TierMover
-from hicache.errors import HiCacheError
+from hicache.errors import CacheClosed, HiCacheError
 from hicache.memory import KVPool
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
@@ -43,6 +47,8 @@ class Workers:
         copies: the copies shutdown waits for before closing pools.
         owned_pools: the pools to close last (those the cache made).
         close_timeout_s: the most `close()` waits.
+        on_failure: called with the job's name and its exception when a background job raises (not when
+            it is cancelled); it must close the cache (`begin_close`).
     """
 
     def __init__(
@@ -55,8 +61,11 @@ class Workers:
         copies: CopyTracker,
         owned_pools: Sequence[KVPool],
         close_timeout_s: float,
+        on_failure: Callable[[str, Exception], None],
     ) -> None:
         self._name = name
+        self._on_failure = on_failure
+        self._task_group: anyio.abc.TaskGroup | None = None
         self._release_queue = release_queue
         self._mover = mover
         self._prefetcher = prefetcher
@@ -90,11 +99,35 @@ class Workers:
             what = "was cancelled" if cause is None else f"raised {cause!r}"
             raise HiCacheError(f"{self._name}: the workers task {what} before the workers ran") from cause
 
+    def spawn(self, job: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run `job(*args)` in the workers' task group (a prefetch stream); if it raises, the cache fails.
+
+        Raises:
+            CacheClosed: the workers are not running (the cache closed meanwhile).
+        """
+        if self._task_group is None:
+            raise CacheClosed(f"{self._name}: the workers are not running")
+        self._task_group.start_soon(self._guarded, job, args, name=getattr(job, "__qualname__", None))
+
+    async def _guarded(self, job: Callable[..., Awaitable[object]], args: tuple[object, ...]) -> None:
+        try:
+            await job(*args)
+        except Exception as exc:  # cancellation passes: it is how the workers stop
+            name = getattr(job, "__qualname__", repr(job))
+            try:
+                self._on_failure(name, exc)
+            except Exception:
+                logger.exception("%s: failing the cache after %s raised failed too", self._name, name)
+            self._stopping.set()  # whatever on_failure did: the shutdown runs
+
     async def abort(self, owned_storage: StorageBackend | None) -> None:
-        """A failed start: close `owned_storage` (bounded, shielded) and the pools, or let the task do it."""
+        """A failed start: close `owned_storage` (bounded, shielded) and the pools, or have the task do it
+        and wait for it (bounded, shielded): the caller's error propagates only then."""
         if self._runner is not None:
-            self._stopping.set()
-            return  # the runner closes storage and pools on its way out
+            self._stopping.set()  # the runner closes storage and pools on its way out
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._close_timeout_s):
+                await self._shut_down.wait()
+            return
         with anyio.CancelScope(shield=True), anyio.move_on_after(self._close_timeout_s):
             if owned_storage is not None:
                 await owned_storage.aclose()
@@ -105,7 +138,7 @@ class Workers:
         Prefetches must have been resolved first."""
         self._mover.backups.close()
         self._mover.storage_writes.close()
-        self._release_queue.flush()
+        self.release_what_can_be()
         if self._runner is None:  # never started: nothing runs, nothing reads
             self.close_pools()
             return
@@ -138,35 +171,57 @@ class Workers:
         """The task: runs the workers until `begin_close()`, then shuts down."""
         try:
             async with anyio.create_task_group() as tg:
-                self._prefetcher.task_group = tg
-                tg.start_soon(self._release_queue.run)
-                tg.start_soon(self._mover.backups.run)
-                tg.start_soon(self._mover.storage_writes.run)
+                self._task_group = tg
+                self._prefetcher.spawn = self.spawn
+                self.spawn(self._release_queue.run)
+                self.spawn(self._mover.backups.run)
+                self.spawn(self._mover.storage_writes.run)
                 ready.set()
                 await self._stopping.wait()
                 tg.cancel_scope.cancel()
+            self._task_group = None
             await self._shutdown()
         except BaseException:
-            # Cancelled by the event loop's own shutdown: nothing left to run the rest; a pool still in
-            # use by a stray thread is kept alive by that thread's buffer references.
-            logger.warning("%s: shutdown interrupted", self._name)
+            # Cancelled by the event loop's own shutdown: nothing left to run the rest. The pools are
+            # closed all the same: a pool still in use by a stray thread is kept alive by that thread's
+            # buffer references.
+            logger.warning("%s: shutdown interrupted; closing the pools", self._name)
+            self.close_pools()
             raise
         finally:
-            self._prefetcher.task_group = None
+            self._task_group = None
+            self._prefetcher.spawn = None
             self._shut_down.set()
+
+    def release_what_can_be(self) -> None:
+        """Free every pending release now; one that raises (a page freed twice) is logged and the rest
+        are freed all the same (each failing release is dropped from the queue)."""
+        while True:
+            try:
+                self._release_queue.flush()
+                return
+            except Exception:
+                logger.exception("%s: a release failed while closing; releasing the rest", self._name)
 
     async def _shutdown(self) -> None:
         """After the workers stopped: release what is left, close storage, wait for copies and stray reads
-        (quarantined pages), then close the pools the cache made."""
+        (quarantined pages), then close the pools the cache made. A step that raises is logged and the
+        next one runs: the pools are closed whatever failed before."""
         self._mover.backups.close()
         self._mover.storage_writes.close()
-        self._prefetcher.finish_all_detached()  # streams that never ran: nothing can write into them
-        self._release_queue.flush()
+        try:
+            self._prefetcher.finish_all_detached()  # streams that never ran: nothing can write into them
+        except Exception:
+            logger.exception("%s: releasing the cancelled prefetches failed", self._name)
+        self.release_what_can_be()
         if self._owned_storage is not None:
-            await self._owned_storage.aclose()
+            try:
+                await self._owned_storage.aclose()
+            except Exception:
+                logger.exception("%s: closing storage failed", self._name)
         await self._copies.wait_idle()
         while self._release_queue.statistics().quarantined_calls:
             await anyio.sleep(_QUARANTINE_POLL_S)
-            self._release_queue.flush()
-        self._release_queue.flush()
+            self.release_what_can_be()
+        self.release_what_can_be()
         self.close_pools()

@@ -26,6 +26,10 @@ from hicache.errors import LoadBackFailed
 __all__ = ["ServingLoop"]
 
 ModelT = TypeVar("ModelT")
+
+_LOAD_BACK_ATTEMPTS = 4
+"""How often one request is served before its failing load-backs end the run (a copy that keeps failing
+is a broken device, not a transient fault)."""
 T = TypeVar("T")
 
 
@@ -137,15 +141,21 @@ class ServingLoop(Generic[ModelT]):
         t_acquire = time.perf_counter()
         lease: Lease = await cache.acquire(request_id, prompt)
         acquire_s = time.perf_counter() - t_acquire
-        try:
-            served = await self._run(cache, lease, request_id, prompt, arrival)
-        except LoadBackFailed:
-            # The prefix's layer-wise load-back failed (`_run` released the lease): its pages left the
-            # cache, so a second acquire finds what is left (the host copy, or nothing) and recomputes.
-            self.load_back_failures += 1
-            lease = await cache.acquire(request_id, prompt)
-            served = await self._run(cache, lease, request_id, prompt, arrival)
-            acquire_s = time.perf_counter() - t_acquire
+        for attempt in range(1, _LOAD_BACK_ATTEMPTS + 1):
+            try:
+                served = await self._run(cache, lease, request_id, prompt, arrival)
+                break
+            except LoadBackFailed as exc:
+                # The prefix's layer-wise load-back failed (`_run` released the lease): its pages left the
+                # device, so the next acquire finds what is left (the host copy, or nothing) and recomputes
+                # the rest. Only this request is retried; the other users' requests go on meanwhile.
+                self.load_back_failures += 1
+                if attempt == _LOAD_BACK_ATTEMPTS:
+                    raise LoadBackFailed(
+                        f"{request_id}: the prefix failed to load back {attempt} times in a row"
+                    ) from exc
+                lease = await cache.acquire(request_id, prompt)
+                acquire_s = time.perf_counter() - t_acquire
         return RequestRecord(
             request_id=request_id,
             user=user,

@@ -153,13 +153,23 @@ class ModelWorker:
                     except StopIteration as stop:
                         done, value = True, stop.value
             except BaseException as exc:  # handed to the caller, whatever it is
-                job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+                _hand_back(job, None, exc)
                 continue
             if done:
-                job.loop.call_soon_threadsafe(_settle, job.future, value, None)
+                _hand_back(job, value, None)
             else:
                 with self._cond:
                     self._jobs.append(job)  # the rest of the decode, after whatever arrived meanwhile
+
+
+def _hand_back(job: _Job[Any], value: object, error: BaseException | None) -> None:
+    """In the model thread: have the job's loop settle its future. A loop already closed (its caller is
+    gone) gets nothing: the thread goes on serving the other loops' calls instead of dying with it."""
+    try:
+        job.loop.call_soon_threadsafe(_settle, job.future, value, error)
+    except RuntimeError:  # "Event loop is closed"
+        if not job.loop.is_closed():
+            raise
 
 
 def _settle(future: asyncio.Future[Any], value: object, error: BaseException | None) -> None:

@@ -78,8 +78,8 @@ class CacheMetrics:
     that failed with an error, never a miss."""
     writes_shed: Counter
     """Labelled by ``tier`` (host, storage) and ``reason``: backups and storage writes dropped instead of
-    done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open;
-    ``evicted``: the node left host memory while its storage write was still queued)."""
+    done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open). A
+    queued storage write holds its host pages until written: only admission sheds."""
     storage_breaker_state: Gauge
     """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.breaker`)."""
 

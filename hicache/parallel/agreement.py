@@ -286,28 +286,35 @@ class Agreement:
                 f"{step}, base {base}; seen: steps {step_lo}..{-step_neg}, bases {base_lo}..{-base_neg}); "
                 f"every rank must call step() alike"
             )
+        # Slots before an error are agreed all the same (every rank saw this reduced tensor): they are
+        # resolved before the error is raised, and the rest fail with it, so no decision is lost.
         done: list[tuple[Decision, int]] = []
+        failure: RankGroupError | None = None
         now = time.monotonic()
         for i, (present, ready, value, key_lo, key_neg) in enumerate(agreed[_HEADER:]):
             if present != 1:
                 # Some rank has not proposed it yet: a late rank is fine for a while, but a peer that
                 # keeps stepping without ever proposing it would make every loop step forever.
-                self._check_unmatched(self._pending.get(base + i), now, group)
+                failure = self._unmatched(self._pending.get(base + i), now, group)
+                if failure is not None:
+                    break
                 continue
             d = self._pending[base + i]
             if key_lo != -key_neg:
-                raise RankDivergence(
+                failure = RankDivergence(
                     f"rank {group.tp_rank}: decision #{d.seq} differs between the ranks (this rank "
                     f"proposed {d.kind} {d.key!r}): every rank must propose the same decisions in the "
                     f"same order"
                 )
-            if ready != 1:
-                continue
+                break
+            if ready == 1:
+                done.append((d, value))
+        for d, _ in done:
             del self._pending[d.seq]
-            done.append((d, value))
         resolved = len(done)
         self._resolved += resolved
-        self._check_held_back(now, group)
+        if failure is None:
+            failure = self._held_back_failure(now, group)
         # Resolved in the order of proposals, after the loop: an `on_resolve` callback may propose a new
         # decision (on every rank alike), which then keeps `drive()` stepping.
         proposed = self._next_seq
@@ -317,43 +324,47 @@ class Agreement:
                 d._resolve(value)
             except Exception as exc:  # a callback's bug: resolve the rest, then raise the first
                 error = error or exc
+        if failure is not None:
+            raise failure  # `step()` fails every decision still pending with it
         if error is not None:
             raise error
         return StepResult(step=step, resolved=resolved, more=idle == 0 or self._next_seq != proposed)
 
     @staticmethod
-    def _check_unmatched(decision: Decision | None, now: float, group: RankGroup) -> None:
-        """Raise `RankDivergence` once `decision`, proposed here, has been missing on a peer that keeps
+    def _unmatched(decision: Decision | None, now: float, group: RankGroup) -> RankDivergence | None:
+        """`RankDivergence` once `decision`, proposed here, has been missing on a peer that keeps
         stepping for longer than the group timeout (the bound a dead peer gets from the collective)."""
         if decision is None:
-            return
+            return None
         if decision._unmatched_since is None:
             decision._unmatched_since = now
         elif now - decision._unmatched_since > group.timeout_s:
-            raise RankDivergence(
+            return RankDivergence(
                 f"rank {group.tp_rank}: decision #{decision.seq} ({decision.kind} {decision.key!r}) was "
                 f"not proposed by every rank within {group.timeout_s:g} s while all kept stepping: every "
                 f"rank must propose the same decisions in the same order"
             )
+        return None
 
-    def _check_held_back(self, now: float, group: RankGroup) -> None:
-        """Raise `RankFailed` once the oldest pending decision has kept later ones out of the window (beyond
+    def _held_back_failure(self, now: float, group: RankGroup) -> RankFailed | None:
+        """`RankFailed` once the oldest pending decision has kept later ones out of the window (beyond
         `capacity`, so no step carries them) for longer than the group timeout: its local part is stuck on
         some rank (a storage write whose thread never returned, say), and without this bound every rank
         would step forever with no error."""
         base = self._base()
         if self._next_seq - base <= self.capacity:
             self._held_back = None
-            return
+            return None
         if self._held_back is None or self._held_back[0] != base:
             self._held_back = (base, now)
         elif now - self._held_back[1] > group.timeout_s:
             stuck = self._pending[base]
-            raise RankFailed(
+            return RankFailed(
                 f"rank {group.tp_rank}: decision #{base} ({stuck.kind} {stuck.key!r}) has not settled on "
                 f"every rank within {group.timeout_s:g} s and holds back {self._next_seq - base - 1} later "
                 f"decisions (a step carries {self.capacity}): a rank's local part of it is stuck"
             )
+        return None
 
     def _fail(self, error: RankGroupError) -> None:
         self._failed = error

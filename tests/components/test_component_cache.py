@@ -3,8 +3,10 @@ through backup, storage, prefetch and load-back."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
+import anyio
 import pytest
 import torch
 from cache_internals import component_pools_of, host_pool_of, release_queue_of, tree_of
@@ -26,6 +28,7 @@ from hicache.keys import ROOT_HASH, Namespace, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
 from hicache.metrics import render
 from storage_backends.memory import MemoryBackend
+from tests.controller.controller_helpers import PassThroughBackend
 
 
 @pytest.fixture
@@ -197,6 +200,59 @@ async def test_full_attention_only_cache_has_no_component_pools(backend: MemoryB
         lease = await cache.acquire("r", tokens(0, 8))
         assert lease.component_indices == {}
         cache.release(lease)
+        cache.sanity_check()
+    finally:
+        await cache.aclose()
+
+
+class HungComponentLookup(PassThroughBackend):
+    """Storage whose `exists` for component pages never returns (a hung mount); base pages answer."""
+
+    def __init__(self, inner: MemoryBackend) -> None:
+        super().__init__(inner)
+        self.hung = anyio.Event()
+        self.never = anyio.Event()
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        if keys and len(keys[0]) != 2 * len(ROOT_HASH):  # a component's key: longer than a page hash
+            self.hung.set()
+            await self.never.wait()
+        return await self.inner.exists(keys)
+
+
+async def test_a_component_lookup_timeout_is_a_storage_error_for_the_breaker(
+    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 22 item 6: a component lookup cut off by `storage_read_timeout_s` was counted as
+    `component_miss` (blaming storage contents for an outage) and never reached the breaker. Now it is a
+    `timeout` failure, a storage error of op `exists`, and a breaker failure. The deadline fires when the
+    test moves the loop's clock, never because real time passed."""
+    loop = asyncio.get_running_loop()
+    real_time, offset = loop.time, [0.0]
+    monkeypatch.setattr(loop, "time", lambda: real_time() + offset[0])
+    hung = HungComponentLookup(backend)
+    cache = await open_cache(hung)
+    try:
+        seq = tokens(1, 32)
+        await store_hybrid(backend, cache, seq)
+        async with anyio.create_task_group() as tg:
+            started: list[object] = []
+
+            async def start() -> None:
+                started.append(await cache.prefetch("r1", seq))
+
+            tg.start_soon(start)
+            await hung.hung.wait()
+            offset[0] += cache.config.storage_read_timeout_s + 1
+        assert started == [None]
+        lines = render(cache.registry).splitlines()
+        assert not [ln for ln in lines if 'reason="component_miss"' in ln]
+        timeouts = [ln for ln in lines if "page_failures_total{" in ln and 'reason="timeout"' in ln]
+        assert [ln.rsplit(" ", 1)[1] for ln in timeouts] == ["1.0"]
+        errors = [ln for ln in lines if "storage_errors_total{" in ln and 'op="exists"' in ln]
+        assert ['kind="timeout"' in ln and ln.endswith(" 1.0") for ln in errors] == [True]
+        assert cache.storage_breaker.statistics().consecutive_failures == 1
+        assert_every_pool_full(cache)
         cache.sanity_check()
     finally:
         await cache.aclose()

@@ -62,3 +62,38 @@ def test_a_request_whose_prefix_failed_to_load_back_is_served_again(monkeypatch:
     assert runners[0].load_back_failures == 1
     assert result.all_identical, [r.request_id for r in result.records if not r.identical]
     assert sum(r.hits.get("host", 0) for r in result.records) > 0
+
+
+def test_a_request_whose_load_back_fails_twice_is_served_again_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards against `ServingLoop._serve_one` retrying only once: the retry loads the prefix's host copy
+    back layer-wise again, and when that copy failed too, `LoadBackFailed` ended the demo's task group
+    (every user's conversation). Now the request is served again until its load-back lands (or
+    recomputes), and the run completes with every output identical to recompute."""
+    failed: list[int] = []
+    load_back = LayeredLoader.load_back
+
+    async def failing_twice(self: LayeredLoader, match: MatchResult) -> LayerwiseLoad:
+        def hook(layer: int) -> None:
+            if layer == 1:
+                failed.append(layer)
+                raise RuntimeError("injected copy failure")
+
+        self.before_layer = hook if len(failed) < 2 and match.host_len else None
+        return await load_back(self, match)
+
+    monkeypatch.setattr(LayeredLoader, "load_back", failing_twice)
+    runners: list[llama_serve.LlamaRunner] = []
+    runner_class = llama_serve.LlamaRunner
+
+    def recording_runner(*args: object) -> llama_serve.LlamaRunner:
+        runner = runner_class(*args)  # type: ignore[arg-type]
+        runners.append(runner)
+        return runner
+
+    monkeypatch.setattr(llama_serve, "LlamaRunner", recording_runner)
+    result = anyio.run(run_demo, SMALL)
+    assert failed == [1, 1]
+    assert runners[0].load_back_failures == 2
+    assert result.all_identical, [r.request_id for r in result.records if not r.identical]

@@ -5,6 +5,7 @@ refuses the submitters still waiting."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Generator
 
@@ -13,7 +14,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
-from hicache.demo.worker import ModelWorker
+from hicache.demo.worker import ModelWorker, _Job
 
 
 class Gate:
@@ -181,3 +182,24 @@ async def test_close_lets_admitted_calls_end_and_refuses_the_waiting_ones() -> N
 def test_max_calls_must_be_a_positive_int(bad: object) -> None:
     with pytest.raises(ValueError, match="max_calls"):
         ModelWorker(None, max_calls=bad)  # type: ignore[arg-type]
+
+
+def test_a_call_whose_loop_closed_does_not_kill_the_model_thread() -> None:
+    """Guards against `_serve` dying when `call_soon_threadsafe` raised on a loop already closed (its
+    caller gone): every later call, from any loop, then waited for ever (uncancellably: a model call is
+    never abandoned). The closed loop's result is dropped and the next call runs. The next call is made
+    from a thread of its own so that, before the fix, the test fails instead of hanging."""
+    worker = ModelWorker(None)
+    closed = asyncio.new_event_loop()
+    orphan = closed.create_future()
+    closed.close()
+    worker._jobs.append(_Job(closed, orphan, fn=lambda: "nobody waits"))  # queued before the thread starts
+    got: list[str] = []
+    caller = threading.Thread(
+        target=lambda: got.append(asyncio.run(worker.call(lambda: "served"))), daemon=True
+    )
+    caller.start()
+    caller.join(30)  # a hang guard, not a timing: the call returns within the model thread's next turn
+    assert got == ["served"], "the model thread died on the closed loop's call"
+    assert not orphan.done()
+    worker.close()

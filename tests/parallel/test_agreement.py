@@ -6,10 +6,12 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+import anyio
 import pytest
+import torch
 import tp_workers
 
-from hicache.parallel import Agreement, RankFailed
+from hicache.parallel import Agreement, RankDivergence, RankFailed, RankGroup
 from hicache.parallel.agreement import encode_max
 from hicache.parallel.launch import run_ranks
 
@@ -189,3 +191,66 @@ async def test_on_resolve_runs_once_with_the_value_or_with_none_when_the_agreeme
         await e.wait()
     with pytest.raises(ValueError, match=r"^value: "):
         encode_max(-1)
+
+
+class DivergentPeerGroup(RankGroup):
+    """An in-process stand-in for a two-rank group whose peer proposed the same decisions as this rank
+    except at slot `diverges_at` (a different key there; None: nowhere), and settled what this rank
+    settled.
+
+    Bypasses `RankGroup.__init__` (no torch.distributed): the agreement only reads these fields.
+    """
+
+    def __init__(self, diverges_at: int | None, timeout_s: float = 30.0) -> None:
+        self.tp_rank, self.tp_size, self.timeout_s = 0, 2, timeout_s
+        self.diverges_at = diverges_at
+
+    def min_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> torch.Tensor:
+        peer = tensor.clone()
+        if self.diverges_at is not None:
+            row = 2 + self.diverges_at  # two header rows, then the slots
+            peer[row, 3] -= 1  # the peer's key hash differs there: min(key) != -min(-key)
+        return torch.minimum(tensor, peer)
+
+
+async def test_a_divergence_at_a_later_slot_resolves_the_decisions_agreed_before_it() -> None:
+    """Guards against a step that raised `RankDivergence` at slot 1 dropping slot 0's decision, ready on
+    every rank: it had left `_pending`, so it was neither resolved nor failed, its `on_resolve` cleanup
+    never ran and its `wait()` blocked for ever. Now it resolves with the agreed value; the divergent
+    one fails with the error."""
+    agreement = Agreement(DivergentPeerGroup(diverges_at=1))
+    seen: list[tuple[str, int | None]] = []
+    ready = agreement.propose("backup", "a", on_resolve=lambda v: seen.append(("a", v)))
+    divergent = agreement.propose("backup", "b", on_resolve=lambda v: seen.append(("b", v)))
+    ready.settle(7)
+    divergent.settle(3)
+    with pytest.raises(RankDivergence, match="decision #1 differs"):
+        await agreement.step()
+    assert seen == [("a", 7), ("b", None)]
+    with anyio.fail_after(5):
+        assert await ready.wait() == 7
+        with pytest.raises(RankDivergence):
+            await divergent.wait()
+    assert agreement.statistics().pending == 0
+
+
+async def test_a_held_back_window_failure_resolves_what_its_step_agreed() -> None:
+    """Guards against the held-back guard's `RankFailed` dropping the decisions its own step had just
+    agreed: decision #0 never settles and holds #3 out of a 3-slot window past the group's timeout
+    (0 s), while #2, inside the window, is agreed in the very step that raises."""
+    agreement = Agreement(DivergentPeerGroup(diverges_at=None, timeout_s=0.0), capacity=3)
+    seen: list[tuple[str, int | None]] = []
+    decisions = [
+        agreement.propose("backup", name, on_resolve=lambda v, name=name: seen.append((name, v)))
+        for name in ("stuck", "first", "second", "outside")
+    ]
+    decisions[1].settle(5)
+    await agreement.step()  # agrees "first"; "outside" is held back from now on
+    assert seen == [("first", 5)]
+    decisions[2].settle(6)
+    with pytest.raises(RankFailed, match="holds back"):
+        await agreement.step()
+    assert seen == [("first", 5), ("second", 6), ("stuck", None), ("outside", None)]
+    with anyio.fail_after(5):
+        assert await decisions[2].wait() == 6
+    assert agreement.statistics().pending == 0

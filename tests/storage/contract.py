@@ -178,14 +178,6 @@ class BackendContract:
 
     # -- misuse ---------------------------------------------------------------------------------------
 
-    async def test_buffer_of_the_wrong_size_raises(self, backend: StorageBackend, page_bytes: int) -> None:
-        """Reading a stored page into a buffer of another size is the caller's error, named `buffers`."""
-        keys, pages = make_keys(1), make_pages(1, page_bytes)
-        await backend.put(keys, pages)
-        for size in (page_bytes * 2, page_bytes // 2):
-            with pytest.raises(ValueError, match="buffers"):
-                await backend.get(keys, empty_pages(1, size))
-
     async def test_keys_and_buffers_of_different_lengths_raise(
         self, backend: StorageBackend, page_bytes: int
     ) -> None:

@@ -7,7 +7,7 @@ bypassing the backend, as a careless operator or another program would (`cp`, `m
 Every case must be a miss counted by its reason, never a loaded page: a valid page copied over another key,
 a page of another namespace under the right key, pages of caches that differ in layout, dtype, model id,
 tensor-parallel rank or a component's layout (each a real `HiCacheConfig`'s namespace), old-format
-(version 1) pages, and a valid page with bytes appended. The file backend adds symlinks in `test_file_backend.py`.
+(version 1) pages, a valid page with bytes appended, and a well-formed page of another length. The file backend adds symlinks in `test_file_backend.py`.
 """
 
 from __future__ import annotations
@@ -193,6 +193,25 @@ class HostileStorage:
         assert statuses == [PageStatus.CORRUPT, PageStatus.HIT]
         assert bytes(out[1]) == bytes(pages[1])
         assert (read, foreign, old, corrupt) == (1, 0, 0, 1)
+
+    @pytest.mark.parametrize("delta", [1, -1, 512], ids=["one_byte_longer", "one_byte_shorter", "double"])
+    async def test_a_well_formed_page_of_another_length_is_corrupt(
+        self, reopen: Reopen, raw_store: RawStore, delta: int
+    ) -> None:
+        """A page with the right namespace, key and checksum whose payload is `delta` bytes off the reader's
+        page size raised ValueError from `get`: the whole batch was lost, nothing counted, and the object
+        stayed for good (issue 22, item 10). The namespace binds the page bytes, so such a page is damaged,
+        not a wrong buffer: a counted `CORRUPT` miss, never loaded, and the rest of the batch loads."""
+        ns = base_config().namespace.digest
+        size = base_config().layout.page_nbytes
+        keys, pages = make_keys(3, salt=10), make_pages(3, size, seed=11)
+        await self._write(reopen, ns, keys, pages)
+        # A well-formed page of another length under keys[1]: written as that size's writer would.
+        await self._write(reopen, ns, keys[1:2], make_pages(1, size + delta, seed=12))
+        statuses, out, (read, foreign, old, corrupt) = await self._read(reopen, keys, size)
+        assert statuses == [PageStatus.HIT, PageStatus.CORRUPT, PageStatus.HIT]
+        assert (bytes(out[0]), bytes(out[2])) == (bytes(pages[0]), bytes(pages[2]))
+        assert (read, foreign, old, corrupt) == (2, 0, 0, 1)
 
     async def test_a_mix_of_every_case_loads_only_the_readers_own_pages(
         self, reopen: Reopen, raw_store: RawStore

@@ -30,17 +30,19 @@ def restore_registry() -> object:
 
 
 async def test_opening_file_and_memory_urls_imports_no_client_library(tmp_path: Path) -> None:
-    """A fresh interpreter imports storage_backends, opens file:// and memory://, and never loads obstore."""
+    """A fresh interpreter imports hicache and storage_backends, opens file://, memory://, valkey:// and
+    mooncake:// (these two connect on first use), and never loads obstore, redis, glide or Mooncake."""
     script = (
         "import sys, anyio\n"
-        "import storage_backends\n"
+        "import hicache, storage_backends\n"
         "assert 'storage_backends.file' not in sys.modules, 'file backend imported eagerly'\n"
         "async def main():\n"
-        "    for url in (sys.argv[1], 'memory://lazy'):\n"
+        "    net = ('valkey://127.0.0.1:1/p', 'mooncake://127.0.0.1:1/p?metadata=http://127.0.0.1:1/m')\n"
+        "    for url in (sys.argv[1], 'memory://lazy', *net):  # the network backends connect on first use\n"
         "        b = storage_backends.open_backend(url, namespace_digest=bytes(16))\n"
         "        await b.aclose()\n"
         "anyio.run(main)\n"
-        "clients = ('obstore', 'boto3', 'botocore', 'aiofiles')\n"
+        "clients = ('obstore', 'boto3', 'botocore', 'aiofiles', 'redis', 'glide', 'mooncake')\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in clients)\n"
         "print(heavy)\n"
     )
@@ -65,7 +67,7 @@ async def test_open_backend_builds_file_and_memory_backends(tmp_path: Path) -> N
 def test_builtins_include_s3_without_importing_it() -> None:
     """s3 is registered by name only."""
     assert registered_schemes()["s3"] == "storage_backends.s3:S3Backend.from_url"
-    assert set(_BUILTINS) == {"file", "memory", "s3"}
+    assert set(_BUILTINS) == {"file", "memory", "s3", "valkey", "mooncake"}
 
 
 @pytest.mark.parametrize("url", ["ftp://host/x", "nosuchscheme:///x", "/just/a/path"])

@@ -20,9 +20,21 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "bench").glob("bench_*.py"))
 
 KEYS: dict[str, set[str]] = {
+    "faults": {
+        "acquire_ms_p99_storage_down", "soak_storage_write_fraction", "stuck_read_acquire_return_ms",
+        "stuck_read_settled", "writes_shed", "goals_met",
+    },
+    "io": {
+        "total_mib", "threads", "ratio_1mib_hot", "ratio_64kib_cold", "ratio_1mib_hot_controller",
+        "max_loop_stall_ms", "max_loop_stall_ms_controller", "loop_cpu_ratio_controller_vs_backend_max",
+    },
     "layerwise": {
         "device", "prefix_tokens", "suffix_tokens", "repeats", "ttft_ms_layerwise", "ttft_ms_whole",
         "copy_hidden_fraction", "copy_ms", "compute_ms", "acquire_ms_layerwise", "gather_gbps", "whole_gbps",
+    },
+    "network": {
+        "gbps_1mib_valkey", "gbps_1mib_mooncake", "ratio_64kib_valkey", "ratio_64kib_mooncake",
+        "max_loop_stall_ms_valkey", "max_loop_stall_ms_mooncake",
     },
     "ownership": {"requests", "insert_us", "cycle_us", "free_alloc_32_pages_us", "ownership_check_us"},
     "refill": {"requests", "tokens_per_request", "drop", "backup_then_attach", "seconds"},
@@ -36,6 +48,10 @@ KEYS: dict[str, set[str]] = {
         "savings_identical", "layerwise_request_us_p50_tp4", "hybrid_steps_per_request_tp4",
         "goal_agree_p50_tp4_under_1ms",
     },
+    "tree": {
+        "match_us", "insert_us", "evict_us_per_page", "acquire_device_hit_us_p50", "scaling_match",
+        "vs_sglang_match", "reps",
+    },
     "transfer": {
         "device", "pinned", "total_mib", "repeats", "backup_ratio_2mib", "load_ratio_2mib",
         "backup_ratio_128kib", "load_ratio_128kib", "controller_backup_ratio_2mib",
@@ -44,9 +60,9 @@ KEYS: dict[str, set[str]] = {
 }  # fmt: skip
 """What each bench's final JSON line holds (besides `"bench": NAME`), in a smoke pass as in a full run."""
 
-NO_SMOKE_YET = {"tree", "io", "faults", "vllm"}
-"""Benches whose `--smoke` lands on other branches (perf: tree, io, faults; the vLLM helper: vllm).
-TO THE LEAD: delete this set, the mark below, and add their keys to `KEYS`, at merge."""
+NO_SMOKE_YET = {"vllm"}
+"""Benches whose `--smoke` lands on another branch (the vLLM helper's bench_vllm.py).
+TO THE LEAD: delete this set and the mark below, and add its keys to `KEYS`, at merge."""
 
 SLOW = {"tp"}
 """Benches whose smoke pass starts rank processes (tp: 1, 2 and 4 gloo ranks for its loops, then for the demo)."""
@@ -63,7 +79,18 @@ def _param(name: str) -> object:
 
 def test_every_bench_is_run_here() -> None:
     """Guards the parametrized test against a glob that finds nothing."""
-    assert {"layerwise", "ownership", "refill", "s3", "tp", "transfer"} <= set(BENCHES)
+    assert {
+        "faults",
+        "io",
+        "layerwise",
+        "network",
+        "ownership",
+        "refill",
+        "s3",
+        "tp",
+        "transfer",
+        "tree",
+    } <= set(BENCHES)
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in BENCHES])

@@ -211,7 +211,14 @@ async def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None if cuda else 1, help="torch threads of the model (CPU: 1)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.prefix, args.suffix = 1, 256, 16
     shape = GPU_SHAPE if cuda else CPU_SHAPE
     device = torch.device("cuda" if cuda else "cpu")
     if args.threads is not None:

@@ -90,7 +90,14 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.reps = 20, 1
     seqs = workload(args.requests)
     best_insert = best_cycle = float("inf")
     for _ in range(args.reps):
@@ -102,7 +109,7 @@ def main() -> None:
         "insert_us": round(best_insert / args.requests * 1e6, 1),
         "cycle_us": round(best_cycle / args.requests * 1e6, 1),
     }
-    result.update({k: round(v, 1) for k, v in micro(5000).items()})
+    result.update({k: round(v, 1) for k, v in micro(50 if args.smoke else 5000).items()})
     for key, value in result.items():
         print(f"{key:28s} {value}")
     print(json.dumps(result))

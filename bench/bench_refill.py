@@ -100,7 +100,14 @@ async def run(policy: str, requests: int) -> dict[str, object]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.requests = 2
     t = time.perf_counter()
     result: dict[str, object] = {"bench": "refill", "requests": args.requests, "tokens_per_request": 2 * HALF}
     for policy in ("drop", "backup_then_attach"):

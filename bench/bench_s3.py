@@ -116,7 +116,14 @@ def main() -> None:
     parser.add_argument("--page-mib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:  # 1 MiB pages still: the keys name the page size
+        args.pages, args.rounds, args.concurrency = 2, 1, 2
     page_bytes = int(args.page_mib * (1 << 20))
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp:

@@ -37,6 +37,7 @@ Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2"
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -166,22 +167,6 @@ async def layerwise_loop(group: RankGroup, iterations: int, layerwise: bool) -> 
     }
 
 
-def layerwise_figures(out: dict[str, object], iterations: int) -> None:
-    for tp in (1, 2, 4):
-        for layerwise in (True, False):
-            ranks = run_ranks(layerwise_loop, tp, (iterations, layerwise), timeout_s=600)
-            bad = [r for r in ranks if not r.ok]
-            if bad:
-                raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
-            v = ranks[0].value
-            name = "layerwise" if layerwise else "whole"
-            out[f"{name}_request_us_p50_tp{tp}"] = round(v["request_p50"], 1)
-            out[f"{name}_steps_per_request_tp{tp}"] = round(v["steps_per_request"], 2)
-            if layerwise:
-                out[f"layerwise_wait_us_p50_tp{tp}"] = round(v["wait_p50"], 1)
-                out[f"readiness_collectives_per_load_tp{tp}"] = round(v["collectives_per_load"], 2)
-
-
 HY_PAGE = 16
 HY_WINDOW = 32
 HY_REQUESTS = int(os.environ.get("BENCH_TP_HYBRID_REQUESTS", "90"))
@@ -262,63 +247,86 @@ async def hybrid_loop(group: RankGroup, root: str, n: int, hybrid: bool) -> dict
     }
 
 
-def hybrid_figures(out: dict[str, object], n: int) -> None:
-    """Agreement steps and time per request with and without hybrid components, at TP 1, 2 and 4."""
+async def rank_loops(
+    group: RankGroup, parts: tuple[str, ...], iterations: int, requests: int, root: str
+) -> dict[str, dict[str, float]]:
+    """Every measured loop of `parts` in one set of rank processes (spawning ranks costs seconds each)."""
+    out: dict[str, dict[str, float]] = {}
+    if "agree" in parts:
+        out["agree"] = await agree_loop(group, iterations)
+    if "raw" in parts and group.tp_size > 1:
+        out["raw"] = raw_collectives(group, iterations)
+    if "layerwise" in parts:
+        for layerwise in (True, False):
+            out["layerwise" if layerwise else "whole"] = await layerwise_loop(group, iterations, layerwise)
+    if "hybrid" in parts:
+        for hybrid in (False, True):
+            name = "hybrid" if hybrid else "plain"
+            os.makedirs(os.path.join(root, name), exist_ok=True)
+            out[name] = await hybrid_loop(group, os.path.join(root, name), requests, hybrid)
+    return out
+
+
+def figures(out: dict[str, object], parts: tuple[str, ...], iterations: int, requests: int) -> None:
+    """Run `parts` at TP 1, 2 and 4 (one `run_ranks` each) and add their figures to `out`."""
     import tempfile
 
     for tp in (1, 2, 4):
-        for hybrid in (False, True):
-            with tempfile.TemporaryDirectory(prefix="bench-tp-hybrid-") as root:
-                ranks = run_ranks(hybrid_loop, tp, (root, n, hybrid), timeout_s=600)
-            bad = [r for r in ranks if not r.ok]
-            if bad:
-                raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
-            v = ranks[0].value
-            name = "hybrid" if hybrid else "plain"
-            out[f"{name}_steps_per_request_tp{tp}"] = round(v["steps_per_request"], 2)
-            out[f"{name}_request_us_p50_tp{tp}"] = round(v["request_p50"], 1)
-            out[f"{name}_cached_tokens_tp{tp}"] = v["cached_tokens"]
-
-
-def main() -> None:
-    out: dict[str, object] = {"bench": "tp", "iterations": ITERATIONS, "backend": "gloo"}
-    only = os.environ.get("BENCH_TP_ONLY")
-    if only in ("layerwise", "hybrid"):
-        if only == "layerwise":
-            layerwise_figures(out, ITERATIONS)
-        else:
-            out["requests"] = HY_REQUESTS
-            hybrid_figures(out, HY_REQUESTS)
-        out["load_average"] = os.getloadavg()[0]
-        print(json.dumps(out))
-        return
-    for tp in (1, 2, 4):
-        ranks = run_ranks(agree_loop, tp, (ITERATIONS,), timeout_s=600)
+        with tempfile.TemporaryDirectory(prefix="bench-tp-") as root:
+            ranks = run_ranks(rank_loops, tp, (parts, iterations, requests, root), timeout_s=1200)
         bad = [r for r in ranks if not r.ok]
         if bad:
             raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
         v = ranks[0].value
-        out[f"agree_us_p50_tp{tp}"] = round(v["p50"], 1)
-        out[f"agree_us_p99_tp{tp}"] = round(v["p99"], 1)
-        out[f"acquire_agree_us_p50_tp{tp}"] = round(v["acquire_p50"], 1)
-        out[f"collectives_per_agreement_tp{tp}"] = round(v["collectives_per_agreement"], 3)
-    for tp in (2, 4):
-        ranks = run_ranks(raw_collectives, tp, (ITERATIONS,), timeout_s=600)
-        bad = [r for r in ranks if not r.ok]
-        if bad:
-            raise SystemExit(f"tp={tp}: {bad[0].error_type}: {bad[0].error}")
-        out[f"raw_all_gather_us_p50_tp{tp}"] = round(ranks[0].value["all_gather"], 1)
-        out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(ranks[0].value["all_reduce_min"], 1)
+        if "agree" in v:
+            a = v["agree"]
+            out[f"agree_us_p50_tp{tp}"] = round(a["p50"], 1)
+            out[f"agree_us_p99_tp{tp}"] = round(a["p99"], 1)
+            out[f"acquire_agree_us_p50_tp{tp}"] = round(a["acquire_p50"], 1)
+            out[f"collectives_per_agreement_tp{tp}"] = round(a["collectives_per_agreement"], 3)
+        if "raw" in v:
+            out[f"raw_all_gather_us_p50_tp{tp}"] = round(v["raw"]["all_gather"], 1)
+            out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(v["raw"]["all_reduce_min"], 1)
+        for name in ("layerwise", "whole"):
+            if name in v:
+                out[f"{name}_request_us_p50_tp{tp}"] = round(v[name]["request_p50"], 1)
+                out[f"{name}_steps_per_request_tp{tp}"] = round(v[name]["steps_per_request"], 2)
+        if "layerwise" in v:
+            out[f"layerwise_wait_us_p50_tp{tp}"] = round(v["layerwise"]["wait_p50"], 1)
+            out[f"readiness_collectives_per_load_tp{tp}"] = round(v["layerwise"]["collectives_per_load"], 2)
+        for name in ("plain", "hybrid"):
+            if name in v:
+                out[f"{name}_steps_per_request_tp{tp}"] = round(v[name]["steps_per_request"], 2)
+                out[f"{name}_request_us_p50_tp{tp}"] = round(v[name]["request_p50"], 1)
+                out[f"{name}_cached_tokens_tp{tp}"] = v[name]["cached_tokens"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="one tiny pass: the same JSON keys, no figure worth reading"
+    )
+    args = parser.parse_args()
+    iterations, requests = (5, 6) if args.smoke else (ITERATIONS, HY_REQUESTS)
+    demo_sizes = {"users": 1, "turns": 1} if args.smoke else {}
+    out: dict[str, object] = {"bench": "tp", "iterations": iterations, "backend": "gloo"}
+    only = os.environ.get("BENCH_TP_ONLY")
+    if only in ("layerwise", "hybrid"):
+        if only == "hybrid":
+            out["requests"] = requests
+        figures(out, (only,), iterations, requests)
+        out["load_average"] = os.getloadavg()[0]
+        print(json.dumps(out))
+        return
+    figures(out, ("agree", "raw", "layerwise", "hybrid"), iterations, requests)
     for tp in (1, 2, 4):
-        result = run_tp_demo(TPDemoConfig(tp=tp))
+        result = run_tp_demo(TPDemoConfig(tp=tp, **demo_sizes))
         if not result.all_identical:
             raise SystemExit(f"tp={tp}: the demo failed its checks: {result.failures[:5]}")
         out[f"saved_tokens_tp{tp}"] = result.saved_tokens
         out[f"demo_wall_s_tp{tp}"] = round(result.wall_s, 2)
         out[f"demo_steps_per_request_tp{tp}"] = round(result.agreement_steps / max(1, result.requests), 2)
     out["savings_identical"] = out["saved_tokens_tp1"] == out["saved_tokens_tp2"] == out["saved_tokens_tp4"]
-    layerwise_figures(out, ITERATIONS)
-    hybrid_figures(out, HY_REQUESTS)
     out["goal_agree_p50_tp4_under_1ms"] = float(out["agree_us_p50_tp4"]) < 1000.0  # type: ignore[arg-type]
     print(json.dumps(out))
 

@@ -45,7 +45,7 @@ import torch
 from _loop_timing import run_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, WritePolicy
-from hicache.memory import KVPool, copy_pages_async, make_device_pool, make_host_pool
+from hicache.memory import KVPool, Owner, copy_pages_async, make_device_pool, make_host_pool
 from hicache.tree import NodeRef, RadixTree
 
 STALL_GOAL_MS = 10.0
@@ -314,7 +314,7 @@ async def controller_pass(
         everything = await cache.alloc_device(n * page)
         assert everything is not None
         cache.device_pool.free(everything)
-        host.free(cache._tree.evict_host(n * page).freed_host)  # the bench's own host pool
+        host.free(cache._tree.evict_host(n * page).freed_host, Owner.TREE)  # the bench's own host pool
     for pool in (device, host):
         assert pool.allocator.free_pages == pool.allocator.capacity_pages, pool
 
@@ -482,7 +482,14 @@ def main() -> None:
     )
     parser.add_argument("--sequences", type=int, default=16, help="requests in the controller pass")
     parser.add_argument("--no-controller", action="store_true", help="skip the controller passes")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.total_mib, args.repeats, args.sequences = 8, 1, 2
     if args.total_mib is None:
         args.total_mib = 4096 if torch.cuda.is_available() else 512
     args.page_sizes = [int(p) for p in args.page_sizes.split(",")]

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("snapshot", metavar="PATH", help="a file written by `hicache demo --snapshot PATH`")
     inspect.add_argument("--json", action="store_true", help="print the snapshot's state as JSON")
+    inspect.add_argument(
+        "--top", type=int, default=20, metavar="N", help="prefix rows to show (default 20; the total is said)"
+    )
 
     bench = sub.add_parser("bench", help="run the benchmark scripts in bench/")
     bench.add_argument("names", nargs="*", help="scripts to run, e.g. bench_tree (default: all)")
@@ -148,6 +151,11 @@ def _demo(args: argparse.Namespace) -> int:
     from hicache.policy import RefillPolicy, WritePolicy
 
     hybrid = args.model == "hybrid"
+    if args.backend is not None:
+        problem = _check_backend(args.backend)
+        if problem is not None:
+            print(f"hicache demo: --backend: {problem}", file=sys.stderr)
+            return 2
     if args.scenario != "chat" and (hybrid or args.tp is not None):
         print(
             f"hicache demo: --scenario {args.scenario} runs with --model llama only, without --tp",
@@ -167,20 +175,6 @@ def _demo(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             flag = name.replace("_", "-")
             print(f"hicache demo: --{flag} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    if args.backend is not None:
-        from storage_backends.names import check_url_names
-        from storage_backends.redact import redact_url
-
-        if "://" not in args.backend:
-            print(
-                f"hicache demo: --backend: expected a URL, got {redact_url(args.backend)!r}", file=sys.stderr
-            )
-            return 2
-        try:
-            check_url_names(args.backend)
-        except ValueError as exc:
-            print(f"hicache demo: --backend: {exc}", file=sys.stderr)
             return 2
     fields: dict[str, Any] = {
         "users": args.users,
@@ -262,6 +256,27 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_backend(url: str) -> str | None:
+    """Why the demo's `--backend` URL cannot be opened (redacted), or None: checked by opening and closing
+    it before the model loads, so a bad URL (credentials in it or its endpoint, a query a backend does
+    not take) costs one line, not a model load and a traceback."""
+    import anyio
+
+    from storage_backends.names import check_url_names
+    from storage_backends.redact import redact_text, redact_url, secret_values
+    from storage_backends.registry import open_backend
+
+    if "://" not in url:
+        return f"expected a URL, got {redact_url(url)!r}"
+    try:
+        check_url_names(url)
+        backend = open_backend(url, namespace_digest=bytes(16))
+        anyio.run(backend.aclose)
+    except (ValueError, TypeError, OSError) as exc:
+        return redact_text(str(exc), secret_values(url))
+    return None
+
+
 _TP_REFUSED = (
     # (flag, attribute, the value the TP demo runs with): anything else is refused, never ignored.
     ("--model", "model", "llama"),
@@ -335,34 +350,93 @@ def _file_root(url: str) -> str:
 # ---------------------------------------------------------------------- inspect
 
 
+_INT = (int,)
+_POOL_FIELDS = ("used_pages", "capacity_pages", "page_size", "page_nbytes")
+_TREE_FIELDS = ("nodes", "device_tokens", "evictable_device_tokens", "host_tokens", "evictable_host_tokens")
+_PREFIX_FIELDS = ("hits", "nodes", "device_tokens", "host_tokens")
+_SHOWN = ("pools", "tree", "top_prefixes", "summary")
+
+
 def _inspect(args: argparse.Namespace) -> int:
     path = Path(args.snapshot)
+    if args.top < 0:
+        print(f"hicache inspect: --top must be >= 0, got {args.top}", file=sys.stderr)
+        return 2
     try:
         data = json.loads(path.read_text())
+    except RecursionError:
+        print(f"hicache inspect: cannot read snapshot {str(path)!r}: JSON nested too deeply", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"hicache inspect: cannot read snapshot {str(path)!r}: {exc}", file=sys.stderr)
         return 2
-    if not isinstance(data, dict) or "pools" not in data or "tree" not in data:
-        print(f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file", file=sys.stderr)
-        return 2
     try:
-        data = _redact_snapshot(data)
-        if args.json:
-            shown = {k: data.get(k) for k in ("pools", "tree", "top_prefixes", "summary")}
-            print(json.dumps(shown, indent=2))
-        else:
-            _show_snapshot(data)
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:  # a field missing or of another type
+        _check_snapshot(data)
+        shown = _redact_shown({k: data.get(k) for k in _SHOWN})
+    except (ValueError, RecursionError) as exc:  # a field missing or of another type, or nested too deeply
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         print(
-            f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file: {exc!r}",
+            f"hicache inspect: {str(path)!r} is not a `hicache demo --snapshot` file: {reason}",
             file=sys.stderr,
         )
         return 2
+    prefixes = shown["top_prefixes"] or []
+    shown["top_prefixes"] = prefixes[: args.top]
+    if args.json:
+        print(json.dumps({**shown, "top_prefixes_total": len(prefixes)}, indent=2))
+    else:
+        _show_snapshot(shown, len(prefixes))
     return 0
 
 
-def _show_snapshot(data: dict[str, Any]) -> None:
-    """Print a snapshot's pools, tree and top prefixes as tables."""
+def _check_snapshot(snapshot: object) -> None:
+    """Refuse what `hicache inspect` would show wrongly: every field it reads, of the type it reads.
+
+    Raises:
+        ValueError: naming the first missing or mistyped field.
+    """
+
+    def need(value: object, where: str, kind: tuple[type, ...], what: str) -> Any:
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{where}: expected {what}, got {type(value).__name__}")
+        return value
+
+    def fields(value: object, where: str, names: Sequence[str]) -> dict[str, Any]:
+        row: dict[str, Any] = need(value, where, (dict,), "an object")
+        for name in names:
+            if name not in row:
+                raise ValueError(f"{where}.{name}: missing")
+            need(row[name], f"{where}.{name}", _INT, "an int")
+        return row
+
+    data: dict[str, Any] = need(snapshot, "snapshot", (dict,), "an object")
+    for key in ("pools", "tree"):
+        if key not in data:
+            raise ValueError(f"{key}: missing")
+    pools: dict[str, Any] = need(data["pools"], "pools", (dict,), "an object")
+    for tier in ("device", "host"):
+        if pools.get(tier) is not None:
+            pool = fields(pools[tier], f"pools.{tier}", _POOL_FIELDS)
+            need(pool.get("device"), f"pools.{tier}.device", (str,), "a str")
+    if pools.get("storage") is not None:
+        storage: dict[str, Any] = need(pools["storage"], "pools.storage", (dict,), "an object")
+        need(storage.get("url", ""), "pools.storage.url", (str,), "a str")
+        need(storage.get("bytes_written", 0), "pools.storage.bytes_written", (int, float), "a number")
+    fields(data["tree"], "tree", _TREE_FIELDS)
+    rows = need(data.get("top_prefixes", []), "top_prefixes", (list,), "a list")
+    for i, value in enumerate(rows):
+        row = fields(value, f"top_prefixes[{i}]", _PREFIX_FIELDS)
+        first = need(row.get("first_tokens"), f"top_prefixes[{i}].first_tokens", (list,), "a list")
+        for token in first[:6]:
+            need(token, f"top_prefixes[{i}].first_tokens", _INT, "a list of ints")
+    summary = data.get("summary")
+    if summary is not None:
+        summary = fields(summary, "summary", ("requests", "identical"))
+        need(summary.get("backend", ""), "summary.backend", (str,), "a str")
+
+
+def _show_snapshot(data: dict[str, Any], total_prefixes: int) -> None:
+    """Print a checked snapshot's pools, tree and top prefixes (those in `data`, of `total_prefixes`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -394,10 +468,13 @@ def _show_snapshot(data: dict[str, Any]) -> None:
         f"({tree['evictable_device_tokens']} evictable), {tree['host_tokens']} host tokens "
         f"({tree['evictable_host_tokens']} evictable)"
     )
-    prefixes = Table(title="top prefixes (top-level branches, most hit first)")
+    rows = data["top_prefixes"]
+    prefixes = Table(
+        title=f"top prefixes (top-level branches, most hit first; {len(rows)} of {total_prefixes})"
+    )
     for column in ("#", "first tokens", "hits", "nodes", "device tokens", "host tokens"):
         prefixes.add_column(column)
-    for i, row in enumerate(data.get("top_prefixes", []), 1):
+    for i, row in enumerate(rows, 1):
         first = " ".join(str(t) for t in row["first_tokens"][:6]) + " ..."
         prefixes.add_row(
             str(i),
@@ -408,29 +485,33 @@ def _show_snapshot(data: dict[str, Any]) -> None:
             str(row["host_tokens"]),
         )
     console.print(prefixes)
+    if total_prefixes > len(rows):
+        console.print(f"... {total_prefixes - len(rows)} more prefixes (--top N shows more)")
     summary = data.get("summary")
     if summary:
         console.print(
             f"run: {summary['requests']} requests, {summary['identical']}/{summary['requests']} identical to "
-            f"recompute, backend {summary['backend']}"
+            f"recompute, backend {summary.get('backend', '')}"
         )
 
 
-def _redact_snapshot(data: dict[str, Any]) -> dict[str, Any]:
-    """The snapshot with credentials in its storage URLs replaced by `***`.
+def _redact_shown(value: Any, name: object = None) -> Any:
+    """`value` (what `inspect` prints) with every credential replaced by `***`, wherever it is: a
+    secret-named field's value, and the user info and secret parameters of every URL in a string.
 
-    Snapshots written by this version already hold redacted URLs; older ones (or edited ones) may not.
+    Snapshots written by this version hold redacted URLs already; older or edited ones may not.
     """
-    from storage_backends.redact import redact_url
+    from storage_backends.redact import REDACTED, is_secret_name, redact_text
 
-    data = dict(data)
-    pools = data.get("pools")
-    if isinstance(pools, dict) and isinstance(pools.get("storage"), dict) and "url" in pools["storage"]:
-        data["pools"] = {**pools, "storage": {**pools["storage"], "url": redact_url(pools["storage"]["url"])}}
-    summary = data.get("summary")
-    if isinstance(summary, dict) and "backend" in summary:
-        data["summary"] = {**summary, "backend": redact_url(summary["backend"])}
-    return data
+    if is_secret_name(name) and value not in (None, ""):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: _redact_shown(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_shown(v) for v in value]
+    if isinstance(value, str) and ("://" in value or "=" in value or "@" in value):
+        return redact_text(value)
+    return value
 
 
 # ---------------------------------------------------------------------- bench

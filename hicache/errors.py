@@ -25,6 +25,7 @@ __all__ = [
     "ForeignPage",
     "HiCacheError",
     "InvariantViolation",
+    "LeaseReleased",
     "LoadBackFailed",
     "OldPageFormat",
     "PageNotFound",
@@ -60,6 +61,11 @@ class CacheFailed(CacheClosed):
 class LoadBackFailed(HiCacheError, RuntimeError):
     """Raised by `LayerReadiness.wait_layer` when a layer-wise load-back's copy failed before that layer
     landed (the model must not read it)."""
+
+
+class LeaseReleased(HiCacheError, ValueError):
+    """Raised when a released lease is used: inserted, or its `layers` waited on (its pages may hold another
+    request's KV by then)."""
 
 
 class UnsupportedEventLoop(HiCacheError, RuntimeError):

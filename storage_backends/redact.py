@@ -224,6 +224,8 @@ def secret_values(url: object = None, options: Mapping[Any, Any] | None = None) 
                 for name, value in parse_qsl(text, keep_blank_values=True):
                     if is_secret_name(name) and value:
                         found.extend({value, value.replace(" ", "+")})
+                    elif "://" in value:  # `endpoint=http://id:secret@host`: its user info too
+                        found.extend(secret_values(value))
     for name, value in (options or {}).items():
         if is_secret_name(name) and isinstance(value, str) and value:
             found.append(value)
@@ -238,7 +240,7 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     Three passes: each URL found in the text is redacted (`redact_url`); each `name=value` or quoted
     `'name': value` (a mapping's repr) whose name is secret loses its value; then every known secret
     value (`secrets`, those given to `remember_secrets`, and the secret-named environment variables)
-    still present is replaced wherever it appears.
+    still present is replaced wherever it appears, in any case.
 
     Args:
         text: the text to clean.
@@ -253,9 +255,12 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
         text = _ASSIGNMENT_IN_TEXT.sub(_redact_assignment, text)
     with _known_lock:
         known = set(_known)
+    folded = text.casefold()
     for secret in sorted({*secrets, *known, *environment_secrets()}, key=len, reverse=True):
-        if len(secret) >= _MIN_SECRET and secret in text:
-            text = text.replace(secret, REDACTED)
+        # Any case: a URL parser lowercases a host, and user info misparsed as one is a secret still.
+        if len(secret) >= _MIN_SECRET and secret.casefold() in folded:
+            text = re.sub(re.escape(secret), REDACTED, text, flags=re.IGNORECASE)
+            folded = text.casefold()
     return text
 
 

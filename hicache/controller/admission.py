@@ -203,7 +203,7 @@ class Admission:
                 or anchor_end + host_indices.numel() - matched < config.prefetch_threshold
             ):
                 if host_indices is not None:
-                    self._host_pool.free(host_indices)
+                    self._host_pool.free(host_indices, owner=Owner.PREFETCH)
                 tree.unlock_host(anchor)
                 return SkipReason.HOST_FULL
         except BaseException:
@@ -217,7 +217,7 @@ class Admission:
                 storage, hashes[:n_pages], n_pages * page, host_indices, anchor
             )
             if isinstance(got, SkipReason):
-                self._host_pool.free(host_indices)
+                self._host_pool.free(host_indices, owner=Owner.PREFETCH)
                 tree.unlock_host(anchor)
                 return got
             staged, reads = got
@@ -419,9 +419,9 @@ class Admission:
         for transfer in staged:
             pool = self._component_pools[transfer.component].host  # the pool it was staged in
             if not pool.closed:
-                pool.free(transfer.indices)
+                pool.free(transfer.indices, owner=Owner.PREFETCH)
         if not self._host_pool.closed:
-            self._host_pool.free(host_indices)
+            self._host_pool.free(host_indices, owner=Owner.PREFETCH)
         self._tree.unlock_host(anchor)
 
     async def _stage_components(
@@ -478,10 +478,10 @@ class Admission:
                 reads.append((keys, host_pool.page_views(indices)))
         except BaseException:
             for transfer in staged:
-                transfer.pool.free(transfer.indices)
+                self._component_pools[transfer.component].host.free(transfer.indices, owner=Owner.PREFETCH)
             raise
         if reason is not None:
             for transfer in staged:
-                transfer.pool.free(transfer.indices)
+                self._component_pools[transfer.component].host.free(transfer.indices, owner=Owner.PREFETCH)
             return reason
         return staged, reads

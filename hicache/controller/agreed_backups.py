@@ -397,8 +397,8 @@ class AgreedBackups:
             else:
                 for node in reversed(chain):
                     aborted = tree.abort_backup(node)
-                    self._host_pool.free(aborted.freed_host)
-                    self._allocator.free_components(aborted.component_frees)
+                    self._host_pool.free(aborted.freed_host, owner=Owner.COPY)
+                    self._allocator.free_components(aborted.component_frees, owner=Owner.COPY)
         self._allocator.free_components(frees)
         if committed and self.write_through and self._agreement.failed is None:
             self._store(committed)

@@ -62,10 +62,11 @@ class Allocator:
         self._page_size = host_pool.page_size
         self._agreement = agreement
 
-    def free_components(self, frees: Sequence[ComponentFree]) -> None:
-        """Return the component indices a tree operation's result says it let go of to their pools."""
+    def free_components(self, frees: Sequence[ComponentFree], owner: Owner = Owner.TREE) -> None:
+        """Return the component indices a tree operation's result says it let go of to their pools (the
+        tree's; an aborted backup's are a copy's)."""
         for free in frees:
-            self._component_pools[free.component].on(free.tier).free(free.indices)
+            self._component_pools[free.component].on(free.tier).free(free.indices, owner=owner)
 
     def alloc_component_slots(
         self, name: str, tier: str, num_slots: int, *, owner: Owner
@@ -163,7 +164,7 @@ class Allocator:
         if free < num_tokens:
             evicted = self._tree.evict_host(num_tokens - free)
             if evicted.freed_host.numel():
-                pool.free(evicted.freed_host)
+                pool.free(evicted.freed_host, owner=Owner.TREE)
             self.free_components(evicted.component_frees)
         indices = pool.alloc(num_tokens, owner)
         if indices is None and partial:
@@ -180,7 +181,7 @@ class Allocator:
         """Evict `num_tokens` host tokens of host-only leaves and free them; returns the tokens freed."""
         evicted = self._tree.evict_host(num_tokens)
         if evicted.freed_host.numel():
-            self._host_pool.free(evicted.freed_host)
+            self._host_pool.free(evicted.freed_host, owner=Owner.TREE)
         self.free_components(evicted.component_frees)
         return int(evicted.freed_host.numel())
 

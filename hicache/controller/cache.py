@@ -41,7 +41,7 @@ from hicache.controller.state import OpenState
 from hicache.controller.tier_mover import TierMover
 from hicache.controller.workers import Workers
 from hicache.keys import KeyLike, as_key_bytes
-from hicache.memory import KVPool, Owner
+from hicache.memory import KVPool, Owner, check_token_indices
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
 from hicache.parallel import Agreement
@@ -282,12 +282,18 @@ class HiCache(CacheLifecycle, CacheObservation):
                 they are freed.
 
         Raises:
-            TypeError: naming `lease` when it is not a `Lease`.
+            TypeError: naming `lease` when it is not a `Lease`, `device_indices` or a component's indices
+                when they are not a 1-D int64 CPU tensor (a numpy array would free nothing).
             PoolError: naming `device_indices` or `components`, when an index is not one the caller holds
                 (out of range, misaligned, repeated, free, held by the tree or in flight); nothing is
                 freed and the lease stays as it was then.
         """
         _check_lease(lease)
+        if device_indices is not None:
+            check_token_indices(device_indices, name="device_indices")
+        if isinstance(components, Mapping):
+            for name, indices in components.items():
+                check_token_indices(indices, name=f"components[{name!r}]")
         self._leases.release(lease, device_indices, components)
 
     async def insert(
@@ -356,8 +362,11 @@ class HiCache(CacheLifecycle, CacheObservation):
         is `alloc_component` for each.
 
         Raises:
+            TypeError: naming `slots` when it is not a mapping.
             ValueError: an unknown component or a count that is not a multiple of its page size.
         """
+        if not isinstance(slots, Mapping):
+            raise TypeError(f"slots: expected a mapping of component name to slots, got {slots!r:.80}")
         for name, num_slots in slots.items():
             self._check_component_request(name, num_slots)
         wants = [(name, Tier.DEVICE, n) for name, n in slots.items()]
@@ -366,6 +375,8 @@ class HiCache(CacheLifecycle, CacheObservation):
 
     def _check_component_request(self, name: str, num_slots: int) -> None:
         self._state.check_open("alloc_component")
+        if not isinstance(name, str):
+            raise TypeError(f"name: expected a component name (str), got {name!r:.80}")
         if name not in self._component_pools:
             raise ValueError(f"name: unknown component {name!r}")
         page = self._component_pools[name].device.page_size
@@ -393,8 +404,12 @@ class HiCache(CacheLifecycle, CacheObservation):
         """Copy the host-only part of a match back to device and return the fresh match.
 
         If device memory cannot be found the match is returned unchanged (a value, not an error).
+
+        Raises:
+            TypeError: naming `match` when it is not a `MatchResult`.
         """
         self._state.check_open("load_back")
+        _check_match(match)
         return await self._mover.load_back(match)
 
     async def load_back_layerwise(self, match: MatchResult) -> LayerwiseLoad:
@@ -404,18 +419,22 @@ class HiCache(CacheLifecycle, CacheObservation):
         i may be read: on CUDA it makes the current stream wait for layer i's event, on the CPU it blocks
         the calling thread (call it from the model's thread, never on the event loop). With hybrid
         components, or no device room, this loads as `load_back` does and the layers are ready.
+
+        Raises:
+            TypeError: naming `match` when it is not a `MatchResult`.
         """
         self._state.check_open("load_back_layerwise")
+        _check_match(match)
         return await self._loader.load_back(match)
 
     def layer_readiness(self, device_indices: torch.Tensor) -> LayerReadiness:
         """The readiness of device pages found by `match` (layer-wise loads of them may be in flight).
 
         Raises:
-            TypeError: naming `device_indices` when it is not an int64 tensor.
+            TypeError: naming `device_indices` when it is not a 1-D int64 CPU tensor.
+            ValueError: naming `device_indices` when an index is outside the device pool.
         """
-        if not isinstance(device_indices, torch.Tensor) or device_indices.dtype != torch.int64:
-            raise TypeError(f"device_indices: expected an int64 tensor, got {device_indices!r:.80}")
+        self._device_pool.check_tokens(device_indices, name="device_indices")
         return self._loader.readiness_for(device_indices)
 
     # ------------------------------------------------------------------ prefetch
@@ -443,11 +462,21 @@ class HiCache(CacheLifecycle, CacheObservation):
                 indices into a `KVPool` must be pages the caller holds (allocated, not handed over).
 
         Raises:
-            ValueError: naming `request_id` when it is empty or already has a prefetch in flight.
+            TypeError: naming `match` when it is not a `MatchResult`, or `transfers` when it is not a
+                sequence of `ComponentTransfer`.
+            ValueError: naming `request_id` when it is empty or already has a prefetch in flight, or
+                `match` when it matched other tokens.
             PoolError: naming `transfers` when one holds an index the caller does not hold.
         """
         self._state.check_open("prefetch")
         _check_request_id(request_id)
+        if match is not None:
+            _check_match(match)
+        if isinstance(transfers, (str, ComponentTransfer)) or not isinstance(transfers, Sequence):
+            raise TypeError(f"transfers: expected a sequence of ComponentTransfer, got {transfers!r:.80}")
+        for transfer in transfers:
+            if not isinstance(transfer, ComponentTransfer):
+                raise TypeError(f"transfers: expected ComponentTransfer items, got {transfer!r:.80}")
         started = await self._prefetcher.start(request_id, tokens, match, transfers)  # converts tokens
         return None if isinstance(started, SkipReason) else started
 
@@ -460,7 +489,12 @@ class HiCache(CacheLifecycle, CacheObservation):
 
         If the caller is cancelled while waiting, the prefetch stays in flight (asked to stop) and can be
         committed or cancelled again.
+
+        Raises:
+            TypeError, ValueError: naming `request_id` when it is not a non-empty str.
+            UnknownRequest: when no prefetch is in flight for it.
         """
+        _check_request_id(request_id)
         return await self._prefetcher.commit(request_id)
 
     async def cancel_prefetch(self, request_id: str) -> PrefetchOutcome:
@@ -472,6 +506,7 @@ class HiCache(CacheLifecycle, CacheObservation):
         the stream stops (`statistics().detached_prefetches` counts those), and the outcome then reports
         every page as released, none quarantined yet.
         """
+        _check_request_id(request_id)
         return await self._prefetcher.cancel(request_id)
 
     def get_prefetch(self, request_id: str) -> Prefetch:
@@ -481,6 +516,7 @@ class HiCache(CacheLifecycle, CacheObservation):
             CacheClosed: if there is none and the cache is closed (closing resolved every prefetch).
             UnknownRequest: if there is none.
         """
+        _check_request_id(request_id)
         return self._prefetcher.get(request_id)
 
 
@@ -498,3 +534,9 @@ def _check_lease(lease: object) -> None:
     """Refuse a lease that is not a `Lease` (naming `lease`) before anything reads its fields."""
     if not isinstance(lease, Lease):
         raise TypeError(f"lease: expected a Lease from acquire, got {type(lease).__name__}")
+
+
+def _check_match(match: object) -> None:
+    """Refuse a match that is not a `MatchResult` (naming `match`) before anything reads its fields."""
+    if not isinstance(match, MatchResult):
+        raise TypeError(f"match: expected a MatchResult from match(), got {type(match).__name__}")

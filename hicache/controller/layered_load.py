@@ -55,6 +55,7 @@ from hicache.memory.layerwise import (
     ALL_READY,
     CpuLayerReadiness,
     CudaLayerReadiness,
+    HeldReadiness,
     LayerReadiness,
     LayerwiseCopy,
     all_of,
@@ -122,17 +123,21 @@ class LayeredLoader:
         """Layer-wise load-backs whose copy has not landed yet."""
         return len(self._in_flight)
 
-    def readiness_for(self, device_indices: torch.Tensor) -> LayerReadiness:
+    def readiness_for(self, device_indices: torch.Tensor) -> HeldReadiness:
         """The readiness of device pages `device_indices`: of every in-flight load that copies into one of
-        them (`ALL_READY` when none does)."""
+        them (`ALL_READY` when none does), checking `layer` the same way whatever is in flight."""
+        num_layers = self._device_pool.layout.num_layers
         if not self._in_flight or not device_indices.numel():
-            return ALL_READY
-        return all_of(
-            [
-                load.readiness if load.agreed is None else load.agreed.layers
-                for load in self._in_flight.values()
-                if bool(torch.isin(load.device_indices, device_indices).any())
-            ]
+            return HeldReadiness(ALL_READY, num_layers)
+        return HeldReadiness(
+            all_of(
+                [
+                    load.readiness if load.agreed is None else load.agreed.layers
+                    for load in self._in_flight.values()
+                    if bool(torch.isin(load.device_indices, device_indices).any())
+                ]
+            ),
+            num_layers,
         )
 
     async def load_back(self, match: MatchResult) -> LayerwiseLoad:
@@ -163,7 +168,7 @@ class LayeredLoader:
         if current.device_len != start or current.host_nodes != host_nodes:
             # The tree moved while pages were found (a split, a concurrent load): not worth a layer-wise
             # plan of its own; give the pages back and load whole, which re-walks the tree.
-            self._device_pool.free(device_indices)
+            self._device_pool.free(device_indices)  # from `alloc_device`: the caller's until attached
             match = await self._mover.load_back(current)
             return LayerwiseLoad(match, self.readiness_for(match.device_indices))
         copy = LayerwiseCopy(
@@ -343,7 +348,7 @@ class LayeredLoader:
             logger.error("layer-wise load-back failed: %r", error)
         freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
         assert not freed.component_frees, "a layer-wise load-back loads no components"
-        self._device_pool.free(self._orphan_loads_below(freed.freed_device))
+        self._device_pool.free(self._orphan_loads_below(freed.freed_device), owner=Owner.TREE)
         if not kept:
             return
         if load.recopy or not isinstance(error, Exception):
@@ -415,7 +420,7 @@ class LayeredLoader:
         assert pages is not None
         assert load.copy.settled, "only a settled load finishes (see `_defer`)"
         self._copies.untrack_load(pages)
-        self._device_pool.free(pages)
+        self._device_pool.free(pages, owner=Owner.COPY)
 
 
 def _not_everywhere() -> LoadBackFailed:

@@ -14,9 +14,10 @@ from hicache.controller.prefetcher import Prefetcher
 from hicache.controller.results import Lease
 from hicache.controller.state import OpenState
 from hicache.controller.tier_mover import TierMover
-from hicache.errors import LoadBackFailed
+from hicache.errors import LeaseReleased, LoadBackFailed
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices
+from hicache.memory.layerwise import HeldReadiness
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, RadixTree
 
@@ -138,6 +139,8 @@ class Leases:
         if lease.active:
             lease.active = False
             self._tree.unlock_device(lease.node)
+            if isinstance(lease.layers, HeldReadiness):
+                lease.layers.release(f"the lease of request {lease.request_id!r}")
         for pool, indices in claims:
             pool.free(indices)
 
@@ -164,7 +167,7 @@ class Leases:
         await self._mover.give_workers_a_turn()
         self._state.check_open("insert")
         if not lease.active:
-            raise ValueError(f"lease: the lease of request {lease.request_id!r} was already released")
+            raise LeaseReleased(f"lease: the lease of request {lease.request_id!r} was already released")
         if lease.cached_len and self._prefix_failed(lease):
             raise LoadBackFailed(
                 f"lease: the cached prefix of request {lease.request_id!r} failed to load back; "
@@ -207,9 +210,9 @@ class Leases:
         for name, indices in (components or {}).items():
             self._component_pools[name].device.set_owner(indices, Owner.TREE)
         if result.prefix_len > lease.cached_len:
-            self._device_pool.free(device_indices[lease.cached_len : result.prefix_len])
+            self._device_pool.free(device_indices[lease.cached_len : result.prefix_len], owner=Owner.TREE)
         if padded > aligned:
-            self._device_pool.free(device_indices[aligned:])
+            self._device_pool.free(device_indices[aligned:], owner=Owner.TREE)
         self.release(lease, None, None)
         self._allocator.free_components(result.component_frees)
         await self._mover.start_backups(result.backups)

@@ -154,6 +154,10 @@ class Prefetcher:
             page = self._page_size
             aligned = len(key) // TOKEN_BYTES // page * page
             key = key[: aligned * TOKEN_BYTES]
+            if match is not None and not key.startswith(
+                match.key[: (match.device_len + match.host_len) * TOKEN_BYTES]
+            ):
+                raise ValueError("match: it matched other tokens than `tokens` (call match(tokens))")
             found: MatchResult | PrefixPeek = match if match is not None else self._tree.peek(key)
             if isinstance(found, MatchResult) and not self._tree.is_live(found.last_host_node):
                 found = self._tree.peek(key)  # evicted during the turn: as if none was given

@@ -17,6 +17,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from hicache.memory import KVPool, Owner
 from storage_backends.threads import stray_threads
 
 __all__ = ["ComponentTransfer", "IndexPool", "ReleaseBatch", "ReleaseQueue", "ReleaseStatistics"]
@@ -93,7 +94,7 @@ class ReleaseQueue:
     them every `poll_s` seconds and releases each once its thread returned.
     """
 
-    def __init__(self, host_pool: IndexPool, *, batch_tokens: int, poll_s: float = 0.02) -> None:
+    def __init__(self, host_pool: KVPool, *, batch_tokens: int, poll_s: float = 0.02) -> None:
         if batch_tokens < 1:
             raise ValueError(f"batch_tokens: must be >= 1, got {batch_tokens}")
         self._host_pool = host_pool
@@ -257,7 +258,7 @@ class ReleaseQueue:
             self._pending.appendleft(ReleaseBatch(rest, batch.transfers))
             self._pending_tokens -= int(head.numel())
             self._released_tokens += int(head.numel())
-            self._host_pool.free(head)
+            self._host_pool.free(head, owner=Owner.RELEASE)
             return
         self._pending_tokens -= n
         self._released_tokens += n
@@ -267,7 +268,10 @@ class ReleaseQueue:
         error: Exception | None = None
         for pool, indices in frees:
             try:
-                pool.free(indices)
+                if isinstance(pool, KVPool):  # tagged on its way here (`PrefetchReleaser`)
+                    pool.free(indices, owner=Owner.RELEASE)
+                else:
+                    pool.free(indices)
             except Exception as exc:  # free the rest of the call, then raise the first
                 error = error or exc
         if error is not None:

@@ -158,10 +158,10 @@ class TierMover:
                     return indices
             # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
             result = self._tree.evict_device(need, host_free_tokens=room)
-            self._device_pool.free(result.freed_device)
+            self._device_pool.free(result.freed_device, owner=Owner.TREE)
             self._allocator.free_components(result.component_frees)
             if result.freed_host.numel():
-                self._host_pool.free(result.freed_host)
+                self._host_pool.free(result.freed_host, owner=Owner.TREE)
             if result.dropped_tokens:
                 self._metrics.evict_dropped_tokens.inc(result.dropped_tokens)
             # Root-first chains, each below the earlier ones: one batch begins them in order, so
@@ -262,8 +262,8 @@ class TierMover:
             except BaseException:
                 for node in reversed(nodes):
                     aborted = self._tree.abort_backup(node)
-                    self._host_pool.free(aborted.freed_host)
-                    self._allocator.free_components(aborted.component_frees)
+                    self._host_pool.free(aborted.freed_host, owner=Owner.COPY)
+                    self._allocator.free_components(aborted.component_frees, owner=Owner.COPY)
                 raise
             # Root first. A node split while copying is committed together with its split-off upper part.
             frees: list[ComponentFree] = []
@@ -394,7 +394,7 @@ class TierMover:
             except BaseException:
                 if agreed is not None:
                     agreed.settle(0)
-                self._device_pool.free(device_indices)
+                self._device_pool.free(device_indices, owner=Owner.COPY)
                 self._free_loaded(loaded)
                 raise
             finally:
@@ -404,7 +404,7 @@ class TierMover:
             if agreed is not None and self._agreement is not None:
                 agreed.settle(1)
                 if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
-                    self._device_pool.free(device_indices)
+                    self._device_pool.free(device_indices, owner=Owner.COPY)
                     self._free_loaded(loaded)
                     return tree.match_prefix(key[: start * TOKEN_BYTES])
             # The copies are the tree's now; it hands back those no node takes (the tree may have changed
@@ -414,7 +414,7 @@ class TierMover:
                 self._component_pools[name].device.set_owner(device, Owner.TREE)
             attached = tree.attach_loaded(key, start, device_indices, loaded)
             if attached.freed_device.numel():
-                self._device_pool.free(attached.freed_device)
+                self._device_pool.free(attached.freed_device, owner=Owner.TREE)
             self._allocator.free_components(attached.component_frees)
             self._metrics.load_back_tokens.inc(length)
         finally:
@@ -447,7 +447,7 @@ class TierMover:
     def _free_loaded(self, loaded: _ComponentCopies) -> None:
         """Give back the device slots of component loads that will not land."""
         for (_, name), (_, device) in loaded.items():
-            self._component_pools[name].device.free(device)
+            self._component_pools[name].device.free(device, owner=Owner.COPY)
 
 
 def _unlock_all(tree: RadixTree, nodes: Sequence[NodeRef]) -> None:

@@ -171,28 +171,36 @@ class PageAllocator:
         self._tags[page_a] = int(owner)
         return torch.from_numpy((page_a[:, None] * self._page_size + self._offsets_np).reshape(-1))
 
-    def free(self, indices: torch.Tensor) -> None:
+    def free(self, indices: torch.Tensor, owner: Owner = Owner.LEASE) -> None:
         """Give back token indices previously returned by `alloc` (any whole pages of them).
 
         Everything is validated before anything is freed: on error the allocator is unchanged.
 
         Args:
             indices: a 1-D int64 CPU tensor of whole, aligned page runs.
+            owner: the tag every page must carry (default: held by the caller); the tree, a copy, a
+                prefetch and the release queue free their own pages by naming themselves.
 
         Raises:
             TypeError: when `indices` is not a 1-D int64 CPU tensor.
             PoolError: when `indices` is misaligned, foreign (out of range), repeats a page, or names a page
-                that is already free (a double free).
+                that is already free (a double free) or held by another owner than `owner`.
         """
         pages = self._pages(indices, "indices")
         if pages.size == 0:
             return
         if _repeats(pages):
             raise PoolError("indices: the same page appears more than once (a double free)")
-        already_free = self._tags[pages] == int(_FREE)
+        tags = self._tags[pages]
+        already_free = tags == int(_FREE)
         if already_free.any():
             bad = pages[already_free][:8].tolist()
             raise PoolError(f"indices: double free of page(s) {bad} (already free)")
+        wrong = tags != int(owner)
+        if wrong.any():
+            bad = pages[wrong][:8].tolist()
+            held = sorted({_HELD_BY[Owner(int(t))] for t in tags[wrong][:8].tolist()})
+            raise PoolError(f"indices: page(s) {bad} are not {_HELD_BY[owner]}; they are {'; '.join(held)}")
         self._tags[pages] = int(_FREE)
         self._free_stack.extend(reversed(pages.tolist()))
 

@@ -36,7 +36,7 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from hicache.errors import LoadBackFailed
+from hicache.errors import LeaseReleased, LoadBackFailed
 from hicache.memory.pool import KVPool
 from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _runs, _validated_pages, _wait_event
 
@@ -44,6 +44,7 @@ __all__ = [
     "ALL_READY",
     "CpuLayerReadiness",
     "CudaLayerReadiness",
+    "HeldReadiness",
     "LayerReadiness",
     "LayerwiseCopy",
     "all_of",
@@ -204,6 +205,61 @@ class _AllOf(LayerReadiness):
 
     def __repr__(self) -> str:
         return f"<LayerReadiness all of {list(self._parts)}>"
+
+
+class HeldReadiness(LayerReadiness):
+    """The readiness a caller is handed (a lease's `layers`, `HiCache.layer_readiness`): `inner`'s, with
+    `layer` checked against the layout whatever `inner` is (complete, or still landing), and refused once
+    the lease it belongs to was released (its pages may hold another request's KV by then).
+
+    Args:
+        inner: what says which layers landed.
+        num_layers: the layout's layers.
+    """
+
+    def __init__(self, inner: LayerReadiness, num_layers: int) -> None:
+        self.inner = inner
+        self.num_layers = num_layers
+        self._released: str | None = None
+
+    def release(self, holder: str) -> None:
+        """`holder` (a lease) was released: every later `wait_layer`/`is_ready` raises `LeaseReleased`."""
+        self._released = holder
+
+    def _check(self, layer: int) -> None:
+        _check_layer(layer, self.num_layers)
+        if self._released is not None:
+            raise LeaseReleased(
+                f"layer {layer}: {self._released} was released; its pages are no longer its KV"
+            )
+
+    def wait_layer(self, layer: int) -> None:
+        """`LayerReadiness.wait_layer`.
+
+        Raises:
+            ValueError: naming `layer` when it is not an int in ``[0, num_layers)``.
+            LeaseReleased: once the lease was released.
+            LoadBackFailed: when the copy failed before this layer landed.
+        """
+        self._check(layer)
+        self.inner.wait_layer(layer)
+
+    def is_ready(self, layer: int) -> bool:
+        self._check(layer)
+        return self.inner.is_ready(layer)
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+    async def wait_layer_async(self, layer: int) -> None:
+        self._check(layer)
+        await self.inner.wait_layer_async(layer)
+        self._check(layer)  # released while it waited
+
+    def __repr__(self) -> str:
+        released = f" ({self._released} released)" if self._released is not None else ""
+        return f"<HeldReadiness {self.inner!r}{released}>"
 
 
 def all_of(parts: Sequence[LayerReadiness]) -> LayerReadiness:

@@ -181,10 +181,11 @@ class KVPool:
         `PageAllocator.check_owned`."""
         return self._allocator.check_owned(indices, owner, name=name)
 
-    def free(self, indices: torch.Tensor) -> None:
-        """Give pages back; see `PageAllocator.free`. On error nothing is freed."""
+    def free(self, indices: torch.Tensor, owner: Owner = Owner.LEASE) -> None:
+        """Give pages tagged `owner` back (default: the caller's own); see `PageAllocator.free`. On error
+        nothing is freed."""
         self._check_open()
-        self._allocator.free(indices)
+        self._allocator.free(indices, owner)
 
     def page_ids(self, indices: torch.Tensor, *, name: str = "indices") -> torch.Tensor:
         """Validated page ids of token indices of whole, aligned pages; see `PageAllocator.page_ids`."""
@@ -247,16 +248,25 @@ class KVPool:
 
     # -- token gather / scatter -----------------------------------------------------------------------
 
-    def _token_coords(self, indices: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        check_token_indices(indices, name=name)
-        if indices.numel() and (
-            int(indices.min()) < 0 or int(indices.max()) >= self._allocator.capacity_tokens
+    def check_tokens(self, indices: object, *, name: str = "indices") -> torch.Tensor:
+        """Check that `indices` is a 1-D int64 CPU tensor of this pool's token slots and return it.
+
+        Raises:
+            TypeError: naming `name` when `indices` is not a 1-D int64 CPU tensor.
+            ValueError: naming `name` when an index is outside the pool.
+        """
+        checked = check_token_indices(indices, name=name)
+        if checked.numel() and (
+            int(checked.min()) < 0 or int(checked.max()) >= self._allocator.capacity_tokens
         ):
             raise ValueError(
                 f"{name}: token indices must lie in [0, {self._allocator.capacity_tokens}) for pool "
                 f"{self._name!r}"
             )
-        idx = indices.to(self._device)
+        return checked
+
+    def _token_coords(self, indices: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.check_tokens(indices, name=name).to(self._device)
         return idx // self.page_size, idx % self.page_size
 
     def read_tokens(self, indices: torch.Tensor) -> torch.Tensor:

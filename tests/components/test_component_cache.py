@@ -90,7 +90,7 @@ async def test_seed_drop_releases_pages_and_both_component_transfers_in_one_call
         assert tree_of(cache).node_info(parent).children == ()
         cache.sanity_check()
         evicted = tree_of(cache).evict_device(16)
-        cache.device_pool.free(evicted.freed_device)
+        cache.device_pool.free(evicted.freed_device, Owner.TREE)
         await release_queue_of(cache).drain()
         cache.sanity_check()
         assert_every_pool_full(cache)

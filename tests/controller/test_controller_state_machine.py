@@ -44,6 +44,7 @@ from kv_oracle import (
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Lease, Prefetch, UnknownRequest
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes, key_to_tensor
+from hicache.memory import Owner
 from hicache.policy import StopPolicy, WritePolicy
 from hicache.tree import ComponentFree
 from storage_backends.memory import MemoryBackend
@@ -328,20 +329,20 @@ class ControllerMachine(RuleBasedStateMachine):
         while True:
             evicted = tree_of(cache).evict_device(DEVICE_PAGES * self.page_size, host_free_tokens=0)
             assert not evicted.backup_first
-            cache.device_pool.free(evicted.freed_device)
-            host_pool_of(cache).free(evicted.freed_host)
+            cache.device_pool.free(evicted.freed_device, Owner.TREE)
+            host_pool_of(cache).free(evicted.freed_host, Owner.TREE)
             frees.extend(evicted.component_frees)  # component values evicted with their nodes
             if evicted.evicted_tokens == 0:
                 break
         while True:
             host = tree_of(cache).evict_host(HOST_PAGES * self.page_size)
-            host_pool_of(cache).free(host.freed_host)
+            host_pool_of(cache).free(host.freed_host, Owner.TREE)
             frees.extend(host.component_frees)
             if host.evicted_tokens == 0:
                 break
         for free in frees:
             device_pool, host_pool = component_pools_of(cache)[free.component]
-            (device_pool if free.tier == "device" else host_pool).free(free.indices)
+            (device_pool if free.tier == "device" else host_pool).free(free.indices, Owner.TREE)
         cache.sanity_check()
         assert tree_of(cache).statistics().num_nodes == 0
 

@@ -10,8 +10,9 @@ host pool never hands them out) until the thread returns, then released, and the
 Quarantine is asserted as "at least the stuck batch": a batch whose healthy read is still in its thread
 when the deadline passes is quarantined too, until that thread returns a moment later.
 
-Bounds are asserted generously ("within 5 s of a 0.2 s deadline"): they guard against waiting for the
-stuck read (which here lasts until the test lets it go), not against a slow machine.
+No wall-clock bound is asserted: a call that returns "promptly" is one that returned while the stuck
+read is still stuck (`returned` is set only once the stuck thread gets past its gate, which the test
+opens later); `fail_after(BOUND_S)` only turns a hang into a failure.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
@@ -53,8 +53,8 @@ NAMESPACE = HiCacheConfig(
 """The effective namespace of every cache here (its config adds the layout to the model id)."""
 SEQ = [3000 + 11 * i for i in range(N_PAGES * PAGE)]
 KEY = as_key_bytes(SEQ)
-BOUND_S = 5.0
-"""Generous: how long after its deadline a call may take to return (the goal is milliseconds)."""
+BOUND_S = 30.0
+"""A hang guard only (see the module docstring), never a figure the test checks."""
 
 
 @pytest.fixture(autouse=True)
@@ -91,11 +91,14 @@ class StuckFile:
         self.path = path
         self.entered = threading.Event()
         self.gate = threading.Event()
+        self.returned = threading.Event()
+        """Set once the stuck thread got past its gate: a call that returned before did not wait for it."""
 
     def block(self) -> None:
         """In the worker thread: say so, then wait until released (bounded: a failed test must end)."""
         self.entered.set()
         self.gate.wait(60)
+        self.returned.set()
 
     def release(self) -> None:
         """Let every reader blocked on the page go."""
@@ -215,19 +218,17 @@ async def test_acquire_returns_at_its_deadline_while_a_read_is_stuck(
     then they come back through the release queue and every page is accounted for.
     """
     async with HiCache(config(), storage=stored) as cache:
-        cancelled_at: list[float] = []
         with anyio.CancelScope() as deadline:
             async with anyio.create_task_group() as tg:
 
                 async def deadline_passes_once_the_read_is_stuck() -> None:
                     await stuck.wait_entered()
-                    cancelled_at.append(time.monotonic())
                     deadline.cancel()
 
                 tg.start_soon(deadline_passes_once_the_read_is_stuck)
                 await cache.acquire("r", SEQ)
         assert deadline.cancelled_caught
-        assert time.monotonic() - cancelled_at[0] < BOUND_S
+        assert not stuck.returned.is_set(), "acquire waited for the stuck read"
         stats = cache.statistics()
         assert stats.prefetches_in_flight == 0
         # The stuck batch; on a loaded machine a batch still in its (healthy) thread may join it briefly.
@@ -254,15 +255,13 @@ async def test_commit_prefetch_honours_an_asyncio_timeout(stored: FileBackend, s
     async with HiCache(config(), storage=stored) as cache:
         assert await cache.prefetch("r", SEQ) is not None
         await stuck.wait_entered()
-        start = time.monotonic()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
                 await cache.commit_prefetch("r")
-        assert time.monotonic() - start < 0.2 + BOUND_S
+        assert not stuck.returned.is_set(), "commit_prefetch waited for the stuck read"
         assert cache.statistics().prefetches_in_flight == 1
-        start = time.monotonic()
         outcome = await cache.cancel_prefetch("r")
-        assert time.monotonic() - start < BOUND_S
+        assert not stuck.returned.is_set(), "cancel_prefetch waited for the stuck read"
         assert outcome.status == "cancelled"
         assert outcome.quarantined_tokens >= BATCH * PAGE
         assert outcome.released_tokens == N_PAGES * PAGE
@@ -280,10 +279,9 @@ async def test_cancel_prefetch_returns_while_a_read_is_stuck(stored: FileBackend
     async with HiCache(config(), storage=stored) as cache:
         assert await cache.prefetch("r", SEQ) is not None
         await stuck.wait_entered()
-        start = time.monotonic()
         with anyio.fail_after(BOUND_S):
             outcome = await cache.cancel_prefetch("r")
-        assert time.monotonic() - start < BOUND_S
+        assert not stuck.returned.is_set(), "cancel_prefetch waited for the stuck read"
         assert outcome.quarantined_tokens >= BATCH * PAGE
         assert cache.statistics().quarantined_pages >= BATCH
         assert stray_threads.count >= 1
@@ -299,6 +297,7 @@ async def test_a_read_past_the_read_timeout_fails_its_pages(stored: FileBackend,
     async with HiCache(config(storage_read_timeout_s=0.2), storage=stored) as cache:
         with anyio.fail_after(0.2 + BOUND_S):
             lease = await cache.acquire("r", SEQ)
+        assert not stuck.returned.is_set(), "acquire waited for the stuck read"
         assert lease.cached_len == (STUCK_PAGE // BATCH) * BATCH * PAGE
         assert lease.prefetch is not None
         assert lease.prefetch.failed_pages == 1
@@ -319,9 +318,8 @@ async def test_aclose_is_bounded_and_keeps_the_pools_of_a_stuck_read_open(
     await cache.start()
     assert await cache.prefetch("r", SEQ) is not None
     await stuck.wait_entered()
-    start = time.monotonic()
     await cache.aclose()
-    assert time.monotonic() - start < 0.2 + BOUND_S
+    assert not stuck.returned.is_set(), "aclose waited for the stuck read"
     assert cache.statistics().closed
     assert not host_pool_of(cache).closed, "a pool a stuck thread writes into was closed under it"
     assert cache.statistics().quarantined_pages >= BATCH
@@ -344,11 +342,14 @@ class StuckMemory(MemoryBackend):
         self.stuck_key = stuck_key
         self.release = threading.Event()
         self.entered = threading.Event()
+        self.returned = threading.Event()
+        """Set once the stuck thread got past `release`: a call that returned before did not wait for it."""
 
     def _read_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int]:
         if self.stuck_key in keys:
             self.entered.set()
             self.release.wait(60)
+            self.returned.set()
         return super()._read_group(keys, buffers)
 
 
@@ -379,14 +380,12 @@ async def test_acquire_under_asyncio_timeout_with_a_thread_stuck_on_an_event(
     event is set."""
     async with HiCache(config(), storage=stuck_memory) as cache:
         loop = asyncio.get_running_loop()
-        expired_at: list[float] = []
 
         async def acquire_until_the_read_is_stuck() -> None:
             async with asyncio.timeout(None) as timeout:
 
                 async def expire_once_the_read_is_stuck() -> None:
                     await anyio.to_thread.run_sync(stuck_memory.entered.wait, 30)
-                    expired_at.append(time.monotonic())
                     timeout.reschedule(loop.time())
 
                 helper.append(asyncio.create_task(expire_once_the_read_is_stuck()))
@@ -396,7 +395,7 @@ async def test_acquire_under_asyncio_timeout_with_a_thread_stuck_on_an_event(
         with pytest.raises(TimeoutError):
             await acquire_until_the_read_is_stuck()
         await helper[0]
-        assert time.monotonic() - expired_at[0] < BOUND_S
+        assert not stuck_memory.returned.is_set(), "acquire waited for the stuck read"
         assert stuck_memory.entered.is_set()
         assert cache.statistics().quarantined_pages >= BATCH
         await assert_exact(cache)
@@ -421,10 +420,9 @@ async def test_aclose_under_asyncio_wait_for_with_a_thread_stuck_on_an_event(
     await cache.start()
     assert await cache.prefetch("r", SEQ) is not None
     await anyio.to_thread.run_sync(stuck_memory.entered.wait, 30)
-    start = time.monotonic()
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(cache.aclose(), 0.2)
-    assert time.monotonic() - start < 0.2 + BOUND_S
+    assert not stuck_memory.returned.is_set(), "aclose waited for the stuck read"
     assert cache.statistics().closed
     assert not host_pool_of(cache).closed
     await anyio.lowlevel.checkpoint()  # this task is not left cancelled

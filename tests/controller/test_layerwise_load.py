@@ -14,7 +14,7 @@ import torch
 
 from hicache import HiCache, Namespace
 from hicache.keys import as_key_bytes
-from hicache.memory.layerwise import ALL_READY, read_layer_tokens
+from hicache.memory.layerwise import ALL_READY, HeldReadiness, read_layer_tokens
 from storage_backends.memory import MemoryBackend
 from tests.cache_internals import layered_loader_of
 from tests.controller.controller_helpers import LAYOUT, make_config, page_payload, store_sequence, tokens
@@ -89,13 +89,15 @@ async def test_a_second_request_on_the_loading_prefix_waits_for_the_same_layers(
         assert second.hit_tokens_by_tier["device"] == 16
         assert torch.equal(second.device_indices, first.device_indices)
         assert not second.layers.is_ready(1)
-        assert second.layers is not ALL_READY
+        assert isinstance(second.layers, HeldReadiness)
+        assert second.layers.inner is not ALL_READY
         gate.release()
         await anyio.to_thread.run_sync(second.layers.wait_layer, 1)
         while layered_loader_of(cache).in_flight:
             await anyio.lowlevel.checkpoint()
         third = await cache.acquire("r3", seq)
-        assert third.layers is ALL_READY
+        assert isinstance(third.layers, HeldReadiness)
+        assert third.layers.inner is ALL_READY
         for lease in (first, second, third):
             cache.release(lease)
         cache.sanity_check()

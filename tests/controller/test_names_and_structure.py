@@ -129,6 +129,7 @@ def test_hicache_exports_the_documented_api_and_nothing_dead() -> None:
         "LayerReadiness",  # what `Lease.layers` is: the model calls its `wait_layer`
         "LayerwiseLoad",  # what `HiCache.load_back_layerwise` returns
         "LoadBackFailed",  # what `wait_layer` raises
+        "LeaseReleased",  # what `wait_layer` raises once its lease was released
     ):
         assert name in exported, name
     for name in ("RadixTree", "PrefetchError", "PrefetchFailed", "FULL", "FullAttention"):

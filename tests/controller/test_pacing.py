@@ -1,8 +1,9 @@
 """The loop pacer: concurrent prefetches take their admission, launch and commit stages one per loop
 iteration (issue 12: sixteen of them in one iteration stalled the event loop for 30 ms).
 
-Iterations are counted exactly: `IterationCounter` wraps the running loop's `_run_once` (one call per
-iteration), so the counter read when a stage runs names its iteration.
+Iterations are told apart with the loop's public API, no private hook: `LoopTurns.stamp()` schedules a
+callback (`call_soon`, run at the loop's next iteration) and returns how many such callbacks have run, so
+two stamps are equal exactly when no loop iteration passed between them.
 """
 
 from __future__ import annotations
@@ -20,28 +21,31 @@ from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import PageStatus
 
 
-class IterationCounter:
-    """Counts the running event loop's iterations: `now` is the current one's number."""
+class LoopTurns:
+    """Tells the event loop's iterations apart through `call_soon` (see the module docstring)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.now = 0
-        loop = asyncio.get_running_loop()
-        run_once = loop._run_once  # type: ignore[attr-defined]
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ran = 0
 
-        def counted() -> None:
-            self.now += 1
-            run_once()
+    def _witness(self) -> None:
+        self._ran += 1
 
-        monkeypatch.setattr(loop, "_run_once", counted)
+    @property
+    def now(self) -> int:
+        """A stamp of the current iteration: equal stamps were taken with no iteration between them."""
+        stamp = self._ran
+        self._loop.call_soon(self._witness)
+        return stamp
 
 
 @pytest.fixture
-async def iterations(monkeypatch: pytest.MonkeyPatch) -> IterationCounter:
-    return IterationCounter(monkeypatch)
+async def iterations() -> LoopTurns:
+    return LoopTurns()
 
 
 async def test_callers_arriving_together_take_their_turns_in_distinct_iterations_in_order(
-    iterations: IterationCounter,
+    iterations: LoopTurns,
 ) -> None:
     """Eight callers ready in one iteration resume from `turn` one per iteration, first come first served."""
     pacer = LoopPacer()
@@ -59,7 +63,7 @@ async def test_callers_arriving_together_take_their_turns_in_distinct_iterations
     assert (pacer.turns, pacer.queued, pacer.waiting) == (8, 7, 0)
 
 
-async def test_queued_callers_resume_oldest_ticket_first(iterations: IterationCounter) -> None:
+async def test_queued_callers_resume_oldest_ticket_first(iterations: LoopTurns) -> None:
     """A caller showing an older ticket goes ahead of callers queued before it with newer ones; a caller
     without a ticket takes a new one (after every ticket handed out before)."""
     pacer = LoopPacer()
@@ -78,7 +82,7 @@ async def test_queued_callers_resume_oldest_ticket_first(iterations: IterationCo
     assert seen == ["first, holds the turn", "old", "new", "no ticket"]
 
 
-async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: IterationCounter) -> None:
+async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: LoopTurns) -> None:
     """A lone caller does not wait a loop iteration: an idle cache's prefetch is not slowed."""
     pacer = LoopPacer()
     before = iterations.now
@@ -88,7 +92,7 @@ async def test_an_idle_pacer_hands_a_turn_out_without_yielding(iterations: Itera
 
 
 async def test_a_caller_asking_again_right_after_its_turn_waits_for_the_next_iteration(
-    iterations: IterationCounter,
+    iterations: LoopTurns,
 ) -> None:
     """No second turn in the iteration of the last queued waiter, even as the queue drains."""
     pacer = LoopPacer()
@@ -106,7 +110,7 @@ async def test_a_caller_asking_again_right_after_its_turn_waits_for_the_next_ite
     assert len(set(seen)) == 6
 
 
-async def test_a_waiter_cancelled_before_its_turn_gives_its_place_up(iterations: IterationCounter) -> None:
+async def test_a_waiter_cancelled_before_its_turn_gives_its_place_up(iterations: LoopTurns) -> None:
     """The queue moves on past a cancelled waiter; the pacer goes idle once it is drained."""
     pacer = LoopPacer()
     seen: list[str] = []
@@ -136,7 +140,7 @@ async def test_a_waiter_cancelled_before_its_turn_gives_its_place_up(iterations:
 
 
 async def test_a_waiter_cancelled_at_its_turn_consumes_it_and_the_queue_moves_on(
-    iterations: IterationCounter,
+    iterations: LoopTurns,
 ) -> None:
     """A waiter whose turn was handed out and that is cancelled (natively: an anyio scope lets a task whose
     wait is over run on) before it runs: the queue does not stall on it, and the pacer still goes idle."""
@@ -175,7 +179,7 @@ async def test_a_waiter_cancelled_at_its_turn_consumes_it_and_the_queue_moves_on
 class ProbeRecorder(PassThroughBackend):
     """Records the loop iteration in which each storage lookup is submitted; reads wait for `gate`."""
 
-    def __init__(self, inner: MemoryBackend, iterations: IterationCounter) -> None:
+    def __init__(self, inner: MemoryBackend, iterations: LoopTurns) -> None:
         super().__init__(inner)
         self.iterations = iterations
         self.lookups: list[int] = []
@@ -194,7 +198,7 @@ class ProbeRecorder(PassThroughBackend):
 
 
 async def test_prefetches_started_together_are_admitted_and_committed_one_per_iteration(
-    iterations: IterationCounter,
+    iterations: LoopTurns,
 ) -> None:
     """Eight prefetches started in one iteration: their page hashing (then their storage lookups) and,
     once their reads all finish in one iteration, their commits each run in an iteration of their own.

@@ -130,7 +130,7 @@ async def test_commit_under_unbacked_parent_drops_the_refill_in_one_release_call
         assert tree_of(cache).node_info(parent).children == ()
         tree_of(cache).sanity_check()
         evicted = tree_of(cache).evict_device(10 * PAGE)
-        cache.device_pool.free(evicted.freed_device)
+        cache.device_pool.free(evicted.freed_device, Owner.TREE)
         tree_of(cache).sanity_check()
         await release_queue_of(cache).drain()
         assert host_pool_of(cache).statistics().used_pages == tree_of(cache).statistics().host_tokens // PAGE
@@ -505,7 +505,7 @@ async def test_a_page_deleted_behind_the_caches_back_is_written_again(backend: M
         everything = await cache.alloc_device(cache.device_pool.statistics().capacity_pages * PAGE)
         assert everything is not None
         cache.device_pool.free(everything)
-        host_pool_of(cache).free(tree_of(cache).evict_host(len(seq)).freed_host)
+        host_pool_of(cache).free(tree_of(cache).evict_host(len(seq)).freed_host, Owner.TREE)
         assert cache.match(seq).host_len == 0
         assert await cache.prefetch("again", seq) is not None
         outcome = await cache.commit_prefetch("again")

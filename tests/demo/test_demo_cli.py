@@ -110,14 +110,6 @@ def test_inspect_refuses_a_snapshot_with_malformed_fields(
     assert "is not a `hicache demo --snapshot` file" in capsys.readouterr().err
 
 
-def test_bench_lists_the_scripts_in_bench() -> None:
-    done = run("-m", "hicache.cli", "bench", "--list")
-    assert done.returncode == 0, done.stderr
-    assert set(done.stdout.split()) == {
-        p.stem for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")
-    }
-
-
 @pytest.mark.parametrize("extra", [["--model", "hybrid"], ["--tp", "2"]])
 def test_the_handoff_scenario_is_refused_beside_hybrid_or_tp(
     extra: list[str], capsys: pytest.CaptureFixture[str]
@@ -145,3 +137,154 @@ def test_the_pool_size_help_names_the_defaults_each_demo_runs_with() -> None:
         assert f"default {getattr(llama, name)};" in text
         assert f"{getattr(hybrid, name)} with --model hybrid" in text
         assert f"{getattr(tp, name)} per rank with --tp" in text
+
+
+def _snapshot(rows: int = 2, **changes: object) -> dict[str, object]:
+    """A well-formed `hicache demo --snapshot` file's data with `rows` prefix rows."""
+    pool = {
+        "device": "cpu",
+        "capacity_pages": 8,
+        "used_pages": 2,
+        "free_pages": 6,
+        "page_size": 4,
+        "page_nbytes": 64,
+    }
+    data: dict[str, object] = {
+        "pools": {"device": pool, "host": pool, "storage": {"url": "file:///tmp/s", "bytes_written": 0}},
+        "tree": {
+            "nodes": 3,
+            "device_tokens": 8,
+            "evictable_device_tokens": 4,
+            "host_tokens": 8,
+            "evictable_host_tokens": 8,
+        },
+        "top_prefixes": [
+            {"first_tokens": [i, 1, 2], "hits": 1, "nodes": 1, "device_tokens": 4, "host_tokens": 0}
+            for i in range(rows)
+        ],
+        "summary": {"requests": 2, "identical": 2, "backend": "file:///tmp/s"},
+    }
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"tree": {"nodes": "3"}}, "tree.nodes"),
+        ({"pools": {"device": {"used_pages": 1}}}, "pools.device.capacity_pages"),
+        (
+            {
+                "top_prefixes": [
+                    {"first_tokens": "abc", "hits": 1, "nodes": 1, "device_tokens": 0, "host_tokens": 0}
+                ]
+            },
+            "top_prefixes[0].first_tokens",
+        ),
+        ({"summary": {"requests": None, "identical": 0}}, "summary.requests"),
+        ({"top_prefixes": {"a": 1}}, "top_prefixes"),
+    ],
+    ids=["tree-str", "pool-missing", "prefix-tokens", "summary-null", "prefixes-dict"],
+)
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "table"])
+def test_inspect_refuses_malformed_snapshots_in_both_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, object], field: str, as_json: bool
+) -> None:
+    """Issue 22: `inspect --json` printed malformed snapshots and exited 0; both outputs check the same
+    fields and exit 2 naming the first bad one."""
+    from hicache.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_snapshot(**change)))
+    assert main(["inspect", str(bad), *(["--json"] if as_json else [])]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"is not a `hicache demo --snapshot` file: {field}" in captured.err
+
+
+def test_inspect_reports_deeply_nested_json_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hicache.cli import main
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    assert main(["inspect", str(deep), "--json"]) == 2
+    assert "JSON nested too deeply" in capsys.readouterr().err
+
+
+def test_inspect_shows_the_top_rows_of_a_snapshot_with_200000_prefixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every one of 200,000 rows was printed (62 s); the table and the JSON show `--top` rows (20 by
+    default) and say how many there are."""
+    from hicache.cli import main
+
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(_snapshot(rows=200_000)))
+    assert main(["inspect", str(big), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert len(shown["top_prefixes"]) == 20
+    assert shown["top_prefixes_total"] == 200_000
+    assert main(["inspect", str(big), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 200000" in out
+    assert "199997 more prefixes" in out
+    assert len(out.splitlines()) < 40
+
+
+def test_inspect_redacts_every_url_an_older_or_edited_snapshot_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The storage URL of an older (or edited) snapshot was printed unredacted by `--json`: redaction is
+    done on output, wherever a URL or a secret-named field is."""
+    from hicache.cli import main
+
+    url = "s3://AKIAUSER22:PWSECRET22@bucket/p?secret_access_key=QSECRET22&region=r"
+    old = _snapshot(
+        pools={"storage": {"url": url, "bytes_written": 1.0}},
+        summary={
+            "requests": 1,
+            "identical": 1,
+            "backend": url,
+            "config": {"backend_url": url, "token": "TOK22"},
+        },
+    )
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    for flags in (["--json"], []):
+        assert main(["inspect", str(path), *flags]) == 0
+        out = capsys.readouterr().out
+        for secret in ("AKIAUSER22", "PWSECRET22", "QSECRET22", "TOK22"):
+            assert secret not in out
+        assert "bucket" in out
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://AKIAUSER22:PWSECRET22@bucket/p",
+        "s3://bucket/p?endpoint=http://AKIAUSER22:PWSECRET22@localhost:9000",
+        "s3://bucket/p?endpoint=http://AKIAUSER22:PW/SECRET22@storage.example:9000",
+        "file:///tmp/hicache-demo?durable=1",
+    ],
+    ids=["user-info", "endpoint-user-info", "endpoint-slash-password", "file-query"],
+)
+def test_demo_refuses_a_bad_backend_url_before_loading_the_model(
+    url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend URL with credentials in it or its endpoint, or a file URL with a query, loaded the model
+    first and then died with a traceback; it is refused with status 2 and one redacted line first."""
+    import hicache.demo.llama_serve
+    from hicache.cli import main
+
+    def no_model(*args: object) -> None:
+        raise AssertionError("the demo started before its backend URL was checked")
+
+    monkeypatch.setattr(hicache.demo.llama_serve, "run_demo", no_model)
+    assert main(["demo", "--backend", url]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache demo: --backend: ")
+    assert len(err.splitlines()) == 1
+    for secret in ("AKIAUSER22", "akiauser22", "PWSECRET22", "SECRET22"):
+        assert secret not in err

@@ -174,7 +174,11 @@ def test_owner_tags_follow_alloc_set_owner_and_free() -> None:
     alloc.set_owner(copy, Owner.TREE)
     assert alloc.owner_of(2) is Owner.TREE
     assert alloc.owner_tags().tolist()[:4] == [Owner.LEASE, Owner.LEASE, Owner.TREE, Owner.FREE]
-    alloc.free(copy)
+    with pytest.raises(
+        PoolError, match=r"^indices: page\(s\) \[2\] are not held by the caller .*held by the tree"
+    ):
+        alloc.free(copy)  # the tree's page: only the tree frees it
+    alloc.free(copy, Owner.TREE)
     assert alloc.is_free(2)
     with pytest.raises(ValueError, match="owner"):
         alloc.alloc(P, Owner.FREE)

@@ -232,7 +232,7 @@ async def slow_copy_on_one_rank(group: RankGroup, root: str, slow: int) -> dict[
         "failed": failed,
         "host_hit": lease.hit_tokens_by_tier["host"],
         "device_tokens": stats.device_tokens,
-        "collectives": getattr(lease.layers, "collectives", -1),
+        "collectives": getattr(getattr(lease.layers, "inner", None), "collectives", -1),
     }
 
 

@@ -22,6 +22,7 @@ from storage_backends.redact import (
     remember_secrets,
     secret_values,
 )
+from storage_backends.registry import open_backend
 
 SECRET = "fake-Secret-9f3a71c2"
 
@@ -175,3 +176,17 @@ def test_the_filter_redacts_message_arguments_and_tracebacks(caplog: pytest.LogC
     assert caplog.records
     assert SECRET not in caplog.text
     assert "s3://b/p?session_token=***" in caplog.text
+
+
+@pytest.mark.parametrize("slash", ["/", "%2F"], ids=["slash", "percent-2F"])
+def test_an_endpoint_password_with_a_slash_does_not_echo_the_access_key_id(slash: str) -> None:
+    """Issue 22: `endpoint=http://KEYID:pa/ss@host` parses with the key id as the host (`/` ends the
+    netloc; `%2F` is decoded by the query parser first), and the error named that host lowercased. The
+    endpoint's user info is a secret of the URL, scrubbed in any case."""
+    key_id = "AKIAMISUSEKEYID22"
+    url = f"s3://bucket/p?endpoint=http://{key_id}:pa{slash}ss@storage.example:9000"
+    assert key_id in secret_values(url)
+    with pytest.raises(ValueError, match=r"^endpoint: ") as caught:
+        open_backend(url, namespace_digest=bytes(16))
+    assert key_id.lower() not in str(caught.value).lower()
+    assert redact_text(f"got host {key_id.lower()!r}", secret_values(url)) == f"got host '{REDACTED}'"

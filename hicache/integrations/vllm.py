@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+import prometheus_client
 import torch
 import zmq
 import zmq.asyncio as zmq_asyncio
@@ -577,6 +578,20 @@ class _Counters:
     saved_tokens: int = 0
 
 
+class _Metrics:
+    """The connector's series, in the cache's registry (and, under `PROMETHEUS_MULTIPROC_DIR`, in the
+    directory vLLM's `/metrics` reads)."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry) -> None:
+        def counter(name: str, doc: str) -> prometheus_client.Counter:
+            return prometheus_client.Counter(f"hicache_vllm_{name}", doc, registry=registry)
+
+        self.loaded = counter("loaded_tokens", "Tokens hicache loaded into vLLM blocks.")
+        self.failed = counter("failed_tokens", "Tokens promised to vLLM that hicache could not load.")
+        self.saved = counter("saved_tokens", "Tokens of finished requests copied into hicache.")
+        self.lookups = counter("lookups", "Scheduler lookups answered.")
+
+
 class _Runtime:
     """The worker's `HiCache`, its event loop thread and the lookup server on that loop."""
 
@@ -593,7 +608,10 @@ class _Runtime:
         self._cache: HiCache | None = None
         self._lookups: dict[str, _Lookup] = {}
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.counters = _Counters()
+        self.registry = prometheus_client.CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
 
     def start(self) -> None:
         self._thread.start()
@@ -616,7 +634,7 @@ class _Runtime:
         self._stop = asyncio.Event()
         context, sock, path = _bind(self._endpoint)
         try:
-            async with HiCache(self._config) as cache, anyio.create_task_group() as tg:
+            async with HiCache(self._config, metrics=self.registry) as cache, anyio.create_task_group() as tg:
                 self._cache = cache
                 tg.start_soon(self._serve, sock)
                 self._ready.set()
@@ -703,6 +721,7 @@ class _Runtime:
 
     def _lookup(self, rid: str, key: bytes) -> dict[str, Any]:
         self.counters.lookups += 1
+        self.metrics.lookups.inc()
         state = self._lookups.get(rid)
         if state is None:
             match = self.cache.match(key)
@@ -711,7 +730,9 @@ class _Runtime:
             threshold = max(self._page, self._config.prefetch_threshold)
             if self.cache.storage is not None and len(key) // _TOKEN - hit >= threshold:
                 state.pending = True
-                asyncio.get_running_loop().create_task(self._probe(rid, state))
+                task = asyncio.get_running_loop().create_task(self._probe(rid, state))
+                self._tasks.add(task)  # held until done: the loop keeps only a weak reference
+                task.add_done_callback(self._tasks.discard)
             self._lookups[rid] = state
         if state.pending:
             return {"state": "pending"}
@@ -761,6 +782,8 @@ class _Runtime:
         done = max(0, (loaded - job.start) // page)
         self.counters.loaded_tokens += done * page
         self.counters.failed_tokens += job.end - job.start - done * page
+        self.metrics.loaded.inc(done * page)
+        self.metrics.failed.inc(job.end - job.start - done * page)
         return set(job.block_ids[done:])
 
     def _copy_in(self, pages: torch.Tensor, blocks: list[int]) -> None:
@@ -800,6 +823,7 @@ class _Runtime:
             new = None
             self.counters.saves += 1
             self.counters.saved_tokens += n
+            self.metrics.saved.inc(n)
         except Exception:
             logger.exception("hicache save for %s failed", job.request_id)
         finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
 
-from tiny_model import write_tiny_llama  # noqa: E402
+from tiny_model import write_tiny_llama
 
 if __name__ == "__main__":  # vLLM spawns its engine process: every LLM(...) sits under __main__
     from vllm import LLM, SamplingParams

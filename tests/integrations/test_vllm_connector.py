@@ -7,8 +7,10 @@ with vLLM alone: token ids equal, logprobs within 1e-4. One engine per process (
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 import textwrap
 import uuid
 from pathlib import Path
@@ -17,6 +19,9 @@ from typing import Any
 import pytest
 from conftest import ROOT, assert_identical, hit_tokens, run_workload, vllm_python
 from tiny_model import write_tiny_llama
+
+sys.path.insert(0, str(ROOT / "tests"))
+from s3_servers import start_moto
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -97,7 +102,7 @@ def test_a_different_dtype_or_model_config_loads_none_of_the_pages(
     assert_clean(other_config)
 
 
-def test_corrupt_truncated_and_foreign_pages_and_a_tiny_host_pool_are_recomputed(
+def test_damaged_pages_a_tiny_host_pool_and_aborted_loads_leave_outputs_identical(
     baseline: dict[str, Any],
     first_engine: dict[str, Any],
     engine_runs: Path,
@@ -106,7 +111,8 @@ def test_corrupt_truncated_and_foreign_pages_and_a_tiny_host_pool_are_recomputed
 ) -> None:
     """Damaged pages in storage (a flipped payload byte, a truncated file, one page's bytes under another's
     name) fail their loads; vLLM recomputes those blocks (`get_block_ids_with_load_errors`), outputs stay
-    identical, and a host pool of 4 pages (smaller than one prompt) leaks nothing."""
+    identical, and neither a host pool of 4 pages (smaller than one prompt) nor 4 requests aborted right
+    after they arrived (their storage lookup or async load in flight) leaks a page or a prefetch."""
     damaged = engine_runs / "damaged"
     shutil.copytree(storage_root, damaged)
     pages = sorted(damaged.rglob("*.kvp"))
@@ -117,8 +123,46 @@ def test_corrupt_truncated_and_foreign_pages_and_a_tiny_host_pool_are_recomputed
     corrupt.write_bytes(bytes(data))
     truncated.write_bytes(truncated.read_bytes()[:100])
     foreign.write_bytes(donor.read_bytes())
-    result = run_engine(engine_runs / "damaged.json", tiny_model, damaged, "--host-pages", "4")
+    result = run_engine(
+        engine_runs / "damaged.json", tiny_model, damaged, "--host-pages", "4", "--abort-first", "4"
+    )
     assert_identical(baseline, result)
+    assert_clean(result)
+
+
+def test_s3_server_killed_mid_run_leaves_outputs_identical(
+    baseline: dict[str, Any], tiny_model: Path, engine_runs: Path
+) -> None:
+    """The S3 server (moto on loopback) is killed after the first turn: lookups, prefetches and writes
+    fail or time out, the breaker opens, vLLM computes what hicache cannot give, and nothing leaks."""
+    workdir = engine_runs / "moto"
+    workdir.mkdir()
+    server = start_moto(workdir)
+    try:
+        url = f"s3://{server.bucket}/kv?endpoint={server.endpoint}&region={server.region}"
+        options = {"access_key_id": server.access_key_id, "secret_access_key": server.secret_access_key}
+        extra = {"storage_options": options, "storage_read_timeout_s": 2.0, "storage_write_timeout_s": 2.0}
+        result = run_workload(
+            engine_runs / "s3-killed.json",
+            "--model",
+            str(tiny_model),
+            "--connector",
+            "hicache",
+            "--engine-id",
+            f"test-{uuid.uuid4().hex[:12]}",
+            "--storage-url",
+            url,
+            "--extra",
+            json.dumps(extra),
+            "--kill-pid",
+            str(server.process.pid if server.process else 0),
+            "--kill-after-turn",
+            "1",
+        )
+    finally:
+        server.stop()
+    assert_identical(baseline, result)
+    assert hit_tokens(result, "host") > 0
     assert_clean(result)
 
 

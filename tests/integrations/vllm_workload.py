@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -50,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--example-path", default=None, help="ExampleConnector's storage directory")
+    p.add_argument(
+        "--abort-first", type=int, default=0, help="first add and at once abort this many requests"
+    )
+    p.add_argument("--kill-pid", type=int, default=None, help="kill this process (a storage server) ...")
+    p.add_argument("--kill-after-turn", type=int, default=0, help="... once this many turns have run")
     args = p.parse_args(argv)
 
     from vllm import LLM, SamplingParams
@@ -93,8 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     histories = [list(systems[u % args.system_prompts]) for u in range(args.users)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
     requests: list[dict[str, Any]] = []
+    for i in range(args.abort_first):  # aborted while their lookup or load is in flight, or before
+        prompt = {"prompt_token_ids": histories[i % args.users] + turns[0][i % args.users][:-1]}
+        llm.llm_engine.add_request(f"aborted-{i}", prompt, params)
+        llm.llm_engine.abort_request([f"aborted-{i}"])
     started = time.perf_counter()
-    for turn in turns:
+    for t, turn in enumerate(turns):
+        if args.kill_pid is not None and t == args.kill_after_turn:
+            os.kill(args.kill_pid, signal.SIGKILL)
         prompts = []
         for u, part in enumerate(turn):
             histories[u] = histories[u] + part

@@ -361,8 +361,10 @@ class _SchedulerSide:
         if reply["state"] == "pending":
             return None, False
         host_end, end = int(reply["host_end"]), int(reply["end"])
-        if end <= num_computed:
+        if end <= num_computed:  # vLLM's own prefix cache reaches as far: drop the lookup (and its prefetch)
             self._plans.pop(rid, None)
+            self._asked.discard(rid)
+            self._meta.forgets.append(rid)
             return 0, False
         is_async = end > max(host_end, num_computed)
         self._plans[rid] = _Plan(num_computed, host_end, end, is_async)
@@ -399,9 +401,7 @@ class _SchedulerSide:
             self._asked.discard(rid)
             self._meta.forgets.append(rid)
         params = {"hicache_hit_tokens": self._hits.pop(rid, {"host": 0, "storage": 0})}
-        if str(request.status) == "RequestStatus.WAITING_FOR_REMOTE_KVS" or request.status.name == (
-            "WAITING_FOR_REMOTE_KVS"
-        ):
+        if request.status.name == "WAITING_FOR_REMOTE_KVS":
             return False, params  # vLLM itself keeps the blocks until the load reports back
         n = min(request.num_computed_tokens, request.num_tokens) // self._page * self._page
         if n == 0 or len(block_ids) < n // self._page:

@@ -34,8 +34,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integrations"))
 
-from conftest import run_workload, vllm_python  # noqa: E402
 from tiny_model import write_tiny_llama  # noqa: E402
+from vllm_helpers import run_workload, vllm_python  # noqa: E402
 
 _LOOKUP_SNIPPET = r"""
 import json, statistics, time, uuid

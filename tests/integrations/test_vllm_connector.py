@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, assert_identical, hit_tokens, run_workload, vllm_python
 from tiny_model import write_tiny_llama
+from vllm_helpers import ROOT, assert_identical, hit_tokens, run_workload, vllm_python
 
 sys.path.insert(0, str(ROOT / "tests"))
 from s3_servers import start_moto

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, vllm_python
+from vllm_helpers import ROOT, vllm_python
 
 sys.path.insert(0, str(ROOT / "tests"))
 from s3_servers import free_port, wait_for_port

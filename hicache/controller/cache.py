@@ -243,12 +243,15 @@ class HiCache(CacheLifecycle, CacheObservation):
         """Match `tokens` against the tree: device hit, host hit beyond it, last device and host nodes."""
         return self._tree.match_prefix(tokens)
 
-    async def acquire(self, request_id: str, tokens: KeyLike) -> Lease:
+    async def acquire(self, request_id: str, tokens: KeyLike, *, prefetch: bool = True) -> Lease:
         """Match, prefetch storage hits and commit them, load host hits back, and lock the prefix.
 
         Args:
             request_id: a unique id for the request while it holds the lease.
             tokens: the request's token ids.
+            prefetch: False to leave storage alone (no lookup, no read): the lease holds what the device
+                and host tiers have, so the call never waits on storage (an engine step loading host hits
+                synchronously; a prefetch it already committed).
 
         Returns:
             A `Lease` whose `device_indices` hold the KV of `tokens[:cached_len]` on the device pool.
@@ -259,8 +262,12 @@ class HiCache(CacheLifecycle, CacheObservation):
         """
         self._state.check_open("acquire")
         _check_request_id(request_id)
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch: expected a bool, got {type(prefetch).__name__}")
         try:
-            return await self._leases.acquire(request_id, as_key_bytes(tokens, name="tokens"))
+            return await self._leases.acquire(
+                request_id, as_key_bytes(tokens, name="tokens"), prefetch=prefetch
+            )
         except Exception as exc:
             if self._state.closed:  # closed during the call: say so, not which inner step noticed
                 raise self._state.closed_error("acquire", "this HiCache was closed during the call") from exc

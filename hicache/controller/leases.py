@@ -65,8 +65,9 @@ class Leases:
         self._layerwise = layerwise
         self._page_size = device_pool.page_size
 
-    async def acquire(self, request_id: str, key: bytes) -> Lease:
-        """Match `key`, prefetch its storage hit and commit it, load host hits back, lock the prefix.
+    async def acquire(self, request_id: str, key: bytes, *, prefetch: bool = True) -> Lease:
+        """Match `key`, prefetch its storage hit and commit it (unless `prefetch` is False), load host hits
+        back, lock the prefix.
 
         One match: the prefetch is admitted on a `peek` (which changes nothing), and the tree is matched
         once, after any await, for the load-back and the lease.
@@ -74,7 +75,7 @@ class Leases:
         outcome: PrefetchOutcome | None = None
         skipped: SkipReason | None = None
         anchor_end = 0
-        if self._prefetcher.storage is not None:
+        if prefetch and self._prefetcher.storage is not None:
             started = await self._prefetcher.start(request_id, key, None, ())  # it peeks
             if isinstance(started, SkipReason):
                 skipped = started

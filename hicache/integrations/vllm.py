@@ -775,7 +775,9 @@ class _Runtime:
         try:
             if state is not None and state.prefetching:
                 await cache.commit_prefetch(job.request_id)
-            lease = await cache.acquire(f"{job.request_id}/load", job.key)
+            # Storage was read by the committed prefetch, if any: this acquire never waits on storage, so
+            # a synchronous host-hit load whose pages were evicted since the lookup is recomputed instead.
+            lease = await cache.acquire(f"{job.request_id}/load", job.key, prefetch=False)
             try:
                 loaded = min(lease.cached_len, job.end) // page * page
                 if loaded > job.start:
@@ -811,7 +813,7 @@ class _Runtime:
         blocks); write-through backs them up to host and storage in the background."""
         cache, page = self.cache, self._page
         try:
-            lease = await cache.acquire(f"{job.request_id}/save", job.key)
+            lease = await cache.acquire(f"{job.request_id}/save", job.key, prefetch=False)
         except Exception:
             logger.exception("hicache save for %s failed", job.request_id)
             return

@@ -85,3 +85,37 @@ async def test_an_acquire_without_storage_matches_once_and_never_peeks(
         assert lease.node == tree.root
         cache.release(lease)
         cache.sanity_check()
+
+
+async def test_an_acquire_told_not_to_prefetch_never_asks_storage(
+    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Guards the vLLM connector's synchronous host-hit load: pages evicted between the scheduler's lookup
+    and the load used to send `acquire` to storage inside the engine step. With `prefetch=False` it asks
+    storage nothing (no lookup, no read) and holds what the device and host tiers have; the next plain
+    acquire still loads the storage hit."""
+    async with HiCache(make_config(), storage=backend) as cache:
+        seq = tokens(100, 32)
+        await store_sequence(backend, cache, seq)
+        asked: list[str] = []
+        for name in ("exists", "get"):
+            original = getattr(backend, name)
+
+            async def recording(*args: object, _name: str = name, _call: object = original) -> object:
+                asked.append(_name)
+                return await _call(*args)  # type: ignore[operator]
+
+            monkeypatch.setattr(backend, name, recording)
+        lease = await cache.acquire("r", seq, prefetch=False)
+        assert lease.cached_len == 0
+        assert lease.prefetch is None
+        assert asked == []
+        cache.release(lease)
+        lease = await cache.acquire("r", seq)
+        assert lease.hit_tokens_by_tier["storage"] == 32
+        assert "exists" in asked
+        assert "get" in asked
+        cache.release(lease)
+        with pytest.raises(TypeError, match="prefetch"):
+            await cache.acquire("r", seq, prefetch=1)  # type: ignore[arg-type]
+        cache.sanity_check()

@@ -72,6 +72,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _TOKEN = 8  # bytes of one int64 token id
+_REFUSED_PAGE_COUNTERS = ("checksum_failures", "foreign_pages", "old_format_pages")
+"""The storage backend's counters of pages read and refused (damaged, another's, of an old format)."""
 
 EXTRA_CONFIG_KEYS: Mapping[str, str] = {
     "host_pages": "pages of hicache's host pool (a page is one vLLM block)",
@@ -716,7 +718,11 @@ class _Runtime:
             return self._lookup(header["rid"], payload)
         if op == "statistics":
             stats = self.cache.statistics()
+            read = getattr(self.cache.storage, "statistics", None)  # a backend's own counters, if it has them
+            backend = read() if callable(read) else None
+            refused = sum(getattr(backend, name, 0) for name in _REFUSED_PAGE_COUNTERS)
             return {
+                "storage_refused_pages": refused,
                 "connector": vars(self.counters),
                 "host_pool_used_pages": stats.host_pool.used_pages,
                 "device_pool_used_pages": stats.device_pool.used_pages,

@@ -125,9 +125,10 @@ def test_damaged_pages_and_aborted_loads_leave_outputs_identical(
     foreign.write_bytes(donor.read_bytes())
     result = run_engine(engine_runs / "damaged.json", tiny_model, damaged, "--abort-first", "4")
     assert hit_tokens(result, "storage") > 0  # the undamaged pages still load
-    assert (
-        result["statistics"]["connector"]["failed_tokens"] > 0
-    )  # the damaged ones were promised, then failed
+    # The damaged pages were read and refused, never loaded. Which request read them depends on the
+    # page names (the namespace holds the model's temp path): one that then recomputes the blocks it was
+    # promised (`failed_tokens`), or one of the aborted ones.
+    assert result["statistics"]["storage_refused_pages"] >= 1
     assert_identical(baseline, result)
     assert_clean(result)
 

@@ -318,6 +318,7 @@ LOGGERS: Final = (
     "hicache.work",
     "hicache.memory.pool",
     "hicache.memory.transfer",
+    "hicache.integrations.vllm",
     "storage_backends.file",
     "storage_backends.memory",
     "storage_backends.s3",

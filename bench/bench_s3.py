@@ -36,6 +36,7 @@ from s3_servers import S3Server, start_juicefs, start_moto
 
 from storage_backends.batching import gather_bounded
 from storage_backends.page_format import HEADER_SIZE
+from storage_backends.protocol import PageStatus
 from storage_backends.s3 import S3Backend
 
 NAMESPACE = bytes(range(16))
@@ -80,7 +81,8 @@ async def bench_server(
             assert all(len(b) == page_bytes + HEADER_SIZE for b in sink)
 
         async def backend_round() -> None:
-            assert all(await backend.get(keys, host_views))
+            statuses = await backend.get(keys, host_views)
+            assert all(s is PageStatus.HIT for s in statuses), statuses  # every PageStatus is truthy
 
         await raw_round()  # warm both connection pools
         await backend_round()

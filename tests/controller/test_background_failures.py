@@ -153,31 +153,6 @@ async def test_acquire_on_a_cache_closed_during_the_call_names_acquire(backend: 
     assert not isinstance(errors[0], CacheFailed)
 
 
-async def test_acquire_on_a_cache_closed_while_its_prefetch_streams_names_acquire(
-    backend: MemoryBackend,
-) -> None:
-    """Item 14, the other inner step: closed while the acquire's prefetch streams (gated reads)."""
-    cache = HiCache(make_config(prefetch_stop_policy="wait_complete"), storage=GatedBackend(backend))  # type: ignore[arg-type]
-    await cache.start()
-    seq = tokens(1, 32)
-    await store_sequence(backend, cache, seq)
-    errors: list[CacheClosed] = []
-
-    async def request() -> None:
-        try:
-            await cache.acquire("streaming", seq)
-        except CacheClosed as exc:
-            errors.append(exc)
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(request)
-            await anyio.wait_all_tasks_blocked()
-            assert cache.statistics().prefetches_in_flight == 1
-            await cache.aclose()
-    assert [str(e).split(":")[0] for e in errors] == ["acquire"]
-
-
 def test_a_start_cancelled_before_the_loop_ends_closes_the_pools() -> None:
     """Lifecycle trap: `start()` cancelled, and the loop ending right after, left the pools open (the
     workers' task, cancelled by the loop's shutdown, skipped closing them)."""

@@ -125,7 +125,8 @@ async def test_a_failed_start_closes_both_pools() -> None:
 
 async def test_acquire_during_aclose_raises_cache_closed(backend: MemoryBackend) -> None:
     """An acquire waiting for its prefetch when the cache closes raises CacheClosed (it raised
-    UnknownRequest: aclose had resolved the prefetch under it)."""
+    UnknownRequest: aclose had resolved the prefetch under it), naming `acquire`, not the inner step that
+    noticed (issue 22 item 14: it named `request_id:`)."""
     gated = GatedBackend(backend)
     cache = HiCache(make_config(prefetch_stop_policy="wait_complete"), storage=gated)  # type: ignore[arg-type]
     await cache.start()
@@ -146,5 +147,6 @@ async def test_acquire_during_aclose_raises_cache_closed(backend: MemoryBackend)
             assert cache.statistics().prefetches_in_flight == 1
             await cache.aclose()
     assert len(errors) == 1
+    assert [str(e).split(":")[0] for e in errors] == ["acquire"]
     assert host_pool_of(cache).closed
     assert cache.statistics().prefetches_in_flight == 0

@@ -25,20 +25,20 @@ import torch
 from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
-from hicache.controller.allocation import Allocator, ComponentPools, make_pools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.copies import CopyTracker
-from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.controller.leases import Leases
 from hicache.controller.lifecycle import CacheLifecycle
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.layered_load import LayeredLoader, LayerwiseLoad
+from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.observing import CacheObservation
-from hicache.controller.prefetch import Prefetch, PrefetchOutcome
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ComponentTransfer, ReleaseQueue
-from hicache.controller.rescue import RefillRescue
+from hicache.controller.pages.allocation import Allocator, ComponentPools, make_pools
+from hicache.controller.pages.release import ComponentTransfer, ReleaseQueue
+from hicache.controller.prefetch.job import Prefetch, PrefetchOutcome
+from hicache.controller.prefetch.prefetcher import Prefetcher
+from hicache.controller.prefetch.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, Lease
 from hicache.controller.state import OpenState
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.storage.breaker import CircuitBreaker
 from hicache.controller.workers import Workers
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.copies import CopyTracker
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ReleaseQueue
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.tier_mover import TierMover
+from hicache.controller.pages.allocation import ComponentPools
+from hicache.controller.pages.release import ReleaseQueue
+from hicache.controller.prefetch.prefetcher import Prefetcher
 from hicache.controller.state import OpenState
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.storage.breaker import CircuitBreaker
 from hicache.controller.workers import Workers
 from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics

@@ -1,8 +1,8 @@
 """The async side of hicache: the `HiCache` facade and the rooms it is built from.
 
-- `cache`, `lifecycle`, `observing`, `leases`, `results`, `state`, `parts`, `workers`, `accounting`:
-  the facade itself (what a serving loop calls), its start and close, what it shows of itself, its
-  background task, and the ownership check `sanity_check()` runs.
+- `cache`, `leases`, `results`, `state`, `workers`, `accounting`: the facade itself (what a serving loop
+  calls, its start and close, what it shows of itself), matching and holding requests' prefixes, what it
+  hands back, whether it is open, its background task, and the ownership check `sanity_check()` runs.
 - `prefetch`: storage -> host prefetches, admission to commit or drop.
 - `movement`: device <-> host backups and load-backs.
 - `storage`: host <-> storage, behind the tier's circuit breaker.

@@ -113,6 +113,9 @@ class BackendLifecycle:
     def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
         if not getattr(self, "_closed", True):
             _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.close_queue()  # collected (unclosed, or its aclose cancelled): let its threads go
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
-
 from storage_backends.batching import (
     HIT,
     MISS,
@@ -38,6 +36,7 @@ from storage_backends.page_format import (
 )
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_url
+from storage_backends.threads import WorkerThreads
 
 __all__ = ["MemoryBackend", "drop_named_store"]
 
@@ -82,7 +81,7 @@ class MemoryBackend(BackendLifecycle):
             with _named_lock:
                 self._pages = _named_stores.setdefault(name, {})
         self._max_concurrency = max_concurrency
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._workers = WorkerThreads(max_concurrency, name="hicache-memory")
         self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
         self._closed = False
@@ -144,7 +143,7 @@ class MemoryBackend(BackendLifecycle):
             self._read_group,
             keys,
             buffers,
-            limiter=self._limiter,
+            workers=self._workers,
             group_bytes=_GROUP_BYTES,
             pending=self._pending,
         )
@@ -163,7 +162,7 @@ class MemoryBackend(BackendLifecycle):
             self._write_group,
             keys,
             buffers,
-            limiter=self._limiter,
+            workers=self._workers,
             group_bytes=_GROUP_BYTES,
             pending=self._pending,
         )
@@ -176,8 +175,10 @@ class MemoryBackend(BackendLifecycle):
             self._pages.pop(key, None)
 
     def _release(self) -> None:
-        """Let go of the pages: a private store's are freed, a named store keeps them for later backends."""
+        """Let go of the pages (a private store's are freed, a named store keeps them for later backends)
+        and the worker threads."""
         self._pages = {}
+        self._workers.close()
 
     def __repr__(self) -> str:
         s = self._stats

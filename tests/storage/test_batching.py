@@ -24,6 +24,7 @@ from storage_backends.batching import (
     gather_page_groups,
     group_slices,
 )
+from storage_backends.threads import WorkerThreads
 
 
 class Boom(Exception):
@@ -216,7 +217,7 @@ async def test_a_batch_is_spread_only_over_threads_no_other_call_has_claimed() -
     Guards the controller's prefetch path: sixteen concurrent prefetches splitting every 4 MiB batch into
     1 MiB thread calls ran at ~2 GB/s where whole-batch calls ran at ~3 GB/s (`bench/bench_io.py`).
     """
-    limiter = anyio.CapacityLimiter(4)
+    workers = WorkerThreads(4, name="test-batching")
     pending = PendingGroups()
     calls: list[int] = []
     held = anyio.Event()
@@ -228,7 +229,7 @@ async def test_a_batch_is_spread_only_over_threads_no_other_call_has_claimed() -
 
     keys = [f"{i:04x}" for i in range(16)]
     views = [memoryview(bytearray(1 << 16)) for _ in keys]
-    common = {"limiter": limiter, "group_bytes": 4 << 20, "min_group_bytes": 1 << 18, "pending": pending}
+    common = {"workers": workers, "group_bytes": 4 << 20, "min_group_bytes": 1 << 18, "pending": pending}
     assert await gather_page_groups(read, keys, views, **common) == [HIT] * 16  # type: ignore[arg-type]
     assert calls == [4, 4, 4, 4]  # idle threads: spread over all four
     assert pending.groups == 0
@@ -245,5 +246,6 @@ async def test_a_batch_is_spread_only_over_threads_no_other_call_has_claimed() -
         await held.wait()
         assert await gather_page_groups(read, keys, views, **common) == [HIT] * 16  # type: ignore[arg-type]
         release.set()
+    workers.close()
     assert calls == [16]
     assert pending.groups == 0

@@ -120,8 +120,10 @@ class S3Backend(BackendLifecycle):
         secret_access_key: default `AWS_SECRET_ACCESS_KEY`.
         session_token: default `AWS_SESSION_TOKEN`.
         allow_http: allow a plain-http endpoint; default True only for loopback endpoints.
-        max_concurrency: the most requests in flight at once, across all calls (the connection bound).
-        deadline_s: the total time one page's request may take, retries and backoff included.
+        max_concurrency: the most requests in flight at once, across all calls (the connection bound), and
+            the most worker threads verifying or encoding pages at once.
+        deadline_s: the total time one page's request may take, the wait for a connection, retries and
+            backoff included.
         read_deadline_s: `deadline_s` for reads (GET, HEAD); default `deadline_s`. A `HiCache` opening
             this backend from its URL passes its `storage_read_timeout_s` here.
         write_deadline_s: `deadline_s` for writes (PUT, DELETE); default `deadline_s`. A `HiCache` passes

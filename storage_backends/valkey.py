@@ -196,9 +196,11 @@ class ValkeyBackend(BackendLifecycle):
         cluster: True for a cluster, False for one server, None to ask the first reachable node.
         db: the database number (single node only).
         ttl_s: expire every page this many seconds after it is written (None: never).
-        max_concurrency: the most pipelines in flight at once, across all calls.
+        max_concurrency: the most pipelines in flight at once, across all calls, and the most worker
+            threads verifying or encoding pages at once.
         batch_bytes: the most payload bytes one pipeline carries.
-        deadline_s: the total time one round trip may take, retries and backoff included.
+        deadline_s: the total time one round trip may take, the wait for a connection, retries and backoff
+            included.
         read_deadline_s: `deadline_s` for reads; a `HiCache` passes its `storage_read_timeout_s`.
         write_deadline_s: `deadline_s` for writes and deletes; a `HiCache` passes `storage_write_timeout_s`.
         attempt_timeout_s: the most one attempt may take.

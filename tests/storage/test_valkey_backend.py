@@ -7,7 +7,7 @@ redaction, pages spread over every shard, pages the server evicts, a node killed
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ import anyio
 import pytest
 import redis
 import torch
-from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
-from hostile import HostileStorage, RawStore
-from net_instance import run_demo, run_instance
+from contract import empty_pages, make_keys, make_pages
+from net_contract import NetworkStoreContract, assert_pages_shared_across_processes
+from net_instance import run_demo
 from net_servers import ValkeyCluster, start_valkey
 from s3_instance import PAGE, PROMPTS, instance_config, kv_payload
 
@@ -62,7 +62,10 @@ def raw_client(server: ValkeyCluster) -> Any:
     return redis.Redis(host="127.0.0.1", port=server.nodes[0].port, password=server.password)
 
 
-class _ValkeyContract(BackendContract, HostileStorage):
+class _ValkeyContract(NetworkStoreContract):
+    backend_class = ValkeyBackend
+    held_read = "_get_group"
+    held_in_thread = False
     server_fixture = ""
 
     @pytest.fixture
@@ -75,49 +78,16 @@ class _ValkeyContract(BackendContract, HostileStorage):
         return server.url(f"contract-{uuid.uuid4().hex[:12]}")
 
     @pytest.fixture
-    async def backend(self, url: str, namespace_digest: bytes) -> AsyncIterator[ValkeyBackend]:
-        async with ValkeyBackend.from_url(url, namespace_digest=namespace_digest) as b:
-            yield b
-
-    @pytest.fixture
-    def reopen(self, url: str) -> Reopen:
-        async def open_again(digest: bytes) -> ValkeyBackend:
-            return ValkeyBackend.from_url(url, namespace_digest=digest)
-
-        return open_again
-
-    @pytest.fixture
     def raw(self, server: ValkeyCluster) -> Iterator[Any]:
         client = raw_client(server)
         yield client
         client.close()
 
-    @pytest.fixture
-    def raw_store(self, raw: Any, backend: ValkeyBackend) -> RawStore:
-        class Raw:
-            async def read(self, key: str) -> bytes:
-                return bytes(await anyio.to_thread.run_sync(raw.get, backend.server_key(key)))
+    def raw_get(self, raw: Any, backend: ValkeyBackend, key: str) -> bytes:
+        return bytes(raw.get(backend.server_key(key)))
 
-            async def write(self, key: str, data: bytes) -> None:
-                await anyio.to_thread.run_sync(raw.set, backend.server_key(key), data)
-
-        return Raw()
-
-    @pytest.fixture
-    def corrupt_page(self, raw: Any, backend: ValkeyBackend) -> Corrupt:
-        def flip_last_byte(key: str) -> None:
-            body = bytearray(raw.get(backend.server_key(key)))
-            body[-1] ^= 0x01
-            raw.set(backend.server_key(key), bytes(body))
-
-        return flip_last_byte
-
-    @pytest.fixture
-    def hold_reads(self, backend: ValkeyBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
-        gate = ReadGate()
-        monkeypatch.setattr(backend, "_get_group", gate.awaited(backend._get_group))
-        yield gate
-        gate.open()
+    def raw_set(self, raw: Any, backend: ValkeyBackend, key: str, data: bytes) -> None:
+        raw.set(backend.server_key(key), data)
 
 
 class TestValkeyCluster(_ValkeyContract):
@@ -276,17 +246,7 @@ def test_two_processes_share_pages_through_the_cluster_and_namespaces_stay_apart
 ) -> None:
     """Instance A (its own process, the real controller) writes its pages through to the cluster; B, a
     fresh process, prefetches them byte-identical; C, another model's namespace, finds none of them."""
-    url = valkey_cluster.url(f"share-{uuid.uuid4().hex[:8]}")
-    a = run_instance("produce", url, tmp_path / "a.json")
-    assert a["storage"]["pages_written"] == 12
-    assert a["storage"]["errors"] == 0
-    b = run_instance("consume", url, tmp_path / "b.json")
-    assert b["requests"][0]["hits"]["storage"] == 128
-    assert all(r["matches_payload"] for r in b["requests"])
-    assert b["storage"]["pages_read"] == 12
-    c = run_instance("consume", url, tmp_path / "c.json", model="other")
-    assert all(r["hits"]["storage"] == 0 for r in c["requests"])
-    assert c["storage"]["pages_read"] == 0
+    assert_pages_shared_across_processes(valkey_cluster.url(f"share-{uuid.uuid4().hex[:8]}"), tmp_path)
 
 
 def test_the_demo_runs_on_the_cluster(valkey_cluster: ValkeyCluster) -> None:

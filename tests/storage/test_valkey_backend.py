@@ -238,6 +238,44 @@ async def test_a_paused_node_cannot_hold_a_read_past_its_deadline(tmp_path: Path
         server.stop()
 
 
+async def test_waiting_for_a_connection_is_not_an_attempt_timeout(valkey_single: ValkeyCluster) -> None:
+    """A pipeline queued behind busy connections waited inside its attempt's timeout (the S3 backend's old
+    bug, still Valkey's while it had its own round-trip code): on a healthy server it timed out before it
+    was ever sent, was retried, and failed. The wait now counts toward the round trip's deadline only (one
+    `RoundTrips` for every network store): the queued GET is sent once a connection frees, and loads."""
+    attempt_s = 0.2
+    options = {"attempt_timeout_s": attempt_s, "deadline_s": 60.0, "max_retries": 1, "max_concurrency": 1}
+    url = valkey_single.url(f"wait-{uuid.uuid4().hex[:8]}")
+    async with ValkeyBackend.from_url(url, namespace_digest=DIGEST, **options) as backend:
+        keys, pages = make_keys(1), make_pages(1, 4096)
+        assert await backend.put(keys, pages) == [True]
+        before = backend.statistics()
+        out = empty_pages(1, 4096)
+        connections = backend._calls._limiter
+        assert connections is not None
+        with anyio.fail_after(HANG_GUARD_S):
+            async with anyio.create_task_group() as tg:
+                await connections.acquire()  # the only connection, busy
+
+                async def queued() -> None:
+                    assert await backend.get(keys, out) == [HIT]
+
+                try:
+                    tg.start_soon(queued)
+                    while not backend._calls.waiting:  # noqa: ASYNC110 - polled: no event to wait on
+                        await anyio.sleep(0.01)
+                    # Time must pass here: the old code's attempt timeout fired during this wait.
+                    await anyio.sleep(3 * attempt_s)
+                    assert backend._calls.waiting == 1, "the queued GET stopped waiting"
+                    assert backend.statistics().requests == before.requests, "a GET went without a connection"
+                finally:
+                    connections.release()
+        assert bytes(out[0]) == bytes(pages[0])
+        after = backend.statistics()
+        assert after.retries == before.retries, "the wait for a connection was retried"
+        assert after.requests == before.requests + 1
+
+
 # ------------------------------------------------------------------------- two processes, one cluster
 
 

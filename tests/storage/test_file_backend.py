@@ -13,7 +13,7 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
@@ -565,12 +565,17 @@ async def test_every_blocking_call_shares_one_pool_of_max_concurrency_threads(
         counter.entered = threading.Semaphore(0)
         backend._before_read = lambda group: counter.held()
         out = empty_pages(8, 4096)
+        results: dict[str, object] = {}
+
+        async def run(name: str, call: Callable[..., Awaitable[object]], *args: object) -> None:
+            results[name] = await call(*args)
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(backend.get, keys[:4], out[:4])
-            tg.start_soon(backend.put, keys[8:], pages[8:])
-            tg.start_soon(backend.delete, keys[6:8])
-            tg.start_soon(backend.exists, keys[:6])
-            tg.start_soon(backend.get, keys[4:6], out[4:6])
+            tg.start_soon(run, "get", backend.get, keys[:4], out[:4])
+            tg.start_soon(run, "put", backend.put, keys[8:], pages[8:])
+            tg.start_soon(run, "delete", backend.delete, keys[6:8])
+            tg.start_soon(run, "exists", backend.exists, keys[:6])
+            tg.start_soon(run, "get again", backend.get, keys[4:6], out[4:6])
             for _ in range(2):  # both threads held inside a call; every other call waits for one
                 await anyio.to_thread.run_sync(counter.entered.acquire)
             await anyio.wait_all_tasks_blocked()
@@ -578,7 +583,14 @@ async def test_every_blocking_call_shares_one_pool_of_max_concurrency_threads(
             counter.gate.set()
         assert counter.peak == 2, counter.peak
         assert len(counter.threads) <= 2, counter.threads
-        assert backend._workers.threads == 2
+        assert backend._workers.threads == 2  # every job, `exists`' stat included, ran on these two
+        assert results == {
+            "get": [PageStatus.HIT, PageStatus.CORRUPT, PageStatus.HIT, PageStatus.HIT],
+            "put": [True] * 4,
+            "delete": None,
+            "exists": 6,
+            "get again": [PageStatus.HIT] * 2,
+        }
         assert (
             await backend.get(keys[:6], out[:6])
             == [PageStatus.HIT, PageStatus.CORRUPT] + [PageStatus.HIT] * 4

@@ -29,7 +29,6 @@ __all__ = [
     "MISS",
     "OLD_FORMAT",
     "BackendStatistics",
-    "PendingGroups",
     "StatisticsRecorder",
     "buffer_sizes",
     "check_batch",
@@ -197,49 +196,27 @@ async def gather_page_groups(
     workers: WorkerThreads,
     group_bytes: int,
     min_group_bytes: int = 0,
-    pending: PendingGroups | None = None,
 ) -> list[PageStatus]:
     """Run `func(keys[g], buffers[g])` in `workers` over the `group_slices` of a batch.
 
-    The batch is spread over as many groups as `workers` has threads that `pending` (the backend's
-    count of groups in flight, when given) leaves unclaimed (see `group_slices`); every group is a job of
-    `workers` (`WorkerThreads.calls`: a thread outlives the call only when the call is cancelled, and is
-    then registered with its group's buffers in `stray_threads`). An exception is raised once every group
-    returned.
+    The batch is spread over the threads of `workers` that no other job claims (`WorkerThreads.unclaimed`,
+    see `group_slices`); every group is a job of `workers` (`WorkerThreads.calls`: a thread outlives the
+    call only when the call is cancelled, and is then registered with its group's buffers in
+    `stray_threads`). An exception is raised once every group returned.
 
     Returns:
         The per-page outcome codes `func` returned, flattened, in batch order.
     """
-    limit = workers.size
-    # Spread a batch over the threads no other call has claimed: when every thread has work (many
-    # prefetches at once) smaller groups buy no parallelism, only more thread hops for the loop to pay.
-    spare = limit - pending.groups if pending is not None else limit
     groups = group_slices(
-        buffer_sizes(buffers), limit=max(1, spare), group_bytes=group_bytes, min_group_bytes=min_group_bytes
+        buffer_sizes(buffers),
+        limit=workers.unclaimed,
+        group_bytes=group_bytes,
+        min_group_bytes=min_group_bytes,
     )
-    if pending is not None:
-        pending.groups += len(groups)
-    try:
-        outcomes = await workers.calls(
-            [partial(func, keys[g], buffers[g]) for g in groups], [buffers[g] for g in groups]
-        )
-    finally:
-        if pending is not None:
-            pending.groups -= len(groups)
+    outcomes = await workers.calls(
+        [partial(func, keys[g], buffers[g]) for g in groups], [buffers[g] for g in groups]
+    )
     return [o for group in outcomes for o in group]
-
-
-class PendingGroups:
-    """How many page groups a backend's calls have handed to its worker threads and not finished yet.
-
-    `gather_page_groups` reads it to split a batch only over threads that no other call has claimed, and
-    keeps it up to date. Touched on the event-loop thread only.
-    """
-
-    __slots__ = ("groups",)
-
-    def __init__(self) -> None:
-        self.groups = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,6 @@ from urllib.parse import urlsplit
 from storage_backends import native
 from storage_backends.batching import (
     BackendStatistics,
-    PendingGroups,
     StatisticsRecorder,
     buffer_sizes,
     check_batch,
@@ -122,7 +121,6 @@ class FileBackend(BackendLifecycle):
         self._files = PageFiles(
             self._root, self._namespace, durable=durable, read_flags=READ_AHEAD if readahead else 0
         )
-        self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
         self._workers = WorkerThreads(max_concurrency, name="hicache-file")
         self._before_read: ReadHook | None = None
@@ -304,32 +302,25 @@ class FileBackend(BackendLifecycle):
             workers=self._workers,
             group_bytes=self._group_bytes,
             min_group_bytes=_MIN_GROUP_BYTES,
-            pending=self._pending,
         )
 
     async def _read(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Read and verify pages in the worker threads, a group per job; re-read checked (in one more job)
         the pages the C reader flagged."""
-        # Spread a batch over the threads no other call has claimed (see `gather_page_groups`).
-        spare = self._max_concurrency - self._pending.groups
         groups = group_slices(
             buffer_sizes(buffers),
-            limit=max(1, spare),
+            limit=self._workers.unclaimed,
             group_bytes=self._group_bytes,
             min_group_bytes=_MIN_GROUP_BYTES,
         )
-        self._pending.groups += len(groups)
-        try:
-            outcomes = await self._workers.read(
-                [(keys[g], buffers[g]) for g in groups],
-                root=self._root,
-                suffix=SUFFIX,
-                namespace_digest=self._namespace,
-                nowait=self._files.read_flags,
-                hook=self._before_read,
-            )
-        finally:
-            self._pending.groups -= len(groups)
+        outcomes = await self._workers.read(
+            [(keys[g], buffers[g]) for g in groups],
+            root=self._root,
+            suffix=SUFFIX,
+            namespace_digest=self._namespace,
+            nowait=self._files.read_flags,
+            hook=self._before_read,
+        )
         statuses: list[PageStatus | None] = []
         for g, (codes, flags, errors) in zip(groups, outcomes, strict=True):
             statuses += self._files.statuses(keys[g], codes, flags, errors)

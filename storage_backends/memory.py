@@ -18,7 +18,6 @@ from storage_backends.batching import (
     HIT,
     MISS,
     BackendStatistics,
-    PendingGroups,
     StatisticsRecorder,
     check_batch,
     gather_page_groups,
@@ -82,7 +81,6 @@ class MemoryBackend(BackendLifecycle):
                 self._pages = _named_stores.setdefault(name, {})
         self._max_concurrency = max_concurrency
         self._workers = WorkerThreads(max_concurrency, name="hicache-memory")
-        self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -145,7 +143,6 @@ class MemoryBackend(BackendLifecycle):
             buffers,
             workers=self._workers,
             group_bytes=_GROUP_BYTES,
-            pending=self._pending,
         )
         return self._stats.record_reads(outcomes, buffers)
 
@@ -164,7 +161,6 @@ class MemoryBackend(BackendLifecycle):
             buffers,
             workers=self._workers,
             group_bytes=_GROUP_BYTES,
-            pending=self._pending,
         )
         return self._stats.record_writes(outcomes, buffers)
 

@@ -92,7 +92,7 @@ class FileBackend(BackendLifecycle):
             Needs Linux (`RWF_NOWAIT`); ignored elsewhere.
 
     Raises:
-        ValueError: for a bad `namespace_digest` or `max_concurrency` < 1.
+        ValueError: for a bad `namespace_digest`, `max_concurrency` < 1 or `group_bytes` < 1.
     """
 
     def __init__(
@@ -239,7 +239,7 @@ class FileBackend(BackendLifecycle):
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
-                `keys` or a non-contiguous buffer.
+                `keys`, a non-contiguous or a read-only buffer.
         """
         check_batch(keys, buffers)
         validate_keys(keys)

@@ -1,6 +1,7 @@
 """Types of the C extension built from native/hicache_native.c (imported through storage_backends.native)."""
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from typing_extensions import Buffer
 
@@ -48,8 +49,10 @@ def read_pages(
     """
 
 class ReadJob:
-    """A batch of pages handed to a `ReadQueue`: its handle (cancel it, or take its result)."""
+    """A batch of pages, or a call, handed to a `ReadQueue`: its handle (cancel it, or take its result)."""
 
+    call: bool
+    """Whether the job calls a Python callable (`ReadQueue.call`) rather than reading pages."""
     finished: bool
     """Whether a worker finished the job: its buffers are written for good (`collect()` may not have taken
     it yet: a job of a set waits for the set's last)."""
@@ -57,11 +60,13 @@ class ReadJob:
     def times(self) -> tuple[int, int, int]:
         """When the job was queued, started and finished, in `time.monotonic_ns()` (0: not yet)."""
 
-    def result(self) -> tuple[bytes, int, list[tuple[int, int]]]:
-        """What `read_pages` returns for the batch, once the job is done.
+    def result(self) -> Any:
+        """What `read_pages` returns for the batch (`tuple[bytes, int, list[tuple[int, int]]]`), or what a
+        call job's callable returned, once the job is done.
 
         Raises:
             RuntimeError: if the job has not run.
+            BaseException: what a call job's callable raised.
         """
 
 class ReadQueue:
@@ -93,6 +98,14 @@ class ReadQueue:
             RuntimeError: after `close()`.
             ValueError, TypeError: as `read_pages`, or naming `leader` (a job of another queue, one that
                 was freed included: jobs name their queue by a generation number), before anything is queued.
+        """
+    def call(self, func: Callable[[], object], leader: ReadJob | None = None, /) -> ReadJob:
+        """Queue a job that calls `func()` in a worker, with the GIL (the callable is dropped in the worker
+        once called); `leader` as for `submit`.
+
+        Raises:
+            RuntimeError: after `close()`.
+            TypeError: naming `func`, if it is not callable; ValueError: naming `leader`, as for `submit`.
         """
     def cancel(self, job: ReadJob, /) -> bool:
         """Remove a pending job (it never starts): True; False once it started. Signals `fileno()` either

@@ -53,8 +53,9 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 6 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
-                          6: READAHEAD, separate from the probe; stat-only RETRY for a path that is no file */
+#define NATIVE_BUILD 7 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
+                          6: READAHEAD, separate from the probe; stat-only RETRY for a path that is no file;
+                          7: ReadQueue.call, a job that runs a Python callable */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
@@ -320,7 +321,8 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
  * ReadJob: one batch of pages to read, with everything the read needs held for its whole life: a reference
  * to every key and a buffer export of every buffer (another thread may change the caller's sequences, or
  * drop them, while a worker reads without the GIL). read_pages() runs one job in the calling thread;
- * ReadQueue runs them in its worker threads.
+ * ReadQueue runs them in its worker threads. A call job (ReadQueue.call) holds a Python callable instead,
+ * which its worker calls with the GIL: every other blocking call of a backend runs in the same threads.
  */
 enum { JOB_NEW, JOB_QUEUED, JOB_RUNNING, JOB_DONE, JOB_CANCELLED };
 
@@ -333,6 +335,9 @@ typedef struct ReadJob {
     Py_ssize_t set_left;    /* on a set's leader: the set's jobs not finished nor cancelled yet (under mu) */
     int state;            /* JOB_*, changed under the queue's mutex (JOB_DONE: a release store) */
     int stat_only;        /* no buffers: only say which pages exist (up to the first absent one) */
+    int is_call;          /* a call job (ReadQueue.call) */
+    PyObject *func;       /* a call job's callable (NULL for a read; dropped once called) */
+    PyObject *returned, *raised; /* a call job's return value or exception, once it ran */
     read_ctx ctx;
     PyObject *root_obj, *suffix_obj, *ns_obj, *hook;
     Py_ssize_t count, n_keys, n_views;
@@ -355,14 +360,21 @@ static PyTypeObject ReadJobType;
 static int job_traverse(ReadJob *job, visitproc visit, void *arg) {
     Py_VISIT(job->hook);
     Py_VISIT(job->leader);
+    Py_VISIT(job->func);
+    Py_VISIT(job->returned);
+    Py_VISIT(job->raised);
     return 0;
 }
 
-/* Only the hook can lead back to the job (keys, root, suffix and namespace are str and bytes; a leader is a
-   job): clearing it breaks every cycle. A queued or running job is never cleared: the queue's reference to
-   it is visible to the collector only while the queue itself is garbage, and then no worker runs it. */
+/* Only the hook and a call's callable and outcome can lead back to the job (keys, root, suffix and namespace
+   are str and bytes; a leader is a job): clearing them breaks every cycle. A queued or running job is never
+   cleared: the queue's reference to it is visible to the collector only while the queue itself is garbage,
+   and then no worker runs it. */
 static int job_clear(ReadJob *job) {
     Py_CLEAR(job->hook);
+    Py_CLEAR(job->func);
+    Py_CLEAR(job->returned);
+    Py_CLEAR(job->raised);
     return 0;
 }
 
@@ -381,12 +393,16 @@ static void job_dealloc(ReadJob *job) {
     Py_XDECREF(job->ns_obj);
     Py_XDECREF(job->hook);
     Py_XDECREF(job->leader);
+    Py_XDECREF(job->func);
+    Py_XDECREF(job->returned);
+    Py_XDECREF(job->raised);
     Py_TYPE(job)->tp_free((PyObject *)job);
 }
 
 /* A job for read_pages' six arguments (root, suffix, keys, buffers, namespace_digest, nowait_flags), or NULL
    with an exception set. */
-static ReadJob *job_new(PyObject *const *args) {
+/* A job holding nothing yet (untracked by the collector), or NULL with an exception set. */
+static ReadJob *job_alloc(void) {
     ReadJob *job = PyObject_GC_New(ReadJob, &ReadJobType);
     if (job == NULL) return NULL;
     job->next = job->prev = NULL;
@@ -394,7 +410,8 @@ static ReadJob *job_new(PyObject *const *args) {
     job->leader = NULL;
     job->set_left = 0;
     job->state = JOB_NEW;
-    job->stat_only = args[3] == Py_None;
+    job->stat_only = job->is_call = 0;
+    job->func = job->returned = job->raised = NULL;
     memset(&job->ctx, 0, sizeof(job->ctx));
     job->root_obj = job->suffix_obj = job->ns_obj = job->hook = NULL;
     job->count = job->n_keys = job->n_views = 0;
@@ -404,6 +421,13 @@ static ReadJob *job_new(PyObject *const *args) {
     job->views = NULL;
     job->codes = NULL;
     job->t_queued = job->t_started = job->t_done = 0;
+    return job;
+}
+
+static ReadJob *job_new(PyObject *const *args) {
+    ReadJob *job = job_alloc();
+    if (job == NULL) return NULL;
+    job->stat_only = args[3] == Py_None;
     PyObject *key_seq = NULL, *buf_seq = NULL;
 
     job->ctx.root = PyUnicode_AsUTF8AndSize(args[0], &job->ctx.root_len);
@@ -510,9 +534,30 @@ static void stat_batch(ReadJob *job) {
     for (i++; i < job->count; i++) job->codes[i] = CODE_MISS;
 }
 
-/* Run a job (no GIL needed). */
+/* Call a call job's callable with the GIL, keep what it returned or raised, and drop the callable (and so
+   whatever it held) in the worker, before the job counts as finished. */
+static void call_func(ReadJob *job) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *returned = PyObject_CallNoArgs(job->func);
+    if (returned == NULL) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (value != NULL && tb != NULL) PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        job->raised = value != NULL ? value : Py_NewRef(PyExc_SystemError);
+    } else {
+        job->returned = returned;
+    }
+    Py_CLEAR(job->func);
+    PyGILState_Release(gil);
+}
+
+/* Run a job (no GIL needed: a call job takes it). */
 static void job_run(ReadJob *job) {
-    if (job->stat_only) stat_batch(job);
+    if (job->is_call) call_func(job);
+    else if (job->stat_only) stat_batch(job);
     else read_batch(&job->ctx, job->count, job->keys, job->key_lens, job->views, job->codes);
 }
 
@@ -543,6 +588,12 @@ static PyObject *job_result(ReadJob *job, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "ReadJob.result(): the job has not run");
         return NULL;
     }
+    if (job->raised != NULL) {
+        PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(job->raised)), Py_NewRef(job->raised),
+                      PyException_GetTraceback(job->raised));
+        return NULL;
+    }
+    if (job->returned != NULL) return Py_NewRef(job->returned);
     return job_outcome(job);
 }
 
@@ -556,7 +607,8 @@ static PyMethodDef job_methods[] = {
      "times() -> tuple[int, int, int]\n\nWhen the job was queued, started and finished (time.monotonic_ns();\n"
      "0 for what has not happened yet)."},
     {"result", (PyCFunction)job_result, METH_NOARGS,
-     "result() -> tuple[bytes, int, list[tuple[int, int]]]\n\nAs read_pages returns, once the job is done."},
+     "result() -> tuple[bytes, int, list[tuple[int, int]]]\n\nAs read_pages returns, once the job is done;\n"
+     "a call job's: what its callable returned (or raise what it raised)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -691,28 +743,43 @@ static PyObject *queue_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)q;
 }
 
+static ReadJob *queue_leader(ReadQueue *q, PyObject *arg, int *ok);
+static PyObject *queue_enqueue(ReadQueue *q, ReadJob *job, ReadJob *leader);
+
 static PyObject *queue_submit(ReadQueue *q, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7 && nargs != 8) {
         PyErr_Format(PyExc_TypeError, "submit() takes 7 or 8 arguments (%zd given)", nargs);
         return NULL;
     }
-    ReadJob *leader = NULL;
-    if (nargs == 8 && args[7] != Py_None) {
-        if (!PyObject_TypeCheck(args[7], &ReadJobType) || ((ReadJob *)args[7])->queue_id != q->id) {
-            PyErr_SetString(PyExc_ValueError, "leader: expected a job submitted to this queue");
-            return NULL;
-        }
-        leader = (ReadJob *)args[7];
-        if (leader->leader != NULL) leader = leader->leader; /* the set's first job keeps the count */
-    }
+    int ok;
+    ReadJob *leader = queue_leader(q, nargs == 8 ? args[7] : Py_None, &ok);
+    if (!ok) return NULL;
     ReadJob *job = job_new(args);
     if (job == NULL) return NULL;
     if (args[6] != Py_None) job->hook = Py_NewRef(args[6]);
+    return queue_enqueue(q, job, leader);
+}
+
+/* The set leader named by `arg` (None: the job leads its own set), or NULL with an exception set (*ok 0). */
+static ReadJob *queue_leader(ReadQueue *q, PyObject *arg, int *ok) {
+    *ok = 1;
+    if (arg == Py_None) return NULL;
+    if (!PyObject_TypeCheck(arg, &ReadJobType) || ((ReadJob *)arg)->queue_id != q->id) {
+        PyErr_SetString(PyExc_ValueError, "leader: expected a job submitted to this queue");
+        *ok = 0;
+        return NULL;
+    }
+    ReadJob *leader = (ReadJob *)arg;
+    return leader->leader != NULL ? leader->leader : leader; /* the set's first job keeps the count */
+}
+
+/* Queue `job` (a new reference, handed over) in `leader`'s set; the job, or NULL once the queue closed. */
+static PyObject *queue_enqueue(ReadQueue *q, ReadJob *job, ReadJob *leader) {
     pthread_mutex_lock(&q->mu);
     if (q->closed) {
         pthread_mutex_unlock(&q->mu);
         Py_DECREF(job);
-        PyErr_SetString(PyExc_RuntimeError, "submit(): the queue is closed");
+        PyErr_SetString(PyExc_RuntimeError, "the queue is closed");
         return NULL;
     }
     if (leader != NULL) {
@@ -738,6 +805,26 @@ static void signal_loop(ReadQueue *q) {
     uint64_t one = 1;
     while (write(q->efd, &one, sizeof(one)) < 0 && errno == EINTR) {
     }
+}
+
+static PyObject *queue_call(ReadQueue *q, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 && nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "call() takes 1 or 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyCallable_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "func: expected a callable, got %.100s", Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    int ok;
+    ReadJob *leader = queue_leader(q, nargs == 2 ? args[1] : Py_None, &ok);
+    if (!ok) return NULL;
+    ReadJob *job = job_alloc();
+    if (job == NULL) return NULL;
+    job->func = Py_NewRef(args[0]);
+    job->is_call = 1;
+    PyObject_GC_Track(job);
+    return queue_enqueue(q, job, leader);
 }
 
 static PyObject *queue_cancel(ReadQueue *q, PyObject *arg) {
@@ -876,7 +963,14 @@ static PyObject *job_get_finished(ReadJob *job, void *closure) {
     return PyBool_FromLong(__atomic_load_n(&job->state, __ATOMIC_ACQUIRE) == JOB_DONE);
 }
 
+static PyObject *job_get_call(ReadJob *job, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(job->is_call);
+}
+
 static PyGetSetDef job_getset[] = {
+    {"call", (getter)job_get_call, NULL, "Whether the job calls a Python callable (ReadQueue.call), not a read.",
+     NULL},
     {"finished", (getter)job_get_finished, NULL,
      "Whether a worker finished the job (its buffers are written for good; collect() may not have taken it).",
      NULL},
@@ -926,6 +1020,9 @@ static PyMethodDef queue_methods[] = {
      "buffers=None: only stat the pages, up to the first absent (MISS) or failing (ERROR) one.\n"
      "leader: a job of this queue whose set this one joins: fileno() is signalled once the set's last\n"
      "unfinished job finishes, not once per job."},
+    {"call", (PyCFunction)(void (*)(void))queue_call, METH_FASTCALL,
+     "call(func, leader=None, /) -> ReadJob\n\nQueue a job that calls func() in a worker, with the GIL;\n"
+     "its result() is what func returned (or raises what it raised). leader: as for submit()."},
     {"cancel", (PyCFunction)queue_cancel, METH_O,
      "cancel(job, /) -> bool\n\nRemove a pending job (it never starts): True; False if it started.\n"
      "Signals fileno() either way (finished jobs of its set may be waiting for collect())."},

@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import compress
 from operator import attrgetter
-from typing import TypeVar, TypeVarTuple, Unpack, cast
+from typing import TypeVar, cast
 
 import anyio
-import anyio.to_thread
 
 from storage_backends.protocol import PageStatus
-from storage_backends.threads import stray_threads
+from storage_backends.threads import WorkerThreads
 
 __all__ = [
     "CORRUPT",
@@ -30,7 +29,6 @@ __all__ = [
     "MISS",
     "OLD_FORMAT",
     "BackendStatistics",
-    "PendingGroups",
     "StatisticsRecorder",
     "buffer_sizes",
     "check_batch",
@@ -38,11 +36,9 @@ __all__ = [
     "gather_bounded",
     "gather_page_groups",
     "group_slices",
-    "run_in_thread",
 ]
 
 T = TypeVar("T")
-Ts = TypeVarTuple("Ts")
 
 HIT = PageStatus.HIT
 """Per-page outcome: the page was read (or written) and verified."""
@@ -67,7 +63,7 @@ async def gather_bounded(funcs: Sequence[Callable[[], Awaitable[T]]], limit: int
     On the first exception the remaining calls are cancelled (and those not started never start), every
     sibling is awaited, then that first exception is re-raised as itself (not wrapped in a group). A
     sibling cancelled while its worker thread ran leaves that thread registered in `stray_threads` (see
-    `run_in_thread`). Cancellation from outside propagates untouched.
+    `storage_backends.threads`). Cancellation from outside propagates untouched.
 
     `min(limit, len(funcs))` worker tasks pull the next call from a shared cursor, instead of one task per
     call queueing on a `CapacityLimiter`: same bound, but a batch of 16k pages costs 16 tasks, not 16k.
@@ -192,88 +188,35 @@ def _cut_page_by_page(
     return out
 
 
-async def run_in_thread(
-    func: Callable[[Unpack[Ts]], T],
-    *args: *Ts,
-    limiter: anyio.CapacityLimiter | None,
-    touches: Sequence[object] = (),
-) -> T:
-    """Run `func(*args)` in a worker thread under `limiter`; a cancellation returns at once.
-
-    A cancelled caller does not wait for the thread (a read stuck on a hung mount would hang it): the thread
-    is abandoned and, while it still runs, registered in `stray_threads` with the buffers it `touches`, so
-    the caller can keep them out of use until it returns (see `storage_backends.threads`). A call
-    cancelled before its thread started never starts. Returning normally or raising, the thread is done.
-
-    An abandoned thread no longer holds a `limiter` token: a backend stuck on a dead mount may run more
-    threads than its limit; the controller's circuit breaker and timeouts bound how many it starts.
-    """
-    call = stray_threads.call(touches)
-    try:
-        result = await anyio.to_thread.run_sync(
-            partial(call.run, func, *args), limiter=limiter, abandon_on_cancel=True
-        )
-    except BaseException:
-        call.abandon()  # no-op when the thread already returned (it raised)
-        raise
-    return cast("T", result)
-
-
 async def gather_page_groups(
     func: Callable[[Sequence[str], Sequence[memoryview]], list[PageStatus]],
     keys: Sequence[str],
     buffers: Sequence[memoryview],
     *,
-    limiter: anyio.CapacityLimiter,
+    workers: WorkerThreads,
     group_bytes: int,
     min_group_bytes: int = 0,
-    pending: PendingGroups | None = None,
 ) -> list[PageStatus]:
-    """Run `func(keys[g], buffers[g])` in worker threads over the `group_slices` of a batch.
+    """Run `func(keys[g], buffers[g])` in `workers` over the `group_slices` of a batch.
 
-    The batch is spread over as many groups as `limiter` has threads that `pending` (the backend's
-    count of groups in flight, when given) leaves unclaimed (see `group_slices`), and at
-    most `limiter.total_tokens` groups run at once, each in a thread of `limiter` (see
-    `run_in_thread`: a thread outlives the call only when the call is cancelled, and is then registered with
-    its group's buffers in `stray_threads`); the first failure cancels the rest (`gather_bounded`).
+    The batch is spread over the threads of `workers` that no other job claims (`WorkerThreads.unclaimed`,
+    see `group_slices`); every group is a job of `workers` (`WorkerThreads.calls`: a thread outlives the
+    call only when the call is cancelled, and is then registered with its group's buffers in
+    `stray_threads`). An exception is raised once every group returned.
 
     Returns:
         The per-page outcome codes `func` returned, flattened, in batch order.
     """
-    limit = int(limiter.total_tokens)
-    # Spread a batch over the threads no other call has claimed: when every thread has work (many
-    # prefetches at once) smaller groups buy no parallelism, only more thread hops for the loop to pay.
-    spare = limit - pending.groups if pending is not None else limit
     groups = group_slices(
-        buffer_sizes(buffers), limit=max(1, spare), group_bytes=group_bytes, min_group_bytes=min_group_bytes
+        buffer_sizes(buffers),
+        limit=workers.unclaimed,
+        group_bytes=group_bytes,
+        min_group_bytes=min_group_bytes,
     )
-    if pending is not None:
-        pending.groups += len(groups)
-    try:
-        outcomes = await gather_bounded(
-            [
-                partial(run_in_thread, func, keys[g], buffers[g], limiter=limiter, touches=buffers[g])
-                for g in groups
-            ],
-            limit,
-        )
-    finally:
-        if pending is not None:
-            pending.groups -= len(groups)
+    outcomes = await workers.calls(
+        [partial(func, keys[g], buffers[g]) for g in groups], [buffers[g] for g in groups]
+    )
     return [o for group in outcomes for o in group]
-
-
-class PendingGroups:
-    """How many page groups a backend's calls have handed to its worker threads and not finished yet.
-
-    `gather_page_groups` reads it to split a batch only over threads that no other call has claimed, and
-    keeps it up to date. Touched on the event-loop thread only.
-    """
-
-    __slots__ = ("groups",)
-
-    def __init__(self) -> None:
-        self.groups = 0
 
 
 @dataclass(frozen=True, slots=True)

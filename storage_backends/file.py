@@ -3,44 +3,39 @@
 Layout: `root/ab/cd/<key>.kvp`, where `ab` and `cd` are the key's first two hex pairs, so no directory
 grows past 65536 entries per level. Every file is a `page_format` header followed by the payload.
 
-`FileBackend` is the async face (validation, grouping into worker-thread calls, statistics, lifecycle);
-`storage_backends.file_pages.PageFiles` does the work on the files. Reads go straight into the caller's
-buffer and are verified in the same pass, a whole group per job, by the C extension's read threads, which
-never take the GIL (`storage_backends.read_queue`); writes go to a temporary file in the page's directory
-and are renamed over the final name with `os.replace`, so a reader sees a whole page or no page.
+`FileBackend` is the async face (validation, grouping into worker-thread jobs, statistics, lifecycle);
+`storage_backends.file_pages.PageFiles` does the work on the files. Every blocking call runs in the backend's
+one pool of at most `max_concurrency` threads (`storage_backends.threads.WorkerThreads`). Reads go straight
+into the caller's buffer and are verified in the same pass, a whole group per job, by the C extension without
+the GIL; writes go to a temporary file in the page's directory and are renamed over the final name with
+`os.replace`, so a reader sees a whole page or no page.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
-
 from storage_backends import native
 from storage_backends.batching import (
     BackendStatistics,
-    PendingGroups,
     StatisticsRecorder,
     buffer_sizes,
     check_batch,
-    gather_bounded,
     gather_page_groups,
     group_slices,
-    run_in_thread,
 )
 from storage_backends.file_pages import READ_AHEAD, SUFFIX, PageFiles
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import file_root_from_url_path
 from storage_backends.page_format import check_namespace_digest, validate_keys
 from storage_backends.protocol import PageStatus
-from storage_backends.read_queue import ReadHook, ReadStatistics, ReadThreads
 from storage_backends.redact import redact_url
+from storage_backends.threads import ReadHook, ReadStatistics, WorkerThreads
 
 __all__ = ["SUFFIX", "FileBackend", "default_concurrency"]
 
@@ -85,8 +80,9 @@ class FileBackend(BackendLifecycle):
         root: the directory holding the pages; created if missing. A filesystem path, made absolute and
             normalised (`os.path.abspath`: `..` is resolved); `from_url` refuses `.` and `..` instead.
         namespace_digest: the 16-byte namespace digest written into, and required from, every page.
-        max_concurrency: the most worker threads this backend keeps busy at once, across all calls
-            (default: `default_concurrency()`): its read threads, and the threads of the other calls.
+        max_concurrency: the most worker threads this backend keeps busy at once, across all its calls
+            (default: `default_concurrency()`); a thread stuck in a call whose caller was cancelled gets
+            a spare meanwhile (see `storage_backends.threads`).
         durable: fsync each page and its directory before reporting it written.
         group_bytes: payload bytes one worker-thread call handles; small pages are grouped up to this
             size so a thread hop is shared by several pages.
@@ -96,7 +92,7 @@ class FileBackend(BackendLifecycle):
             Needs Linux (`RWF_NOWAIT`); ignored elsewhere.
 
     Raises:
-        ValueError: for a bad `namespace_digest` or `max_concurrency` < 1.
+        ValueError: for a bad `namespace_digest`, `max_concurrency` < 1 or `group_bytes` < 1.
     """
 
     def __init__(
@@ -125,10 +121,8 @@ class FileBackend(BackendLifecycle):
         self._files = PageFiles(
             self._root, self._namespace, durable=durable, read_flags=READ_AHEAD if readahead else 0
         )
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
-        self._pending = PendingGroups()
         self._stats = StatisticsRecorder()
-        self._reader = ReadThreads(max_concurrency, name="hicache-file-read")
+        self._workers = WorkerThreads(max_concurrency, name="hicache-file")
         self._before_read: ReadHook | None = None
         """Called in the read thread with a group's keys before it is read (tests: a hung mount)."""
         self._closed = False
@@ -176,16 +170,16 @@ class FileBackend(BackendLifecycle):
         return self._stats.snapshot()
 
     def read_statistics(self) -> ReadStatistics:
-        """What the read threads did since the backend was opened: groups read, and the seconds spent
+        """What the worker threads read since the backend was opened: groups read, and the seconds spent
         reading them and waiting for a thread (`bench/bench_io.py` reports groups read at once)."""
-        return self._reader.statistics()
+        return self._workers.statistics()
 
     # -- the protocol ---------------------------------------------------------------------------------
 
     async def exists(self, keys: Sequence[str]) -> int:
         """Length of the longest prefix of `keys` whose page files all exist (stops at the first miss).
 
-        Keys are stat-ed in chunks by the read threads (`storage_backends.read_queue`), a wave of up to
+        Keys are stat-ed in chunks by the worker threads (`storage_backends.threads`), a wave of up to
         `max_concurrency` chunks at once; a wave runs only if every page before it exists. A path holding
         no regular file (a directory, FIFO, socket or device, symlinks followed) is no page: absent, logged,
         and replaced by the next `put`.
@@ -206,7 +200,7 @@ class FileBackend(BackendLifecycle):
             chunks = [
                 slice(s, min(s + _EXISTS_CHUNK, n)) for s in range(pos, min(pos + wave, n), _EXISTS_CHUNK)
             ]
-            outcomes = await self._reader.run(
+            outcomes = await self._workers.read(
                 [(keys[c], None) for c in chunks],
                 root=self._root,
                 suffix=SUFFIX,
@@ -238,13 +232,14 @@ class FileBackend(BackendLifecycle):
         When this returns normally, no thread writes into any buffer any more. When it raises (cancelled,
         or a group refused after others were queued), a group not started yet never starts, but a group
         already being read, or the worker thread re-reading flagged pages, keeps writing into its buffers
-        until its read returns (a hung mount: maybe never); those buffers are registered in `storage_backends.threads.stray_threads` meanwhile, and
-        the caller must not reuse one while `stray_threads.busy([buffer])` is true (the protocol's rule).
+        until its read returns (a hung mount: maybe never); those buffers are registered in
+        `storage_backends.threads.stray_threads` meanwhile, and the caller must not reuse one while
+        `stray_threads.busy([buffer])` is true (the protocol's rule); every other buffer is quiet.
 
         Raises:
             CacheClosed: after `aclose()`.
             ValueError: naming `keys` for a malformed key, or `buffers` for a length mismatch with
-                `keys` or a non-contiguous buffer.
+                `keys`, a non-contiguous or a read-only buffer.
         """
         check_batch(keys, buffers)
         validate_keys(keys)
@@ -274,12 +269,8 @@ class FileBackend(BackendLifecycle):
         """
         validate_keys(keys)
         chunks = [slice(s, s + _EXISTS_CHUNK) for s in range(0, len(keys), _EXISTS_CHUNK)]
-        await gather_bounded(
-            [
-                partial(run_in_thread, self._files.delete_group, keys[c], limiter=self._limiter)
-                for c in chunks
-            ],
-            self._max_concurrency,
+        await self._workers.calls(
+            [partial(self._files.delete_group, keys[c]) for c in chunks], [()] * len(chunks)
         )
 
     def __repr__(self) -> str:
@@ -308,60 +299,43 @@ class FileBackend(BackendLifecycle):
             func,
             keys,
             buffers,
-            limiter=self._limiter,
+            workers=self._workers,
             group_bytes=self._group_bytes,
             min_group_bytes=_MIN_GROUP_BYTES,
-            pending=self._pending,
         )
 
     async def _read(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Read and verify pages in the read threads, a group per job; re-read checked (in a worker thread)
+        """Read and verify pages in the worker threads, a group per job; re-read checked (in one more job)
         the pages the C reader flagged."""
-        # Spread a batch over the threads no other call has claimed (see `gather_page_groups`).
-        spare = self._max_concurrency - self._pending.groups
         groups = group_slices(
             buffer_sizes(buffers),
-            limit=max(1, spare),
+            limit=self._workers.unclaimed,
             group_bytes=self._group_bytes,
             min_group_bytes=_MIN_GROUP_BYTES,
         )
-        self._pending.groups += len(groups)
-        try:
-            outcomes = await self._reader.run(
-                [(keys[g], buffers[g]) for g in groups],
-                root=self._root,
-                suffix=SUFFIX,
-                namespace_digest=self._namespace,
-                nowait=self._files.read_flags,
-                hook=self._before_read,
-            )
-        finally:
-            self._pending.groups -= len(groups)
+        outcomes = await self._workers.read(
+            [(keys[g], buffers[g]) for g in groups],
+            root=self._root,
+            suffix=SUFFIX,
+            namespace_digest=self._namespace,
+            nowait=self._files.read_flags,
+            hook=self._before_read,
+        )
         statuses: list[PageStatus | None] = []
         for g, (codes, flags, errors) in zip(groups, outcomes, strict=True):
             statuses += self._files.statuses(keys[g], codes, flags, errors)
         if None in statuses:
             again = [i for i, status in enumerate(statuses) if status is None]
-            rechecked = await run_in_thread(
-                self._files.recheck,
-                [keys[i] for i in again],
-                [buffers[i] for i in again],
-                limiter=self._limiter,
-                touches=[buffers[i] for i in again],
+            flagged = [buffers[i] for i in again]
+            rechecked = await self._workers.call(
+                self._files.recheck, [keys[i] for i in again], flagged, touches=flagged
             )
             for i, status in zip(again, rechecked, strict=True):
                 statuses[i] = status
         return statuses  # type: ignore[return-value]  # every None was replaced above
 
     def _release(self) -> None:
-        self._reader.close()
-
-    # `warnings.warn` is bound as a default so the check still works while the interpreter shuts down.
-    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
-        super().__del__(_warn)
-        reader = getattr(self, "_reader", None)
-        if reader is not None and not getattr(self, "_closed", True):
-            reader.close_queue()  # collected unclosed: let its read threads go
+        self._workers.close()
 
     def _write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         """Write a group of pages in a worker thread (`PageFiles.write_group`)."""

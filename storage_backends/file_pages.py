@@ -5,7 +5,7 @@ payload) and does the per-page work: batched reads through the C extension, a ch
 the C reader found unusual, atomic writes, stat and unlink. It runs in worker threads only; `FileBackend`
 (`storage_backends.file`) is the async face that validates, groups, counts and cancels.
 
-Reads: the C reader (`native.ReadQueue`'s workers, see `storage_backends.read_queue`) reads and verifies
+Reads: the C reader (`native.ReadQueue`'s workers, see `storage_backends.threads`) reads and verifies
 every page of a group straight into its buffer without the GIL (each chunk hashed while still in cache: one
 pass over memory per verified page). It answers only "verified", "absent", "error" or "look again"
 (`statuses`); a page it flags is read again here, field by field (`read_checked`), so the reason (truncated,
@@ -95,7 +95,7 @@ class PageFiles:
         advised with `posix_fadvise(WILLNEED)` ahead of the one being read), so a cold group keeps the device
         busy with many reads at once (measured with `bench/bench_io.py`: 64 KiB pages, 4 threads, cold cache,
         0.95 -> 1.5 GB/s) and a group of thousands of small pages holds 32 files open, not thousands (and
-        all read threads together at most a quarter of the process's descriptor limit: no EMFILE).
+        all worker threads together at most a quarter of the process's descriptor limit: no EMFILE).
         """
         self.read_flags &= read_flags
         if codes.count(native.HIT) == len(codes):

@@ -8,8 +8,10 @@ backend garbage-collected while still open warns with `ResourceWarning`.
 Worker threads are never waited for once their call is cancelled: a read stuck on a hung NFS or FUSE
 mount must not hang its caller. A call that is cancelled while its worker thread runs abandons the thread
 and registers it in `storage_backends.threads.stray_threads`, together with the buffers it may still read or
-write, until the thread returns. A caller must not reuse such a buffer (free it, hand it out, overwrite it)
-while `stray_threads.busy(...)` reports it; every other buffer is quiet as soon as the call returns.
+write, until the thread returns (`storage_backends.threads.WorkerThreads`). A caller must not reuse such a
+buffer (free it, hand it out, overwrite it) while `stray_threads.busy(...)` reports it; every other buffer is
+quiet as soon as the call returns. `aclose()` therefore waits for calls, never for stray threads: a backend
+collected while its threads run lets them leave once their jobs return.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class BackendLifecycle:
 
     A subclass sets `self._closed = True` first in `__init__` (so a constructor that fails does not warn
     in `__del__`) and `False` once fully constructed, and overrides `_release()` to drop what it holds (a
-    client, its connections). Its own `exists`, `get`, `put` and `delete` are wrapped when the class is
+    client, its connections, and its `WorkerThreads` as `_workers`, whose queue `__del__` closes too). Its own `exists`, `get`, `put` and `delete` are wrapped when the class is
     created: each call raises `CacheClosed` once `aclose()` began and otherwise counts as in flight until it
     returns. The cost is one counter update each way; no lock is taken.
     """
@@ -113,6 +115,9 @@ class BackendLifecycle:
     def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
         if not getattr(self, "_closed", True):
             _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        workers = getattr(self, "_workers", None)
+        if workers is not None:
+            workers.close_queue()  # collected (unclosed, or its aclose cancelled): let its threads go
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,13 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
-
 from storage_backends.batching import (
     HIT,
     MISS,
     BackendStatistics,
-    PendingGroups,
     StatisticsRecorder,
     check_batch,
     gather_page_groups,
@@ -38,6 +35,7 @@ from storage_backends.page_format import (
 )
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_url
+from storage_backends.threads import WorkerThreads
 
 __all__ = ["MemoryBackend", "drop_named_store"]
 
@@ -82,8 +80,7 @@ class MemoryBackend(BackendLifecycle):
             with _named_lock:
                 self._pages = _named_stores.setdefault(name, {})
         self._max_concurrency = max_concurrency
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
-        self._pending = PendingGroups()
+        self._workers = WorkerThreads(max_concurrency, name="hicache-memory")
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -144,9 +141,8 @@ class MemoryBackend(BackendLifecycle):
             self._read_group,
             keys,
             buffers,
-            limiter=self._limiter,
+            workers=self._workers,
             group_bytes=_GROUP_BYTES,
-            pending=self._pending,
         )
         return self._stats.record_reads(outcomes, buffers)
 
@@ -163,9 +159,8 @@ class MemoryBackend(BackendLifecycle):
             self._write_group,
             keys,
             buffers,
-            limiter=self._limiter,
+            workers=self._workers,
             group_bytes=_GROUP_BYTES,
-            pending=self._pending,
         )
         return self._stats.record_writes(outcomes, buffers)
 
@@ -176,8 +171,10 @@ class MemoryBackend(BackendLifecycle):
             self._pages.pop(key, None)
 
     def _release(self) -> None:
-        """Let go of the pages: a private store's are freed, a named store keeps them for later backends."""
+        """Let go of the pages (a private store's are freed, a named store keeps them for later backends)
+        and the worker threads."""
         self._pages = {}
+        self._workers.close()
 
     def __repr__(self) -> str:
         s = self._stats

@@ -16,11 +16,11 @@ segment held it, is a miss; a page of another writer is refused as `FOREIGN`.
 A put replaces the object stored under its key: Mooncake's own put keeps the first writer's, so the old
 object is removed first, in the same worker-thread call (a reader in between sees a miss).
 
-The client library's calls block, so they run in worker threads (at most `max_concurrency` at once) under
-the same read and write deadlines as the other network backends (`storage_backends.net_calls`). A timed-out
-read or write is not retried: its thread may still write into (or read from) the caller's buffers, so it is
-abandoned and registered in `storage_backends.threads.stray_threads` with them, which keeps those buffers out
-of use until it returns. A call in which no page could be read or written because the store was unreachable
+The client library's calls block, so they run in the backend's worker threads (at most `max_concurrency`
+at once, `storage_backends.threads.WorkerThreads`) under the same read and write deadlines as the other
+network backends (`storage_backends.net_calls`). A timed-out read or write is not retried: its thread may
+still write into (or read from) the caller's buffers, so it is abandoned and registered in
+`storage_backends.threads.stray_threads` with them, which keeps those buffers out of use until it returns. A call in which no page could be read or written because the store was unreachable
 raises `StorageUnavailable`.
 """
 
@@ -45,7 +45,6 @@ from storage_backends.batching import (
     check_keys,
     gather_bounded,
     group_slices,
-    run_in_thread,
 )
 from storage_backends.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
@@ -63,6 +62,7 @@ from storage_backends.page_format import (
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_url
 from storage_backends.s3_options import check_limits
+from storage_backends.threads import WorkerThreads
 
 __all__ = ["MooncakeBackend", "MooncakeStatistics", "parse_mooncake_url"]
 
@@ -152,6 +152,8 @@ def parse_mooncake_url(url: str) -> tuple[str, str, dict[str, Any]]:
 
 
 def _classify(exc: BaseException) -> Failure:
+    if isinstance(exc, ValueError | TypeError):
+        return "misuse"
     return "transient" if isinstance(exc, _Unreachable | RuntimeError | OSError) else "fatal"
 
 
@@ -272,7 +274,7 @@ class MooncakeBackend(BackendLifecycle):
             secrets=(),
             classify=_classify,
         )
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
+        self._workers = WorkerThreads(max_concurrency, name="hicache-mooncake")
         self._store: Any = None
         self._holding = False
         """Whether `_release` left a reference to the shared client for `aclose` to drop."""
@@ -300,8 +302,11 @@ class MooncakeBackend(BackendLifecycle):
     # ------------------------------------------------------------------ lifecycle and observability
 
     def _release(self) -> None:
-        """Leave the shared client to `aclose` to hand back (once no call is in flight)."""
+        """Leave the shared client to `aclose` to hand back (once no call is in flight), in a worker thread:
+        the threads close after that, or now if no client is held."""
         self._holding, self._store = self._store is not None, None
+        if not self._holding:
+            self._workers.close()
 
     async def aclose(self) -> None:
         """Refuse new calls, wait for calls in flight, hand the shared client back; idempotent.
@@ -312,8 +317,11 @@ class MooncakeBackend(BackendLifecycle):
         await super().aclose()
         holding, self._holding = self._holding, False
         if holding:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.drop_client)
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._workers.call(self.drop_client)
+            finally:
+                self._workers.close()
 
     def __repr__(self) -> str:
         return (
@@ -453,7 +461,7 @@ class MooncakeBackend(BackendLifecycle):
         return group_slices(buffer_sizes(buffers), limit=self._max_concurrency, group_bytes=self._batch_bytes)
 
     async def _in_thread(self, func: Any, *args: Any, touches: Sequence[memoryview]) -> Any:
-        return await run_in_thread(self._holding_client, func, *args, limiter=self._limiter, touches=touches)
+        return await self._workers.call(self._holding_client, func, *args, touches=touches)
 
     def _holding_client(self, func: Any, *args: Any) -> Any:
         """`func(*args)` in a worker thread, counted in the shared client meanwhile, so that a thread
@@ -608,7 +616,7 @@ class MooncakeBackend(BackendLifecycle):
         async with self._connecting:
             if self._store is None:
                 self._store = await self._calls.call(
-                    partial(run_in_thread, self.acquire_client, limiter=self._limiter),
+                    partial(self._workers.call, self.acquire_client),
                     write=False,
                     what="connect",
                     retry=False,

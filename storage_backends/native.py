@@ -2,10 +2,10 @@
 
 It holds the storage data path that must not hold the GIL: `read_pages`, the file backend's batched read
 and verify (one memory pass per page, the whole batch without the GIL), `ReadQueue`, worker threads that
-run such batches (`ReadJob`s) one after another without ever taking the GIL (`storage_backends.read_queue`),
-`chain_hashes`, the chained page hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the
-page payload
-checksum (byte-compatible with python-xxhash's `xxh3_64_intdigest`). `write_pages`, the file backend's
+run such batches (`ReadJob`s) one after another without ever taking the GIL between them, and Python calls
+(`ReadQueue.call`) with it (`storage_backends.threads.WorkerThreads`), `chain_hashes`, the chained page
+hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the page payload checksum
+(byte-compatible with python-xxhash's `xxh3_64_intdigest`). `write_pages`, the file backend's
 write path (header, checksum and atomic write of a group of pages without the GIL), lives in a second
 module, `_hicache_write` (native/hicache_write.c). `pip install -e .` or `make venv` builds both; see the
 README's "Dependencies and why".
@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-BUILD = 6
+BUILD = 7
 """The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
 
 _REBUILD = (

@@ -52,15 +52,13 @@ class StorageBackend(Protocol):
       * Cancellation is honoured promptly (within a few event-loop turns, never after a stuck I/O): a
         cancelled `get` or `put` does not wait for its worker threads. Buffers and threads:
           - when a call returns normally, no I/O touches any of its buffers any more;
-          - when it raises (cancelled, or failed after cancelling its siblings), a worker thread may still
-            read or write some of them; each such thread is registered, with exactly the buffers it may
-            touch, in `storage_backends.threads.stray_threads` until it returns, and a caller must not
-            reuse a buffer while `stray_threads.busy([buffer])` is true. A backend whose calls run in
-            one-off worker threads starts them through `storage_backends.batching.run_in_thread(...,
-            touches=buffers)`, which registers an abandoned one; the file backend's reads run in its own
-            long-lived read threads instead (`storage_backends.read_queue`), which withdraw a group not
-            started yet and register one abandoned mid-read with `stray_threads.start(buffers)` until it
-            finishes.
+          - when it raises (cancelled, or failed), a worker thread may still read or write some of them;
+            each such thread is registered, with exactly the buffers it may touch, in
+            `storage_backends.threads.stray_threads` until it returns, and a caller must not reuse a
+            buffer while `stray_threads.busy([buffer])` is true; every other buffer is quiet.
+        Backends run every blocking call in their own `storage_backends.threads.WorkerThreads` (at most
+        `max_concurrency` threads), passing the buffers each job touches: a job not started when its
+        caller is cancelled never starts, one already running is registered as above until it returns.
         A thread that never returns keeps its buffers out of use forever: that is the price of a caller
         that is never hung.
       * `delete(keys)` removes pages; absent keys are ignored.

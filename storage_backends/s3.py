@@ -7,11 +7,13 @@ every page atomic (S3 never shows a partial object); multipart upload is never u
 Reads are whole-object GETs, never ranged: the body's length is checked against the caller's buffer before
 anything else, so a server that ignores `Range` (rclone's `serve s3` answers 200 with the whole object) or an
 object that is truncated or overlong cannot be mistaken for a page. A page is copied once, from the client's
-buffer into the caller's, after its header and xxh3 checksum verify; large pages verify and copy in a worker
-thread that is always waited for, so no thread writes into a buffer after `get` returns.
+buffer into the caller's, after its header and xxh3 checksum verify; pages of 64 KiB or more verify and copy
+in one of the backend's at most `max_concurrency` worker threads (`storage_backends.threads.WorkerThreads`),
+waited for unless the caller is cancelled (then the thread is registered with the buffer in `stray_threads`).
 
 Every request runs under capped exponential backoff with jitter, at most `max_retries` retries inside a
-per-request deadline (`storage_backends.s3_requests`); obstore's own retries are disabled so the counts in
+per-request deadline, the wait for one of `max_concurrency` connections included (`storage_backends.net_calls`,
+shared with the other network backends); obstore's own retries are disabled so the counts in
 `statistics()` are exact. The
 bounds are small by default (3 retries, a 2 s connect timeout) so a dead endpoint fails in well under a
 second and the controller's circuit breaker sees it quickly. A request that still fails fails only its
@@ -31,7 +33,10 @@ settings).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +44,13 @@ from functools import partial
 from typing import Any, Final
 
 import obstore
+from obstore.exceptions import (
+    InvalidPathError,
+    NotSupportedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    UnknownConfigurationKeyError,
+)
 from obstore.store import S3Store
 
 from storage_backends.batching import (
@@ -47,11 +59,11 @@ from storage_backends.batching import (
     check_batch,
     check_keys,
     gather_bounded,
-    run_in_thread,
 )
 from storage_backends.errors import ChecksumMismatch, PageNotFound, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import validate_bucket, validate_prefix
+from storage_backends.net_calls import Batch, Failure, RoundTrips
 from storage_backends.page_format import (
     HEADER_SIZE,
     check_namespace_digest,
@@ -64,7 +76,7 @@ from storage_backends.page_format import (
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_url
 from storage_backends.s3_options import check_limits, parse_url, store_settings
-from storage_backends.s3_requests import Batch, Requests
+from storage_backends.threads import WorkerThreads
 
 __all__ = ["S3Backend", "S3Statistics"]
 
@@ -108,8 +120,10 @@ class S3Backend(BackendLifecycle):
         secret_access_key: default `AWS_SECRET_ACCESS_KEY`.
         session_token: default `AWS_SESSION_TOKEN`.
         allow_http: allow a plain-http endpoint; default True only for loopback endpoints.
-        max_concurrency: the most requests in flight at once, across all calls (the connection bound).
-        deadline_s: the total time one page's request may take, retries and backoff included.
+        max_concurrency: the most requests in flight at once, across all calls (the connection bound), and
+            the most worker threads verifying or encoding pages at once.
+        deadline_s: the total time one page's request may take, the wait for a connection, retries and
+            backoff included.
         read_deadline_s: `deadline_s` for reads (GET, HEAD); default `deadline_s`. A `HiCache` opening
             this backend from its URL passes its `storage_read_timeout_s` here.
         write_deadline_s: `deadline_s` for writes (PUT, DELETE); default `deadline_s`. A `HiCache` passes
@@ -181,7 +195,8 @@ class S3Backend(BackendLifecycle):
         self._credentials = "explicit-or-env" if settings.explicit_credentials else "provider-chain"
         self._max_concurrency = max_concurrency
         attempt_s = min(float(attempt_timeout_s), max(float(read_deadline_s), float(write_deadline_s)))
-        self._requests = Requests(
+        self._requests = RoundTrips(
+            name="s3",
             max_concurrency=max_concurrency,
             read_deadline_s=float(read_deadline_s),
             write_deadline_s=float(write_deadline_s),
@@ -190,6 +205,7 @@ class S3Backend(BackendLifecycle):
             backoff_initial_s=float(backoff_initial_s),
             backoff_max_s=float(backoff_max_s),
             secrets=settings.secrets,
+            classify=_classify,
         )
         try:
             self._store: S3Store | None = S3Store(
@@ -200,12 +216,13 @@ class S3Backend(BackendLifecycle):
                     "connect_timeout": timedelta(seconds=min(attempt_s, float(connect_timeout_s))),
                     "timeout": timedelta(seconds=attempt_s),
                 },
-                # Retries happen in `Requests`, in Python, so they are counted and share one deadline
+                # Retries happen in `RoundTrips`, in Python, so they are counted and share one deadline
                 # with backoff.
                 retry_config={"max_retries": 0},
             )
         except Exception as exc:
             raise ValueError(f"invalid S3 configuration: {self._requests.redact(exc)}") from None
+        self._workers = WorkerThreads(max_concurrency, name="hicache-s3")
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -232,8 +249,10 @@ class S3Backend(BackendLifecycle):
     # ------------------------------------------------------------------ lifecycle and observability
 
     def _release(self) -> None:
-        """Drop the client and its connection pool (once no call is in flight)."""
+        """Drop the client and its connection pool, and close the worker threads (once no call is in
+        flight)."""
         self._store = None
+        self._workers.close()
 
     def __repr__(self) -> str:
         endpoint = None if self._endpoint is None else redact_url(self._endpoint)
@@ -353,7 +372,9 @@ class S3Backend(BackendLifecycle):
     async def _head_one(self, store: S3Store, key: str, batch: Batch) -> bool:
         path = self.object_path(key)
         try:
-            await self._requests.call(partial(obstore.head_async, store, path), batch, "HEAD", path)
+            await self._requests.call(
+                partial(obstore.head_async, store, path), write=False, what=f"HEAD {path}", batch=batch
+            )
         except PageNotFound:
             return False
         except StorageError:
@@ -364,7 +385,9 @@ class S3Backend(BackendLifecycle):
     async def _get_one(self, store: S3Store, key: str, buf: memoryview, batch: Batch) -> PageStatus:
         path = self.object_path(key)
         try:
-            body = await self._requests.call(partial(_fetch, store, path), batch, "GET", path)
+            body = await self._requests.call(
+                partial(_fetch, store, path), write=False, what=f"GET {path}", batch=batch
+            )
         except PageNotFound:
             self._stats.misses += 1
             return PageStatus.MISS
@@ -380,8 +403,8 @@ class S3Backend(BackendLifecycle):
                 check_stored_size(view, len(body), buf.nbytes, self._namespace_digest, key)
             elif buf.nbytes >= _THREAD_THRESHOLD:
                 # A cancelled caller does not wait; the thread is registered as a stray with `buf` until
-                # it returns (`run_in_thread`), so the caller keeps `buf` out of use meanwhile.
-                await run_in_thread(verify, limiter=None, touches=(buf,))
+                # it returns (`storage_backends.threads`), so the caller keeps `buf` out of use meanwhile.
+                await self._workers.call(verify, touches=(buf,))
             else:
                 verify()
         except ChecksumMismatch as exc:
@@ -397,12 +420,15 @@ class S3Backend(BackendLifecycle):
         path = self.object_path(key)
         encode = partial(_encode_body, buf, self._namespace_digest, key)
         if buf.nbytes >= _THREAD_THRESHOLD:
-            body = await run_in_thread(encode, limiter=None, touches=(buf,))
+            body = await self._workers.call(encode, touches=(buf,))
         else:
             body = encode()
         try:
             await self._requests.call(
-                partial(obstore.put_async, store, path, body, use_multipart=False), batch, "PUT", path
+                partial(obstore.put_async, store, path, body, use_multipart=False),
+                write=True,
+                what=f"PUT {path}",
+                batch=batch,
             )
         except StorageError:
             self._stats.errors += 1
@@ -414,7 +440,9 @@ class S3Backend(BackendLifecycle):
     async def _delete_one(self, store: S3Store, key: str, batch: Batch) -> StorageError | None:
         path = self.object_path(key)
         try:
-            await self._requests.call(partial(obstore.delete_async, store, path), batch, "DELETE", path)
+            await self._requests.call(
+                partial(obstore.delete_async, store, path), write=True, what=f"DELETE {path}", batch=batch
+            )
         except PageNotFound:
             return None
         except StorageError as exc:
@@ -444,3 +472,51 @@ def _verify_and_copy(body: obstore.Bytes, buf: memoryview, namespace_digest: byt
 def _encode_body(buf: memoryview, namespace_digest: bytes, key: str) -> bytes:
     payload = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
     return b"".join((encode_header(payload, namespace_digest, key), payload))
+
+
+_NON_RETRYABLE: Final = (InvalidPathError, NotSupportedError, UnknownConfigurationKeyError, ValueError)
+_AUTH_ERRORS: Final = (PermissionDeniedError, UnauthenticatedError)
+_STATUS_RE: Final = re.compile(r"status code: (\d{3})")
+
+
+def _classify(exc: BaseException) -> Failure:
+    """What an obstore failure means (`storage_backends.net_calls.Failure`): by type, else by HTTP status
+    (5xx, 408, 429, connection errors: transient)."""
+    if isinstance(exc, FileNotFoundError):
+        return "missing"
+    if isinstance(exc, _AUTH_ERRORS):
+        return "auth"
+    if isinstance(exc, _NON_RETRYABLE):
+        return "fatal"
+    status = http_status(exc)
+    if status in {401, 403}:
+        return "auth"
+    if status is not None and 400 <= status < 500 and status not in {408, 429}:
+        return "fatal"
+    return "transient"
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status a native error reports, if any (object_store has no typed field for it)."""
+    match = _STATUS_RE.search(str(exc))
+    return int(match.group(1)) if match else None
+
+
+_EXIT_GRACE_S: Final = 0.02
+"""How long the interpreter releases the GIL at exit so obstore's threads can leave Python first."""
+
+
+def _let_client_threads_leave_python() -> None:
+    """Release the GIL for a moment at exit, before the interpreter starts finalizing.
+
+    obstore completes each request on a tokio thread that calls back into Python
+    (`loop.call_soon_threadsafe`) and releases the GIL inside that call while it wakes the event loop. If
+    the program returns and finalization starts in that window, Python < 3.14 answers the thread's GIL
+    re-acquire with `pthread_exit`, and unwinding through Rust frames aborts the process (SIGABRT after a
+    successful run: about 3 in 100 short runs here). A thread waiting for the GIL gets it during this sleep
+    and finishes its callback; atexit handlers run before finalization.
+    """
+    time.sleep(_EXIT_GRACE_S)
+
+
+atexit.register(_let_client_threads_leave_python)

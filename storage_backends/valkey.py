@@ -17,7 +17,8 @@ It connects on the first call, and finds out there whether the first reachable n
 (unless `cluster=` says).
 
 Reads copy each value once, from the client's bytes into the caller's buffer, after its header and
-checksum verify (in a worker thread for batches of 64 KiB or more, always waited for unless cancelled).
+checksum verify (for batches of 64 KiB or more in one of the backend's at most `max_concurrency` worker
+threads, `storage_backends.threads.WorkerThreads`, waited for unless cancelled).
 Every round trip runs under the same deadlines and bounded retries as the S3 backend's requests
 (`storage_backends.net_calls`); a call in which no page could be read or written because the servers were
 unreachable raises `StorageUnavailable` (the controller's circuit breaker counts it), one in which some pages
@@ -44,7 +45,6 @@ from storage_backends.batching import (
     check_keys,
     gather_bounded,
     group_slices,
-    run_in_thread,
 )
 from storage_backends.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
@@ -62,6 +62,7 @@ from storage_backends.page_format import (
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import REDACTED, remember_secrets
 from storage_backends.s3_options import check_limits
+from storage_backends.threads import WorkerThreads
 
 __all__ = ["ValkeyBackend", "ValkeyStatistics", "parse_valkey_url"]
 
@@ -167,6 +168,8 @@ def _classify(exc: BaseException) -> Failure:
     from redis.exceptions import AuthenticationError, AuthorizationError, ConnectionError, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeout
 
+    if isinstance(exc, ValueError | TypeError):
+        return "misuse"
     if isinstance(exc, AuthenticationError | AuthorizationError):
         return "auth"
     if isinstance(exc, ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
@@ -193,9 +196,11 @@ class ValkeyBackend(BackendLifecycle):
         cluster: True for a cluster, False for one server, None to ask the first reachable node.
         db: the database number (single node only).
         ttl_s: expire every page this many seconds after it is written (None: never).
-        max_concurrency: the most pipelines in flight at once, across all calls.
+        max_concurrency: the most pipelines in flight at once, across all calls, and the most worker
+            threads verifying or encoding pages at once.
         batch_bytes: the most payload bytes one pipeline carries.
-        deadline_s: the total time one round trip may take, retries and backoff included.
+        deadline_s: the total time one round trip may take, the wait for a connection, retries and backoff
+            included.
         read_deadline_s: `deadline_s` for reads; a `HiCache` passes its `storage_read_timeout_s`.
         write_deadline_s: `deadline_s` for writes and deletes; a `HiCache` passes `storage_write_timeout_s`.
         attempt_timeout_s: the most one attempt may take.
@@ -285,12 +290,13 @@ class ValkeyBackend(BackendLifecycle):
             backoff_max_s=float(backoff_max_s),
             secrets=(password,) if password else (),
             classify=_classify,
+            max_concurrency=max_concurrency,
         )
-        self._limiter = anyio.CapacityLimiter(max_concurrency)
         self._client: Any = None
         self._closing: Any = None
         """The client `_release` took from `_client`, for `aclose` to close."""
         self._connecting = anyio.Lock()
+        self._workers = WorkerThreads(max_concurrency, name="hicache-valkey")
         self._stats = StatisticsRecorder()
         self._closed = False
 
@@ -310,8 +316,10 @@ class ValkeyBackend(BackendLifecycle):
     # ------------------------------------------------------------------ lifecycle and observability
 
     def _release(self) -> None:
-        """Hand the client to `aclose`, which closes its connections (once no call is in flight)."""
+        """Hand the client to `aclose`, which closes its connections (once no call is in flight); close the
+        worker threads."""
         self._closing, self._client = self._client, None
+        self._workers.close()
 
     async def aclose(self) -> None:
         """Refuse new calls, wait for calls in flight, close the client's connections; idempotent."""
@@ -457,7 +465,7 @@ class ValkeyBackend(BackendLifecycle):
         verify = partial(self._verify_into, keys, buffers, values)
         if sum(buffer_sizes(buffers)) >= _THREAD_THRESHOLD:
             # A cancelled caller does not wait; the thread stays registered with its buffers until it returns.
-            return await run_in_thread(verify, limiter=None, touches=buffers)
+            return await self._workers.call(verify, touches=buffers)
         return verify()
 
     def _verify_into(
@@ -493,7 +501,7 @@ class ValkeyBackend(BackendLifecycle):
     ) -> list[PageStatus]:
         encode = partial(_encode_values, buffers, self._namespace_digest, keys)
         if sum(buffer_sizes(buffers)) >= _THREAD_THRESHOLD:
-            values = await run_in_thread(encode, limiter=None, touches=buffers)
+            values = await self._workers.call(encode, touches=buffers)
         else:
             values = encode()
         px = () if self._ttl_ms is None else ("PX", str(self._ttl_ms))
@@ -512,11 +520,10 @@ class ValkeyBackend(BackendLifecycle):
         """One non-transactional pipeline (split per node by the cluster client), under the deadline."""
 
         async def attempt() -> list[Any]:
-            async with self._limiter:
-                pipe = client.pipeline(transaction=False)
-                for name, key, *args in commands:
-                    pipe.execute_command(name, self.server_key(key), *args)
-                replies: list[Any] = await pipe.execute(raise_on_error=False)
+            pipe = client.pipeline(transaction=False)
+            for name, key, *args in commands:
+                pipe.execute_command(name, self.server_key(key), *args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
             transient = [r for r in replies if isinstance(r, BaseException) and _classify(r) != "fatal"]
             if transient and len(transient) == len(replies):
                 raise transient[0]  # the whole round trip failed: retry it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -16,7 +17,6 @@ from storage_backends.batching import (
     HIT,
     MISS,
     BackendStatistics,
-    PendingGroups,
     StatisticsRecorder,
     _cut_page_by_page,  # the general path, as the oracle
     check_batch,
@@ -24,6 +24,8 @@ from storage_backends.batching import (
     gather_page_groups,
     group_slices,
 )
+from storage_backends.protocol import PageStatus
+from storage_backends.threads import WorkerThreads
 
 
 class Boom(Exception):
@@ -211,39 +213,40 @@ def test_statistics_recorder_tallies_outcomes() -> None:
 
 
 async def test_a_batch_is_spread_only_over_threads_no_other_call_has_claimed() -> None:
-    """Under load (every thread claimed by calls in flight) a batch goes to one thread call, not four.
+    """Under load (every thread claimed by jobs in flight) a batch goes to one thread call, not four.
 
     Guards the controller's prefetch path: sixteen concurrent prefetches splitting every 4 MiB batch into
     1 MiB thread calls ran at ~2 GB/s where whole-batch calls ran at ~3 GB/s (`bench/bench_io.py`).
     """
-    limiter = anyio.CapacityLimiter(4)
-    pending = PendingGroups()
+    workers = WorkerThreads(4, name="test-batching")
     calls: list[int] = []
-    held = anyio.Event()
-    release = anyio.Event()
+    release = threading.Event()
 
-    def read(keys: list[str], buffers: list[memoryview]) -> list[int]:
+    def read(keys: list[str], buffers: list[memoryview]) -> list[PageStatus]:
         calls.append(len(keys))
         return [HIT] * len(keys)
 
+    def busy() -> None:
+        assert release.wait(30), "test gate never opened"
+
     keys = [f"{i:04x}" for i in range(16)]
     views = [memoryview(bytearray(1 << 16)) for _ in keys]
-    common = {"limiter": limiter, "group_bytes": 4 << 20, "min_group_bytes": 1 << 18, "pending": pending}
-    assert await gather_page_groups(read, keys, views, **common) == [HIT] * 16  # type: ignore[arg-type]
-    assert calls == [4, 4, 4, 4]  # idle threads: spread over all four
-    assert pending.groups == 0
-
-    async def busy() -> None:
-        pending.groups += 4  # another call's groups, in flight
-        held.set()
-        await release.wait()
-        pending.groups -= 4
-
-    calls.clear()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(busy)
-        await held.wait()
+    common = {"workers": workers, "group_bytes": 4 << 20, "min_group_bytes": 1 << 18}
+    try:
         assert await gather_page_groups(read, keys, views, **common) == [HIT] * 16  # type: ignore[arg-type]
+        assert calls == [4, 4, 4, 4]  # idle threads: spread over all four
+        assert workers.unclaimed == 4
+
+        calls.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(workers.calls, [busy] * 4, [()] * 4)  # another call's jobs, in flight
+            await anyio.wait_all_tasks_blocked()
+            assert workers.unclaimed == 1
+            tg.start_soon(partial(gather_page_groups, read, keys, views, **common))  # type: ignore[arg-type]
+            await anyio.wait_all_tasks_blocked()
+            release.set()
+        assert calls == [16]
+        assert workers.unclaimed == 4
+    finally:
         release.set()
-    assert calls == [16]
-    assert pending.groups == 0
+        workers.close()

@@ -13,8 +13,9 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -28,11 +29,14 @@ from hypothesis import strategies as st
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
+from storage_backends.file_pages import PageFiles
 from storage_backends.page_format import HEADER_SIZE, encode_header
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
 NS = bytes(range(16))
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 def _read_as_usual(keys: tuple[str, ...]) -> None:
@@ -348,12 +352,12 @@ async def test_a_stuck_read_does_not_take_a_thread_from_the_others(tmp_path: Pat
             with anyio.fail_after(30):
                 assert await backend.get(keys[1:], other) == [PageStatus.HIT]
             assert bytes(other[0]) == bytes(pages[1])
-            assert backend._reader.threads == 2
+            assert backend._workers.threads == 2
         finally:
             gate.set()
         with anyio.fail_after(30):
             await stray_threads.wait_quiet(stuck)
-        assert backend._reader.stray == 0
+        assert backend._workers.stray == 0
 
 
 async def test_spare_read_threads_are_capped_on_a_hung_mount(tmp_path: Path) -> None:
@@ -381,7 +385,7 @@ async def test_spare_read_threads_are_capped_on_a_hung_mount(tmp_path: Path) -> 
                         tg.start_soon(backend.get, keys[i : i + 1], out[i : i + 1])
                         await anyio.to_thread.run_sync(entered[keys[i]].wait)
                         scope.cancel()
-            reader = backend._reader
+            reader = backend._workers
             assert (reader.threads, reader.spares, reader.stray) == (2, 1, 2)
             with anyio.CancelScope() as scope:  # every worker stuck: this one queues
                 async with anyio.create_task_group() as tg:
@@ -398,7 +402,7 @@ async def test_spare_read_threads_are_capped_on_a_hung_mount(tmp_path: Path) -> 
             await stray_threads.wait_quiet(out[:2])
             assert await backend.get(keys[3:], out[3:]) == [PageStatus.HIT]
         assert bytes(out[3]) == bytes(pages[3])
-        assert (backend._reader.spares, backend._reader.stray) == (0, 0)
+        assert (backend._workers.spares, backend._workers.stray) == (0, 0)
 
 
 @settings(max_examples=10, deadline=None)
@@ -448,7 +452,7 @@ def test_spares_follow_the_stuck_reads_they_were_started_for(
                         with anyio.fail_after(30):
                             await stray_threads.wait_quiet(out[page : page + 1])
                         spares -= spared
-                    reader = backend._reader
+                    reader = backend._workers
                     assert (reader.spares, reader.stray) == (spares, len(stuck)), (ops[: i + 1], reader)
                     assert reader.spares <= reader.max_spares == 2
             finally:
@@ -457,7 +461,7 @@ def test_spares_follow_the_stuck_reads_they_were_started_for(
             with anyio.fail_after(30):
                 await stray_threads.wait_quiet(out)
                 assert await backend.get(keys[-1:], out[-1:]) == [PageStatus.HIT]
-            assert (backend._reader.spares, backend._reader.stray) == (0, 0)
+            assert (backend._workers.spares, backend._workers.stray) == (0, 0)
 
     anyio.run(scenario)
 
@@ -494,26 +498,154 @@ async def test_a_cancelled_get_drops_its_finished_groups_and_abandons_only_the_r
                     scope.cancel()
             assert not stray_threads.busy(out[:1])
             assert stray_threads.busy(out[1:])
-            assert backend._reader.threads == 2  # one replacement, for the stuck group only
+            assert backend._workers.threads == 2  # one replacement, for the stuck group only
             assert bytes(out[0]) == bytes(pages[0])
         finally:
             gate.set()
         with anyio.fail_after(30):
             await stray_threads.wait_quiet(out[1:])
-        assert backend._reader.stray == 0
+        assert backend._workers.stray == 0
+
+
+class CallsInThreads:
+    """Counts the backend's threads inside blocking calls: how many at once (`peak`) and which (`threads`).
+
+    Every instrumented call holds at `gate` until the test opens it, so each thread that may run one does
+    so while the others are still inside theirs."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.inside = 0
+        self.peak = 0
+        self.threads: set[int] = set()
+        self.entered = threading.Semaphore(0)
+        self.gate = threading.Event()
+
+    def held(self) -> None:
+        with self._lock:
+            self.inside += 1
+            self.peak = max(self.peak, self.inside)
+            self.threads.add(threading.get_ident())
+        self.entered.release()
+        try:
+            assert self.gate.wait(timeout=30), "test gate never opened"
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+    def wrap(self, func: Callable[P, T]) -> Callable[P, T]:
+        def counted(*args: P.args, **kwargs: P.kwargs) -> T:
+            self.held()
+            return func(*args, **kwargs)
+
+        return counted
+
+
+async def test_every_blocking_call_shares_one_pool_of_max_concurrency_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gets (their page reads and the checked re-read of a flagged page), puts, deletes and exists running
+    at once use at most `max_concurrency` threads, never more inside blocking calls at once.
+
+    Guards against the two pools the backend once ran: its read threads for reads and `exists`, beside an
+    anyio `CapacityLimiter` of the same size for put, delete and the re-read (up to twice the bound)."""
+    counter = CallsInThreads()
+    for name in ("write_group", "delete_group", "recheck"):
+        monkeypatch.setattr(PageFiles, name, counter.wrap(getattr(PageFiles, name)))
+    async with FileBackend(
+        tmp_path / "pages", namespace_digest=NS, max_concurrency=2, group_bytes=4096
+    ) as backend:
+        keys, pages = make_keys(12), make_pages(12, 4096)
+        counter.gate.set()
+        assert await backend.put(keys[:8], pages[:8]) == [True] * 8
+        os.truncate(backend.path_of(keys[1]), 100)  # flagged by the C reader: re-read checked
+        counter.gate.clear()
+        counter.peak = 0
+        counter.threads.clear()
+        counter.entered = threading.Semaphore(0)
+        backend._before_read = lambda group: counter.held()
+        out = empty_pages(8, 4096)
+        results: dict[str, object] = {}
+
+        async def run(name: str, call: Callable[..., Awaitable[object]], *args: object) -> None:
+            results[name] = await call(*args)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "get", backend.get, keys[:4], out[:4])
+            tg.start_soon(run, "put", backend.put, keys[8:], pages[8:])
+            tg.start_soon(run, "delete", backend.delete, keys[6:8])
+            tg.start_soon(run, "exists", backend.exists, keys[:6])
+            tg.start_soon(run, "get again", backend.get, keys[4:6], out[4:6])
+            for _ in range(2):  # both threads held inside a call; every other call waits for one
+                await anyio.to_thread.run_sync(counter.entered.acquire)
+            await anyio.wait_all_tasks_blocked()
+            assert counter.inside == 2
+            counter.gate.set()
+        assert counter.peak == 2, counter.peak
+        assert len(counter.threads) <= 2, counter.threads
+        assert backend._workers.threads == 2  # every job, `exists`' stat included, ran on these two
+        assert results == {
+            "get": [PageStatus.HIT, PageStatus.CORRUPT, PageStatus.HIT, PageStatus.HIT],
+            "put": [True] * 4,
+            "delete": None,
+            "exists": 6,
+            "get again": [PageStatus.HIT] * 2,
+        }
+        assert (
+            await backend.get(keys[:6], out[:6])
+            == [PageStatus.HIT, PageStatus.CORRUPT] + [PageStatus.HIT] * 4
+        )
+        assert await backend.exists(keys[8:]) == 4
+
+
+async def test_a_cancelled_put_stuck_in_its_write_keeps_its_buffers_busy_until_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put whose write hangs (a hung mount) returns when cancelled; its buffers are a stray thread's
+    until the write returns, through the same stray mechanism as reads (a spare thread meanwhile, so a get
+    still loads), then quiet, and the page is stored."""
+    counter = CallsInThreads()
+    monkeypatch.setattr(PageFiles, "write_group", counter.wrap(PageFiles.write_group))
+    async with FileBackend(tmp_path / "pages", namespace_digest=NS, max_concurrency=1) as backend:
+        keys, pages = make_keys(2), make_pages(2, 4096)
+        strays = stray_threads.count
+        try:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(backend.put, keys[:1], pages[:1])
+                    await anyio.to_thread.run_sync(counter.entered.acquire)
+                    scope.cancel()
+            assert scope.cancelled_caught
+            assert stray_threads.busy(pages[:1])
+            assert not stray_threads.busy(pages[1:])
+            assert stray_threads.count == strays + 1
+            assert (backend._workers.spares, backend._workers.stray) == (1, 1)
+            assert await backend.get(keys[1:], empty_pages(1, 4096)) == [PageStatus.MISS]
+        finally:
+            counter.gate.set()
+        with anyio.fail_after(30):
+            await stray_threads.wait_quiet(pages[:1])
+        assert stray_threads.count == strays
+        assert (backend._workers.spares, backend._workers.stray) == (0, 0)
+        out = empty_pages(1, 4096)
+        assert await backend.get(keys[:1], out) == [PageStatus.HIT]
+        assert bytes(out[0]) == bytes(pages[0])
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads nice values through /proc")
 async def test_read_threads_run_below_the_loops_priority(backend: FileBackend) -> None:
-    """The read threads' nice value is the process's + 10, so the loop thread takes a core from them
+    """The worker threads' nice value is the process's + 10, so the loop thread takes a core from them
     whenever it wakes; the loop's own thread keeps the process's."""
 
     def nice_of(tid: int) -> int:
         stat = Path(f"/proc/self/task/{tid}/stat").read_text()
         return int(stat.rsplit(")", 1)[1].split()[16])  # field 19, counted after the command name
 
-    ids = backend._reader.worker_ids()
-    assert len(ids) == backend._reader.threads
+    keys, pages = make_keys(4), make_pages(4, 4096)
+    await backend.put(keys, pages)  # threads start as work arrives
+    ids = backend._workers.worker_ids()
+    assert ids
+    assert len(ids) == backend._workers.threads
     own = nice_of(threading.get_native_id())
     assert all(nice_of(tid) == min(19, own + 10) for tid in ids)
 

@@ -10,16 +10,16 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
-from hostile import HostileStorage, RawStore
-from net_instance import run_demo, run_instance
+from contract import empty_pages, make_keys, make_pages
+from net_contract import NetworkStoreContract, assert_pages_shared_across_processes
+from net_instance import run_demo
 from net_servers import MooncakeMaster, start_mooncake
 
 from hicache.errors import StorageUnavailable
@@ -75,51 +75,25 @@ def kept_client(mooncake_master: MooncakeMaster, raw_client: Any) -> Iterator[No
     keeper._closed = True
 
 
-class TestMooncakeContract(BackendContract, HostileStorage):
+class TestMooncakeContract(NetworkStoreContract):
+    backend_class = MooncakeBackend
+    options = _SMALL
+    held_read = "_read_into"
+    held_in_thread = True
+
     @pytest.fixture
-    def url(self, mooncake_master: MooncakeMaster) -> str:
+    def url(self, mooncake_master: MooncakeMaster, kept_client: None) -> str:
         return mooncake_master.url(f"contract-{uuid.uuid4().hex[:12]}")
 
     @pytest.fixture
-    async def backend(
-        self, url: str, namespace_digest: bytes, kept_client: None
-    ) -> AsyncIterator[MooncakeBackend]:
-        async with MooncakeBackend.from_url(url, namespace_digest=namespace_digest, **_SMALL) as b:
-            yield b
+    def raw(self, raw_client: Any) -> Any:
+        return raw_client
 
-    @pytest.fixture
-    def reopen(self, url: str, kept_client: None) -> Reopen:
-        async def open_again(digest: bytes) -> MooncakeBackend:
-            return MooncakeBackend.from_url(url, namespace_digest=digest, **_SMALL)
+    def raw_get(self, raw: Any, backend: MooncakeBackend, key: str) -> bytes:
+        return bytes(raw.get(backend.object_name(key)))
 
-        return open_again
-
-    @pytest.fixture
-    def raw_store(self, raw_client: Any, backend: MooncakeBackend) -> RawStore:
-        class Raw:
-            async def read(self, key: str) -> bytes:
-                return bytes(await anyio.to_thread.run_sync(raw_client.get, backend.object_name(key)))
-
-            async def write(self, key: str, data: bytes) -> None:
-                assert await anyio.to_thread.run_sync(raw_client.upsert, backend.object_name(key), data) == 0
-
-        return Raw()
-
-    @pytest.fixture
-    def corrupt_page(self, raw_client: Any, backend: MooncakeBackend) -> Corrupt:
-        def flip_last_byte(key: str) -> None:
-            body = bytearray(raw_client.get(backend.object_name(key)))
-            body[-1] ^= 0x01
-            assert raw_client.upsert(backend.object_name(key), bytes(body)) == 0
-
-        return flip_last_byte
-
-    @pytest.fixture
-    def hold_reads(self, backend: MooncakeBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
-        gate = ReadGate()
-        monkeypatch.setattr(backend, "_read_into", gate.in_thread(backend._read_into))
-        yield gate
-        gate.open()
+    def raw_set(self, raw: Any, backend: MooncakeBackend, key: str, data: bytes) -> None:
+        assert raw.upsert(backend.object_name(key), data) == 0
 
 
 # ---------------------------------------------------------------------------------------------- URLs
@@ -308,16 +282,7 @@ def test_two_processes_share_pages_through_the_pool_and_namespaces_stay_apart(
     into the segment this process holds; B, a fresh process, prefetches them byte-identical; C, another
     model's namespace, finds none of them."""
     url = mooncake_master.url(f"share-{uuid.uuid4().hex[:8]}", "segment_bytes=0&buffer_bytes=16777216")
-    a = run_instance("produce", url, tmp_path / "a.json")
-    assert a["storage"]["pages_written"] == 12
-    assert a["storage"]["errors"] == 0
-    b = run_instance("consume", url, tmp_path / "b.json")
-    assert b["requests"][0]["hits"]["storage"] == 128
-    assert all(r["matches_payload"] for r in b["requests"])
-    assert b["storage"]["pages_read"] == 12
-    c = run_instance("consume", url, tmp_path / "c.json", model="other")
-    assert all(r["hits"]["storage"] == 0 for r in c["requests"])
-    assert c["storage"]["pages_read"] == 0
+    assert_pages_shared_across_processes(url, tmp_path)
 
 
 def test_the_demo_runs_on_the_pool(mooncake_master: MooncakeMaster) -> None:

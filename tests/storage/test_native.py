@@ -1,5 +1,5 @@
 """The C extension `_hicache_native`: its checksum is page format v2's, its reader refuses misuse, and its
-read queue runs, cancels, retires and closes as `storage_backends.read_queue` relies on.
+read queue runs, cancels, retires and closes as `storage_backends.threads.WorkerThreads` relies on.
 
 The reader's behaviour on real page files (hits, misses, truncated, foreign, old-format, corrupt and cold
 pages, cancellation) is covered by the backend contract and `test_file_backend.py`, which read through it.
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,6 +138,61 @@ def test_read_queue_runs_cancels_and_closes(tmp_path: Path) -> None:
     assert queue.closed
     with pytest.raises(RuntimeError, match="closed"):
         queue.submit(str(tmp_path), ".kvp", keys, bufs, NS16, 0, None)
+
+
+def test_read_queue_calls_python_in_its_workers_and_drops_the_callable(tmp_path: Path) -> None:
+    """A call job runs its callable in the worker, in order with the read jobs of its set; `result()` gives
+    back what it returned or raises what it raised (traceback kept); a pending call can be cancelled (it
+    never runs); the worker drops the callable once it ran, so what the callable held (a caller's buffer)
+    is free as soon as the job finished. Misuse is refused by name."""
+    queue = native.ReadQueue()
+    ran: list[str] = []
+    held = bytearray(16)
+    buffer_ref = weakref.ref(held_obj := _Held(held))
+
+    def boom() -> None:
+        ran.append("boom")
+        raise KeyError("from the worker")
+
+    first = queue.call(lambda: ran.append("first") or 42)
+    read = queue.submit(str(tmp_path), ".kvp", ["abcd0001"], [memoryview(bytearray(8))], NS16, 0, None, first)
+    raised = queue.call(boom, first)
+    holding = queue.call(held_obj.touch, first)
+    cancelled = queue.call(lambda: ran.append("cancelled"), first)
+    del held_obj
+    assert (first.call, read.call) == (True, False)
+    with pytest.raises(RuntimeError, match="has not run"):
+        first.result()
+    assert queue.cancel(cancelled) is True
+    worker, finished = _start_and_collect(queue, 4)
+    assert finished == [first, read, raised, holding]
+    assert ran == ["first", "boom"]
+    assert first.result() == 42
+    assert read.result() == (bytes([native.MISS]), 0, [])
+    with pytest.raises(KeyError, match="from the worker") as info:
+        raised.result()
+    assert info.traceback[-1].name == "boom"
+    assert holding.result() == 16
+    assert buffer_ref() is None, "the finished job still holds its callable"
+    with pytest.raises(TypeError, match="func"):
+        queue.call(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="leader"):
+        queue.call(len, native.ReadQueue().call(len))
+    queue.close()
+    worker.join(30)
+    assert not worker.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        queue.call(len)
+
+
+class _Held:
+    """A callable's owner that the test watches being freed."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        self.buffer = buffer
+
+    def touch(self) -> int:
+        return len(self.buffer)
 
 
 def test_read_queue_cancels_any_pending_job_in_place(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ redaction, pages spread over every shard, pages the server evicts, a node killed
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +15,9 @@ import anyio
 import pytest
 import redis
 import torch
-from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, make_keys, make_pages
-from hostile import HostileStorage, RawStore
-from net_instance import run_demo, run_instance
+from contract import empty_pages, make_keys, make_pages
+from net_contract import NetworkStoreContract, assert_pages_shared_across_processes
+from net_instance import run_demo
 from net_servers import ValkeyCluster, start_valkey
 from s3_instance import PAGE, PROMPTS, instance_config, kv_payload
 
@@ -62,7 +62,10 @@ def raw_client(server: ValkeyCluster) -> Any:
     return redis.Redis(host="127.0.0.1", port=server.nodes[0].port, password=server.password)
 
 
-class _ValkeyContract(BackendContract, HostileStorage):
+class _ValkeyContract(NetworkStoreContract):
+    backend_class = ValkeyBackend
+    held_read = "_get_group"
+    held_in_thread = False
     server_fixture = ""
 
     @pytest.fixture
@@ -75,49 +78,16 @@ class _ValkeyContract(BackendContract, HostileStorage):
         return server.url(f"contract-{uuid.uuid4().hex[:12]}")
 
     @pytest.fixture
-    async def backend(self, url: str, namespace_digest: bytes) -> AsyncIterator[ValkeyBackend]:
-        async with ValkeyBackend.from_url(url, namespace_digest=namespace_digest) as b:
-            yield b
-
-    @pytest.fixture
-    def reopen(self, url: str) -> Reopen:
-        async def open_again(digest: bytes) -> ValkeyBackend:
-            return ValkeyBackend.from_url(url, namespace_digest=digest)
-
-        return open_again
-
-    @pytest.fixture
     def raw(self, server: ValkeyCluster) -> Iterator[Any]:
         client = raw_client(server)
         yield client
         client.close()
 
-    @pytest.fixture
-    def raw_store(self, raw: Any, backend: ValkeyBackend) -> RawStore:
-        class Raw:
-            async def read(self, key: str) -> bytes:
-                return bytes(await anyio.to_thread.run_sync(raw.get, backend.server_key(key)))
+    def raw_get(self, raw: Any, backend: ValkeyBackend, key: str) -> bytes:
+        return bytes(raw.get(backend.server_key(key)))
 
-            async def write(self, key: str, data: bytes) -> None:
-                await anyio.to_thread.run_sync(raw.set, backend.server_key(key), data)
-
-        return Raw()
-
-    @pytest.fixture
-    def corrupt_page(self, raw: Any, backend: ValkeyBackend) -> Corrupt:
-        def flip_last_byte(key: str) -> None:
-            body = bytearray(raw.get(backend.server_key(key)))
-            body[-1] ^= 0x01
-            raw.set(backend.server_key(key), bytes(body))
-
-        return flip_last_byte
-
-    @pytest.fixture
-    def hold_reads(self, backend: ValkeyBackend, monkeypatch: pytest.MonkeyPatch) -> Iterator[ReadGate]:
-        gate = ReadGate()
-        monkeypatch.setattr(backend, "_get_group", gate.awaited(backend._get_group))
-        yield gate
-        gate.open()
+    def raw_set(self, raw: Any, backend: ValkeyBackend, key: str, data: bytes) -> None:
+        raw.set(backend.server_key(key), data)
 
 
 class TestValkeyCluster(_ValkeyContract):
@@ -268,6 +238,44 @@ async def test_a_paused_node_cannot_hold_a_read_past_its_deadline(tmp_path: Path
         server.stop()
 
 
+async def test_waiting_for_a_connection_is_not_an_attempt_timeout(valkey_single: ValkeyCluster) -> None:
+    """A pipeline queued behind busy connections waited inside its attempt's timeout (the S3 backend's old
+    bug, still Valkey's while it had its own round-trip code): on a healthy server it timed out before it
+    was ever sent, was retried, and failed. The wait now counts toward the round trip's deadline only (one
+    `RoundTrips` for every network store): the queued GET is sent once a connection frees, and loads."""
+    attempt_s = 0.2
+    options = {"attempt_timeout_s": attempt_s, "deadline_s": 60.0, "max_retries": 1, "max_concurrency": 1}
+    url = valkey_single.url(f"wait-{uuid.uuid4().hex[:8]}")
+    async with ValkeyBackend.from_url(url, namespace_digest=DIGEST, **options) as backend:
+        keys, pages = make_keys(1), make_pages(1, 4096)
+        assert await backend.put(keys, pages) == [True]
+        before = backend.statistics()
+        out = empty_pages(1, 4096)
+        connections = backend._calls._limiter
+        assert connections is not None
+        with anyio.fail_after(HANG_GUARD_S):
+            async with anyio.create_task_group() as tg:
+                await connections.acquire()  # the only connection, busy
+
+                async def queued() -> None:
+                    assert await backend.get(keys, out) == [HIT]
+
+                try:
+                    tg.start_soon(queued)
+                    while not backend._calls.waiting:  # noqa: ASYNC110 - polled: no event to wait on
+                        await anyio.sleep(0.01)
+                    # Time must pass here: the old code's attempt timeout fired during this wait.
+                    await anyio.sleep(3 * attempt_s)
+                    assert backend._calls.waiting == 1, "the queued GET stopped waiting"
+                    assert backend.statistics().requests == before.requests, "a GET went without a connection"
+                finally:
+                    connections.release()
+        assert bytes(out[0]) == bytes(pages[0])
+        after = backend.statistics()
+        assert after.retries == before.retries, "the wait for a connection was retried"
+        assert after.requests == before.requests + 1
+
+
 # ------------------------------------------------------------------------- two processes, one cluster
 
 
@@ -276,17 +284,7 @@ def test_two_processes_share_pages_through_the_cluster_and_namespaces_stay_apart
 ) -> None:
     """Instance A (its own process, the real controller) writes its pages through to the cluster; B, a
     fresh process, prefetches them byte-identical; C, another model's namespace, finds none of them."""
-    url = valkey_cluster.url(f"share-{uuid.uuid4().hex[:8]}")
-    a = run_instance("produce", url, tmp_path / "a.json")
-    assert a["storage"]["pages_written"] == 12
-    assert a["storage"]["errors"] == 0
-    b = run_instance("consume", url, tmp_path / "b.json")
-    assert b["requests"][0]["hits"]["storage"] == 128
-    assert all(r["matches_payload"] for r in b["requests"])
-    assert b["storage"]["pages_read"] == 12
-    c = run_instance("consume", url, tmp_path / "c.json", model="other")
-    assert all(r["hits"]["storage"] == 0 for r in c["requests"])
-    assert c["storage"]["pages_read"] == 0
+    assert_pages_shared_across_processes(valkey_cluster.url(f"share-{uuid.uuid4().hex[:8]}"), tmp_path)
 
 
 def test_the_demo_runs_on_the_cluster(valkey_cluster: ValkeyCluster) -> None:

@@ -132,6 +132,11 @@ class StorageWriter:
         """Host page buffers this call handed to `put` (a stray write thread may still read them)."""
         try:
             paths: list[tuple[NodeRef, StoredPath]] = []
+            # The unknown pages of every path, as token indices, and which of them to put (a page shared
+            # by several paths once): their views come from one `page_views` call for the whole batch.
+            parts: list[torch.Tensor] = []
+            picks: list[int] = []
+            offset = 0
             for target in targets:
                 path = tree.stored_path(target)
                 assert path is not None, "a queued write's target is host-locked: it stays backed up"
@@ -141,14 +146,19 @@ class StorageWriter:
                 paths.append((target, path))
                 target_keys = [h.hex() for h in hashes]
                 stored = self.known.known_prefix(target_keys)
-                if stored >= len(target_keys):
-                    continue
-                target_views = self._host_pool.page_views(_tokens_from(values, stored * page))
-                for key, view in zip(target_keys[stored:], target_views, strict=True):
+                fresh = len(keys)
+                for i in range(stored, len(target_keys)):
+                    key = target_keys[i]
                     if key not in seen:
                         seen.add(key)
                         keys.append(key)
-                        views.append(view)
+                        picks.append(offset + i - stored)
+                if len(keys) > fresh:
+                    parts.append(_tokens_from(values, stored * page))
+                    offset += len(target_keys) - stored
+            if parts:
+                pool_views = self._host_pool.page_views(parts[0] if len(parts) == 1 else torch.cat(parts))
+                views = [pool_views[i] for i in picks]
             if keys:
                 found = await self._exists(keys)
                 if found is None:

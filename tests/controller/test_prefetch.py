@@ -431,24 +431,34 @@ async def test_info_log_names_dropped_or_committed(
 
 
 class BatchGatedBackend(PassThroughBackend):
-    """Each `get` call (one batch) waits for its own gate; the test opens them in any order."""
+    """Each `get` call (one batch) waits for its own gate; the test opens them in any order, and awaits
+    `returned[i]` for batch i's read (in the memory backend's worker thread) to be back on the loop."""
 
     def __init__(self, inner: MemoryBackend) -> None:
         super().__init__(inner)
         self.gates: list[anyio.Event] = []
+        self.returned: list[anyio.Event] = []
         self.fail: set[int] = set()
         self.cancelled: list[int] = []
 
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         index = len(self.gates)
         self.gates.append(anyio.Event())
+        self.returned.append(anyio.Event())
         try:
             await self.gates[index].wait()
         except anyio.get_cancelled_exc_class():
             self.cancelled.append(index)
             raise
         ok = await self.inner.get(keys, buffers)
+        self.returned[index].set()
         return [PageStatus.ERROR] * len(ok) if index in self.fail else ok
+
+    async def open_gate(self, index: int) -> None:
+        """Let batch `index` read, and return once its read is back and the loop has nothing left to run."""
+        self.gates[index].set()
+        await self.returned[index].wait()
+        await anyio.wait_all_tasks_blocked()
 
 
 async def test_concurrent_batches_count_only_the_verified_prefix(backend: MemoryBackend) -> None:
@@ -465,16 +475,13 @@ async def test_concurrent_batches_count_only_the_verified_prefix(backend: Memory
         assert prefetch is not None
         await anyio.wait_all_tasks_blocked()
         assert len(gated.gates) == 3  # three batches in flight, no more
-        gated.gates[1].set()
-        await anyio.wait_all_tasks_blocked()
+        await gated.open_gate(1)
         assert prefetch.completed_pages == 0  # batch 1 is in, but batch 0 is not
-        gated.gates[0].set()
-        await anyio.wait_all_tasks_blocked()
+        await gated.open_gate(0)
         assert prefetch.completed_pages == 4
         assert len(gated.gates) == 5
         gated.fail.add(2)
-        gated.gates[2].set()
-        await anyio.wait_all_tasks_blocked()
+        await gated.open_gate(2)
         assert prefetch.done
         assert prefetch.completed_pages == 4
         assert sorted(gated.cancelled) == [3, 4]

@@ -132,9 +132,9 @@ class LayeredLoader:
             shared = self._share(match)
             if shared is not None:
                 return shared
-            overlapping = self._overlapping(match.host_indices)
+            overlapping = self._overlapping(match)
             if overlapping is not None:  # it ends landed or failed; then the tree says what is left
-                await overlapping.ended.wait()
+                await self._wait_ended(overlapping)
                 match = tree.match_prefix(match.key)
                 continue
             start, length = match.device_len, match.host_len
@@ -150,7 +150,7 @@ class LayeredLoader:
                 raise
             current = tree.match_prefix(match.key)
             moved = not self._unchanged(current, start, host_indices)
-            if pages is None or moved or self._overlapping(host_indices) is not None:
+            if pages is None or moved or self._overlapping(current) is not None:
                 # No room, or the tree moved while pages were found (a request inserted the prefix,
                 # another load began there): give them back and look again.
                 tree.unlock_host(last)
@@ -167,7 +167,6 @@ class LayeredLoader:
                 ),
                 match.key,
                 start,
-                host_indices,
                 pages,
                 above,
                 last,
@@ -189,26 +188,40 @@ class LayeredLoader:
         )
 
     def _share(self, match: MatchResult) -> LayerwiseLoad | None:
-        """A reader of the landing load whose host pages cover all of `match`'s host part, if there is one."""
-        want = match.host_indices
-        n = int(want.numel())
+        """A reader of the landing load whose span covers all of `match`'s host part, if there is one.
+
+        Spans are compared by tokens (the same tokens from the root are the same nodes), so every rank of
+        a TP group decides alike."""
+        start, end = match.device_len, match.device_len + match.host_len
         for load in self._landing.values():
-            at = (load.host_indices == want[0]).nonzero()
-            if not at.numel():
-                continue
-            offset = int(at[0])
-            if offset + n <= load.host_indices.numel() and torch.equal(
-                load.host_indices[offset : offset + n], want
+            if (
+                load.start <= start
+                and end <= load.end
+                and load.key[: end * TOKEN_BYTES] == match.key[: end * TOKEN_BYTES]
             ):
-                return self._reader(load, match, offset, n)
+                return self._reader(load, match, start - load.start, end - start)
         return None
 
-    def _overlapping(self, host_indices: torch.Tensor) -> _Load | None:
-        """A landing load that copies from one of `host_indices`, if there is one."""
+    def _overlapping(self, match: MatchResult) -> _Load | None:
+        """A landing load whose span overlaps `match`'s host part, if there is one."""
+        start, end = match.device_len, match.device_len + match.host_len
         for load in self._landing.values():
-            if bool(torch.isin(host_indices, load.host_indices).any()):
+            upto = min(end, load.end)
+            if (
+                max(start, load.start) < upto
+                and load.key[: upto * TOKEN_BYTES] == match.key[: upto * TOKEN_BYTES]
+            ):
                 return load
         return None
+
+    async def _wait_ended(self, load: _Load) -> None:
+        """Wait until `load` landed or failed; under TP an unresolved outcome is agreed here (every rank's
+        engine call is at the same point, and sees the same loads)."""
+        if load.agreed is not None and self._agreement is not None and not load.ended.is_set():
+            decision = load.agreed.outcome.decision
+            if not decision.resolved and self._agreement.failed is None:
+                await self._agreement.agree(decision)
+        await load.ended.wait()
 
     def _reader(self, load: _Load, match: MatchResult, offset: int, n: int) -> LayerwiseLoad:
         """A new reader of `load`'s tokens [offset, offset + n), below `match`'s device prefix."""
@@ -223,13 +236,8 @@ class LayeredLoader:
         point."""
         if not isinstance(layers, _Reader):
             return True
-        load = layers.load
-        if load.agreed is not None and self._agreement is not None and not load.ended.is_set():
-            decision = load.agreed.outcome.decision
-            if not decision.resolved and self._agreement.failed is None:
-                await self._agreement.agree(decision)
-        await load.ended.wait()
-        return load.state is _State.LANDED
+        await self._wait_ended(layers.load)
+        return layers.load.state is _State.LANDED
 
     def _start(self, load: _Load) -> None:
         """Run `load`'s copy in a task of its own."""
@@ -339,8 +347,7 @@ class LayeredLoader:
         self._device_pool.set_owner(spare, Owner.COPY)
         load.spare = spare
         self._copies.track_load(self._device_pool, spare)
-        end = (load.start + int(pages.numel())) * TOKEN_BYTES
-        load.held = tree.match_prefix(load.key[:end]).last_device_node
+        load.held = tree.match_prefix(load.key[: load.end * TOKEN_BYTES]).last_device_node
         tree.lock_device(load.held)
 
     def _drop_reader(self, load: _Load) -> None:
@@ -409,7 +416,6 @@ class _Load(LayerReadiness):
         copy: LayerwiseCopy,
         key: bytes,
         start: int,
-        host_indices: torch.Tensor,
         device_indices: torch.Tensor,
         above: NodeRef,
         last: NodeRef,
@@ -417,8 +423,8 @@ class _Load(LayerReadiness):
         self.copy = copy
         self.key = key
         self.start = start
-        self.host_indices = host_indices
         self.device_indices = device_indices
+        self.end = start + int(device_indices.numel())
         self.above = above
         """The last node of the device prefix above it (device-locked until it ended)."""
         self.last = last

@@ -30,7 +30,7 @@ from test_controller_state_machine import (
     short_sequences,
 )
 
-from hicache import HiCacheConfig, KVLayout, LoadBackFailed
+from hicache import HiCacheConfig, KVLayout, Lease, LoadBackFailed
 from hicache.keys import TOKEN_BYTES, as_key_bytes
 from hicache.memory.layerwise import LayerReadiness, LayerwiseCopy, read_layer_tokens
 from hicache.policy import StopPolicy, WritePolicy
@@ -160,6 +160,58 @@ class LayerwiseControllerMachine(ControllerMachine):
                         event("a load ended with its copy running, its pages the copy's until it settled")
                         match = cache.match(load.key)
                         assert not bool(torch.isin(match.device_indices, load.device_indices).any())
+            finally:
+                hold.release()
+                loader.before_layer = None
+
+        self.run(go)
+
+    @rule(
+        seq=sequences,
+        stored=st.none() | picks,
+        pages=st.integers(1, 4),
+        longer=st.booleans(),
+        fail=st.booleans(),
+    )
+    def acquire_while_a_load_lands(
+        self, seq: tuple[list[int], int], stored: int | None, pages: int, longer: bool, fail: bool
+    ) -> None:
+        """A host hit loads back held before layer 1 (to fail there, with `fail`); meanwhile a second
+        request acquires its first `pages` pages (it shares the landing load: its pages, its outcome) or,
+        with `longer`, the first request took only those and the second takes all (it waits for the load
+        to end, then loads what is left itself)."""
+        tokens = self.pick_tokens(seq, stored)
+        short = tokens[: pages * self.page_size]
+        first_tokens, other = (short, tokens) if longer else (tokens, short)
+        self.remember(tokens)
+        first_id, second_id = self.next_id("a"), self.next_id("b")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            loader = layered_loader_of(cache)
+            hold = HoldThenFail(1, fail=fail)
+            loader.before_layer = hold
+            try:
+                first = await cache.acquire(first_id, first_tokens)
+                if opened:
+                    self.backend.gated = True
+                self.leases[first_id] = Held(first, first_tokens)
+                if not loader.in_flight:
+                    return
+                await anyio.to_thread.run_sync(hold.reached.wait)
+                loader.before_layer = None
+                got: list[Lease] = []
+                async with anyio.create_task_group() as tg:
+
+                    async def second() -> None:
+                        got.append(await cache.acquire(second_id, other, prefetch=False))
+
+                    tg.start_soon(second)
+                    await anyio.wait_all_tasks_blocked()
+                    event(f"a second acquire {'shares' if got else 'waits for'} a landing load")
+                    hold.release()
+                self.leases[second_id] = Held(got[0], other)
             finally:
                 hold.release()
                 loader.before_layer = None

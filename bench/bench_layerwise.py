@@ -26,8 +26,15 @@ On CPU the model runs with one torch thread (`--threads`): the copy thread needs
 an OpenMP team that spans a core the copy holds spins at each barrier (on a GPU the copy engine is
 separate hardware and the question does not arise).
 
-Usage: python bench/bench_layerwise.py [--repeats 5] [--prefix N] [--suffix N] [--threads N]. Ends with
-one JSON line.
+Host-hit acquire: the cost of one request whose prefix is a host hit, in a cache of 8 layers and a device
+pool that holds one of two 256-token prefixes (requests alternate, so each loads its prefix back):
+`acquire`, a "forward" that calls `wait_layer` for every layer in a worker thread, `release`.
+`host_hit_acquire_us_p50_{layerwise,whole}` is the `acquire` alone (whole: the copy included; layer-wise:
+until it returns, the copy running on), `host_hit_request_us_p50_{layerwise,whole}` all of it; each p50
+over `--host-hit-iterations`, both modes twice in opposite orders, and the ratios layer-wise / whole.
+
+Usage: python bench/bench_layerwise.py [--repeats 5] [--prefix N] [--suffix N] [--threads N]
+[--host-hit-iterations N]. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -202,6 +209,52 @@ async def gather_vs_whole(shape: Shape, device: torch.device, prefix: int, repea
     }
 
 
+HH_LAYERS, HH_PAGE, HH_TOKENS = 8, 16, 256
+
+
+async def host_hit_loop(device: torch.device, iterations: int, layerwise: bool) -> dict[str, float]:
+    """p50 of a host-hit request's `acquire` and of the whole request (see the module docstring)."""
+    layout = KVLayout(HH_LAYERS, 2, 64, torch.float32, HH_PAGE)
+    config = HiCacheConfig(
+        layout=layout,
+        device_pages=HH_TOKENS // HH_PAGE + 4,
+        host_pages=4 * HH_TOKENS // HH_PAGE,
+        layerwise_load_back=layerwise,
+    )
+    seqs = [[1 + 3000 * k + i for i in range(HH_TOKENS)] for k in range(2)]
+    acquire: list[float] = []
+    request: list[float] = []
+    async with HiCache(config) as cache:
+        for k, seq in enumerate(seqs):  # computed once, backed up to host
+            lease = await cache.acquire(f"init{k}", seq)
+            new = await cache.alloc_device(HH_TOKENS)
+            assert new is not None
+            await cache.insert(lease, seq, new)
+            await cache.wait_idle()
+        for i in range(iterations + 10):
+            seq = seqs[i % 2]
+            t0 = time.perf_counter()
+            lease = await cache.acquire(f"r{i}", seq)
+            t1 = time.perf_counter()
+            assert lease.hit_tokens_by_tier["host"] == HH_TOKENS, lease.hit_tokens_by_tier
+            layers = lease.layers
+
+            def forward() -> None:
+                for layer in range(HH_LAYERS):
+                    layers.wait_layer(layer)  # noqa: B023 - called before the loop moves on
+                if device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+
+            await anyio.to_thread.run_sync(forward)
+            cache.release(lease)
+            t2 = time.perf_counter()
+            if i >= 10:  # warm-up
+                acquire.append((t1 - t0) * 1e6)
+                request.append((t2 - t0) * 1e6)
+        await cache.wait_idle()
+    return {"acquire": statistics.median(acquire), "request": statistics.median(request)}
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -216,9 +269,10 @@ async def main() -> None:
         action="store_true",
         help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
     )
+    parser.add_argument("--host-hit-iterations", type=int, default=300)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.prefix, args.suffix = 1, 256, 16
+        args.repeats, args.prefix, args.suffix, args.host_hit_iterations = 1, 256, 16, 10
     shape = GPU_SHAPE if cuda else CPU_SHAPE
     device = torch.device("cuda" if cuda else "cpu")
     if args.threads is not None:
@@ -238,6 +292,14 @@ async def main() -> None:
     copy_ms = whole["acquire_ms"]
     hidden = (whole["ttft_ms"] - layered["ttft_ms"]) / copy_ms if copy_ms > 0 else 0.0
     bandwidth = await gather_vs_whole(shape, device, args.prefix, args.repeats)
+    hits: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for order in ((False, True), (True, False)):
+        for layerwise in order:
+            hits[layerwise].append(await host_hit_loop(device, args.host_hit_iterations, layerwise))
+    hit_whole, hit_layered = (
+        {key: statistics.mean(run[key] for run in hits[mode]) for key in ("acquire", "request")}
+        for mode in (False, True)
+    )
     result = {
         "bench": "layerwise",
         "device": str(device),
@@ -255,6 +317,12 @@ async def main() -> None:
         "acquire_ms_layerwise": round(layered["acquire_ms"], 2),
         "gather_gbps": round(bandwidth["gather_gbps"], 2),
         "whole_gbps": round(bandwidth["whole_gbps"], 2),
+        "host_hit_acquire_us_p50_layerwise": round(hit_layered["acquire"], 1),
+        "host_hit_acquire_us_p50_whole": round(hit_whole["acquire"], 1),
+        "host_hit_acquire_ratio": round(hit_layered["acquire"] / hit_whole["acquire"], 3),
+        "host_hit_request_us_p50_layerwise": round(hit_layered["request"], 1),
+        "host_hit_request_us_p50_whole": round(hit_whole["request"], 1),
+        "host_hit_request_ratio": round(hit_layered["request"] / hit_whole["request"], 3),
         "load_average": round(os.getloadavg()[0], 2),
         "seconds": round(time.perf_counter() - t, 1),
     }

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
         PrefetchState,
         ReleaseStatistics,
     )
-    from hicache.controller.movement.layered_load import LayerwiseLoad
     from hicache.errors import (
         CacheClosed,
         CacheFailed,
@@ -82,7 +81,6 @@ _MODULE_OF = {
     "KVLayout": "hicache.layout",
     "KVPool": "hicache.memory",
     "LayerReadiness": "hicache.memory.layerwise",
-    "LayerwiseLoad": "hicache.controller.movement.layered_load",
     "Lease": "hicache.controller",
     "LeaseReleased": "hicache.errors",
     "LoadBackFailed": "hicache.errors",
@@ -139,7 +137,6 @@ __all__ = [
     "KVLayout",
     "KVPool",
     "LayerReadiness",
-    "LayerwiseLoad",
     "Lease",
     "LeaseReleased",
     "LoadBackFailed",

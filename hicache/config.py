@@ -129,7 +129,7 @@ class HiCacheConfig:
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
         layerwise_load_back: `acquire` loads host hits back layer by layer and returns at once; the
-            lease's `layers.wait_layer(i)` says when layer i may be read (see `HiCache.load_back_layerwise`).
+            lease's `layers.wait_layer(i)` says when layer i may be read (see `layered_load`).
             Ignored with `components` (loaded whole). Under tensor parallelism `tp_group` needs a
             readiness group (`RankGroup(readiness_process_group=...)`): `wait_layer` is then agreed.
         refill_under_unbacked: what a prefetch commit does with a refill whose attach point is not

@@ -31,6 +31,8 @@ KEYS: dict[str, set[str]] = {
     "layerwise": {
         "device", "prefix_tokens", "suffix_tokens", "repeats", "ttft_ms_layerwise", "ttft_ms_whole",
         "copy_hidden_fraction", "copy_ms", "compute_ms", "acquire_ms_layerwise", "gather_gbps", "whole_gbps",
+        "host_hit_acquire_us_p50_layerwise", "host_hit_acquire_us_p50_whole", "host_hit_acquire_ratio",
+        "host_hit_request_us_p50_layerwise", "host_hit_request_us_p50_whole", "host_hit_request_ratio",
     },
     "network": {
         "gbps_1mib_valkey", "gbps_1mib_mooncake", "ratio_64kib_valkey", "ratio_64kib_mooncake",

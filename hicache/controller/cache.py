@@ -32,7 +32,7 @@ from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
 from hicache.controller.leases import Leases
 from hicache.controller.movement.copies import CopyTracker
-from hicache.controller.movement.layered_load import LayeredLoader, LayerwiseLoad
+from hicache.controller.movement.layered_load import LayeredLoader
 from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.pages.allocation import Allocator, ComponentPools, make_pools
 from hicache.controller.pages.release import ComponentTransfer, ReleaseQueue
@@ -48,7 +48,6 @@ from hicache.controller.workers import Workers
 from hicache.errors import UnsupportedEventLoop
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices
-from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
 from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree, check_same_tree_async
 from hicache.policy import RefillPolicy
@@ -427,31 +426,6 @@ class HiCache:
         self._state.check_open("load_back")
         _check_match(match)
         return await self._mover.load_back(match)
-
-    async def load_back_layerwise(self, match: MatchResult) -> LayerwiseLoad:
-        """Load the host-only part of a match back layer by layer, returning before the copy has landed.
-
-        The fresh pages are attached (and locked) at once; `result.layers.wait_layer(i)` returns once layer
-        i may be read: on CUDA it makes the current stream wait for layer i's event, on the CPU it blocks
-        the calling thread (call it from the model's thread, never on the event loop). With hybrid
-        components, or no device room, this loads as `load_back` does and the layers are ready.
-
-        Raises:
-            TypeError: naming `match` when it is not a `MatchResult`.
-        """
-        self._state.check_open("load_back_layerwise")
-        _check_match(match)
-        return await self._loader.load_back(match)
-
-    def layer_readiness(self, device_indices: torch.Tensor) -> LayerReadiness:
-        """The readiness of device pages found by `match` (layer-wise loads of them may be in flight).
-
-        Raises:
-            TypeError: naming `device_indices` when it is not a 1-D int64 CPU tensor.
-            ValueError: naming `device_indices` when an index is outside the device pool.
-        """
-        self._device_pool.check_tokens(device_indices, name="device_indices")
-        return self._loader.readiness_for(device_indices)
 
     # ------------------------------------------------------------------ prefetch
 

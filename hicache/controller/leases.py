@@ -21,6 +21,8 @@ from hicache.memory.layerwise import HeldReadiness
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, RadixTree
 
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
 __all__ = ["Leases"]
 
 # The tiers' names as plain strings, read once: an enum member's `.value` is a Python-level descriptor
@@ -38,7 +40,7 @@ class Leases:
         mover: loads host hits back, and backs inserted KV up.
         prefetcher: streams storage hits in.
         state: whether the cache is still open after an await.
-        loader: loads host hits back layer by layer, and knows which device pages are still landing.
+        loader: loads host hits back layer by layer (a lease shares the load it reads until released).
         layerwise: whether `acquire` loads layer by layer.
     """
 
@@ -101,13 +103,16 @@ class Leases:
         self._state.check_open("load_back")
         if self._layerwise:
             loaded = await self._loader.load_back(match)
-            match = loaded.match
+            match, landing, layers = loaded.match, loaded.landing, loaded.layers
         else:
             match = await self._mover.load_back(match)
+            landing, layers = _NO_PAGES, self._loader.ready()
         node = match.last_device_node
         self._tree.lock_device(node)
         indices = self._tree.device_indices(node)  # the tree keeps the join on the node for later hits
-        cached = match.device_len
+        if landing.numel():  # pages still landing: this lease's (and their load's other readers') only
+            indices = torch.cat([indices, landing])
+        cached = match.device_len + int(landing.numel())
         storage_hit = max(0, min(loaded_end, cached) - loaded_start)
         on_device = min(found_on_device, cached)
         device_hit = on_device - max(0, min(loaded_end, on_device) - loaded_start)
@@ -126,7 +131,7 @@ class Leases:
             prefetch=outcome,
             component_indices=self._tree.component_window(node) if self._tree.components else {},
             prefetch_skipped=skipped,
-            layers=self._loader.readiness_for(indices),
+            layers=layers,
         )
 
     def release(
@@ -145,18 +150,6 @@ class Leases:
         for pool, indices in claims:
             pool.free(indices)
 
-    def _prefix_failed(self, lease: Lease) -> bool:
-        """Whether a layer-wise load-back of `lease`'s prefix failed: its readiness says so (even once
-        another request loaded the prefix again, into other pages), or its pages left the device tier."""
-        layers = lease.layers
-        if layers.done and not layers.is_ready(self._device_pool.layout.num_layers - 1):
-            return True
-        try:
-            self._tree.device_indices(lease.node)  # cached on the node: cheap
-        except ValueError:
-            return True
-        return False
-
     async def insert(
         self,
         lease: Lease,
@@ -169,7 +162,11 @@ class Leases:
         self._state.check_open("insert")
         if not lease.active:
             raise LeaseReleased(f"lease: the lease of request {lease.request_id!r} was already released")
-        if lease.cached_len and self._prefix_failed(lease):
+        landed = await self._loader.landed(lease.layers)  # a load still landing ends first
+        self._state.check_open("insert")
+        if not lease.active:
+            raise LeaseReleased(f"lease: the lease of request {lease.request_id!r} was released meanwhile")
+        if not landed:
             raise LoadBackFailed(
                 f"lease: the cached prefix of request {lease.request_id!r} failed to load back; "
                 "release the lease and recompute"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
@@ -47,7 +47,6 @@ __all__ = [
     "HeldReadiness",
     "LayerReadiness",
     "LayerwiseCopy",
-    "all_of",
     "read_layer_tokens",
 ]
 
@@ -188,27 +187,8 @@ class CudaLayerReadiness(LayerReadiness):
         return f"<CudaLayerReadiness {len(self.events)}/{self.num_layers} layers enqueued>"
 
 
-class _AllOf(LayerReadiness):
-    def __init__(self, parts: Sequence[LayerReadiness]) -> None:
-        self._parts = tuple(parts)
-
-    def wait_layer(self, layer: int) -> None:
-        for part in self._parts:
-            part.wait_layer(layer)
-
-    def is_ready(self, layer: int) -> bool:
-        return all(part.is_ready(layer) for part in self._parts)
-
-    @property
-    def done(self) -> bool:
-        return all(part.done for part in self._parts)
-
-    def __repr__(self) -> str:
-        return f"<LayerReadiness all of {list(self._parts)}>"
-
-
 class HeldReadiness(LayerReadiness):
-    """The readiness a caller is handed (a lease's `layers`, `HiCache.layer_readiness`): `inner`'s, with
+    """The readiness a caller is handed (a lease's `layers`): `inner`'s, with
     `layer` checked against the layout whatever `inner` is (complete, or still landing), and refused once
     the lease it belongs to was released (its pages may hold another request's KV by then).
 
@@ -260,14 +240,6 @@ class HeldReadiness(LayerReadiness):
     def __repr__(self) -> str:
         released = f" ({self._released} released)" if self._released is not None else ""
         return f"<HeldReadiness {self.inner!r}{released}>"
-
-
-def all_of(parts: Sequence[LayerReadiness]) -> LayerReadiness:
-    """A readiness whose layer i is ready when it is in every one of `parts` (`ALL_READY` for none)."""
-    pending = [part for part in parts if part is not ALL_READY]
-    if not pending:
-        return ALL_READY
-    return pending[0] if len(pending) == 1 else _AllOf(pending)
 
 
 def _check_layer(layer: int, num_layers: int) -> None:

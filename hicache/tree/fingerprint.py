@@ -1,5 +1,4 @@
-"""A tree's fingerprint: its structure, each node's tiers, backed-up flags, locks and poisoned flags (a
-failed layer-wise load kept on the device, unmatched), in canonical order.
+"""A tree's fingerprint: its structure, each node's tiers, backed-up flags and locks, in canonical order.
 
 Tensor-parallel ranks run identical trees over their own slices of the KV heads: the same nodes, on the
 same tiers, with the same locks. Pool indices, page hashes (they chain the namespace, which holds the rank)
@@ -40,8 +39,6 @@ class NodeRecord:
         device_lock: the node's device lock count.
         host_lock: the node's host lock count.
         components: per component (sorted by name), the tiers holding its data (`"device"`, `"host"`).
-        poisoned: whether the node is poisoned (a failed load's node a holder below kept on the device:
-            no match reaches it until a copy of its host values landed).
         node_id: the node's id on this rank (shown in messages, not compared).
         preview: the node's first tokens (shown in messages, not compared).
     """
@@ -55,7 +52,6 @@ class NodeRecord:
     device_lock: int
     host_lock: int
     components: tuple[tuple[str, str], ...]
-    poisoned: bool = False
     node_id: int = 0
     preview: tuple[int, ...] = ()
 
@@ -71,7 +67,6 @@ class NodeRecord:
             self.device_lock,
             self.host_lock,
             self.components,
-            self.poisoned,
         )
 
 
@@ -110,7 +105,6 @@ def node_records(tree: RadixTree) -> list[NodeRecord]:
                 device_lock=info.device_lock,
                 host_lock=info.host_lock,
                 components=tuple(comps),
-                poisoned=tree.poisoned(info.ref),
                 node_id=info.ref.id,
                 preview=preview,
             )
@@ -157,8 +151,6 @@ def _show(record: NodeRecord | None) -> str:
     tiers = [t for t, on in (("device", record.device), ("host", record.host)) if on]
     if record.backup_pending:
         tiers.append("backup-pending")
-    if record.poisoned:
-        tiers.append("poisoned")
     comps = "".join(f", {name}@{tiers or 'none'}" for name, tiers in record.components)
     return (
         f"node {record.node_id} tokens [{record.start}, {record.start + record.tokens}) starting "

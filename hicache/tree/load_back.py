@@ -11,8 +11,7 @@ from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import cat_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import Matching
-from hicache.tree.node import TreeNode
-from hicache.tree.results import ComponentFree, FreeResult, LoadResult
+from hicache.tree.results import ComponentFree, LoadResult
 
 __all__ = ["LoadBack"]
 
@@ -21,7 +20,7 @@ LoadedComponents = Mapping[tuple[NodeRef, str], tuple[torch.Tensor, torch.Tensor
 
 
 class LoadBack(Matching, BackupsAndLocks):
-    """`attach_loaded`, `drop_failed_load` and the poisoned nodes it leaves (mixed into `RadixTree`)."""
+    """`attach_loaded` (mixed into `RadixTree`)."""
 
     def attach_loaded(
         self,
@@ -101,157 +100,3 @@ class LoadBack(Matching, BackupsAndLocks):
         frees.extend(ComponentFree(name, "device", copy) for (_, name), (_, copy) in pending.items())
         match = self._result(kb, path)
         return LoadResult(match, cat_indices(freed), (*frees, *self._take_frees()))
-
-    def drop_failed_load(
-        self, key: KeyLike, start: int, device_indices: torch.Tensor
-    ) -> tuple[FreeResult, tuple[NodeRef, ...]]:
-        """Take the pages of a load-back whose copy failed out of the device tier, locked or not.
-
-        `attach_loaded` attached `device_indices` (tokens [start, start + n) of `key`) before their copy
-        landed; it failed, so they hold bytes that are no node's KV. Every node of the path whose device
-        value is one of them loses it (its host copy, what the load read, stays), and so does every device
-        node below the shallowest of them (device prefix continuity): backed-up ones lose their device
-        value, device-only ones without children, locks or backup leave the tree. Locks stay where they
-        are (a lease on a node that lost its device value releases it as before). A node kept below
-        (device-only and locked, or with a backup in flight or a host-only child) keeps its ancestors on
-        the device too: those failed nodes are poisoned (`TreeNode.poisoned`: no match reaches them or
-        anything below them, so no acquire hands their bytes out; they hold a host copy, so no backup or
-        storage write reads their device pages) until their device value is replaced or dropped, or
-        `clear_poison` says a copy of their host values landed in their pages.
-
-        Returns:
-            The device indices to free (and any component frees), and the failed nodes kept on the
-            device, root first (poisoned now).
-        """
-        end = start + int(device_indices.numel())
-        first = next((c for c in self._load_path(key, start, end) if _holds_load(c, device_indices)), None)
-        if first is None:
-            return FreeResult(component_frees=self._take_frees()), ()
-        order: list[TreeNode] = []
-        stack = [first]
-        while stack:  # the device subtree of `first`, parents before children
-            cur = stack.pop()
-            order.append(cur)
-            stack.extend(c for c in cur.children.values() if c.device_value is not None)
-        freed: list[torch.Tensor] = []
-        kept: list[NodeRef] = []
-        for cur in reversed(order):  # children before parents
-            dv = cur.device_value
-            assert dv is not None
-            if cur._dev_children or cur.backup_pending is not None:
-                if bool(torch.isin(dv[:1], device_indices)):
-                    kept.append(self._ref(cur))
-                continue
-            if cur.host_value is not None:
-                freed.append(dv)
-                self._set_device(cur, None)
-            elif not cur.children and not cur.device_lock and not cur.host_lock:
-                freed.append(dv)
-                self._detach(cur)
-            else:
-                # A device-only node a holder keeps (locked, or with a host-only child): it stays, and its
-                # parents with it. It holds none of the load's pages: those went to nodes that came from
-                # the host, which keep their host copy until they leave the tree (only `_detach` drops it).
-                assert not bool(torch.isin(dv[:1], device_indices)), "a loaded page on a device-only node"
-        for ref in kept:
-            self._poison(self._nodes[ref.id])
-        kept.reverse()
-        return FreeResult(freed_device=cat_indices(freed), component_frees=self._take_frees()), tuple(kept)
-
-    def poison_load(self, key: KeyLike, start: int, device_indices: torch.Tensor) -> int:
-        """Hide the nodes holding pages of a load-back whose copy may still write into them.
-
-        Every node on the path of `key` from token `start` whose device pages are among `device_indices`
-        is poisoned (no match reaches it or anything below it). Nothing else changes: the pages stay
-        (the caller keeps them locked so nothing evicts and reuses them) until the copy settled and
-        `drop_failed_load` takes them out.
-
-        Args:
-            key: the load's key.
-            start: the load's first token.
-            device_indices: the device pages the copy writes into.
-
-        Returns:
-            How many nodes were poisoned (none once the pages left the tree).
-
-        Raises:
-            TypeError, ValueError: a malformed key or a negative `start`.
-        """
-        poisoned = 0
-        for child in self._load_path(key, start):
-            if _holds_load(child, device_indices):
-                if not child.poisoned:
-                    poisoned += 1
-                self._poison(child)
-        return poisoned
-
-    def _load_path(self, key: KeyLike, start: int, end: int | None = None) -> list[TreeNode]:
-        """The nodes whole in `key`'s path, root-first, that begin at token `start` or later (and before
-        token `end`): those a load-back of tokens [start, end) may have attached its pages to.
-
-        Raises:
-            TypeError, ValueError: a malformed key or a negative `start`.
-        """
-        kb, _ = self._aligned_key(key)
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"start: expected an int >= 0, got {start!r}")
-        stop = len(kb) if end is None else end * TOKEN_BYTES
-        nodes: list[TreeNode] = []
-        node, pos, step = self._root, 0, self._step
-        while pos < stop:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None or not kb.startswith(child.key, pos):
-                break
-            if pos >= start * TOKEN_BYTES:
-                nodes.append(child)
-            node, pos = child, pos + len(child.key)
-        return nodes
-
-    def _poison(self, node: TreeNode) -> None:
-        """Hide `node` (a failed load's node kept on the device) and everything below it from matching."""
-        # A loaded node came from the host and keeps its host copy while it is on the device: a poisoned
-        # node is never backed up from its device pages.
-        assert node.host_value is not None, "a failed load-back's node without its host copy"
-        if not node.poisoned:
-            node.poisoned = True
-            self._num_poisoned += 1
-
-    def poisoned(self, node: NodeRef) -> bool:
-        """Whether `node`'s device pages hold a failed load-back's bytes (no match reaches it; see
-        `drop_failed_load`).
-
-        Raises:
-            TypeError, ValueError: `node` is not a handle on a live node of this tree.
-        """
-        return self._require_live(node).poisoned
-
-    def clear_poison(self, key: KeyLike, start: int, device_indices: torch.Tensor) -> int:
-        """A copy of the host values of poisoned nodes into their device pages `device_indices` landed:
-        the poisoned nodes on the path of `key` from token `start` whose device pages are among them
-        become hits again. Nodes whose device value changed meanwhile (dropped, evicted, replaced) are
-        no longer poisoned anyway.
-
-        Args:
-            key: the failed load's key.
-            start: the failed load's first token.
-            device_indices: the device pages the copy wrote (the poisoned nodes' device values).
-
-        Returns:
-            How many nodes were cleared.
-        """
-        cleared = 0
-        for child in self._load_path(key, start):
-            if child.poisoned:
-                dv = child.device_value
-                assert dv is not None
-                if bool(torch.isin(dv, device_indices).all()):
-                    child.poisoned = False
-                    self._num_poisoned -= 1
-                    cleared += 1
-        return cleared
-
-
-def _holds_load(node: TreeNode, device_indices: torch.Tensor) -> bool:
-    """Whether `node`'s device pages are among a load-back's `device_indices` (its first page says)."""
-    dv = node.device_value
-    return dv is not None and bool(torch.isin(dv[:1], device_indices))

@@ -37,8 +37,7 @@ class Matching(TreeState):
         """Find the longest cached page-aligned prefix of `key` on the device and, beyond it, on the host.
 
         A match ending inside a node splits it; every node the key runs through has its `last_access`
-        advanced, up to a poisoned node (`TreeNode.poisoned`), which ends the match before it and whose
-        subtree is not touched. With components the match is truncated to the deepest node where every
+        advanced. With components the match is truncated to the deepest node where every
         component allows a prefix to end (a complete sliding window, a Mamba state): at the deepest
         host-only node that is valid once loaded (device nodes before it need not be valid ends), else at
         the deepest valid device node.
@@ -56,7 +55,7 @@ class Matching(TreeState):
         if rem:
             end -= rem
             kb = kb[:end]
-        if self._book is not None or self._num_poisoned:
+        if self._book is not None:
             return self._match_hybrid(kb)
         self._clock = tick = self._clock + 1
         node = last_host = self._root
@@ -143,15 +142,13 @@ class Matching(TreeState):
         )
 
     def _match_hybrid(self, kb: bytes) -> MatchResult:
-        """`match_prefix` with components or poisoned nodes: the walk of the base, then truncated before
-        a poisoned node and to where every component allows a prefix to end (beyond the device part once
-        its host-only nodes are loaded, else at the deepest valid device node)."""
+        """`match_prefix` with components: the walk of the base, then truncated to where every component
+        allows a prefix to end (beyond the device part once its host-only nodes are loaded, else at the
+        deepest valid device node)."""
         return self._result(kb, self._walk(kb, len(kb)))
 
     def _walk(self, kb: bytes, cut: int) -> list[TreeNode]:
-        """The nodes page-aligned `kb` runs through, root-first, each touched on the LRU clock (one tick)
-        up to the first poisoned node: that one and the nodes below it are left as they were (no match
-        returns them, so a walk through them must not keep them on the device longer).
+        """The nodes page-aligned `kb` runs through, root-first, each touched on the LRU clock (one tick).
 
         A node the key ends inside is split where it ends (as `match_prefix` does), and a node across byte
         `cut` is split there.
@@ -163,7 +160,6 @@ class Matching(TreeState):
         node = self._root
         pos = 0
         path: list[TreeNode] = []
-        touch = True
         while pos < end:
             child = node.children.get(kb[pos : pos + step])
             if child is None:
@@ -174,10 +170,7 @@ class Matching(TreeState):
                 matched = cut - pos
             if matched < len(ck):
                 child = self._split(child, matched)
-            if child.poisoned:
-                touch = False
-            if touch:
-                child.last_access = tick
+            child.last_access = tick
             path.append(child)
             pos += matched
             node = child
@@ -187,12 +180,11 @@ class Matching(TreeState):
         """Where a match along the walk `path` ends: `(i, k, j)` with its device nodes `path[:i]` and its
         host-only nodes `path[k:k + j]` (`k` ends the device stretch). Without components `i = k` and every
         node after the stretch is taken; with them, the match first tries to end beyond the device part
-        (valid once its host-only nodes are loaded), else at the deepest valid device node. A poisoned
-        node ends the device stretch and the match (`j = 0`)."""
+        (valid once its host-only nodes are loaded), else at the deepest valid device node."""
         k = 0
-        while k < len(path) and path[k].device_value is not None and not path[k].poisoned:
+        while k < len(path) and path[k].device_value is not None:
             k += 1
-        j = len(path) - k if k == len(path) or not path[k].poisoned else 0
+        j = len(path) - k
         book = self._book
         if book is None:
             return k, k, j
@@ -259,9 +251,9 @@ class Matching(TreeState):
                 break
             node = child
         k = 0
-        while k < len(path) and path[k][0].device_value is not None and not path[k][0].poisoned:
+        while k < len(path) and path[k][0].device_value is not None:
             k += 1
-        i, j = k, (len(path) - k if k == len(path) or not path[k][0].poisoned else 0)
+        i, j = k, len(path) - k
         if self._book is not None:
             # As `_match_hybrid`: end beyond the device part if valid once loaded, else on the device.
             while j > 0 and not self._peek_valid(path, k + j - 1, None):

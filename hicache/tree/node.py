@@ -76,8 +76,6 @@ class TreeNode:
         priority: the eviction priority (lower goes first under the priority policy).
         components: per-component data (sliding-window KV, Mamba state) by component name; `None` in a
             tree without components and until the node first holds or locks one.
-        poisoned: its device pages hold bytes that are no node's KV (a failed load-back kept on the
-            device by a holder below; see `LoadBack.drop_failed_load`): no match reaches it or below.
     """
 
     __slots__ = (
@@ -99,7 +97,6 @@ class TreeNode:
         "key",
         "last_access",
         "parent",
-        "poisoned",
         "priority",
     )
 
@@ -117,7 +114,6 @@ class TreeNode:
         self.last_access = 0
         self.priority = 0
         self.components: dict[str, ComponentData] | None = None
-        self.poisoned = False
         # Private bookkeeping kept by the tree: the number of children holding device data, the page
         # hashes (computed lazily: they depend only on the tokens from the root, so they never go stale),
         # and, for the upper part of a node split while its backup was in flight, the node the
@@ -178,8 +174,6 @@ class TreeNode:
             tiers.append("host")
         if self.backup_pending is not None:
             tiers.append("backup-pending")
-        if self.poisoned:
-            tiers.append("poisoned")
         if self.components:
             for name, data in self.components.items():
                 if data.device_value is not None:

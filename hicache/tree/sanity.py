@@ -48,7 +48,6 @@ def collect_violations(tree: TreeState) -> list[str]:
     num_nodes = device = host = pending = evictable = protected = evictable_host = reclaimable_host = (
         path_cache
     ) = 0
-    poisoned = 0
     stack = [root]
     reachable: set[int] = set()
     while stack:
@@ -110,10 +109,6 @@ def collect_violations(tree: TreeState) -> list[str]:
                 out.append(f"node {node.id}: device lock {node.device_lock} exceeds its parent's")
             if parent.host_lock < node.host_lock:
                 out.append(f"node {node.id}: host lock {node.host_lock} exceeds its parent's")
-        if node.poisoned:
-            poisoned += 1
-            if dv is None or hv is None:
-                out.append(f"node {node.id}: poisoned but not on both the device and the host")
         if node.last_access > tree._clock:
             out.append(f"node {node.id}: last_access {node.last_access} is ahead of the clock")
         if dv is not None:
@@ -168,7 +163,6 @@ def collect_violations(tree: TreeState) -> list[str]:
         ("evictable_host_tokens", stats.evictable_host_tokens, evictable_host),
         ("reclaimable_host_tokens", stats.reclaimable_host_tokens, reclaimable_host),
         ("path_cache_tokens", tree._path_cache_tokens, path_cache),
-        ("poisoned_nodes", tree._num_poisoned, poisoned),
     ):
         if kept != recomputed:
             out.append(f"counter {name}: kept {kept}, recomputed {recomputed}")

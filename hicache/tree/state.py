@@ -88,7 +88,6 @@ class TreeState:
         self._evictable_host = 0
         self._reclaimable_host = 0  # host tokens of host-only nodes without a lock: what evict_host frees
         self._path_cache_tokens = 0  # tokens held by the nodes' cached joined root paths
-        self._num_poisoned = 0  # poisoned nodes (see `TreeNode.poisoned`): matching takes its slow path
         # Hybrid components' per-node bookkeeping; `None` in a full-attention-only tree.
         self._book: ComponentBook | None = (
             ComponentBook(components, self.eviction_policy, page_size) if components else None
@@ -106,9 +105,6 @@ class TreeState:
         n = len(node.key) >> 3
         delta = (value is not None) - (old is not None)
         node.device_value = value
-        if node.poisoned:  # the bad pages left the node
-            node.poisoned = False
-            self._num_poisoned -= 1
         cached = node._path_indices
         if cached is not None:
             node._path_indices = None
@@ -151,9 +147,6 @@ class TreeState:
             upper.device_value = dv[:tokens]
             node.device_value = dv[tokens:]
             upper._dev_children = 1
-            if node.poisoned:
-                upper.poisoned = True
-                self._num_poisoned += 1
         hv = node.host_value
         if hv is not None:
             upper.host_value = hv[:tokens]

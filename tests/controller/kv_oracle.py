@@ -120,8 +120,8 @@ def read_tokens_kv(cache: HiCache, indices: torch.Tensor, *, host: bool = False)
 
 
 def check_tree_kv(cache: HiCache) -> int:
-    """Every node's device (unless poisoned) and committed host pages hold the oracle KV of its path;
-    returns tokens checked."""
+    """Every node's device and committed host pages hold the oracle KV of its path; returns tokens
+    checked."""
     layout, ns = cache.config.layout, cache.config.namespace
     memo: dict[bytes, torch.Tensor] = {}
     checked = 0
@@ -136,9 +136,7 @@ def check_tree_kv(cache: HiCache) -> int:
             expected_all = memo[full] = chain_payload(full, layout, ns)
         n = info.num_tokens
         expected = expected_all[:, :, -n:]
-        # A poisoned node's device pages hold a failed load-back's bytes: no match reaches them.
-        device = None if tree.poisoned(node) else info.device_value
-        for host, value in ((False, device), (True, info.host_value)):
+        for host, value in ((False, info.device_value), (True, info.host_value)):
             if value is None:
                 continue
             got = read_tokens_kv(cache, value, host=host)

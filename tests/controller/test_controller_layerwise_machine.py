@@ -1,11 +1,11 @@
 """The controller state machine with layer-wise load-back on: every rule (acquire with host and storage
 hits, serve, evict, cancel, storage faults, close) runs while loads land layer by layer in tasks of their
-own, and copies fail (at a drawn layer, for the next few copies, copies again of kept pages included) or
-are cancelled (the loop shutting down) at drawn points. Before each step's checks the machine waits for
-the loads in flight; a lease whose load failed must then raise `LoadBackFailed` from `wait_layer` (never
-block, never hand out its pages), and its holder releases it and would recompute. Then the same exact
-accounting and content checks hold (no page leaks; every matchable device page holds its oracle KV; a
-failed load's pages kept on the device are poisoned), for both refill policies."""
+own, and copies fail (at a drawn layer, for the next few copies) or are cancelled (the loop shutting
+down) at drawn points. Before each step's checks the machine waits for the loads in flight; a lease
+whose load failed must then raise `LoadBackFailed` from `wait_layer` (never block, never hand out its
+pages), and its holder releases it and would recompute. Then the same exact accounting and content
+checks hold (no page leaks; every device page of the tree holds its oracle KV), for both refill
+policies."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 import torch
-from cache_internals import layered_loader_of, tree_of
+from cache_internals import layered_loader_of
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
@@ -30,7 +30,7 @@ from test_controller_state_machine import (
     short_sequences,
 )
 
-from hicache import HiCacheConfig, KVLayout, LoadBackFailed
+from hicache import HiCacheConfig, KVLayout, Lease, LoadBackFailed
 from hicache.keys import TOKEN_BYTES, as_key_bytes
 from hicache.memory.layerwise import LayerReadiness, LayerwiseCopy, read_layer_tokens
 from hicache.policy import StopPolicy, WritePolicy
@@ -77,9 +77,6 @@ class LayerwiseControllerMachine(ControllerMachine):
                 await anyio.sleep(0.001)
         self.drop_failed_leases()
         await super().check()
-        tree = tree_of(self.c)
-        if any(tree.poisoned(node) for node in tree.iter_nodes()):
-            event("a failed load's pages kept on the device, poisoned")
 
     def drop_failed_leases(self) -> None:
         """Every lease whose load failed tells its reader so at once (no block, no stale read); its holder
@@ -98,7 +95,7 @@ class LayerwiseControllerMachine(ControllerMachine):
 
     @rule(layer=st.integers(0, 1), count=st.integers(1, 3))
     def fail_copies(self, layer: int, count: int) -> None:
-        """The next `count` layer-wise copies fail before `layer` (copies again of kept pages too)."""
+        """The next `count` layer-wise copies fail before `layer`."""
         layered_loader_of(self.c).before_layer = FailCopies(layer, count)
 
     @rule(seq=sequences, stored=st.none() | picks, turns=st.integers(0, 6))
@@ -129,9 +126,8 @@ class LayerwiseControllerMachine(ControllerMachine):
     ) -> None:
         """Acquire with the copy held before `layer` (reached by its thread first, with `reach`), then end
         every layer-wise load's task with an exception other than a cancellation while it waits for its
-        copy (`_run` absorbs cancellations; this is what is left): a load whose copy may still write is
-        hidden (poisoned, locked) until it settled, so meanwhile no match reaches its pages; then it is
-        dropped as a failed load."""
+        copy (`_run` absorbs cancellations; this is what is left): the load fails at once, its pages stay
+        the copy's (no match reaches them: the tree never knew them) until it settled, then are freed."""
         tokens = self.pick_tokens(seq, stored)
         self.remember(tokens)
         request_id = self.next_id("i")
@@ -147,7 +143,7 @@ class LayerwiseControllerMachine(ControllerMachine):
                 if opened:
                     self.backend.gated = True
                 self.leases[request_id] = Held(lease, tokens)
-                loads = [load for load in loader._in_flight.values() if not load.deferred]
+                loads = list(loader._landing.values())
                 if not loads:
                     return
                 if reach:
@@ -157,13 +153,65 @@ class LayerwiseControllerMachine(ControllerMachine):
                 for task in list(loader._tasks):
                     task.cancel()
                 with anyio.fail_after(30):
-                    while not all(load.finished or load.deferred for load in loads):
+                    while not all(load.ended.is_set() for load in loads):
                         await anyio.lowlevel.checkpoint()
                 for load in loads:
-                    if load.deferred:
-                        event("a load ended with its copy running, hidden until it settled")
+                    if not load.copy.settled:
+                        event("a load ended with its copy running, its pages the copy's until it settled")
                         match = cache.match(load.key)
                         assert not bool(torch.isin(match.device_indices, load.device_indices).any())
+            finally:
+                hold.release()
+                loader.before_layer = None
+
+        self.run(go)
+
+    @rule(
+        seq=sequences,
+        stored=st.none() | picks,
+        pages=st.integers(1, 4),
+        longer=st.booleans(),
+        fail=st.booleans(),
+    )
+    def acquire_while_a_load_lands(
+        self, seq: tuple[list[int], int], stored: int | None, pages: int, longer: bool, fail: bool
+    ) -> None:
+        """A host hit loads back held before layer 1 (to fail there, with `fail`); meanwhile a second
+        request acquires its first `pages` pages (it shares the landing load: its pages, its outcome) or,
+        with `longer`, the first request took only those and the second takes all (it waits for the load
+        to end, then loads what is left itself)."""
+        tokens = self.pick_tokens(seq, stored)
+        short = tokens[: pages * self.page_size]
+        first_tokens, other = (short, tokens) if longer else (tokens, short)
+        self.remember(tokens)
+        first_id, second_id = self.next_id("a"), self.next_id("b")
+        opened = self.gate_for_blocking_wait()
+
+        async def go() -> None:
+            cache = self.c
+            loader = layered_loader_of(cache)
+            hold = HoldThenFail(1, fail=fail)
+            loader.before_layer = hold
+            try:
+                first = await cache.acquire(first_id, first_tokens)
+                if opened:
+                    self.backend.gated = True
+                self.leases[first_id] = Held(first, first_tokens)
+                if not loader.in_flight:
+                    return
+                await anyio.to_thread.run_sync(hold.reached.wait)
+                loader.before_layer = None
+                got: list[Lease] = []
+                async with anyio.create_task_group() as tg:
+
+                    async def second() -> None:
+                        got.append(await cache.acquire(second_id, other, prefetch=False))
+
+                    tg.start_soon(second)
+                    await anyio.wait_all_tasks_blocked()
+                    event(f"a second acquire {'shares' if got else 'waits for'} a landing load")
+                    hold.release()
+                self.leases[second_id] = Held(got[0], other)
             finally:
                 hold.release()
                 loader.before_layer = None
@@ -261,8 +309,9 @@ def end_its_task_while_it_waits(copy: LayerwiseCopy) -> None:
 
 
 class KeptPathMachine(LayerwiseControllerMachine):
-    """The layer-wise machine plus a rule that fails a load under a device-only child that a lease holds
-    (the failed pages must stay on the device, poisoned, and be copied again)."""
+    """The layer-wise machine plus a rule that fails a load while another request inserts its prefix and
+    a child below it, and a third holds a lease on both (before, the failed pages stayed on the device
+    under the locked child, poisoned, and were copied again; now the failure touches nothing)."""
 
     @rule(seq=sequences, stored=st.none() | picks, extra=st.integers(1, 2), fail_again=st.booleans())
     def fail_a_load_under_a_held_child(
@@ -271,7 +320,7 @@ class KeptPathMachine(LayerwiseControllerMachine):
         """A host hit loads back layer-wise and is held before its last layer; meanwhile a request that
         computed the prefix and `extra` pages more itself inserts them (a device-only child below the
         loading pages) and another request acquires all of it (locking the child); then the load fails
-        (and, with `fail_again`, so does its copy again)."""
+        (and, with `fail_again`, so does the next copy)."""
         tokens = self.pick_tokens(seq, stored)
         aligned = len(tokens) // self.page_size * self.page_size
         tokens = tokens[:aligned]
@@ -311,9 +360,6 @@ class KeptPathMachine(LayerwiseControllerMachine):
                 hold.release()
             while not loading.layers.done:
                 await anyio.lowlevel.checkpoint()
-            tree = tree_of(cache)
-            if any(tree.poisoned(node) for node in tree.iter_nodes()):
-                event("kept path: the failed pages stayed on the device, poisoned")
 
         self.run(go)
 

@@ -2,9 +2,10 @@
 
 `_run` waits for its copy on every way out (cancellations, once or twice over, are absorbed); what is left
 is a task ended by something else while it waited (an exception other than a cancellation). The load then
-cannot finish as usual: its thread may still write into its pages. They are hidden at once (poisoned: no
-match or acquire reaches them), stay locked (nothing evicts and reuses them) and in flight, and are
-dropped and freed once the copy settled. `sanity_check`, the locks and the pool's accounting hold.
+cannot give its pages back yet: its thread may still write into them. It fails at once (its readers are
+told), and its pages, which the tree never knew, stay the copy's (nothing matches, evicts or reuses them)
+until the copy settled; then they are freed once. `sanity_check`, the locks and the pool's accounting
+hold.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ async def end_the_task_with_its_copy_running(cache: HiCache, monkeypatch: pytest
     lease = await cache.acquire("r1", SEQ)
     assert lease.hit_tokens_by_tier["storage"] == 16
     await anyio.to_thread.run_sync(hold.reached.wait)
-    (load,) = loader._in_flight.values()
+    (load,) = loader._landing.values()
     real_wait = load.copy.wait_settled
     waits: list[int] = []
 
@@ -92,19 +93,25 @@ async def test_a_load_ended_with_its_copy_running_is_never_served(
     hold = await end_the_task_with_its_copy_running(cache, monkeypatch)
     try:
         cache.sanity_check()
+        assert tree_of(cache).device_tokens_owned().numel() == 0  # the tree never knew the pages
         match = cache.match(SEQ)
-        assert (match.device_len, match.host_len) == (0, 0)
-        meanwhile = await cache.acquire("meanwhile", SEQ)  # recomputes: never handed the pages
-        assert meanwhile.cached_len == 0
+        assert (match.device_len, match.host_len) == (0, 16)
+        owners = cache.device_pool.owner_tags()
+        writing = (owners == int(Owner.COPY)).nonzero().flatten()
+        assert writing.numel() == 4  # the copy's 16 tokens, still its own
+        layered_loader_of(cache).before_layer = None
+        meanwhile = await cache.acquire("meanwhile", SEQ)  # loads the host copy again, elsewhere
+        assert meanwhile.hit_tokens_by_tier["host"] == 16
+        assert not bool(torch.isin(cache.device_pool.page_ids(meanwhile.device_indices), writing).any())
+        for layer in range(LAYERS):
+            await meanwhile.layers.wait_layer_async(layer)
+        expected = page_payload(as_key_bytes(SEQ), LAYOUT4)
+        assert torch.equal(cache.device_pool.read_tokens(meanwhile.device_indices), expected)
+        await cache.wait_idle()
         cache.release(meanwhile)
-        tree = tree_of(cache)
-        loading = tree.device_tokens_owned()
-        assert loading.numel() == 16  # still the tree's, hidden
-        owners = cache.device_pool.owner_tags()[cache.device_pool.page_ids(loading)]
-        assert bool((owners == int(Owner.TREE)).all())
         wanted = (cache.statistics().device_pool.free_pages + 4) * PAGE
-        taken = await cache.alloc_device(wanted)  # would evict the loading pages if it could
-        assert taken is None or not bool(torch.isin(taken, loading).any())
+        taken = await cache.alloc_device(wanted)  # would take the copy's pages if it could
+        assert taken is None or not bool(torch.isin(cache.device_pool.page_ids(taken), writing).any())
         if taken is not None:
             cache.device_pool.free(taken)
         cache.sanity_check()
@@ -113,15 +120,14 @@ async def test_a_load_ended_with_its_copy_running_is_never_served(
     await settle(cache)
     cache.sanity_check()
     assert_no_locks(cache)
-    assert cache.statistics().device_pool.free_pages == free_before  # dropped and freed once
-    match = cache.match(SEQ)
-    assert (match.device_len, match.host_len) == (0, 16)
+    free_after = cache.statistics().device_pool.free_pages
+    on_device = cache.match(SEQ).device_len // PAGE
+    assert free_after + on_device == free_before  # the failed load's pages freed once
     layered_loader_of(cache).before_layer = None
     fresh = await cache.acquire("fresh", SEQ)
-    assert fresh.hit_tokens_by_tier["host"] == 16
+    assert fresh.cached_len == 16
     for layer in range(LAYERS):
         await fresh.layers.wait_layer_async(layer)
-    expected = page_payload(as_key_bytes(SEQ), LAYOUT4)
     assert torch.equal(cache.device_pool.read_tokens(fresh.device_indices), expected)
     await settle(cache)
     cache.release(fresh)
@@ -141,9 +147,9 @@ async def test_a_reader_of_a_load_ended_with_its_copy_running_is_told(
     first = await cache.acquire("r1", SEQ)
     try:
         await anyio.to_thread.run_sync(hold.reached.wait)
-        second = await cache.acquire("r2", SEQ)
-        assert second.hit_tokens_by_tier["device"] == 16
-        (load,) = loader._in_flight.values()
+        second = await cache.acquire("r2", SEQ)  # shares the landing load
+        assert second.hit_tokens_by_tier["host"] == 16
+        (load,) = loader._landing.values()
 
         async def interrupted_wait() -> None:
             raise Interrupted
@@ -165,29 +171,31 @@ async def test_a_reader_of_a_load_ended_with_its_copy_running_is_told(
         cache.release(lease)
     cache.sanity_check()
     assert_no_locks(cache)
-    assert cache.match(SEQ).device_len == 0
+    assert cache.match(SEQ).device_len == 0  # the failed load touched nothing in the tree
 
 
 async def test_the_wait_for_the_copy_cancelled_before_it_ran_is_replaced(
     cache: HiCache,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Guards against a hidden load never finishing: the task that waits for its copy is cancelled before
-    its first step (a loop shutting down cancels every task it has); it never ran, so the load stayed
-    locked and in flight (and `aclose` waited for it forever). Its done callback now starts another
-    wait, and the load is dropped once the copy settled."""
+    """Guards against a failed load's pages never going back: the task that waits for its copy is
+    cancelled before its first step (a loop shutting down cancels every task it has); it never ran, so
+    the pages stayed the copy's (and `aclose` waited for it forever). Its done callback now starts
+    another wait, and the pages are freed once the copy settled."""
     free_before = cache.statistics().device_pool.free_pages
     loader = layered_loader_of(cache)
-    real_defer = loader._defer
+    real_give_back = loader._give_back
     cancelled: list[bool] = []
 
-    def defer_then_cancel_its_wait(load: object, error: BaseException | None) -> None:
+    def give_back_then_cancel_its_wait(load: object, pages: torch.Tensor) -> None:
         before = set(loader._tasks)
-        real_defer(load, error)  # type: ignore[arg-type]
-        (wait,) = set(loader._tasks) - before
-        cancelled.append(wait.cancel())
+        real_give_back(load, pages)  # type: ignore[arg-type]
+        started = set(loader._tasks) - before
+        if started and not cancelled:
+            (wait,) = started
+            cancelled.append(wait.cancel())
 
-    monkeypatch.setattr(loader, "_defer", defer_then_cancel_its_wait)
+    monkeypatch.setattr(loader, "_give_back", give_back_then_cancel_its_wait)
     hold = await end_the_task_with_its_copy_running(cache, monkeypatch)
     try:
         assert cancelled == [True]

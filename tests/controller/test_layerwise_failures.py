@@ -21,9 +21,8 @@ import anyio.to_thread
 import pytest
 import torch
 
-from hicache import HiCache, KVLayout, LoadBackFailed, Namespace
+from hicache import HiCache, KVLayout, Lease, LoadBackFailed, Namespace
 from hicache.keys import as_key_bytes
-from hicache.memory import Owner
 from storage_backends.memory import MemoryBackend
 from tests.cache_internals import layered_loader_of, tree_of
 from tests.controller.controller_helpers import PAGE, make_config, page_payload, store_sequence, tokens
@@ -95,10 +94,8 @@ def assert_no_locks(cache: HiCache) -> None:
 
 
 async def assert_dropped_and_recomputable(cache: HiCache, lease: object, free_before: int) -> None:
-    """The failed load's pages left the device tier and were freed once; the lease can only be released;
-    a fresh acquire loads the host copy again, bit for bit."""
-    from hicache import Lease
-
+    """The failed load touched nothing in the tree and its pages were freed once; the lease can only be
+    released; a fresh acquire loads the host copy again, bit for bit."""
     assert isinstance(lease, Lease)
     for layer in range(LAYERS):
         with pytest.raises(LoadBackFailed, match=f"layer {layer}"):
@@ -149,8 +146,9 @@ async def test_a_reader_waiting_on_the_failing_layer_is_woken_with_its_name(cach
     first = await cache.acquire("r1", SEQ)
     await anyio.to_thread.run_sync(hold.reached.wait)
     await anyio.to_thread.run_sync(first.layers.wait_layer, 1)  # landed before the failure
-    second = await cache.acquire("r2", SEQ)
-    assert second.hit_tokens_by_tier["device"] == 16
+    second = await cache.acquire("r2", SEQ)  # shares the landing load: its pages, its outcome
+    assert second.hit_tokens_by_tier["host"] == 16
+    assert torch.equal(second.device_indices, first.device_indices)
     errors: list[BaseException] = []
 
     async def wait_layer_2() -> None:
@@ -213,7 +211,7 @@ async def test_cancelled_after_the_copy_landed_keeps_the_pages(cache: HiCache) -
     lease = await cache.acquire("r1", SEQ)
     await anyio.to_thread.run_sync(hold.reached.wait)
     task = load_task(cache)
-    (load,) = layered_loader_of(cache)._in_flight.values()
+    (load,) = layered_loader_of(cache)._landing.values()
     hold.release()
     # Block the loop until the thread returned: the task has not resumed yet, so the cancellation reaches
     # it at the await the copy's result would have woken.
@@ -231,47 +229,50 @@ async def test_cancelled_after_the_copy_landed_keeps_the_pages(cache: HiCache) -
     assert cache.match(SEQ).device_len == 16
 
 
-async def test_a_failed_load_never_frees_pages_a_load_below_it_still_copies_into(cache: HiCache) -> None:
-    """Guards against a failed load dropping the device subtree below it while a second layer-wise load
-    (a longer request that matched through the first load's pages and loaded the rest of its prefix) still
-    copies into its own pages there: they were freed under the running thread, so a third request could
-    be handed them and the second copy wrote into its KV."""
+async def test_a_longer_request_over_a_landing_load_waits_for_it_then_loads_its_own(cache: HiCache) -> None:
+    """Guards against a longer request reading through a landing load it does not wholly share: before,
+    it matched through the first load's pages, loaded the rest of its prefix below them, and when the
+    first load failed the pages below were dropped under its running copy. Now its host hit overlaps a
+    landing load it cannot share, so it waits for that load to end; once it failed, the longer request
+    loads its whole prefix itself, with the right KV, and nothing was freed under a running copy."""
     free_before = cache.statistics().device_pool.free_pages
     loader = layered_loader_of(cache)
-    upper, lower = Hold(1, fail=True), Hold(1, fail=False)
+    upper = Hold(1, fail=True)
+    loader.before_layer = upper
+    first = await cache.acquire("r1", SEQ[:8])
+    assert first.cached_len == 8
+    got: list[Lease] = []
     try:
-        loader.before_layer = upper
-        first = await cache.acquire("r1", SEQ[:8])
-        assert first.cached_len == 8
         await anyio.to_thread.run_sync(upper.reached.wait)
-        loader.before_layer = lower
-        second = await cache.acquire("r2", SEQ)
-        assert (second.cached_len, second.hit_tokens_by_tier["device"]) == (16, 8)
-        await anyio.to_thread.run_sync(lower.reached.wait)
-        below = second.device_indices[8:]
-        upper.release()
-        while loader.in_flight == 2:  # the first load failed and dropped its pages
-            await anyio.lowlevel.checkpoint()
-        page_ids = cache.device_pool.page_ids(below)
-        owners = cache.device_pool.owner_tags()[page_ids]
-        assert not bool((owners == int(Owner.FREE)).any()), "pages freed while their copy still runs"
-        cache.sanity_check()  # the pages out of the tree are a copy's destination until it settled
-        taken = await cache.alloc_device(cache.statistics().device_pool.free_pages * PAGE)
-        assert taken is not None
-        assert not bool(torch.isin(taken, below).any())
-        cache.device_pool.free(taken)
+        async with anyio.create_task_group() as tg:
+
+            async def acquire_longer() -> None:
+                got.append(await cache.acquire("r2", SEQ))
+
+            tg.start_soon(acquire_longer)
+            await anyio.wait_all_tasks_blocked()
+            assert not got  # waits for the first load to end
+            assert loader.in_flight == 1  # and copies nothing meanwhile
+            cache.sanity_check()
+            loader.before_layer = None
+            upper.release()
     finally:  # a failed check must not leave a copying thread held (the fixture waits for it)
         upper.release()
-        lower.release()
+    (second,) = got
+    assert (second.cached_len, second.hit_tokens_by_tier["device"]) == (16, 0)
+    expected = page_payload(as_key_bytes(SEQ), LAYOUT4)
+    for layer in range(LAYERS):
+        await second.layers.wait_layer_async(layer)
+    assert torch.equal(cache.device_pool.read_tokens(second.device_indices), expected)
+    with pytest.raises(LoadBackFailed):
+        first.layers.wait_layer(LAYERS - 1)
     await settle(cache)
     for lease in (first, second):
-        with pytest.raises(LoadBackFailed):
-            lease.layers.wait_layer(LAYERS - 1)
         cache.release(lease)
     cache.sanity_check()
     assert_no_locks(cache)
-    assert cache.statistics().device_pool.free_pages == free_before
-    assert cache.match(SEQ).device_len == 0
+    assert cache.statistics().device_pool.free_pages == free_before - 4  # the tree's 16 tokens
+    assert cache.match(SEQ).device_len == 16
 
 
 async def test_a_lease_on_a_failed_load_is_refused_even_once_the_prefix_loaded_again(cache: HiCache) -> None:

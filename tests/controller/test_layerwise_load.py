@@ -76,26 +76,33 @@ async def test_acquire_returns_before_the_copy_and_layers_land_in_order(backend:
 async def test_a_second_request_on_the_loading_prefix_waits_for_the_same_layers(
     backend: MemoryBackend,
 ) -> None:
-    """Another request matching pages still being copied finds them on the device (no second copy) and
-    gets their readiness: it cannot read layer 1 before the first request's copy landed it."""
+    """Another request matching the host hit still being copied shares the landing load (no second copy:
+    the same pages, which are still no device hit of the tree) and gets its readiness: it cannot read
+    layer 1 before the first request's copy landed it."""
     seq = tokens(1, 16)
     gate = LayerGate(1)
     async with HiCache(make_config(layerwise_load_back=True), storage=backend) as cache:
         await store_sequence(backend, cache, seq)
         layered_loader_of(cache).before_layer = gate
         first = await cache.acquire("r1", seq)
-        await anyio.to_thread.run_sync(gate.reached.wait)
-        second = await cache.acquire("r2", seq)
-        assert second.hit_tokens_by_tier["device"] == 16
-        assert torch.equal(second.device_indices, first.device_indices)
-        assert not second.layers.is_ready(1)
-        assert isinstance(second.layers, HeldReadiness)
-        assert second.layers.inner is not ALL_READY
-        gate.release()
+        try:
+            await anyio.to_thread.run_sync(gate.reached.wait)
+            assert cache.match(seq).device_len == 0  # landing pages are their readers' only
+            second = await cache.acquire("r2", seq)
+            assert second.hit_tokens_by_tier["host"] == 16
+            assert torch.equal(second.device_indices, first.device_indices)
+            assert not second.layers.is_ready(1)
+            assert isinstance(second.layers, HeldReadiness)
+            assert second.layers.inner is not ALL_READY
+            cache.sanity_check()
+        finally:
+            gate.release()
         await anyio.to_thread.run_sync(second.layers.wait_layer, 1)
         while layered_loader_of(cache).in_flight:
             await anyio.lowlevel.checkpoint()
         third = await cache.acquire("r3", seq)
+        assert third.hit_tokens_by_tier["device"] == 16
+        assert torch.equal(third.device_indices, first.device_indices)
         assert isinstance(third.layers, HeldReadiness)
         assert third.layers.inner is ALL_READY
         for lease in (first, second, third):

@@ -42,8 +42,6 @@ async def test_wait_layer_names_a_bad_layer_on_a_lease_with_nothing_landing(laye
             lease.layers.wait_layer(layer)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"^layer: expected an int in \[0, 2\)"):
             await lease.layers.wait_layer_async(layer)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"^layer: expected an int in \[0, 2\)"):
-            cache.layer_readiness(lease.device_indices).wait_layer(layer)  # type: ignore[arg-type]
         lease.layers.wait_layer(1)
         cache.release(lease)
         cache.sanity_check()
@@ -94,24 +92,6 @@ async def test_a_released_lease_s_layers_are_refused_once_its_pages_are_someone_
             await cache.insert(lease, tokens(0, 16), lease.device_indices)
         cache.release(lease, taken)
         cache.sanity_check()
-
-
-@pytest.mark.parametrize(
-    ("indices", "error", "pattern"),
-    [
-        (torch.tensor([128]), ValueError, r"^device_indices: token indices must lie in \[0, 128\)"),
-        (torch.tensor([-1, 0]), ValueError, r"^device_indices: token indices must lie in \[0, 128\)"),
-        (torch.zeros(2, 4, dtype=torch.int64), TypeError, r"^device_indices: expected a 1-D tensor"),
-    ],
-    ids=["past-the-end", "negative", "2-D"],
-)
-async def test_layer_readiness_names_indices_outside_the_device_pool(
-    indices: torch.Tensor, error: type, pattern: str
-) -> None:
-    """Out-of-range, negative and 2-D indices returned "ready"."""
-    async with HiCache(make_config()) as cache:
-        with pytest.raises(error, match=pattern):
-            cache.layer_readiness(indices)
 
 
 async def test_release_refuses_indices_that_are_not_a_tensor() -> None:
@@ -181,9 +161,8 @@ async def test_calls_name_an_argument_of_the_wrong_type(backend: MemoryBackend) 
         calls = [
             ("match", lambda: cache.prefetch("r", seq, match="x")),
             ("match", lambda: cache.load_back(None)),
-            ("match", lambda: cache.load_back_layerwise(None)),
-            ("match", lambda: cache.load_back_layerwise("x")),
-            ("match", lambda: cache.load_back_layerwise(lease)),
+            ("match", lambda: cache.load_back("x")),
+            ("match", lambda: cache.load_back(lease)),
             ("request_id", lambda: cache.commit_prefetch([])),
             ("request_id", lambda: cache.cancel_prefetch([])),
             ("transfers", lambda: cache.prefetch("r", seq, transfers=["x"])),

@@ -127,7 +127,6 @@ def test_hicache_exports_the_documented_api_and_nothing_dead() -> None:
         "PrefetchStatus",
         "RefillPolicy",  # like every policy enum a config field takes
         "LayerReadiness",  # what `Lease.layers` is: the model calls its `wait_layer`
-        "LayerwiseLoad",  # what `HiCache.load_back_layerwise` returns
         "LoadBackFailed",  # what `wait_layer` raises
         "LeaseReleased",  # what `wait_layer` raises once its lease was released
     ):

@@ -159,16 +159,3 @@ async def test_release_and_insert_name_a_lease_that_is_not_one() -> None:
         assert lease.active
         await cache.insert(lease, seq, indices)
         cache.sanity_check()
-
-
-async def test_layer_readiness_names_device_indices_that_are_not_a_tensor() -> None:
-    async with HiCache(make_config()) as cache:
-        with pytest.raises(
-            TypeError, match=r"^device_indices: expected (a 1-D int64 CPU tensor|dtype torch.int64)"
-        ):
-            cache.layer_readiness([0, 1, 2, 3])  # type: ignore[arg-type]
-        with pytest.raises(
-            TypeError, match=r"^device_indices: expected (a 1-D int64 CPU tensor|dtype torch.int64)"
-        ):
-            cache.layer_readiness(torch.zeros(4, dtype=torch.int32))
-        assert cache.layer_readiness(torch.arange(4)).done

@@ -18,7 +18,6 @@ from hicache.memory.layerwise import (
     CpuLayerReadiness,
     CudaLayerReadiness,
     LayerwiseCopy,
-    all_of,
     read_layer_tokens,
 )
 
@@ -140,22 +139,17 @@ def test_a_cuda_enqueue_that_stops_short_fails_the_waiters() -> None:
         readiness.wait_layer(1)
 
 
-def test_readiness_arguments_and_combination() -> None:
-    """`wait_layer` names a bad layer; `all_of` is ready only where every part is."""
-    a, b = CpuLayerReadiness(2), CpuLayerReadiness(2)
+def test_readiness_arguments() -> None:
+    """`wait_layer` names a bad layer; a readiness is done once its last layer landed."""
+    a = CpuLayerReadiness(2)
     with pytest.raises(ValueError, match="layer"):
         a.wait_layer(2)
-    assert all_of([]) is ALL_READY
-    assert all_of([ALL_READY, a]) is a
-    both = all_of([a, b])
     a.mark_ready(0)
-    assert not both.is_ready(0)
-    b.mark_ready(0)
-    assert both.is_ready(0)
-    assert not both.done
+    assert a.is_ready(0)
+    assert not a.done
     a.mark_ready(1)
-    b.mark_ready(1)
-    assert both.done
+    assert a.done
+    assert ALL_READY.done
     assert "2/2" in repr(a)
 
 

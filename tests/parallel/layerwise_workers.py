@@ -300,10 +300,10 @@ async def peer_dies_during_forward(group: RankGroup, root: str, victim: int) -> 
 
 async def kept_below_a_failed_load(group: RankGroup, root: str, failing: int) -> dict[str, Any]:
     """SEQ loads back layer by layer; `failing`'s copy is held before layer 1 while a request that
-    computed LONGER itself inserts it (a device-only child below the loading pages) and another holds a
-    lease on LONGER; then that copy fails. At the resolving step every rank drops the load, keeps its
-    nodes (the locked child below) poisoned and copies them again from host; that copy is agreed too and
-    lands, so they are hits again on every rank, with this rank's KV. Trees compared after every call."""
+    computed LONGER itself inserts it (its own pages for SEQ's host-only nodes, and a child below) and
+    another holds a lease on LONGER; then that copy fails. At the resolving step every rank fails the
+    load, touching nothing in the tree: the holder read the inserted KV, and LONGER is a device hit on
+    every rank, with this rank's KV. Trees compared after every call."""
     rank = group.tp_rank
     longer = [*SEQ, *range(3000, 3000 + PAGE)]
     async with rank_cache(group, root, **dict(OPTIONS, device_pages=24)) as (cache, _):
@@ -326,7 +326,7 @@ async def kept_below_a_failed_load(group: RankGroup, root: str, failing: int) ->
         held = holder.hit_tokens_by_tier["device"]
         faults.release()
         failed = [await read_prefix(cache, lease, longer, rank) for lease in (loading, holder)]
-        await cache.tp_sync()  # drops on every rank, keeps the nodes poisoned, copies them again: agreed
+        await cache.tp_sync()  # fails the load on every rank alike
         check()
         refused = 0
         for lease in (loading, holder):

@@ -50,28 +50,3 @@ def test_records_hold_no_rank_local_value() -> None:
     a.insert([1, 2, 3, 4], indices(0, 4))
     b.insert([1, 2, 3, 4], indices(40, 4))
     assert fingerprint(a) == fingerprint(b)
-
-
-def test_a_poisoned_node_changes_the_fingerprint_and_is_named() -> None:
-    """A failed layer-wise load kept on the device by a holder below is poisoned (no match reaches it):
-    a rank where it is poisoned and one where the same node is a hit must not compare equal."""
-    from hicache.tree import NodeRef, RadixTree
-    from tests.tree.test_tree_failed_load import KEY, LOADED, P, host_only_chain_loaded, insert_device_child
-
-    def tree_with_a_locked_child() -> tuple[RadixTree, NodeRef]:
-        tree = RadixTree(P)
-        host_only_chain_loaded(tree)
-        child = insert_device_child(tree)
-        tree.lock_device(child)
-        return tree, child
-
-    healthy, _ = tree_with_a_locked_child()
-    failed, _ = tree_with_a_locked_child()
-    _, kept = failed.drop_failed_load(KEY, 0, LOADED)
-    assert kept
-    assert any(r.poisoned for r in node_records(failed))
-    assert fingerprint(failed) != fingerprint(healthy)
-    message = describe_difference(
-        [encode_records(node_records(healthy)), encode_records(node_records(failed))]
-    )
-    assert "poisoned" in message

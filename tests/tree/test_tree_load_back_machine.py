@@ -1,12 +1,11 @@
 """Stateful property test: the tree machine plus layer-wise load-backs as the controller drives them.
 
-A load attaches device pages to host-only nodes before its copy landed (`attach_loaded`) and locks them;
-it then lands (unlock), fails (`drop_failed_load`: its pages leave the device tier or, held below, stay
-poisoned and are copied again once; that copy lands, `clear_poison`, or fails too), or is hidden first
-while its copy may still write (`poison_load`, then failed). Every other operation of the tree machine
-(inserts and refills below poisoned nodes, eviction, splits, demotion, locks, backups) runs between them.
-After every step `sanity_check()` and the exact page accounting hold; a match never serves a poisoned
-node or anything below it, and touches no LRU clock from a poisoned node down.
+A load locks the device prefix above a host hit and the hit's last host node, and copies into device
+pages of its own, which the tree does not know. Meanwhile every other operation of the tree machine runs
+(inserts over the loading nodes and below them, refills, eviction, splits, demotion, locks, backups). The
+load then lands (`attach_loaded` takes the pages of the nodes still host-only; the rest come back to be
+freed, or kept for its readers) or fails (its pages go back to the pool: nothing in the tree changes).
+After every step `sanity_check()` and the exact page accounting hold, a landing load's pages included.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis.stateful import invariant, rule
 
 from hicache.tree import NodeRef
 from tests.tree.test_tree_state_machine import TreeMachine, page_choices, tails
@@ -24,41 +23,30 @@ from tests.tree.test_tree_state_machine import TreeMachine, page_choices, tails
 
 @dataclass
 class Load:
-    """A load-back in flight: what it attached, the node its locks are on, and how it may end."""
+    """A load-back in flight: its key and span, the pages it copies into, the nodes its locks are on."""
 
     key: list[int]
     start: int
     indices: torch.Tensor
-    locked: NodeRef
-    recopy: bool = False
-    hidden: bool = False
+    above: NodeRef
+    last: NodeRef
 
 
 class LoadBackTreeMachine(TreeMachine):
-    """The tree machine (full attention) with load-backs that land, fail, are copied again or hidden."""
+    """The tree machine (full attention) with layer-wise load-backs that land or fail."""
 
     def __init__(self) -> None:
         super().__init__()
         self.loads: list[Load] = []
 
-    def poisoned_subtrees(self) -> list[NodeRef]:
-        """Every poisoned node and every node below one."""
-        out: list[NodeRef] = []
-        stack = [n for n in self.tree.iter_nodes() if self.tree.poisoned(n)]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(self.info(node).children)
-        return out
-
     def end(self, load: Load) -> None:
-        """The load's locks go (the controller's `_finish`)."""
-        self.tree.unlock_host(load.locked)
-        self.tree.unlock_device(load.locked)
+        """The load's locks go (the controller's `_end`)."""
+        self.tree.unlock_host(load.last)
+        self.tree.unlock_device(load.above)
 
     @rule(choices=page_choices, tail=tails)
     def load_back(self, choices: list[int], tail: int) -> None:
-        """Match; attach fresh device pages to the host-only part and lock it, as the copy starts."""
+        """Match; lock the prefix above the host hit and the hit, and take device pages for its copy."""
         key = self.key(choices, tail)
         m = self.tree.match_prefix(key)
         if not m.host_len:  # a storage refill first, as a prefetch's commit before the load-back
@@ -69,32 +57,28 @@ class LoadBackTreeMachine(TreeMachine):
         idx = self.device.alloc(m.host_len)
         if idx is None:
             return
-        attached = self.tree.attach_loaded(key, m.device_len, idx)
-        assert not attached.freed_device.numel(), "nothing moved since the match"
-        assert attached.match.device_len == m.device_len + m.host_len
-        locked = attached.match.last_device_node
-        self.tree.lock_device(locked)
-        self.tree.lock_host(locked)
-        self.loads.append(Load(key, m.device_len, idx, locked))
-        event("load-back attached")
+        self.tree.lock_device(m.last_device_node)
+        self.tree.lock_host(m.host_nodes[-1])
+        self.loads.append(Load(key, m.device_len, idx, m.last_device_node, m.host_nodes[-1]))
+        event("load-back started")
 
     @rule(index=st.integers(0, 1000))
     def land(self, index: int) -> None:
-        """A copy lands: its pages stay; a copy again of poisoned pages makes them hits again."""
-        live = [load for load in self.loads if not load.hidden]
-        if not live:
+        """A copy lands: the tree takes the pages of the nodes still host-only; the rest are freed."""
+        if not self.loads:
             return
-        load = live[index % len(live)]
-        self.loads.remove(load)
-        if load.recopy:
-            cleared = self.tree.clear_poison(load.key, load.start, load.indices)
-            event(f"copy again landed, cleared={cleared > 0}")
+        load = self.loads.pop(index % len(self.loads))
+        attached = self.tree.attach_loaded(load.key, load.start, load.indices)
+        assert not attached.component_frees
+        self.device.release(attached.freed_device)
+        assert attached.match.device_len >= load.start
         self.end(load)
+        event(f"load landed, all taken={not attached.freed_device.numel()}")
 
     @rule(index=st.integers(0, 1000), extra=page_choices, lock=st.booleans())
-    def compute_below(self, index: int, extra: list[int], lock: bool) -> None:
-        """A request that computed a load's key and more inserts it (a device-only child below the
-        loading pages) and, with `lock`, holds it (a lease): what keeps failed pages on the device."""
+    def compute_over(self, index: int, extra: list[int], lock: bool) -> None:
+        """A request that computed a load's key and more inserts it (its own pages for the loading nodes,
+        and a device-only child below) and, with `lock`, holds it (a lease)."""
         if not self.loads or not extra:
             return
         load = self.loads[index % len(self.loads)]
@@ -109,61 +93,32 @@ class LoadBackTreeMachine(TreeMachine):
         if lock:
             self.tree.lock_device(result.node)
             self.device_locks.append(result.node)
-        event(f"computed below a load, locked={lock}")
+        event(f"computed over a load, locked={lock}")
 
     @rule(index=st.integers(0, 1000))
-    def hide(self, index: int) -> None:
-        """A load's task ended with its copy running: its nodes are hidden until it settled."""
-        live = [load for load in self.loads if not load.hidden and not load.recopy]
-        if not live:
-            return
-        load = live[index % len(live)]
-        load.hidden = True
-        hidden = self.tree.poison_load(load.key, load.start, load.indices)
-        event(f"load hidden, nodes={hidden > 0}")
-
-    @rule(index=st.integers(0, 1000), copy_again=st.booleans())
-    def fail(self, index: int, copy_again: bool) -> None:
-        """A copy fails (or a hidden one settled): its pages leave the device tier; those held below stay,
-        poisoned, and (once, with `copy_again`) are copied again."""
+    def fail(self, index: int) -> None:
+        """A copy fails: its pages go back to the pool; the tree is left as it is."""
         if not self.loads:
             return
         load = self.loads.pop(index % len(self.loads))
-        freed, kept = self.tree.drop_failed_load(load.key, load.start, load.indices)
-        self.device.release(freed.freed_device)
-        assert not freed.component_frees
-        for ref in kept:
-            assert self.tree.poisoned(ref)
-            assert bool(torch.isin(self.info(ref).device_value[:1], load.indices).all())
+        self.device.release(load.indices)
         self.end(load)
-        event(f"load failed, kept={bool(kept)}")
-        if kept and copy_again and not load.recopy:
-            indices = torch.cat([self.info(ref).device_value for ref in kept])
-            self.tree.lock_device(kept[-1])
-            self.tree.lock_host(kept[-1])
-            self.loads.append(Load(load.key, load.start, indices, kept[-1], recopy=True))
+        event("load failed")
 
-    @rule(choices=page_choices, tail=tails)
-    def match_never_serves_poisoned_nodes(self, choices: list[int], tail: int) -> None:
-        """No match or peek reaches a poisoned node or anything below it, nor touches their LRU clock."""
-        below = self.poisoned_subtrees()
-        if not below:
+    @invariant()
+    def tree_is_sound_and_every_page_is_accounted_for(self) -> None:
+        if not hasattr(self, "tree"):
             return
-        event("match with poisoned nodes")
-        key = self.key(choices, tail)
-        before = {ref: self.info(ref).last_access for ref in below}
-        bad = torch.cat(
-            [v for ref in below if (v := self.info(ref).device_value) is not None]
-            or [torch.empty(0, dtype=torch.int64)]
-        )
-        peeked = self.tree.peek(key)
-        m = self.tree.match_prefix(key)
-        assert (peeked.device_len, peeked.host_len) == (m.device_len, m.host_len)
-        assert not bool(torch.isin(m.device_indices, bad).any()), "a match served a poisoned page"
-        assert not set(m.host_nodes) & set(below), "a match served a node below a poisoned one"
-        for ref, last in before.items():
-            if self.tree.is_live(ref):
-                assert self.info(ref).last_access == last, "a match touched a node past a poisoned one"
+        self.tree.sanity_check()
+        landing = [int(i) for load in self.loads for i in load.indices.tolist()]
+        pools = [
+            (self.device, self.tree.device_tokens_owned().tolist() + landing),
+            (self.host, self.tree.host_tokens_owned().tolist()),
+        ]
+        for pool, owned in pools:
+            assert len(set(owned)) == len(owned), "an index held twice (the tree, a landing load)"
+            assert not pool.free.intersection(owned), "a held index is free"
+            assert len(pool.free) + len(owned) == pool.capacity
 
     def teardown(self) -> None:
         if hasattr(self, "tree"):

@@ -1,36 +1,28 @@
 """Layer-wise load-back: host hits go back to the device layer by layer while the model already runs.
 
-`TierMover.load_back` copies every layer before it returns. `LayeredLoader.load_back` instead attaches the
-fresh device pages to the tree at once, starts the copy in a task of its own and returns a
-`LayerReadiness`: the model calls `wait_layer(i)` before reading layer i, so the copy of later layers
-hides behind the compute of earlier ones.
+`TierMover.load_back` copies every layer before it returns. `LayeredLoader.load_back` instead starts the
+copy in a task of its own and returns at once with the pages it copies into and their readiness: the
+model calls `wait_layer(i)` before reading layer i, so the copy of later layers hides behind the compute
+of earlier ones.
 
-Pages attached before their copy landed are safe because:
+A landing load owns its device pages (tagged `Owner.COPY`): the tree does not know them until every layer
+landed, so no match, eviction, backup or storage write ever sees them. The load holds a host lock on what
+it copies from and a device lock on the device prefix above it. Its readers are the lease of the request
+that started it and the leases of requests that matched the same host pages meanwhile: those share it
+(its pages, its readiness, its outcome) instead of copying again, and a request whose host hit only
+overlaps a landing load waits for it to end and matches again. When the last layer's copy ends (under
+tensor parallelism: at the agreement step that resolves its `AgreedLoad`, on every rank alike) the load
+lands: its pages are attached to the tree's device tier (`RadixTree.attach_loaded`) and it holds its
+readers' device lock on them until the last one lets go; a page the tree did not take (a request inserted
+the same prefix meanwhile) stays the load's until then.
 
-* the load holds a device lock on the loaded prefix until the copy has landed, so nothing evicts them;
-* loaded nodes are backed up already (they came from host), so no backup or storage write reads them;
-* every other reader of them is a request whose `acquire` matched them: `readiness_for` hands it the
-  in-flight load's readiness too (a caller of `HiCache.match` that reads device pages itself must ask
-  `HiCache.layer_readiness`);
-* `aclose` waits for the copy (it is counted in `CopyTracker.count`) before it closes a pool.
-
-A copy that fails, or is cancelled (the loop shutting down) before it landed, must not leave its pages
-in the tree: they hold bytes that are no node's KV. The load then stops the copy and waits until no thread
-writes into them, revokes the readiness (every `wait_layer` of it raises `LoadBackFailed` from then on),
-takes the pages out of the device tier (`RadixTree.drop_failed_load`, whatever locks them) and frees
-them once; a lease on them can only be released (`insert` raises `LoadBackFailed`), and its holder
-recomputes. Every way out, cancellation at any await included, unlocks the load's nodes exactly once. A
-task ended without waiting for its copy (an exception other than a cancellation) cannot free the pages
-yet: they are poisoned at once, stay locked and in flight, and are dropped once the copy settled.
-Nodes that a holder below keeps on the device (a locked device-only child, a backup in flight below, a
-host-only child of a device-only node) cannot leave: the tree poisons them (no match reaches them or
-below, and they are never backed up from the device: they hold their host copy), and after a copy failure
-the loader copies their host values into their pages once more; when that lands they are hits again.
-
-Under tensor parallelism (`agreement` given) the readers get an `AgreedLayerReadiness` (every rank's
-`wait_layer(i)` returns, or raises, alike) and the load lands or fails at the agreement step that
-resolves its `AgreedLoad`, on every rank alike, not when this rank's copy ends
-(`hicache.parallel.layer_readiness`).
+The failure path: a load whose copy failed, or whose task was cancelled at any await, never touched the
+tree, so failing it touches nothing there. It moves to `FAILED` once (every `wait_layer` of its readers
+raises `LoadBackFailed` from then on, and their `insert` too: a host hit not delivered is never a hit),
+drops its two locks, and gives its pages back to the device pool as soon as no thread or kernel writes
+into them any more (at once when the copy settled, else from a task that waits until it has; a task
+cancelled before it ran is replaced). Every way out, cancellation at any await included, ends the load
+exactly once.
 
 A cache with hybrid components loads them whole (`TierMover.load_back`): a component value (a window, a
 state) is not split by layer.
@@ -42,8 +34,9 @@ import asyncio
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import anyio
 import torch
 
 from hicache.controller.movement.copies import CopyTracker
@@ -51,15 +44,7 @@ from hicache.controller.movement.tier_mover import TierMover
 from hicache.errors import LoadBackFailed
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner
-from hicache.memory.layerwise import (
-    ALL_READY,
-    CpuLayerReadiness,
-    CudaLayerReadiness,
-    HeldReadiness,
-    LayerReadiness,
-    LayerwiseCopy,
-    all_of,
-)
+from hicache.memory.layerwise import ALL_READY, HeldReadiness, LayerReadiness, LayerwiseCopy
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement
 from hicache.parallel.layer_readiness import AgreedLayerReadiness, AgreedLoad
@@ -69,29 +54,35 @@ __all__ = ["LayeredLoader", "LayerwiseLoad"]
 
 logger = logging.getLogger("hicache.cache")
 
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+
 
 @dataclass(frozen=True)
 class LayerwiseLoad:
     """What a layer-wise load-back returns.
 
     Attributes:
-        match: the fresh match (its device prefix includes the pages still being copied).
-        layers: readiness of the prefix's layers: call `layers.wait_layer(i)` before reading layer i.
+        match: the fresh match of the tree (the pages still landing are not in it).
+        landing: the device pages of the host hit beyond `match.device_len`, still landing (empty when
+            nothing is copied); the prefix's pages are `match`'s device indices, then these.
+        layers: readiness of the prefix's layers: call `layers.wait_layer(i)` before reading layer i;
+            `release` it when the request lets go (a reader's share of the load ends then).
     """
 
     match: MatchResult
-    layers: LayerReadiness
+    landing: torch.Tensor
+    layers: HeldReadiness
 
 
 class LayeredLoader:
-    """Runs layer-wise load-backs and knows which device pages are still landing.
+    """Runs layer-wise load-backs and their readers.
 
     Args:
-        tree: the radix tree (attaches, locks).
+        tree: the radix tree (locks, and attaches a load that landed).
         device_pool, host_pool: the pools pages move between.
         mover: allocates device pages (evicting), and loads whole when layer-wise cannot be used.
-        copies: counts the copies in flight (so `aclose` waits for them).
-        metrics: the cache's metric set (`load_back_tokens`).
+        copies: counts the copies in flight (so `aclose` waits for them) and their pages.
+        metrics: the cache's metric set (`load_back_tokens`, counted when a load lands).
         agreement: the tensor-parallel agreement (None for one rank): each load's outcome and its
             layers' readiness are then agreed (its group must have a `readiness` group).
     """
@@ -113,418 +104,375 @@ class LayeredLoader:
         self._mover = mover
         self._copies = copies
         self._metrics = metrics
-        self._in_flight: dict[int, _Load] = {}
+        self._num_layers = device_pool.layout.num_layers
+        self._landing: dict[int, _Load] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.before_layer: Callable[[int], None] | None = None
         """Called in the copying thread before each layer (tests hold a layer back with it)."""
 
     @property
     def in_flight(self) -> int:
-        """Layer-wise load-backs whose copy has not landed yet."""
-        return len(self._in_flight)
+        """Layer-wise load-backs that have neither landed nor failed yet."""
+        return len(self._landing)
 
-    def readiness_for(self, device_indices: torch.Tensor) -> HeldReadiness:
-        """The readiness of device pages `device_indices`: of every in-flight load that copies into one of
-        them (`ALL_READY` when none does), checking `layer` the same way whatever is in flight."""
-        num_layers = self._device_pool.layout.num_layers
-        if not self._in_flight or not device_indices.numel():
-            return HeldReadiness(ALL_READY, num_layers)
-        return HeldReadiness(
-            all_of(
-                [
-                    load.readiness if load.agreed is None else load.agreed.layers
-                    for load in self._in_flight.values()
-                    if bool(torch.isin(load.device_indices, device_indices).any())
-                ]
-            ),
-            num_layers,
-        )
+    def ready(self) -> HeldReadiness:
+        """The readiness of a prefix with nothing landing."""
+        return HeldReadiness(ALL_READY, self._num_layers)
 
     async def load_back(self, match: MatchResult) -> LayerwiseLoad:
         """Load the host-only part of `match` back layer by layer; see the module docstring.
 
-        Returns the fresh match and the readiness of its device prefix (in-flight loads of other requests
-        included). With no host part, or no device room, nothing is copied (the match comes back as
-        `TierMover.load_back` would return it).
+        With no host part, or no device room, nothing is copied (`landing` is empty); with hybrid
+        components the match is loaded whole.
         """
-        if match.host_len == 0 or self._tree.components:
-            match = await self._mover.load_back(match)
-            return LayerwiseLoad(match, self.readiness_for(match.device_indices))
+        if self._tree.components:
+            return LayerwiseLoad(await self._mover.load_back(match), _NO_PAGES, self.ready())
         tree = self._tree
-        start, length = match.device_len, match.host_len
-        end = start + length
-        key = match.key
-        host_nodes = match.host_nodes
-        tree.lock_device(match.last_device_node)
-        tree.lock_host(host_nodes[-1])
-        try:
-            device_indices = await self._mover.alloc_device(length)
-        finally:
-            tree.unlock_host(host_nodes[-1])
-            tree.unlock_device(match.last_device_node)
-        if device_indices is None:
-            return LayerwiseLoad(match, self.readiness_for(match.device_indices))
-        current = tree.match_prefix(key[: end * TOKEN_BYTES])
-        if current.device_len != start or current.host_nodes != host_nodes:
-            # The tree moved while pages were found (a split, a concurrent load): not worth a layer-wise
-            # plan of its own; give the pages back and load whole, which re-walks the tree.
-            self._device_pool.free(device_indices)  # from `alloc_device`: the caller's until attached
-            match = await self._mover.load_back(current)
-            return LayerwiseLoad(match, self.readiness_for(match.device_indices))
-        copy = LayerwiseCopy(
-            self._host_pool,
-            current.host_indices,
-            self._device_pool,
-            device_indices,
-            before_layer=self.before_layer,
+        while match.host_len:
+            shared = self._share(match)
+            if shared is not None:
+                return shared
+            overlapping = self._overlapping(match)
+            if overlapping is not None:  # it ends landed or failed; then the tree says what is left
+                await self._wait_ended(overlapping)
+                match = tree.match_prefix(match.key)
+                continue
+            start, length = match.device_len, match.host_len
+            host_indices = match.host_indices
+            above, last = match.last_device_node, match.host_nodes[-1]
+            tree.lock_device(above)
+            tree.lock_host(last)
+            try:
+                pages = await self._mover.alloc_device(length)
+            except BaseException:
+                tree.unlock_host(last)
+                tree.unlock_device(above)
+                raise
+            current = tree.match_prefix(match.key)
+            moved = not self._unchanged(current, start, host_indices)
+            if pages is None or moved or self._overlapping(current) is not None:
+                # No room, or the tree moved while pages were found (a request inserted the prefix,
+                # another load began there): give them back and look again.
+                tree.unlock_host(last)
+                tree.unlock_device(above)
+                if pages is None:
+                    shared = self._share(current) if current.host_len else None
+                    return shared or LayerwiseLoad(current, _NO_PAGES, self.ready())
+                self._device_pool.free(pages)  # from `alloc_device`: the caller's until started
+                match = current
+                continue
+            load = _Load(
+                LayerwiseCopy(
+                    self._host_pool, host_indices, self._device_pool, pages, before_layer=self.before_layer
+                ),
+                match.key,
+                start,
+                pages,
+                above,
+                last,
+            )
+            self._device_pool.set_owner(pages, Owner.COPY)
+            self._copies.track_load(self._device_pool, pages)
+            self._start(load)
+            return self._reader(load, current, 0, length)
+        return LayerwiseLoad(match, _NO_PAGES, self.ready())
+
+    @staticmethod
+    def _unchanged(current: MatchResult, start: int, host_indices: torch.Tensor) -> bool:
+        """Whether `current` still begins its host part at `start` with the pages `host_indices`."""
+        length = int(host_indices.numel())
+        return (
+            current.device_len == start
+            and current.host_len >= length
+            and torch.equal(current.host_indices[:length], host_indices)
         )
-        # Attached now, copied below: the pages are the tree's, locked by this load until they landed.
-        # Nothing awaited since the check above, so the tree attaches every page (none to free).
-        self._device_pool.set_owner(device_indices, Owner.TREE)
-        attached = tree.attach_loaded(key, start, device_indices)
-        assert not attached.freed_device.numel(), "the tree changed under a layer-wise attach"
-        last = host_nodes[-1]
-        tree.lock_device(last)
-        tree.lock_host(last)
-        self._start(_Load(copy, _LoadReadiness(copy.readiness), key, start, device_indices, last))
-        self._metrics.load_back_tokens.inc(length)
-        fresh = attached.match
-        return LayerwiseLoad(fresh, self.readiness_for(fresh.device_indices))
+
+    def _share(self, match: MatchResult) -> LayerwiseLoad | None:
+        """A reader of the landing load whose span covers all of `match`'s host part, if there is one.
+
+        Spans are compared by tokens (the same tokens from the root are the same nodes), so every rank of
+        a TP group decides alike."""
+        start, end = match.device_len, match.device_len + match.host_len
+        for load in self._landing.values():
+            if (
+                load.start <= start
+                and end <= load.end
+                and load.key[: end * TOKEN_BYTES] == match.key[: end * TOKEN_BYTES]
+            ):
+                return self._reader(load, match, start - load.start, end - start)
+        return None
+
+    def _overlapping(self, match: MatchResult) -> _Load | None:
+        """A landing load whose span overlaps `match`'s host part, if there is one."""
+        start, end = match.device_len, match.device_len + match.host_len
+        for load in self._landing.values():
+            upto = min(end, load.end)
+            if (
+                max(start, load.start) < upto
+                and load.key[: upto * TOKEN_BYTES] == match.key[: upto * TOKEN_BYTES]
+            ):
+                return load
+        return None
+
+    async def _wait_ended(self, load: _Load) -> None:
+        """Wait until `load` landed or failed; under TP an unresolved outcome is agreed here (every rank's
+        engine call is at the same point, and sees the same loads)."""
+        if load.agreed is not None and self._agreement is not None and not load.ended.is_set():
+            decision = load.agreed.outcome.decision
+            if not decision.resolved and self._agreement.failed is None:
+                await self._agreement.agree(decision)
+        await load.ended.wait()
+
+    def _reader(self, load: _Load, match: MatchResult, offset: int, n: int) -> LayerwiseLoad:
+        """A new reader of `load`'s tokens [offset, offset + n), below `match`'s device prefix."""
+        load.readers += 1
+        layers: LayerReadiness = load if load.agreed is None else load.agreed.layers
+        reader = _Reader(layers, self._num_layers, load, self._drop_reader)
+        return LayerwiseLoad(match, load.device_indices[offset : offset + n], reader)
+
+    async def landed(self, layers: LayerReadiness) -> bool:
+        """Whether the load that `layers` (a lease's) reads landed, once it has ended (True when they read
+        no load). Under TP an unresolved outcome is agreed here: every rank's engine call is at the same
+        point."""
+        if not isinstance(layers, _Reader):
+            return True
+        await self._wait_ended(layers.load)
+        return layers.load.state is _State.LANDED
 
     def _start(self, load: _Load) -> None:
-        """Run `load`'s copy in a task of its own (its nodes are locked by the caller, for `_finish`)."""
-        self._in_flight[id(load)] = load
+        """Run `load`'s copy in a task of its own."""
+        self._landing[id(load)] = load
         self._copies.begin()
         if self._agreement is not None:
             self._agree(load)
         task = asyncio.get_running_loop().create_task(self._run(load), name="hicache-layerwise-load")
         self._tasks.add(task)
-        # A task cancelled before its first step never runs `_run`'s cleanup: the callback does it then.
+        # A task cancelled before its first step never runs `_run`: the callback ends the load then.
         task.add_done_callback(lambda done: self._after(done, load))
 
     async def _run(self, load: _Load) -> None:
-        """Run the copy to its end (a task of its own: no caller's cancellation abandons it), then finish.
-
-        Every way out finishes the load exactly once (`_finish`): landed, failed (`LoadBackFailed`, logged),
-        or cancelled at any await (the loop shutting down); a cancellation or failure first stops the copy
-        and waits until no thread writes into the pages any more.
-        """
+        """Run the copy to its end and wait until it settled (cancellations are absorbed meanwhile), then
+        end the load: landed, failed (`LoadBackFailed`, logged) or cancelled (re-raised)."""
+        error: BaseException | None = None
         try:
             await load.copy.run(limiter=self._copies.limiter)
         except BaseException as exc:
             load.copy.abort()
-            await load.copy.wait_settled()
-            self._copy_ended(load, exc)
-            if isinstance(exc, Exception):
-                return  # logged by `_finish`; the model hears of it from `wait_layer`
-            raise
-        # CUDA: its last event too, before `landed` is judged (one rank) or the ranks may agree a drop;
-        # a CPU copy's thread has returned: settled, no await.
-        await load.copy.wait_settled()
-        self._copy_ended(load, None)
+            error = exc
+        await load.copy.wait_settled()  # CUDA: its last event too
+        self._copy_ended(load, error)
+        if error is not None and not isinstance(error, Exception):
+            raise error
 
     def _agree(self, load: _Load) -> None:
-        """Under TP: propose the load's agreed outcome (at the engine call that attached it, or the step
-        that dropped the load it copies again, on every rank alike) and give its readers the agreed
-        readiness. Once the agreement failed (the group is gone) a load finishes on its own copy."""
+        """Under TP: propose the load's agreed outcome (at the engine call that started it, on every rank
+        alike) and give its readers the agreed readiness. Once the agreement failed (the group is gone) a
+        load ends on its own copy."""
         agreement = self._agreement
         assert agreement is not None
         assert agreement.group is not None
-        readiness = agreement.group.readiness
-        assert readiness is not None, "checked by HiCacheConfig"
+        group = agreement.group.readiness
+        assert group is not None, "checked by HiCacheConfig"
         if agreement.failed is not None:
             return
         copy = load.copy
         layers = AgreedLayerReadiness(
-            copy.readiness, readiness, copy.readiness.num_layers, revoked=lambda: load.readiness.revoked
+            copy.readiness, group, self._num_layers, revoked=lambda: load.state is _State.FAILED
         )
         outcome = AgreedLoad(
             agreement,
             f"{load.start}+{load.device_indices.numel()}",
             settled=lambda: copy.settled,
-            finish=lambda landed: self._finish(load, None if landed else _not_everywhere(), landed=landed),
+            finish=lambda landed: self._end(load, landed),
         )
         load.agreed = _Agreed(outcome, layers)
 
     def _copy_ended(self, load: _Load, error: BaseException | None) -> None:
-        """This rank's copy settled: finish the load (one rank), or settle its agreed outcome (TP; the
-        ranks' agreement may have finished the load already, once the copy had settled)."""
+        """This rank's copy ended: end the load (one rank), or settle its agreed outcome (TP)."""
+        if load.state is not _State.COPYING:
+            return
+        load.error = error
+        # Every layer landed and nothing writes any more: a cancellation after the last layer keeps them.
+        landed = load.copy.settled and load.copy.readiness.is_ready(self._num_layers - 1)
         if load.agreed is None:
-            self._finish(load, error)
+            self._end(load, landed)
         else:
-            if load.state is _LoadState.COPYING:
-                load.enter(_LoadState.AGREEING)
-            inner = load.readiness.inner
-            load.agreed.outcome.settle(error is None and inner.is_ready(inner.num_layers - 1))
+            load.state = _State.AGREEING
+            load.agreed.outcome.settle(landed)
 
     def _after(self, task: asyncio.Task[None], load: _Load) -> None:
-        """The task's done callback: finish a load whose task ended without `_run`'s cleanup (cancelled
-        before it ran, or ended by an exception other than a cancellation while it waited for its copy)."""
+        """The task's done callback: end a load whose task ended before `_copy_ended` (cancelled before it
+        ran, or ended by an exception other than a cancellation while it waited for its copy)."""
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("layer-wise load-back task ended abnormally: %r", task.exception())
-        if load.state is _LoadState.COPYING:  # `_copy_ended` never ran
+        if load.state is _State.COPYING:
             load.copy.abort()
             self._copy_ended(load, asyncio.CancelledError())
 
-    def _finish(self, load: _Load, error: BaseException | None, *, landed: bool | None = None) -> None:
-        """End `load` once: unlock its nodes and, unless every layer landed (`landed`, when the ranks
-        agreed it; else this rank's copy), take its pages out of the device tier (see
-        `RadixTree.drop_failed_load`) and free them, so no later match finds them.
+    def _end(self, load: _Load, landed: bool) -> None:
+        """End `load` once: it lands (its pages join the tree) or fails (they go back to the pool)."""
+        if load.state in (_State.LANDED, _State.FAILED):
+            return
+        del self._landing[id(load)]
+        tree = self._tree
+        if landed:
+            load.state = _State.LANDED
+            self._land(load)
+        else:
+            load.state = _State.FAILED
+            cause = load.error or LoadBackFailed("the layer-wise copy did not land on every rank")
+            load.copy.readiness.fail(cause)  # wakes a reader waiting on a layer that will never land
+            if isinstance(load.error, Exception):
+                logger.error("layer-wise load-back failed: %r", load.error)
+            self._give_back(load, load.device_indices)
+        tree.unlock_host(load.last)
+        tree.unlock_device(load.above)
+        load.ended.set()
 
-        A load that did not land while its copy may still write (its task ended without waiting for the
-        copy) is not finished yet: `_defer` hides its pages and finishes it once the copy settled."""
-        if load.state is _LoadState.FINISHED:
+    def _land(self, load: _Load) -> None:
+        """Attach `load`'s pages to the tree; it keeps those the tree did not take (and a device lock on
+        the rest) while it has readers."""
+        tree = self._tree
+        pages = load.device_indices
+        self._copies.untrack_load(pages)
+        self._device_pool.set_owner(pages, Owner.TREE)
+        attached = tree.attach_loaded(load.key, load.start, pages)
+        self._copies.end()
+        self._metrics.load_back_tokens.inc(int(pages.numel()))
+        spare = attached.freed_device
+        if not load.readers:
+            self._device_pool.free(spare, owner=Owner.TREE)
             return
-        inner = load.readiness.inner
-        if landed is None:
-            landed = load.copy.settled and inner.is_ready(inner.num_layers - 1)
-        if not landed and not load.copy.settled:
-            if load.state is not _LoadState.DEFERRED:
-                self._defer(load, error)
+        self._device_pool.set_owner(spare, Owner.COPY)
+        load.spare = spare
+        self._copies.track_load(self._device_pool, spare)
+        load.held = tree.match_prefix(load.key[: load.end * TOKEN_BYTES]).last_device_node
+        tree.lock_device(load.held)
+
+    def _drop_reader(self, load: _Load) -> None:
+        """A reader of `load` let go: the last one of a landed load ends its hold on the pages."""
+        load.readers -= 1
+        if load.readers or load.state is not _State.LANDED:
             return
-        load.enter(_LoadState.FINISHED)
-        self._in_flight.pop(id(load), None)
-        try:
-            if not landed:
-                self._drop(load, error)
-            elif load.recopy:
-                self._tree.clear_poison(load.key, load.start, load.device_indices)
-            if load.orphaned is not None:
-                self._free_orphaned(load)
-        finally:
-            self._tree.unlock_host(load.last)
-            self._tree.unlock_device(load.last)
+        if load.held is not None:
+            self._tree.unlock_device(load.held)
+            load.held = None
+        spare, load.spare = load.spare, _NO_PAGES
+        self._copies.untrack_load(spare)
+        self._device_pool.free(spare, owner=Owner.COPY)
+
+    def _give_back(self, load: _Load, pages: torch.Tensor) -> None:
+        """Free a failed load's pages once its copy settled: now, or from a task that waits for it (one
+        cancelled before it ran is replaced by its done callback)."""
+        if load.copy.settled:
+            self._copies.untrack_load(pages)
+            self._device_pool.free(pages, owner=Owner.COPY)
             self._copies.end()
-
-    def _defer(self, load: _Load, error: BaseException | None) -> None:
-        """`load` did not land and its copy may still write into its pages (its task ended without
-        waiting for it): fail and revoke its readiness and hide its pages now (poisoned: no match serves
-        them); they stay locked (nothing evicts and reuses them) and in flight (a failed load above
-        orphans rather than frees them) until the copy settled, then `_finish` drops them as usual."""
-        load.enter(_LoadState.DEFERRED)
-        load.copy.abort()
-        self._revoke(load, error)
-        hidden = self._tree.poison_load(load.key, load.start, load.device_indices)
-        logger.error(
-            "layer-wise load-back ended with its copy running; %d node(s) unmatched until it settled", hidden
+            return
+        logger.error("layer-wise load-back ended with its copy running; its pages go back once it settled")
+        task = asyncio.get_running_loop().create_task(
+            load.copy.wait_settled(), name="hicache-layerwise-settle"
         )
-        self._finish_when_settled(load, error)
-
-    def _finish_when_settled(self, load: _Load, error: BaseException | None) -> None:
-        """In a task of its own: wait until no thread writes into `load`'s pages (cancellations are
-        absorbed), then finish it as a load that did not land (its readers were told so already). A task
-        that ended without finishing it (cancelled before its first step) is replaced."""
-
-        async def wait_then_finish() -> None:
-            await load.copy.wait_settled()
-            self._finish(load, error, landed=False)
-
-        def after(task: asyncio.Task[None]) -> None:
-            self._tasks.discard(task)
-            if load.state is _LoadState.FINISHED:
-                return
-            if load.copy.settled:
-                self._finish(load, error, landed=False)
-            else:
-                self._finish_when_settled(load, error)
-
-        task = asyncio.get_running_loop().create_task(wait_then_finish(), name="hicache-layerwise-settle")
         self._tasks.add(task)
+
+        def after(done: asyncio.Task[None]) -> None:
+            self._tasks.discard(done)
+            self._give_back(load, pages)
+
         task.add_done_callback(after)
 
-    def _revoke(self, load: _Load, error: BaseException | None) -> None:
-        """Fail `load`'s readiness with `error` (or `LoadBackFailed`) and revoke it."""
-        cause = error if error is not None else LoadBackFailed("layer-wise copy did not land")
-        load.readiness.inner.fail(cause)
-        load.readiness.revoke()
 
-    def _drop(self, load: _Load, error: BaseException | None) -> None:
-        """The copy did not land (and has settled): fail and revoke the readiness, then drop the pages from
-        the tree."""
-        assert load.copy.settled, "a load dropped while its copy may still write (see `_defer`)"
-        self._revoke(load, error)
-        if isinstance(error, Exception):
-            logger.error("layer-wise load-back failed: %r", error)
-        freed, kept = self._tree.drop_failed_load(load.key, load.start, load.device_indices)
-        assert not freed.component_frees, "a layer-wise load-back loads no components"
-        self._device_pool.free(self._orphan_loads_below(freed.freed_device), owner=Owner.TREE)
-        if not kept:
-            return
-        if load.recopy or not isinstance(error, Exception):
-            # Copying again failed too, or the loop is shutting down: they stay poisoned (no match
-            # reaches them) until their holders let go and eviction takes their device pages.
-            logger.error(
-                "layer-wise load-back failed under %d node(s) held below it; they stay on the device, "
-                "unmatched, until evicted",
-                len(kept),
-            )
-            return
-        self._recopy(load, kept)
-
-    def _recopy(self, failed: _Load, kept: tuple[NodeRef, ...]) -> None:
-        """Copy the host values of `failed`'s nodes that a holder below kept on the device (poisoned,
-        root first) into their device pages again, once; when that lands they are hits again
-        (`RadixTree.clear_poison`). Locked until then, so their pages stay theirs; nothing matches them
-        meanwhile, so no reader waits for the copy."""
-        tree = self._tree
-        infos = [tree.node_info(ref) for ref in kept]
-        host: list[torch.Tensor] = []
-        device: list[torch.Tensor] = []
-        for info in infos:
-            assert info.host_value is not None
-            assert info.device_value is not None
-            host.append(info.host_value)
-            device.append(info.device_value)
-        device_indices = torch.cat(device)
-        copy = LayerwiseCopy(
-            self._host_pool,
-            torch.cat(host),
-            self._device_pool,
-            device_indices,
-            before_layer=self.before_layer,
-        )
-        last = kept[-1]
-        tree.lock_device(last)
-        tree.lock_host(last)
-        load = _Load(
-            copy, _LoadReadiness(copy.readiness), failed.key, failed.start, device_indices, last, recopy=True
-        )
-        logger.warning("layer-wise load-back failed under %d node(s) held below it; copying again", len(kept))
-        self._start(load)
-
-    def _orphan_loads_below(self, dropped: torch.Tensor) -> torch.Tensor:
-        """Of the pages a failed load took out of the tree, those free to go now.
-
-        A load below it (a longer request that matched through its pages while it was in flight and
-        loaded the rest of its prefix) may still copy into some of them: those stay allocated, tagged as
-        a copy's destination, until that load settled (`_free_orphaned`); it is aborted and its readiness
-        revoked (its readers read through the failed prefix anyway).
-        """
-        for other in self._in_flight.values():
-            mine = torch.isin(dropped, other.device_indices)
-            if not bool(mine.any()):
-                continue
-            pages = dropped[mine]
-            dropped = dropped[~mine]
-            other.orphaned = pages
-            other.copy.abort()
-            other.readiness.revoke()
-            self._device_pool.set_owner(pages, Owner.COPY)
-            self._copies.track_load(self._device_pool, pages)
-        return dropped
-
-    def _free_orphaned(self, load: _Load) -> None:
-        """Free the pages a failed load above `load` took out of the tree while `load` copied into them."""
-        pages = load.orphaned
-        assert pages is not None
-        assert load.copy.settled, "only a settled load finishes (see `_defer`)"
-        self._copies.untrack_load(pages)
-        self._device_pool.free(pages, owner=Owner.COPY)
-
-
-def _not_everywhere() -> LoadBackFailed:
-    return LoadBackFailed("the layer-wise copy did not land on every tensor-parallel rank")
-
-
-class _LoadState(enum.Enum):
-    """Where a layer-wise load is in its life. Its copy's own progress is the copy's (`LayerwiseCopy`)."""
+class _State(enum.Enum):
+    """Where a layer-wise load is in its life (its copy's own progress is the copy's)."""
 
     COPYING = "copying"
-    """Its copy runs, or settled without `_copy_ended` having run yet."""
+    """Its copy runs (or settled before `_copy_ended` ran)."""
     AGREEING = "agreeing"
-    """Under TP: this rank's copy settled and was settled into the agreed outcome, which decides."""
-    DEFERRED = "deferred"
-    """It did not land and its copy may still write: hidden, finished once the copy settled (`_defer`)."""
-    FINISHED = "finished"
-    """Unlocked, and landed or dropped; nothing happens to it any more."""
-
-
-_NEXT_STATES: dict[_LoadState, frozenset[_LoadState]] = {
-    _LoadState.COPYING: frozenset({_LoadState.AGREEING, _LoadState.DEFERRED, _LoadState.FINISHED}),
-    _LoadState.AGREEING: frozenset({_LoadState.DEFERRED, _LoadState.FINISHED}),
-    _LoadState.DEFERRED: frozenset({_LoadState.FINISHED}),
-    _LoadState.FINISHED: frozenset(),
-}
+    """Under TP: this rank's copy settled into the agreed outcome, which decides."""
+    LANDED = "landed"
+    """Its pages joined the tree's device tier."""
+    FAILED = "failed"
+    """It touched nothing in the tree; its pages go back to the pool (once its copy settled)."""
 
 
 @dataclass(frozen=True)
 class _Agreed:
-    """Under TP: a load's outcome, agreed by the ranks (it finishes when that resolves), and the readiness
-    its readers get instead of this rank's own."""
+    """Under TP: a load's outcome, agreed by the ranks, and the readiness its readers get."""
 
     outcome: AgreedLoad
     layers: AgreedLayerReadiness
 
 
-@dataclass(eq=False)
-class _Load:
-    """One layer-wise load-back in flight: its copy, its readiness, where its pages went, its lock."""
+class _Load(LayerReadiness):
+    """One layer-wise load-back: its copy, where it copies from and into, its locks and readers.
 
-    copy: LayerwiseCopy
-    readiness: _LoadReadiness
-    key: bytes
-    start: int
-    device_indices: torch.Tensor
-    last: NodeRef
-    recopy: bool = False
-    """A second copy into a failed load's pages that a holder below kept (poisoned) on the device."""
-    state: _LoadState = field(default=_LoadState.COPYING, init=False)
-    orphaned: torch.Tensor | None = None
-    """Its pages a failed load above it took out of the tree while it copied (freed once it finished)."""
-    agreed: _Agreed | None = None
-    """Under TP (set when it starts, unless the agreement had failed): see `_Agreed`."""
+    As a readiness it is its copy's, until it failed: from then on every layer raises `LoadBackFailed`
+    (its pages are no reader's KV any more).
+    """
 
-    def enter(self, state: _LoadState) -> None:
-        """Move to `state`, one of the states that may follow the current one."""
-        assert state in _NEXT_STATES[self.state], f"a layer-wise load cannot go {self.state} -> {state}"
-        self.state = state
-
-    @property
-    def finished(self) -> bool:
-        """Whether it is `FINISHED`."""
-        return self.state is _LoadState.FINISHED
-
-    @property
-    def deferred(self) -> bool:
-        """Whether it is `DEFERRED`."""
-        return self.state is _LoadState.DEFERRED
-
-
-class _LoadReadiness(LayerReadiness):
-    """A load's readiness: its copy's, until the load failed and its pages left the device tier; from then
-    on every layer raises `LoadBackFailed` (the pages are no longer the reader's KV)."""
-
-    def __init__(self, inner: CpuLayerReadiness | CudaLayerReadiness) -> None:
-        self.inner = inner
-        self._revoked = False
-
-    def revoke(self) -> None:
-        """The load failed and its pages left the tree: no layer may be read any more."""
-        self._revoked = True
-
-    @property
-    def revoked(self) -> bool:
-        """Whether `revoke` was called."""
-        return self._revoked
+    def __init__(
+        self,
+        copy: LayerwiseCopy,
+        key: bytes,
+        start: int,
+        device_indices: torch.Tensor,
+        above: NodeRef,
+        last: NodeRef,
+    ) -> None:
+        self.copy = copy
+        self.key = key
+        self.start = start
+        self.device_indices = device_indices
+        self.end = start + int(device_indices.numel())
+        self.above = above
+        """The last node of the device prefix above it (device-locked until it ended)."""
+        self.last = last
+        """The last host node it copies from (host-locked until it ended)."""
+        self.state = _State.COPYING
+        self.error: BaseException | None = None
+        self.readers = 0
+        self.held: NodeRef | None = None
+        """Once landed with readers: the node device-locked for them."""
+        self.spare = _NO_PAGES
+        """Once landed with readers: its pages the tree did not take (freed with the last reader)."""
+        self.agreed: _Agreed | None = None
+        self.ended = anyio.Event()
 
     def _check(self, layer: int) -> None:
-        if self._revoked:
+        if self.state is _State.FAILED:
             raise LoadBackFailed(
-                f"layer {layer}: the layer-wise load-back failed and its pages left the device; recompute"
+                f"layer {layer}: the layer-wise load-back failed and its pages went back; recompute"
             )
 
     def wait_layer(self, layer: int) -> None:
         self._check(layer)
-        self.inner.wait_layer(layer)  # raises LoadBackFailed for a layer the failed copy never landed
+        self.copy.readiness.wait_layer(layer)  # raises LoadBackFailed for a layer the copy never landed
         self._check(layer)
 
     def is_ready(self, layer: int) -> bool:
-        return not self._revoked and self.inner.is_ready(layer)
+        return self.state is not _State.FAILED and self.copy.readiness.is_ready(layer)
 
     @property
     def done(self) -> bool:
-        return self._revoked or self.inner.done
+        return self.state is _State.FAILED or self.copy.readiness.done
 
     def __repr__(self) -> str:
-        return "<LayerReadiness revoked>" if self._revoked else repr(self.inner)
+        return f"<layer-wise load {self.state.value} {self.copy.readiness!r}, {self.readers} reader(s)>"
+
+
+class _Reader(HeldReadiness):
+    """A lease's share of a load: its readiness, and the end of its share when the lease is released."""
+
+    def __init__(
+        self, inner: LayerReadiness, num_layers: int, load: _Load, drop: Callable[[_Load], None]
+    ) -> None:
+        super().__init__(inner, num_layers)
+        self.load = load
+        self._drop: Callable[[_Load], None] | None = drop
+
+    def release(self, holder: str) -> None:
+        super().release(holder)
+        drop, self._drop = self._drop, None
+        if drop is not None:
+            drop(self.load)

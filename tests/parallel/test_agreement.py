@@ -6,6 +6,8 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 import torch
@@ -211,6 +213,11 @@ class DivergentPeerGroup(RankGroup):
             row = 2 + self.diverges_at  # two header rows, then the slots
             peer[row, 3] -= 1  # the peer's key hash differs there: min(key) != -min(-key)
         return torch.minimum(tensor, peer)
+
+    def min_reduce_then(
+        self, tensor: torch.Tensor, on_done: Callable[[torch.Tensor | None, RankFailed | None], None]
+    ) -> None:
+        on_done(self.min_reduce(tensor), None)
 
 
 async def test_a_divergence_at_a_later_slot_resolves_the_decisions_agreed_before_it() -> None:

@@ -240,10 +240,8 @@ class Agreement:
                 self._timed_out += 1
                 d._local = d.default
             local = d._local
-            if local is None:
-                rows[_HEADER + i] = (1, 0, NONE, d.key_hash, -d.key_hash)
-            else:
-                rows[_HEADER + i] = (1, 1, local, d.key_hash, -d.key_hash)
+            key = d.key_hash
+            rows[_HEADER + i] = (1, 0, NONE, key, -key) if local is None else (1, 1, local, key, -key)
         return torch.from_numpy(rows), base
 
     async def step(self, *, busy: bool = False) -> StepResult:

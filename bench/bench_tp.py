@@ -68,7 +68,9 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
     acquire: list[float] = []
     raw: list[float] = []
     tensor = torch.zeros(AGREEMENT_CAPACITY + 2, 5, dtype=torch.int64)
+    collectives = 0
     for i in range(iterations + 20):
+        before = group.collectives
         t0 = time.perf_counter()
         probe = ag.propose("probe", f"r{i}")
         probe.settle(10 + group.tp_rank)
@@ -78,6 +80,7 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
         commit.settle(8 + group.tp_rank)
         await ag.agree(commit)
         t2 = time.perf_counter()
+        collectives += group.collectives - before
         group.gather(tensor)
         t3 = time.perf_counter()
         if i >= 20:  # warm-up
@@ -91,7 +94,7 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
         "p99": samples[int(0.99 * (len(samples) - 1))],
         "acquire_p50": statistics.median(acquire),
         "raw_interleaved_p50": statistics.median(raw),
-        "collectives_per_agreement": (group.collectives - (iterations + 20)) / (2 * (iterations + 20)),
+        "collectives_per_agreement": collectives / (2 * (iterations + 20)),
     }
 
 

@@ -23,7 +23,15 @@ Why it cannot deadlock (SGLang #30760, #22607: a loop broke early on one rank an
 Two ranks that propose different decisions under one `seq` (a caller bug) get `RankDivergence` on every
 rank at the first step that sees both; a decision one rank proposed and a peer, still stepping, has not
 proposed for longer than the group's timeout raises `RankDivergence` on the proposing rank (the peer's
-next collective then times out with `RankFailed`), so no loop steps forever. With no group, or a group of one rank, a settled decision is
+next collective then times out with `RankFailed`), so no loop steps forever.
+
+What a step costs beyond its collective: building and reading the fixed-shape tensor (numpy, over the
+pending decisions only), and no thread hop: the collective runs on the backend's thread and its
+completion wakes the event loop, where the step completes even if its caller was cancelled meanwhile
+(so no shield). How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
+timeout, 1 s at most) to settle its own decisions, while a peer that has settled waits in the collective,
+so a value settled late resolves in one step, not after idle ones; the header carries how many decisions
+the neediest rank holds, so the step that resolves the last one is the last step. With no group, or a group of one rank, a settled decision is
 resolved at once and no step is needed: a single rank pays nothing.
 """
 

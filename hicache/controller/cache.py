@@ -139,8 +139,9 @@ class HiCache:
             self._release_queue,
         )
         breaker, counters, state = self.storage_breaker, self.metrics, self._state
-        self.agreement = Agreement.for_group(config.tp_group)
-        """The tensor-parallel agreement of this rank's decisions (None for one rank: nothing is agreed)."""
+        self.agreement = Agreement(config.tp_group)
+        """The agreement of this rank's decisions with its tensor-parallel peers: for one rank (no group,
+        or a group of one) every decision resolves as it is settled, with no step and no collective."""
         self._allocator = Allocator(tree, device, host, comps, queue, agreement=self.agreement)
         self._mover = TierMover(
             config,
@@ -154,12 +155,20 @@ class HiCache:
             breaker,
             self.agreement,
         )
-        self._prefetcher = Prefetcher(
-            config, tree, host, comps, queue, self._allocator, counters, breaker, state, self.agreement
-        )
+        self._prefetcher = Prefetcher(config, tree, self._allocator, counters, state, self.agreement)
         if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
             self._prefetcher.rescue = RefillRescue(tree, self._mover)
-        self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters, self.agreement)
+        # Layer-wise load-back agrees its outcome only across several ranks (it needs the group's
+        # readiness channel); its one-rank path is the loader's own.
+        self._loader = LayeredLoader(
+            tree,
+            device,
+            host,
+            self._mover,
+            self._copies,
+            counters,
+            None if self.agreement.local else self.agreement,
+        )
         self._leases = Leases(
             tree,
             device,
@@ -194,8 +203,6 @@ class HiCache:
         Raises:
             RankFailed: a peer died or stopped responding for longer than the group's timeout.
         """
-        if self.agreement is None:
-            return 0
         return await self.agreement.drive(lambda: False)
 
     # ------------------------------------------------------------------ observing
@@ -230,7 +237,7 @@ class HiCache:
             UnsupportedEventLoop: on another event loop than `start()`'s (the workers never run here).
         """
         self._state.check_loop("wait_idle")
-        if self.agreement is not None and not self._state.closed:
+        if not self._state.closed:
             await self.tp_sync()
         backups, writes = self._mover.backups, self._mover.storage_writes
         # A backup queues a storage write and both free pages: wait until all three are quiet at once.
@@ -362,7 +369,7 @@ class HiCache:
             RuntimeError: under tensor parallelism (naming `alloc_components_async`).
         """
         self._check_component_request(name, num_slots)
-        if self.agreement is not None:
+        if not self.agreement.local:
             raise RuntimeError(
                 "alloc_component: under tensor parallelism the ranks agree what to evict; call "
                 "`await cache.alloc_components_async({name: num_slots})` on every rank"
@@ -556,7 +563,7 @@ class HiCache:
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
                 self._copies.limiter = anyio.CapacityLimiter(1)
-            if self.agreement is not None:
+            if not self.agreement.local:
                 await anyio.to_thread.run_sync(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
@@ -616,9 +623,8 @@ class HiCache:
         """The cache closes (its state says closed already): cancel the prefetches, fail the agreement and
         stop the workers."""
         self._prefetcher.cancel_all()
-        if self.agreement is not None:
-            reason = "failed" if self._state.failure is not None else "was closed"
-            self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache {reason}"))
+        reason = "failed" if self._state.failure is not None else "was closed"
+        self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache {reason}"))
         self._workers.begin_close()
 
     def _background_failed(self, job: str, error: Exception) -> None:
@@ -719,8 +725,7 @@ class HiCache:
             TreeDivergence: the ranks' trees differ; the message names the first differing node.
             RankFailed: a peer died or stopped responding.
         """
-        if across_ranks and self.agreement is not None:
-            assert self.config.tp_group is not None
+        if across_ranks and self.config.tp_group is not None:
             check_same_tree(self.config.tp_group, self._tree)
         self._accounting.check(
             held_device_tokens=held_device_tokens,
@@ -749,8 +754,7 @@ class HiCache:
             held_device=held_device,
             held_components=held_components,
         )
-        if across_ranks and self.agreement is not None:
-            assert self.config.tp_group is not None
+        if across_ranks and self.config.tp_group is not None:
             await check_same_tree_async(self.config.tp_group, self._tree)
 
 

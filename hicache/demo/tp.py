@@ -275,7 +275,7 @@ async def _serve_all(
             await cache.wait_idle()
             await cache.sanity_check_async(across_ranks=True)
     cache.sanity_check()
-    agreement_steps = 0 if cache.agreement is None else cache.agreement.statistics().steps
+    agreement_steps = cache.agreement.statistics().steps
     return {
         "agreement_steps": agreement_steps,
         "requests": requests,

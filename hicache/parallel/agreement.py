@@ -23,19 +23,29 @@ Why it cannot deadlock (SGLang #30760, #22607: a loop broke early on one rank an
 Two ranks that propose different decisions under one `seq` (a caller bug) get `RankDivergence` on every
 rank at the first step that sees both; a decision one rank proposed and a peer, still stepping, has not
 proposed for longer than the group's timeout raises `RankDivergence` on the proposing rank (the peer's
-next collective then times out with `RankFailed`), so no loop steps forever. With no group, or a group of one rank, a settled decision is
+next collective then times out with `RankFailed`), so no loop steps forever.
+
+What a step costs beyond its collective: building and reading the fixed-shape tensor (numpy, over the
+pending decisions only), and no thread hop: the collective runs on the backend's thread and its
+completion wakes the event loop, where the step completes even if its caller was cancelled meanwhile
+(so no shield). How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
+timeout, 1 s at most) to settle its own decisions, while a peer that has settled waits in the collective,
+so a value settled late resolves in one step, not after idle ones; the header carries how many decisions
+the neediest rank holds, so the step that resolves the last one is the last step. With no group, or a group of one rank, a settled decision is
 resolved at once and no step is needed: a single rank pays nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
+import numpy as np
 import torch
 
 from hicache.parallel.decision import NONE, Decision, decode_max, encode_max
@@ -60,7 +70,12 @@ AGREEMENT_CAPACITY = 64
 """Decisions one step can carry; later ones wait for a later step (the tensor's shape never changes)."""
 
 _FIELDS = 5  # per slot: present, ready, value, key, -key
-_HEADER = 2  # row 0: busy flag and step number; row 1: base
+_HEADER = 2  # row 0: what is left and the step number; row 1: base
+_BUSY = 1 << 40
+"""Added to a busy rank's count of pending decisions in the header (more than any window holds)."""
+_ABSENT = (0, 0, NONE, NONE, NONE)
+_MAX_HOLD_S = 1.0
+"""The most a rank waits to settle its own decisions before it steps all the same (see `_hold_s`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +121,8 @@ class Agreement:
     Args:
         group: the rank group; `None` (or a group of one rank) resolves each decision as it is settled.
         capacity: decisions one step carries (the tensor's fixed number of slots).
-        idle_s: how long `drive()` waits for a local change after a step that resolved nothing.
+        idle_s: how long `drive()` and `agree()` wait for a local proposal after a step that resolved
+            nothing because some rank had not proposed a decision yet.
 
     Raises:
         TypeError, ValueError: naming the argument.
@@ -132,15 +148,17 @@ class Agreement:
         self._timed_out = 0
         self._last_step_us = 0.0
         self._stepping = False
+        self._stepped: anyio.Event | None = None
         self._failed: RankGroupError | None = None
         self._changed: anyio.Event | None = None
         # (base, since) while decisions wait outside the window
         self._held_back: tuple[int, float] | None = None
-
-    @classmethod
-    def for_group(cls, group: RankGroup | None) -> Agreement | None:
-        """An agreement over `group`, or None when there is nothing to agree (no group, or one rank)."""
-        return cls(group) if group is not None and group.tp_size > 1 else None
+        self._template = np.array([_ABSENT] * (_HEADER + capacity), dtype=np.int64)
+        self._template[:, 0] = 0
+        self._template[:_HEADER, 0] = 1
+        self._template[:_HEADER, 1] = 1
+        self._absent_on_peer = False
+        """Whether the last step saw a decision of the window that some rank has not proposed yet."""
 
     @property
     def tp_rank(self) -> int:
@@ -216,26 +234,23 @@ class Agreement:
     def _build(self, busy: bool, now: float) -> tuple[torch.Tensor, int]:
         base = self._base()
         step = self._steps
-        absent = [0, 0, NONE, NONE, NONE]
-        rows = [[1, 0 if (busy or self._pending) else 1, step, step, -step], [1, 1, base, base, -base]]
-        rows.extend([absent] * self.capacity)
-        for seq, d in self._pending.items():
+        rows = self._template.copy()
+        # Row 0: NONE - (this rank's pending decisions, plus `_BUSY` when busy): the minimum says how
+        # many the neediest rank holds, so every rank knows alike whether any is left after the step.
+        rows[0, 1:] = (NONE - len(self._pending) - (_BUSY if busy else 0), step, step, -step)
+        rows[1, 2:] = (base, base, -base)
+        for seq, d in self._pending.items():  # in the order of proposals: the window is a prefix
             i = seq - base
             if i >= self.capacity:
-                continue
+                break
             if d._local is None and now >= d.deadline:
                 logger.warning("agreement: %r timed out locally; settling %d", d, d.default)
                 self._timed_out += 1
                 d._local = d.default
             local = d._local
-            rows[_HEADER + i] = [
-                1,
-                int(local is not None),
-                NONE if local is None else local,
-                d.key_hash,
-                -d.key_hash,
-            ]
-        return torch.tensor(rows, dtype=torch.int64), base
+            key = d.key_hash
+            rows[_HEADER + i] = (1, 0, NONE, key, -key) if local is None else (1, 1, local, key, -key)
+        return torch.from_numpy(rows), base
 
     async def step(self, *, busy: bool = False) -> StepResult:
         """Run one agreement step: one collective over every pending decision, resolving each one that
@@ -248,24 +263,12 @@ class Agreement:
             RankFailed: a peer died or stopped responding (every pending decision fails with it).
             RankDivergence: the ranks proposed different decisions in one place, or are at different steps.
         """
+        while self._stepping:  # a step whose caller was cancelled is still completing: after it
+            if self._stepped is None:
+                self._stepped = anyio.Event()
+            await self._stepped.wait()
         if self._failed is not None:
             raise self._failed
-        if self._stepping:
-            raise RuntimeError("step: another step of this agreement is running (steps must not overlap)")
-        self._stepping = True
-        try:
-            # Shielded: a step cancelled half-way would leave this rank's resolved set behind its peers'
-            # (they resolved what the collective agreed); the collective is bounded by the group timeout.
-            with anyio.CancelScope(shield=True):
-                result = await self._step(busy)
-            return result
-        except RankGroupError as exc:
-            self._fail(exc)
-            raise
-        finally:
-            self._stepping = False
-
-    async def _step(self, busy: bool) -> StepResult:
         step = self._steps
         self._steps += 1
         if self.local:
@@ -274,12 +277,45 @@ class Agreement:
         group = self.group
         assert group is not None
         tensor, base = self._build(busy, time.monotonic())
+        waiter: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         started = time.perf_counter()
-        # The thread is waited for even when this task is cancelled: the tensor stays alive under it.
-        reduced = await anyio.to_thread.run_sync(group.min_reduce, tensor)
-        self._last_step_us = (time.perf_counter() - started) * 1e6
-        agreed: list[list[int]] = reduced.tolist()
-        (_, idle, _, step_lo, step_neg), (_, _, _, base_lo, base_neg) = agreed[0], agreed[1]
+
+        def finished(reduced: torch.Tensor | None, error: RankFailed | None) -> None:
+            # On the loop, once the collective ended: the step completes here even when its caller
+            # was cancelled meanwhile (a step cut short would leave this rank's resolved set behind
+            # its peers', who resolved what the collective agreed), so no shield is needed.
+            self._stepping = False
+            if self._stepped is not None:
+                self._stepped.set()
+                self._stepped = None
+            self._last_step_us = (time.perf_counter() - started) * 1e6
+            outcome: StepResult | Exception
+            try:
+                if error is not None:
+                    raise error
+                assert reduced is not None
+                outcome = self._apply(reduced, step, base, group)
+            except RankGroupError as exc:
+                self._fail(exc)  # every decision still pending fails with it
+                outcome = exc
+            except Exception as exc:  # an `on_resolve` callback's bug, after every decision resolved
+                outcome = exc
+            if waiter.done():  # its caller was cancelled
+                return
+            if isinstance(outcome, Exception):
+                waiter.set_exception(outcome)
+            else:
+                waiter.set_result(outcome)
+
+        self._stepping = True
+        group.min_reduce_then(tensor, finished)
+        return await waiter
+
+    def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
+        """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's
+        completion)."""
+        agreed = reduced.numpy()
+        (_, left, _, step_lo, step_neg), (_, _, _, base_lo, base_neg) = agreed[:_HEADER].tolist()
         if step_lo != -step_neg or base_lo != -base_neg:
             raise RankDivergence(
                 f"rank {group.tp_rank}: ranks are at different agreement steps or bases (this rank: step "
@@ -287,19 +323,25 @@ class Agreement:
                 f"every rank must call step() alike"
             )
         # Slots before an error are agreed all the same (every rank saw this reduced tensor): they are
-        # resolved before the error is raised, and the rest fail with it, so no decision is lost.
+        # resolved before the error is raised, and the rest fail with it, so no decision is lost. Only
+        # this rank's pending decisions are read: a slot every rank proposed is pending here too.
         done: list[tuple[Decision, int]] = []
         failure: RankGroupError | None = None
         now = time.monotonic()
-        for i, (present, ready, value, key_lo, key_neg) in enumerate(agreed[_HEADER:]):
+        absent = False
+        for seq, d in self._pending.items():
+            i = seq - base
+            if i >= self.capacity:
+                break
+            present, ready, value, key_lo, key_neg = agreed[_HEADER + i].tolist()
             if present != 1:
                 # Some rank has not proposed it yet: a late rank is fine for a while, but a peer that
                 # keeps stepping without ever proposing it would make every loop step forever.
-                failure = self._unmatched(self._pending.get(base + i), now, group)
+                absent = True
+                failure = self._unmatched(d, now, group)
                 if failure is not None:
                     break
                 continue
-            d = self._pending[base + i]
             if key_lo != -key_neg:
                 failure = RankDivergence(
                     f"rank {group.tp_rank}: decision #{d.seq} differs between the ranks (this rank "
@@ -309,6 +351,7 @@ class Agreement:
                 break
             if ready == 1:
                 done.append((d, value))
+        self._absent_on_peer = absent
         for d, _ in done:
             del self._pending[d.seq]
         resolved = len(done)
@@ -328,7 +371,12 @@ class Agreement:
             raise failure  # `step()` fails every decision still pending with it
         if error is not None:
             raise error
-        return StepResult(step=step, resolved=resolved, more=idle == 0 or self._next_seq != proposed)
+        # Left after this step: the neediest rank's pending less what resolved (every resolved decision
+        # was pending on every rank), or a busy rank, or a proposal of an `on_resolve` callback.
+        neediest = NONE - left
+        return StepResult(
+            step=step, resolved=resolved, more=neediest > resolved or self._next_seq != proposed
+        )
 
     @staticmethod
     def _unmatched(decision: Decision | None, now: float, group: RankGroup) -> RankDivergence | None:
@@ -375,8 +423,9 @@ class Agreement:
         self._notify()
 
     def fail(self, error: RankGroupError) -> None:
-        """End the agreement with `error` (the cache is closing): pending decisions fail with it."""
-        if self._failed is None:
+        """End the agreement with `error` (the cache is closing): pending decisions fail with it. One
+        rank holds none pending and has no peer to fall out with: nothing ends there."""
+        if self._failed is None and not self.local:
             self._fail(error)
 
     async def agree(self, decision: Decision) -> int:
@@ -398,9 +447,10 @@ class Agreement:
                     decision.settle(decision.default)
             return await decision.wait()
         while not decision.resolved:
+            await self._wait_settled(decision)
             result = await self.step(busy=True)
-            if not decision.resolved and not result.resolved and self.idle_s:
-                await self._wait_change()
+            if not decision.resolved and not result.resolved:
+                await self._after_idle_step()
         return await decision.wait()
 
     async def agree_value(self, kind: str, value: int, key: str = "") -> int:
@@ -420,7 +470,8 @@ class Agreement:
         a collective for this rank's I/O (only for its next step). `local()`'s result settles the
         decision; if it raises, the decision settles to its default and, once agreed, the error is
         re-raised. If the caller is cancelled, the decision settles to its default (peers resolve it at
-        this rank's next step) and the cancellation propagates.
+        this rank's next step; one rank leaves it unsettled, to agree again) and the cancellation
+        propagates.
 
         Raises:
             RankFailed, RankDivergence: as `step()`; whatever `local()` raised.
@@ -451,31 +502,69 @@ class Agreement:
                 if error is not None:
                     raise error
         except BaseException:
-            decision.settle(decision.default)  # no-op if already settled
+            if not self.local:  # peers resolve it at this rank's next step; one rank may agree it again
+                decision.settle(decision.default)  # no-op if already settled
             raise
         if failure:
             raise failure[0]
         return agreed
 
-    async def _wait_change(self) -> None:
+    def _hold_s(self, decisions: Iterable[Decision]) -> float:
+        """How long to wait for this rank to settle `decisions` before its next step: until the first
+        unsettled one's deadline, at most a quarter of the group timeout (then step all the same, so no
+        peer waits in a collective for long); 0 when all are settled."""
+        assert self.group is not None
+        hold = min(0.25 * self.group.timeout_s, _MAX_HOLD_S)
+        unsettled = [d.deadline for d in decisions if d._local is None]
+        if not unsettled:
+            return 0.0
+        return max(0.0, min(hold, min(unsettled) - time.monotonic()))
+
+    async def _wait_settled(self, decision: Decision | None) -> None:
+        """Before a step: while this rank has not settled `decision` (None: any decision of the window),
+        wait for it to (bounded, `_hold_s`). A step then carries this rank's value, so the peers,
+        waiting in the collective meanwhile, resolve it in that one step instead of stepping idly."""
+        if decision is not None:
+            window: Iterable[Decision] = (decision,)
+        else:
+            base = self._base()
+            window = (d for seq, d in self._pending.items() if seq - base < self.capacity)
+        hold = self._hold_s(window)
+        if hold > 0:
+            await self._wait_change(hold)
+
+    async def _after_idle_step(self) -> None:
+        """After a step that resolved nothing: if a peer has not proposed a decision yet, give it
+        `idle_s` (a local proposal ends the wait); if only peers' values were missing, step at once (the
+        collective waits for them: no idle step)."""
+        if self._absent_on_peer and self.idle_s:
+            await self._wait_change(self.idle_s)
+
+    async def _wait_change(self, timeout_s: float) -> None:
         self._changed = anyio.Event()
-        with anyio.move_on_after(self.idle_s):
+        with anyio.move_on_after(timeout_s):
             await self._changed.wait()
 
     async def drive(self, busy: Callable[[], bool]) -> int:
-        """Step until no rank is busy and no decision is pending anywhere; return the steps run.
+        """Step until no rank is busy and no decision is pending anywhere; return the steps run (0 for
+        one rank: nothing waits for a step there).
 
-        After a step that resolved nothing, waits up to `idle_s` for a local proposal (peers meanwhile
-        wait in the collective). Every rank leaves after the same step.
+        Before each step this rank waits (bounded) until it has settled what it holds; after a step that
+        resolved nothing because a peer had not proposed yet, it waits up to `idle_s` for a local
+        proposal. Every rank leaves after the same step.
         """
+        if self.local:
+            return 0
         steps = 0
         while True:
-            result = await self.step(busy=busy())
+            wants = busy()
+            await self._wait_settled(None)
+            result = await self.step(busy=wants)
             steps += 1
             if not result.more:
                 return steps
-            if not result.resolved and self.idle_s:
-                await self._wait_change()
+            if not result.resolved:
+                await self._after_idle_step()
 
     def statistics(self) -> AgreementStatistics:
         """A snapshot of the counters."""

@@ -30,7 +30,7 @@ def decode_max(agreed: int) -> int:
     return _MAX_BASE - agreed
 
 
-def _key_hash(kind: str, key: str) -> int:
+def _hash_of(kind: str, key: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{kind}\x00{key}".encode()) & ((1 << 61) - 1)
 
 
@@ -49,6 +49,7 @@ class Decision:
         "_error",
         "_event",
         "_immediate",
+        "_key_hash",
         "_local",
         "_notify",
         "_on_resolve",
@@ -57,7 +58,6 @@ class Decision:
         "deadline",
         "default",
         "key",
-        "key_hash",
         "kind",
         "seq",
     )
@@ -79,7 +79,7 @@ class Decision:
         self.seq = seq
         self.default = default
         self.deadline = deadline
-        self.key_hash = _key_hash(kind, key)
+        self._key_hash: int | None = None
         self._immediate = immediate
         self._local: int | None = None
         self._result: int | None = None
@@ -88,6 +88,14 @@ class Decision:
         self._notify = notify
         self._on_resolve = on_resolve
         self._unmatched_since: float | None = None  # first step that saw it here but not on some peer
+
+    @property
+    def key_hash(self) -> int:
+        """`kind` and `key` hashed: what a step compares across the ranks (worked out at the first step
+        that carries the decision; one rank never needs it)."""
+        if self._key_hash is None:
+            self._key_hash = _hash_of(self.kind, self.key)
+        return self._key_hash
 
     @property
     def settled(self) -> bool:

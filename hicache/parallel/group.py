@@ -1,8 +1,9 @@
 """A tensor-parallel rank group: one `torch.distributed` process group with this process's rank in it.
 
-Every collective here is synchronous and bounded by the group's `timeout_s`: a dead peer or one that stops
-responding makes it raise `RankFailed` instead of hanging. Callers on an event loop run them in a worker
-thread (`hicache.parallel.Agreement` does).
+Every collective here is bounded by the group's `timeout_s`: a dead peer or one that stops responding makes
+it raise `RankFailed` instead of hanging. They are synchronous but for `min_reduce_then`, which an event
+loop starts without a worker thread (the agreement's steps: the collective runs on the backend's own
+thread and its completion wakes the loop, one thread hop fewer than a worker thread waiting on it).
 
 On gloo, a MIN reduction runs as one `all_gather` of the fixed-shape tensor followed by a local minimum:
 on a 2-core machine, gloo's `all_reduce(MIN)` of the agreement's small int64 tensor took 1.3x (2 ranks)
@@ -12,9 +13,12 @@ one `all_reduce`. Either way it is exactly one collective per call.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +136,7 @@ class RankGroup:
         return self._failed
 
     def _run(self, what: str, op: Any, timeout_s: float | None = None) -> None:
-        wait_s = self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))
+        wait_s = self._wait_s(timeout_s)
         with self._lock:
             if self._failed is not None:
                 raise self._failed
@@ -140,17 +144,40 @@ class RankGroup:
                 work = op()
                 work.wait(timeout=datetime.timedelta(seconds=wait_s))
             except Exception as exc:
-                failed = RankFailed(
-                    f"rank {self.tp_rank}/{self.tp_size}: {what} did not complete within "
-                    f"{wait_s:g} s (a peer rank died, closed its group or stopped responding): {exc}"
-                )
-                with self._state_lock:
-                    if self._failed is None:
-                        self._failed = failed
-                    failed = self._failed
-                raise failed from exc
+                raise self._broke(what, wait_s, exc) from exc
             finally:
                 self.collectives += 1
+
+    def _wait_s(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else max(0.001, min(timeout_s, self.timeout_s))
+
+    def _broke(self, what: str, wait_s: float, exc: BaseException | None) -> RankFailed:
+        """Mark the group failed by `what` (the first failure is kept) and return the error to raise."""
+        failed = RankFailed(
+            f"rank {self.tp_rank}/{self.tp_size}: {what} did not complete within "
+            f"{wait_s:g} s (a peer rank died, closed its group or stopped responding)"
+            + (f": {exc}" if exc is not None else "")
+        )
+        with self._state_lock:
+            if self._failed is None:
+                self._failed = failed
+            return self._failed
+
+    def _start_min_reduce(self, tensor: torch.Tensor) -> tuple[str, Any, torch.Tensor]:
+        """Start the MIN collective of `tensor`: (its name, its work, the buffer it fills)."""
+        if self.backend == "gloo":
+            flat = tensor.contiguous().view(-1)
+            out = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
+            work = dist.all_gather_single(out, flat, group=self.process_group, async_op=True)
+            return "all_gather", work, out
+        result = tensor.clone()
+        work = dist.all_reduce(result, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
+        return "all_reduce(MIN)", work, result
+
+    def _min_of(self, what: str, out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if what != "all_gather":
+            return out
+        return torch.from_numpy(out.numpy().reshape(self.tp_size, *shape).min(axis=0))
 
     def min_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> torch.Tensor:
         """The elementwise minimum of `tensor` over the ranks (an int64 CPU tensor of the same shape on
@@ -166,22 +193,70 @@ class RankGroup:
         """
         if self.tp_size == 1:
             return tensor.clone()
-        if self.backend == "gloo":
-            flat = tensor.contiguous().view(-1)
-            out = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
-            self._run(
-                "all_gather",
-                lambda: dist.all_gather_single(out, flat, group=self.process_group, async_op=True),
-                timeout_s,
+        started: list[tuple[str, torch.Tensor]] = []
+
+        def start() -> Any:
+            what, work, out = self._start_min_reduce(tensor)
+            started.append((what, out))
+            return work
+
+        self._run("all_gather" if self.backend == "gloo" else "all_reduce(MIN)", start, timeout_s)
+        what, out = started[0]
+        return self._min_of(what, out, tensor.shape)
+
+    def min_reduce_then(
+        self, tensor: torch.Tensor, on_done: Callable[[torch.Tensor | None, RankFailed | None], None]
+    ) -> None:
+        """Start `min_reduce` of `tensor` from the running asyncio event loop, without a worker thread,
+        and call `on_done(minimum, None)` or `on_done(None, error)` once, on the loop, when it completes
+        or `timeout_s` passes: the collective runs on the backend's thread and its completion wakes the
+        loop. Nothing a caller's cancellation does can stop it half-way on this rank alone (the
+        agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
+        """
+        loop = asyncio.get_running_loop()
+        if self.tp_size == 1:
+            on_done(tensor.clone(), None)
+            return
+        what = "all_gather" if self.backend == "gloo" else "all_reduce(MIN)"
+        state: dict[str, Any] = {"ended": False, "timer": None}
+
+        def end(result: torch.Tensor | None, error: RankFailed | None) -> None:
+            if state["ended"]:
+                return
+            state["ended"] = True
+            if state["timer"] is not None:
+                state["timer"].cancel()
+            self.collectives += 1
+            self._lock.release()
+            on_done(result, error)
+
+        def completed(fut: Any) -> None:
+            try:
+                fut.value()
+            except Exception as exc:
+                end(None, self._broke(what, self.timeout_s, exc))
+                return
+            end(self._min_of(what, state["out"], tensor.shape), None)
+
+        def begin() -> None:  # with `_lock` held
+            if self._failed is not None:
+                end(None, self._failed)
+                return
+            try:
+                _, work, state["out"] = self._start_min_reduce(tensor)
+            except Exception as exc:
+                end(None, self._broke(what, self.timeout_s, exc))
+                return
+            state["timer"] = loop.call_later(
+                self.timeout_s, lambda: end(None, self._broke(what, self.timeout_s, None))
             )
-            return out.view(self.tp_size, *tensor.shape).amin(dim=0)
-        result = tensor.clone()
-        self._run(
-            "all_reduce(MIN)",
-            lambda: dist.all_reduce(result, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True),
-            timeout_s,
-        )
-        return result
+            work.get_future().add_done_callback(lambda fut: _call_soon(loop, completed, fut))
+
+        if self._lock.acquire(blocking=False):
+            begin()
+        else:  # a thread's collective (a fingerprint check) holds the group: wait for it off the loop
+            waited = loop.run_in_executor(None, self._lock.acquire)
+            waited.add_done_callback(lambda _: begin())
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` stacked by rank (same shape and dtype on every rank); one collective."""
@@ -231,3 +306,9 @@ class RankGroup:
             f"RankGroup(tp_rank={self.tp_rank}, tp_size={self.tp_size}, backend={self.backend}, "
             f"timeout_s={self.timeout_s:g}, collectives={self.collectives}, {state})"
         )
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> None:
+    """From the backend's thread: run `callback(arg)` on `loop` (unless it closed: nobody waits then)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, arg)

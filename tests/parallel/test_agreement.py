@@ -6,6 +6,8 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 import torch
@@ -212,6 +214,11 @@ class DivergentPeerGroup(RankGroup):
             peer[row, 3] -= 1  # the peer's key hash differs there: min(key) != -min(-key)
         return torch.minimum(tensor, peer)
 
+    def min_reduce_then(
+        self, tensor: torch.Tensor, on_done: Callable[[torch.Tensor | None, RankFailed | None], None]
+    ) -> None:
+        on_done(self.min_reduce(tensor), None)
+
 
 async def test_a_divergence_at_a_later_slot_resolves_the_decisions_agreed_before_it() -> None:
     """Guards against a step that raised `RankDivergence` at slot 1 dropping slot 0's decision, ready on
@@ -254,3 +261,22 @@ async def test_a_held_back_window_failure_resolves_what_its_step_agreed() -> Non
     with anyio.fail_after(5):
         assert await decisions[2].wait() == 6
     assert agreement.statistics().pending == 0
+
+
+def test_drive_stops_after_the_step_that_resolves_the_last_decision() -> None:
+    """Guards against `drive()` running one more collective after the step that resolved everything:
+    the header said only whether a rank had something pending before the step, so every scheduling
+    step's `tp_sync` ended with an empty step (12 of the TP demo's 138 steps). Now the header carries
+    how many each rank holds, and the step knows none is left."""
+    out = run_ranks(tp_workers.steps_for_settled, 2, timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [{"steps": 1, "pending": 0}] * 2
+
+
+def test_a_value_settled_late_on_one_rank_resolves_in_one_step() -> None:
+    """Guards against idle steps: while rank 1's local part ran, both ranks stepped every `idle_s` (2 ms)
+    and each step resolved nothing (54 of the TP demo's 138 steps). Now a rank waits (bounded) to
+    settle its own value before it steps, and the other waits in the collective: one step."""
+    out = run_ranks(tp_workers.steps_for_a_late_value, 2, (0.2,), timeout_s=WATCHDOG_S)
+    assert all(o.ok for o in out), [o.error for o in out]
+    assert [o.value for o in out] == [{"agreed": 5, "steps": 1}] * 2

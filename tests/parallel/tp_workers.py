@@ -228,3 +228,26 @@ async def stuck_settle(group: RankGroup, stuck_rank: int) -> dict[str, object]:
     except Exception as exc:
         errors += [type(exc).__name__, str(exc)]
     return {"errors": errors, "first_failed": first.resolved and ag.failed is not None}
+
+
+async def steps_for_settled(group: RankGroup) -> dict[str, object]:
+    """Both ranks settle three decisions, then `drive()`: the steps it runs."""
+    ag = Agreement(group)
+    for i in range(3):
+        ag.propose("commit", f"req-{i}").settle(1 + group.tp_rank)
+    return {"steps": await ag.drive(lambda: False), "pending": ag.statistics().pending}
+
+
+async def steps_for_a_late_value(group: RankGroup, late_s: float) -> dict[str, object]:
+    """Rank 1 settles its value `late_s` after rank 0 (its local part is slow; `late_s` is well under
+    the hold bound): the steps `agree_on` runs on each rank until the decision resolves."""
+    ag = Agreement(group)
+    d = ag.propose("probe", "req-0")
+
+    async def local() -> int:
+        if group.tp_rank == 1:
+            await anyio.sleep(late_s)  # a slow storage probe on this rank (the fault under test)
+        return 5 + group.tp_rank
+
+    agreed = await ag.agree_on(d, local)
+    return {"agreed": agreed, "steps": ag.statistics().steps}

@@ -52,8 +52,9 @@ class TierMover:
         copies: runs and counts device <-> host copies.
         metrics: the cache's metric set.
         storage_breaker: the storage tier's breaker (write-through is shed while it is open).
-        agreement: the tensor-parallel agreement (None for one rank): device allocation, backups and
-            write-through locks are then agreed across the ranks (`AgreedBackups`).
+        agreement: the ranks' agreement (for one rank its decisions resolve at once): device allocation
+            and load-backs are agreed with it; across several ranks backups and write-through locks
+            too (`AgreedBackups`).
     """
 
     def __init__(
@@ -67,7 +68,7 @@ class TierMover:
         copies: CopyTracker,
         metrics: CacheMetrics,
         storage_breaker: CircuitBreaker,
-        agreement: Agreement | None = None,
+        agreement: Agreement,
     ) -> None:
         self._config = config
         self._agreement = agreement
@@ -96,7 +97,7 @@ class TierMover:
         self._backup_lock = anyio.Lock()
         self.agreed: AgreedBackups | None = None
         """Under tensor parallelism: the backups and write-through locks the ranks agree on."""
-        if agreement is not None:
+        if not agreement.local:
             agreed = AgreedBackups(
                 tree,
                 device_pool,
@@ -131,31 +132,33 @@ class TierMover:
         """Allocate device pages for `num_tokens` (checked by the caller), evicting as needed; None when
         not enough can be evicted. See `HiCache.alloc_device`.
 
-        Under tensor parallelism every round agrees, in one step, the most device tokens any rank lacks
-        and the least host room any rank has, whatever this rank's pool holds: every rank then evicts
-        the same from its identical tree and all allocate, or all get None (pools may differ in size).
+        Each round agrees, in one step, the most device tokens any rank lacks and the least host room
+        any rank has, whatever this rank's pool holds: every rank then evicts the same from its identical
+        tree and all allocate, or all get None (pools may differ in size). For one rank the decisions
+        resolve at once; the host room is worked out only when device pages are short there.
         """
         offer_host = True
+        agreement = self._agreement
+        agreed_need: int | None = None  # what the last round's eviction freed on every rank, if enough
         while True:
-            if self._agreement is None:
-                indices = self._device_pool.alloc(num_tokens)
-                if indices is not None:
-                    return indices
-                need = num_tokens - self._device_pool.statistics().free_pages * self._page_size
-                room = self._allocator.host_room() if offer_host else 0
+            free = self._device_pool.statistics().free_pages * self._page_size
+            if agreed_need is not None:
+                need = 0  # the eviction freed what the neediest rank lacked: no round to agree again
             else:
-                free = self._device_pool.statistics().free_pages * self._page_size
-                need_decision = self._agreement.propose("device_need", "")
+                need_decision = agreement.propose("device_need", "")
                 need_decision.settle(encode_max(max(0, num_tokens - free)))
-                room = await self._agreement.agree_value(
-                    "host_room", self._allocator.host_room() if offer_host else 0
+                # Worked out where device pages are short, or where a peer may be short: the room is
+                # the least over the ranks, and one rank not short needs none.
+                short = num_tokens > free or not agreement.local
+                room = await agreement.agree_value(
+                    "host_room", self._allocator.host_room() if offer_host and short else 0
                 )
-                need = decode_max(await self._agreement.agree(need_decision))  # resolved in that step
-                if not need:  # every rank has the room (and it only grew since it said so)
-                    indices = self._device_pool.alloc(num_tokens)
-                    if indices is None:
-                        raise AssertionError(f"alloc_device: agreed room for {num_tokens} tokens is gone")
-                    return indices
+                need = decode_max(await agreement.agree(need_decision))  # resolved in that step
+            if not need:  # every rank has the room (and it only grew since it said so)
+                indices = self._device_pool.alloc(num_tokens)
+                if indices is None:
+                    raise AssertionError(f"alloc_device: agreed room for {num_tokens} tokens is gone")
+                return indices
             # The tree plans (demote, delete, back up or drop); this loop carries the plan out.
             result = self._tree.evict_device(need, host_free_tokens=room)
             self._device_pool.free(result.freed_device, owner=Owner.TREE)
@@ -167,6 +170,9 @@ class TierMover:
             # Root-first chains, each below the earlier ones: one batch begins them in order, so
             # `backup_chain` finds exactly the planned chains (an earlier chain's nodes are pending).
             backed_up = await self.back_up(result.backup_first) if result.backups else 0
+            if not result.backups and result.freed_device.numel() >= need:
+                # A fact of the identical trees, with no await since: every rank has its room now.
+                agreed_need = need
             if result.freed_device.numel() or backed_up:
                 continue
             if not result.backups:
@@ -385,8 +391,8 @@ class TierMover:
                 # same ones, before any copy can fail on one rank and end its call early.
                 if self._components:
                     loaded = await self._alloc_components(match.host_nodes)
-                # Under tensor parallelism the load-back counts only if it succeeded on every rank.
-                agreed = self._agreement.propose("load_back", "") if self._agreement is not None else None
+                # The load-back counts only if it succeeded on every rank.
+                agreed = self._agreement.propose("load_back", "")
                 await self._copies.copy(self._host_pool, host_values, self._device_pool, device_indices)
                 for (_, name), (host, device) in loaded.items():
                     pools = self._component_pools[name]
@@ -401,12 +407,12 @@ class TierMover:
                 self._copies.untrack_load(device_indices)
                 for _, device in loaded.values():
                     self._copies.untrack_load(device)
-            if agreed is not None and self._agreement is not None:
-                agreed.settle(1)
-                if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
-                    self._device_pool.free(device_indices, owner=Owner.COPY)
-                    self._free_loaded(loaded)
-                    return tree.match_prefix(key[: start * TOKEN_BYTES])
+            assert agreed is not None
+            agreed.settle(1)
+            if not await self._agreement.agree(agreed):  # failed on another rank: keep the device part
+                self._device_pool.free(device_indices, owner=Owner.COPY)
+                self._free_loaded(loaded)
+                return tree.match_prefix(key[: start * TOKEN_BYTES])
             # The copies are the tree's now; it hands back those no node takes (the tree may have changed
             # while the copy ran: splits, a concurrent load of the same nodes).
             self._device_pool.set_owner(device_indices, Owner.TREE)

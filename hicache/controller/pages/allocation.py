@@ -40,8 +40,8 @@ class Allocator:
     evicts and allocates is consistent with the tree when the caller next awaits. (Device allocation,
     which may have to back evicted nodes up to host first, is the `TierMover`'s.)
 
-    `agreement`: under tensor parallelism, the ranks' agreement (component slots are then taken with
-    agreed evictions, `take_component_slots`); None for one rank.
+    `agreement`: the ranks' agreement (component slots are taken with agreed evictions,
+    `take_component_slots`; for one rank its decisions resolve at once).
     """
 
     def __init__(
@@ -52,7 +52,7 @@ class Allocator:
         component_pools: Mapping[str, ComponentPools],
         release_queue: ReleaseQueue,
         *,
-        agreement: Agreement | None,
+        agreement: Agreement,
     ) -> None:
         self._tree = tree
         self._device_pool = device_pool
@@ -61,6 +61,21 @@ class Allocator:
         self._release_queue = release_queue
         self._page_size = host_pool.page_size
         self._agreement = agreement
+
+    @property
+    def host_pool(self) -> KVPool:
+        """The host pool it takes pages from (where a prefetch's pages go)."""
+        return self._host_pool
+
+    @property
+    def component_pools(self) -> Mapping[str, ComponentPools]:
+        """The hybrid components' pools it takes slots from, by name."""
+        return self._component_pools
+
+    @property
+    def release_queue(self) -> ReleaseQueue:
+        """Where released host pages and component slots wait to be freed (flushed when a pool is short)."""
+        return self._release_queue
 
     def free_components(self, frees: Sequence[ComponentFree], owner: Owner = Owner.TREE) -> None:
         """Return the component indices a tree operation's result says it let go of to their pools (the
@@ -116,10 +131,8 @@ class Allocator:
         alike (an engine call). Under tensor parallelism the evictions are agreed in one step for all of
         them (per component and tier, the most slots any rank lacks) and every rank evicts that from its
         identical tree: for each component and tier all ranks get their slots, or all get None (the tree
-        could not evict that much). With one rank it is `alloc_component_slots`, with no step."""
+        could not evict that much). With one rank the decisions resolve at once, with no step."""
         agreement = self._agreement
-        if agreement is None:
-            return [self.alloc_component_slots(name, tier, n, owner=owner) for name, tier, n in wants]
         totals: dict[tuple[str, str], int] = {}
         for name, tier, n in wants:  # in the order of `wants`: the same on every rank
             totals[(name, tier)] = totals.get((name, tier), 0) + n

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -12,16 +12,15 @@ import torch
 
 from hicache.components import component_storage_key
 from hicache.config import HiCacheConfig
-from hicache.controller.pages.allocation import Allocator, ComponentPools
+from hicache.controller.pages.allocation import Allocator
 from hicache.controller.pages.release import ComponentTransfer
 from hicache.controller.prefetch.pacing import LoopPacer
 from hicache.controller.prefetch.probe import probe_hit_pages
 from hicache.controller.state import OpenState
-from hicache.controller.storage.breaker import CircuitBreaker
 from hicache.controller.storage.guarded import GuardedStorage
 from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES, chained_page_keys
-from hicache.memory import KVPool, Owner
+from hicache.memory import Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import SkipReason, Tier
@@ -67,40 +66,36 @@ class Admission:
     Args:
         config: the cache's configuration (thresholds, capacity, timeouts).
         tree: the radix tree (the anchor is host-locked there).
-        host_pool: where prefetched pages go.
-        component_pools: the hybrid components' pools, by name.
-        allocator: takes host and component pages (evicting as needed).
+        allocator: takes host and component pages (evicting as needed) from its pools, where
+            prefetched pages go.
         metrics: the cache's metric set.
-        storage_breaker: the storage tier's breaker (no I/O at all while it is open).
         state: whether the cache is still open after an await.
+        agreement: the ranks' agreement: across several ranks the probe's hit and the host room to make
+            are agreed (`_plan_agreed`).
         forget_stored: called with page keys storage was found to lack.
         pacer: hands out the loop turns an admission's stages wait for (shared with the prefetcher's
             launches and commits).
-        agreement: the tensor-parallel agreement (None for one rank): the probe's hit and the host room
-            to make are then agreed across the ranks (`_plan_agreed`).
+
+    The storage breaker (no I/O at all while it is open) is the one of the storage `plan` is given.
     """
 
     def __init__(
         self,
         config: HiCacheConfig,
         tree: RadixTree,
-        host_pool: KVPool,
-        component_pools: Mapping[str, ComponentPools],
         allocator: Allocator,
         metrics: CacheMetrics,
-        storage_breaker: CircuitBreaker,
         state: OpenState,
+        agreement: Agreement,
         forget_stored: Callable[[Sequence[str]], None],
         pacer: LoopPacer,
-        agreement: Agreement | None = None,
     ) -> None:
         self._config = config
         self._tree = tree
-        self._host_pool = host_pool
-        self._component_pools = component_pools
+        self._host_pool = allocator.host_pool
+        self._component_pools = allocator.component_pools
         self._allocator = allocator
         self._metrics = metrics
-        self._breaker = storage_breaker
         self._state = state
         self._forget_stored = forget_stored
         self._pacer = pacer
@@ -135,7 +130,7 @@ class Admission:
             return SkipReason.NO_STORAGE
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
-        if self._agreement is not None:  # every rank reaches this point alike (the tree is identical)
+        if not self._agreement.local:  # every rank reaches this point alike (the tree is identical)
             # Counted from its check until it returns, staging included, as on one rank: a plan admitted
             # meanwhile sees it. The capacity is this rank's value; the agreed hit is the least over ranks.
             admitting = self._admitting_tokens
@@ -148,7 +143,7 @@ class Admission:
                 self._admitting_tokens -= remainder
         if inflight_tokens + self._admitting_tokens + remainder > config.capacity_tokens:
             return SkipReason.CAPACITY
-        if not self._breaker.allows():  # storage is down and no probe is due: no I/O at all
+        if not storage.breaker.allows():  # storage is down and no probe is due: no I/O at all
             return SkipReason.STORAGE_UNAVAILABLE
         self._admitting_tokens += remainder
         try:
@@ -287,7 +282,7 @@ class Admission:
             try:
                 if inflight_tokens + remainder > config.capacity_tokens:
                     return 0
-                if not self._breaker.allows():
+                if not storage.breaker.allows():
                     return 0
                 probed = await self._probe(request_id, storage, page_keys, remainder)
                 hit_pages = 0 if isinstance(probed, SkipReason) else probed

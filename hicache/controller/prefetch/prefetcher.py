@@ -6,21 +6,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import anyio
 import anyio.lowlevel
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.controller.pages.allocation import Allocator, ComponentPools
+from hicache.controller.pages.allocation import Allocator
 from hicache.controller.pages.release import ComponentTransfer, ReleaseBatch, ReleaseQueue
 from hicache.controller.prefetch.admission import Admission, PrefetchPlan
 from hicache.controller.prefetch.job import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.prefetch.pacing import LoopPacer
 from hicache.controller.prefetch.rescue import RefillRescue
 from hicache.controller.state import OpenState
-from hicache.controller.storage.breaker import CircuitBreaker
 from hicache.controller.storage.guarded import GuardedStorage
 from hicache.controller.storage.writer import KnownPages
 from hicache.errors import UnknownRequest
@@ -36,6 +35,9 @@ __all__ = ["Prefetcher"]
 
 logger = logging.getLogger("hicache.cache")
 
+_COMPLETE = 1 << 40
+"""Added to a commit decision's pages when this rank has every staged component (see `_stop_and_agree`)."""
+
 _STOP_GRACE_S = 1.0
 """How long `cancel` waits for a stream to stop before resolving it detached. A stream stops within a few
 event-loop turns (a cancelled read abandons its threads); this only bounds a backend that does not honour
@@ -48,38 +50,34 @@ class Prefetcher:
     Args:
         config: the cache's configuration.
         tree: the radix tree (anchors are host-locked there; committed pages are inserted there).
-        host_pool: where prefetched pages go.
-        component_pools: the hybrid components' pools, by name.
-        release_queue: where released (and quarantined) pages go.
-        allocator: takes host and component pages (evicting as needed).
+        allocator: takes host and component pages (evicting as needed) from its pools, where prefetched
+            pages go; released (and quarantined) pages go to its release queue.
         metrics: the cache's metric set.
-        storage_breaker: the storage tier's breaker.
         state: whether the cache is open.
-        agreement: the tensor-parallel agreement (None for one rank): admission's probe and each commit's
-            completed pages are then agreed across the ranks.
+        agreement: the ranks' agreement: admission's probe and each commit's completed pages are agreed
+            with it (for one rank its decisions resolve at once).
+
+    The storage, with its breaker, is set once the storage tier is open (`storage`).
     """
 
     def __init__(
         self,
         config: HiCacheConfig,
         tree: RadixTree,
-        host_pool: KVPool,
-        component_pools: Mapping[str, ComponentPools],
-        release_queue: ReleaseQueue,
         allocator: Allocator,
         metrics: CacheMetrics,
-        storage_breaker: CircuitBreaker,
         state: OpenState,
-        agreement: Agreement | None = None,
+        agreement: Agreement,
     ) -> None:
+        host_pool = allocator.host_pool
         self._config = config
         self._agreement = agreement
         self._commits: dict[str, Decision] = {}
-        """Under tensor parallelism, each launched prefetch's commit decision (pages every rank has)."""
+        """Each launched prefetch's commit decision (the pages every rank has)."""
         self._tree = tree
         self._host_pool = host_pool
-        self._component_pools = component_pools
-        self._releaser = PrefetchRelease(host_pool, release_queue, config.page_size)
+        self._component_pools = allocator.component_pools
+        self._releaser = PrefetchRelease(host_pool, allocator.release_queue, config.page_size)
         self._allocator = allocator
         self._metrics = metrics
         self._state = state
@@ -87,17 +85,7 @@ class Prefetcher:
         self.pacer = LoopPacer()
         """One admission, launch or commit stage per loop iteration among the prefetches (issue 12)."""
         self._admission = Admission(
-            config,
-            tree,
-            host_pool,
-            component_pools,
-            allocator,
-            metrics,
-            storage_breaker,
-            state,
-            self.forget_stored,
-            self.pacer,
-            agreement,
+            config, tree, allocator, metrics, state, agreement, self.forget_stored, self.pacer
         )
         self._prefetches: dict[str, Prefetch] = {}
         self._starting: set[str] = set()
@@ -204,8 +192,8 @@ class Prefetcher:
         spawn = self.spawn
         assert spawn is not None  # admission checked the cache is open after its last await
         self._prefetches[request_id] = prefetch
-        if self._agreement is not None:  # proposed where every rank launches it: right after admission
-            self._commits[request_id] = self._agreement.propose("commit", request_id)
+        # Proposed where every rank launches it: right after admission.
+        self._commits[request_id] = self._agreement.propose("commit", request_id)
         self.inflight_tokens += prefetch.num_tokens
         self._metrics.prefetch_hit_tokens.inc(prefetch.num_tokens)
         spawn(self._stream, prefetch, storage)
@@ -285,16 +273,13 @@ class Prefetcher:
         """Stop the prefetch after its stop policy, wait for its I/O, then attach or drop its pages (see
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
-        agreed_pages = await self._stop_and_agree(prefetch)
+        agreed_pages, components_complete = await self._stop_and_agree(prefetch)
         self._check_still_in_flight(request_id, prefetch)
         rescued = False
         if self.rescue is not None and not prefetch.staged:
             # Before the atomic part: back up what the refill would hang from (see `RefillRescue`).
-            agreed_tokens = None if agreed_pages is None else agreed_pages * self._page_size
-            rescued = await self.rescue.prepare(
-                prefetch,
-                None if agreed_tokens is None else min(prefetch.completed_tokens, agreed_tokens),
-            )
+            agreed_tokens = agreed_pages * self._page_size
+            rescued = await self.rescue.prepare(prefetch, min(prefetch.completed_tokens, agreed_tokens))
             self._check_still_in_flight(request_id, prefetch)
         # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
         # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
@@ -306,16 +291,14 @@ class Prefetcher:
         self.inflight_tokens -= prefetch.num_tokens
         if prefetch.timed_out and prefetch.completed_pages < len(prefetch.page_keys):
             self._metrics.storage_page_failures.labels(reason="timeout").inc()
-        completed = prefetch.completed_tokens
         page = self._page_size
-        if agreed_pages is not None:  # a page counts only if every rank verified it
-            completed = min(completed, agreed_pages * page)
+        completed = min(prefetch.completed_tokens, agreed_pages * page)  # pages every rank verified
         host = prefetch.host_indices
         drop: DropReason | None = None
         loaded = present = quarantined = 0
         node: NodeRef | None = prefetch.anchor
         frees: tuple[ComponentFree, ...] = ()
-        if prefetch.staged and (completed < prefetch.num_tokens or not prefetch.components_complete):
+        if prefetch.staged and (completed < prefetch.num_tokens or not components_complete):
             # All or nothing: a partial window or a missing state makes every page useless.
             drop = DropReason.COMPONENT_INCOMPLETE
         elif completed:
@@ -377,25 +360,26 @@ class Prefetcher:
         )
         return outcome
 
-    async def _stop_and_agree(self, prefetch: Prefetch) -> int | None:
-        """Wait for the stop policy and the stream to stop; under tensor parallelism, agree the pages
-        completed (the minimum over the ranks; this rank keeps stepping while it waits)."""
+    async def _stop_and_agree(self, prefetch: Prefetch) -> tuple[int, bool]:
+        """Wait for the stop policy and the stream to stop, and agree the pages completed (the minimum
+        over the ranks; this rank keeps stepping while it waits) and whether every rank has its staged
+        components: (pages, complete)."""
 
         async def stop() -> int:
             await prefetch.wait_for_stop_policy()
             prefetch.request_stop()
             await prefetch.wait_stopped()  # prompt: a cancelled read abandons its threads
-            # Staged components are all or nothing: a rank missing one has no usable page (under tensor
-            # parallelism every rank then drops the prefetch, `COMPONENT_INCOMPLETE`).
-            return prefetch.completed_pages if prefetch.components_complete else 0
+            # Staged components are all or nothing: a rank missing one has no usable page (every rank
+            # then drops the prefetch, `COMPONENT_INCOMPLETE`). Complete ranks count above any other.
+            return prefetch.completed_pages + (_COMPLETE if prefetch.components_complete else 0)
 
-        decision = self._commits.get(prefetch.request_id)
-        if self._agreement is None or decision is None:
-            await stop()
-            return None
-        agreed = await self._agreement.agree_on(decision, stop)
-        self._commits.pop(prefetch.request_id, None)
-        return agreed
+        decision = self._commits.pop(prefetch.request_id)
+        try:
+            agreed = await self._agreement.agree_on(decision, stop)
+        except BaseException:
+            self._commits.setdefault(prefetch.request_id, decision)  # still in flight: commit again
+            raise
+        return agreed % _COMPLETE, agreed >= _COMPLETE
 
     async def cancel(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch and give its pages back (see `HiCache.cancel_prefetch`)."""

@@ -13,7 +13,7 @@ from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import check_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
-from hicache.tree.node import TreeNode
+from hicache.tree.node import TreeNode, walk
 from hicache.tree.results import InsertResult
 
 __all__ = ["Inserting"]
@@ -80,11 +80,20 @@ class Inserting(BackupsAndLocks):
         comp_values = self._component_values(components, end >> 3) if components else None
         self._clock = tick = self._clock + 1
         backup_hits = self._backup_hits
+        hits = backup_hits or 0
         ref = self._ref
-        backups: list[NodeRef] = []
-        root = node = self._root
-        pos = 0
-        prefix_bytes = 0
+        root = self._root
+        # The duplicates first: the device stretch of the path, walked in C (each node counts a hit; those
+        # reaching the policy's threshold go to `passed`); a device node matched in part is split and the
+        # walk goes on.
+        passed: list[TreeNode] = []
+        pos, node, _, stop, matched = walk(root, kb, 0, step, tick, root, None, passed, hits)
+        while stop is not None and stop.device_value is not None:
+            self._split(stop, matched)
+            pos, node, _, stop, matched = walk(node, kb, pos, step, tick, root, None, passed, hits)
+        prefix_bytes = pos
+        backups = [n._ref or ref(n) for n in passed]
+        # Then the host-only nodes that follow (device prefix continuity): they get the caller's indices.
         # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
         values: torch.Tensor | None = None
         base = 0
@@ -102,13 +111,10 @@ class Inserting(BackupsAndLocks):
                 child = self._split(child, matched)
             child.last_access = tick
             child.hit_count += 1
-            if child.device_value is not None:
-                prefix_bytes += matched
-            else:
-                if values is None:
-                    base = pos >> 3
-                    values = device_indices.narrow_copy(0, base, (end >> 3) - base)
-                self._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
+            if values is None:
+                base = pos >> 3
+                values = device_indices.narrow_copy(0, base, (end >> 3) - base)
+            self._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
             if (
                 backup_hits is not None
                 and child.hit_count >= backup_hits

@@ -11,7 +11,7 @@ import torch
 
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.tree.handles import NodeRef, StoredPath
-from hicache.tree.node import TreeNode
+from hicache.tree.node import TreeNode, walk
 from hicache.tree.results import EMPTY_INDICES, MatchResult, PrefixPeek
 from hicache.tree.state import TreeState
 
@@ -59,30 +59,20 @@ class Matching(TreeState):
         if self._book is not None or self._num_poisoned:
             return self._match_hybrid(kb)
         self._clock = tick = self._clock + 1
-        node = last_host = self._root
-        pos = 0
+        root = self._root
         device_values: list[torch.Tensor] = []
-        # The device stretch of the path (the common case) here; host-only nodes, which by device prefix
-        # continuity only follow it, in `_match_host_tail`.
-        while pos < end:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None:
-                break
-            ck = child.key
-            if kb.startswith(ck, pos):
-                pos += len(ck)
-            else:
-                matched = self._matched_bytes(kb, pos, ck)
-                child = self._split(child, matched)
-                pos += matched
-            child.last_access = tick
-            dv = child.device_value
-            if dv is None:
-                return self._match_host_tail(kb, pos, child, node, last_host, device_values, tick)
-            device_values.append(dv)
-            if child.host_value is not None:
-                last_host = child
-            node = child
+        # The device stretch of the path (the common case) in C; a node matched in part is split and the
+        # walk goes on; host-only nodes, which by device prefix continuity only follow it, in
+        # `_match_host_tail`.
+        pos, node, last_host, stop, matched = walk(root, kb, 0, step, tick, root, device_values, None, 0)
+        while stop is not None:
+            if matched < len(stop.key):
+                stop = self._split(stop, matched)
+            if stop.device_value is None:
+                return self._match_host_tail(kb, pos, node, last_host, device_values, tick)
+            pos, node, last_host, stop, matched = walk(
+                node, kb, pos, step, tick, last_host, device_values, None, 0
+            )
         ref = self._ref
         return MatchResult(
             kb,
@@ -99,25 +89,22 @@ class Matching(TreeState):
         self,
         kb: bytes,
         pos: int,
-        child: TreeNode,
         last_device: TreeNode,
         last_host: TreeNode,
         device_values: list[torch.Tensor],
         tick: int,
     ) -> MatchResult:
-        """The rest of `match_prefix` from the first host-only node `child` (ending at `pos`) on."""
+        """The rest of `match_prefix` from the end of the device stretch (`last_device`, at byte `pos`) on:
+        the host-only nodes below it."""
         step = self._step
         end = len(kb)
-        device_end = pos - len(child.key)
-        host_nodes = [child]
-        if child.host_value is not None:
-            last_host = child
-        node = child
+        device_end = pos
+        host_nodes: list[TreeNode] = []
+        node = last_device
         while pos < end:
-            nxt = node.children.get(kb[pos : pos + step])
-            if nxt is None:
+            child = node.children.get(kb[pos : pos + step])
+            if child is None:
                 break
-            child = nxt
             ck = child.key
             if kb.startswith(ck, pos):
                 pos += len(ck)

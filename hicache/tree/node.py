@@ -5,12 +5,30 @@ Only the tree reads and writes these; callers hold `NodeRef` handles the tree re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree.handles import NodeRef
 
-__all__ = ["ComponentData", "TreeNode"]
+try:
+    import _hicache_tree
+except ImportError as exc:  # pragma: no cover - only on an install that skipped the build
+    raise ImportError(
+        f"{exc}: hicache's C extension _hicache_tree (native/hicache_tree.c, the tree's walk) is not built; "
+        "build it with `make native`, `pip install -e .` or `python setup.py build_ext --inplace`"
+    ) from exc
+
+__all__ = ["ComponentData", "TreeNode", "walk"]
+
+_WALK_BUILD = 1
+if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
+    raise ImportError(
+        f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
+        f"native/hicache_tree.c (build {getattr(_hicache_tree, 'BUILD', 0)}, this code needs {_WALK_BUILD}); "
+        "rebuild it with `make native`"
+    )
 
 
 class ComponentData:
@@ -191,3 +209,15 @@ class TreeNode:
             f"children={len(self.children)}, device_lock={self.device_lock}, host_lock={self.host_lock}, "
             f"hits={self.hit_count}, last_access={self.last_access}, priority={self.priority})"
         )
+
+
+_hicache_tree.bind(TreeNode)
+walk: Callable[
+    [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[TreeNode] | None, int],
+    tuple[int, TreeNode, TreeNode, TreeNode | None, int],
+] = _hicache_tree.walk
+"""`walk(node, key, pos, step, tick, last_host, values, backups, backup_hits)`: follow page-aligned key bytes
+from byte `pos` below `node` through the children the key covers whole and that hold device data, in C
+(native/hicache_tree.c has the contract). Returns `(pos, node, last_host, stop, matched)`: where it ended,
+and the child it stopped before (matched in part, or not on the device) with the key bytes of it that
+match, or `None`."""

@@ -9,10 +9,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stddef.h>
 #include <string.h>
 
 /* Bumped whenever a function's behaviour or signature changes (hicache/tree/walk.py checks it). */
-#define BUILD 1
+#define BUILD 2
 
 static PyTypeObject *node_type = NULL;
 static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits;
@@ -170,9 +171,123 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return Py_BuildValue("(nOOOn)", pos, node, last_host, stop, matched);
 }
 
+
+/* ---------------------------------------------------------------- records made without __init__ */
+
+/* A maker builds instances of one __slots__ class: the positional arguments fill `fields` in order, every
+ * other named slot gets its default (the `dict` type as a default means a fresh empty dict). It costs a
+ * fraction of a Python __init__ that assigns the same slots one bytecode at a time. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyTypeObject *cls;
+    Py_ssize_t nfields, ndefaults;
+    Py_ssize_t *offsets;   /* nfields + ndefaults */
+    PyObject **defaults;   /* ndefaults, owned */
+} Maker;
+
+static void maker_dealloc(Maker *m) {
+    for (Py_ssize_t i = 0; i < m->ndefaults; i++) Py_XDECREF(m->defaults[i]);
+    PyMem_Free(m->defaults);
+    PyMem_Free(m->offsets);
+    Py_XDECREF(m->cls);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyObject *maker_call(Maker *m, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != m->nfields || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_Format(PyExc_TypeError, "%s maker: expected %zd positional arguments, got %zd", m->cls->tp_name,
+                     m->nfields, nargs);
+        return NULL;
+    }
+    PyObject *obj = m->cls->tp_alloc(m->cls, 0);
+    if (obj == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        Py_INCREF(args[i]);
+        SLOT(obj, m->offsets[i]) = args[i];
+    }
+    for (Py_ssize_t i = 0; i < m->ndefaults; i++) {
+        PyObject *d = m->defaults[i];
+        PyObject *v = d == (PyObject *)&PyDict_Type ? PyDict_New() : (Py_INCREF(d), d);
+        if (v == NULL) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        SLOT(obj, m->offsets[m->nfields + i]) = v;
+    }
+    return obj;
+}
+
+static PyObject *maker_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return maker_call((Maker *)self, args, nargsf, kwnames);
+}
+
+static PyTypeObject MakerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "_hicache_tree.Maker",
+    .tp_basicsize = sizeof(Maker),
+    .tp_dealloc = (destructor)maker_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Maker, vectorcall),
+    .tp_doc = "A maker of one __slots__ class's instances (see maker()).",
+};
+
+PyDoc_STRVAR(maker_doc,
+             "maker(cls, fields, defaults, /) -> Callable[..., cls]\n\n"
+             "A constructor of `cls` (a class with __slots__) that skips __init__: its positional arguments fill\n"
+             "the slots named in `fields` (a tuple of names), in order; each slot named in `defaults` (a dict)\n"
+             "gets its value there, the `dict` type meaning a fresh empty dict. Every name must be a writable\n"
+             "object slot of `cls`.");
+
+static PyObject *make_maker(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyType_Check(args[0]) || !PyTuple_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "maker: expected (cls, tuple of field names, dict of defaults)");
+        return NULL;
+    }
+    PyObject *cls = args[0], *fields = args[1], *defaults = args[2];
+    Py_ssize_t nf = PyTuple_GET_SIZE(fields), nd = PyDict_GET_SIZE(defaults);
+    Maker *m = PyObject_New(Maker, &MakerType);
+    if (m == NULL) return NULL;
+    m->cls = NULL;
+    m->nfields = nf;
+    m->ndefaults = 0;
+    m->offsets = PyMem_Calloc((size_t)(nf + nd + 1), sizeof(Py_ssize_t));
+    m->defaults = PyMem_Calloc((size_t)(nd + 1), sizeof(PyObject *));
+    m->vectorcall = maker_vectorcall;
+    if (m->offsets == NULL || m->defaults == NULL) {
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(cls);
+    m->cls = (PyTypeObject *)cls;
+    for (Py_ssize_t i = 0; i < nf; i++) {
+        PyObject *name = PyTuple_GET_ITEM(fields, i);
+        if (!PyUnicode_Check(name) || slot_offset(cls, PyUnicode_AsUTF8(name), &m->offsets[i]) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "maker: field names must be str");
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *name, *value;
+    while (PyDict_Next(defaults, &pos, &name, &value)) {
+        if (!PyUnicode_Check(name) || slot_offset(cls, PyUnicode_AsUTF8(name), &m->offsets[nf + i]) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "maker: default names must be str");
+            Py_DECREF(m);
+            return NULL;
+        }
+        Py_INCREF(value);
+        m->defaults[i++] = value;
+        m->ndefaults = i;
+    }
+    return (PyObject *)m;
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_O, "bind(node_class, /) -> None\n\nResolve the slots of the tree's node class (once)."},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
+    {"maker", (PyCFunction)(void (*)(void))make_maker, METH_FASTCALL, maker_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -185,6 +300,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__hicache_tree(void) {
+    if (PyType_Ready(&MakerType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "BUILD", BUILD) < 0) {

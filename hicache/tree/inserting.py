@@ -13,8 +13,8 @@ from hicache.tree.backups import BackupsAndLocks
 from hicache.tree.checks import check_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
-from hicache.tree.node import TreeNode, walk
-from hicache.tree.results import InsertResult
+from hicache.tree.node import TreeNode, new_node, walk
+from hicache.tree.results import InsertResult, make_insert
 
 __all__ = ["Inserting"]
 
@@ -132,7 +132,7 @@ class Inserting(BackupsAndLocks):
                 value = device_indices.narrow_copy(0, start, (end >> 3) - start)
             else:
                 value = values[start - base :]
-            leaf = TreeNode(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
+            leaf = new_node(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
             node.children[first] = leaf
             self._nodes[leaf.id] = leaf
             self._num_nodes += 1
@@ -156,7 +156,9 @@ class Inserting(BackupsAndLocks):
             assert self._book is not None
             self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
         frees = self._take_frees() if self._book is not None else ()
-        return InsertResult(prefix_bytes >> 3, end >> 3, node._ref or ref(node), tuple(backups), False, frees)
+        return make_insert(
+            prefix_bytes >> 3, end >> 3, node._ref or ref(node), tuple(backups), False, frees, ()
+        )
 
     def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
         """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
@@ -268,7 +270,7 @@ class Inserting(BackupsAndLocks):
                 attach.id,
             )
             plan = tuple(self.backup_chain(self._ref(attach)))
-            return InsertResult(0, 0, self._ref(start), (), True, backup_first=plan)
+            return make_insert(0, 0, self._ref(start), (), True, (), plan)
         self._clock += 1
         tick = self._clock
         node = start
@@ -297,4 +299,4 @@ class Inserting(BackupsAndLocks):
         if comp_values:
             assert self._book is not None
             self._book.attach(self._key_path(kb, start), 0, end >> 3, ntok, comp_values, "host")
-        return InsertResult(prefix, end >> 3, self._ref(node), (), False, self._take_frees())
+        return make_insert(prefix, end >> 3, self._ref(node), (), False, self._take_frees(), ())

@@ -12,7 +12,7 @@ import torch
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.tree.handles import NodeRef, StoredPath
 from hicache.tree.node import TreeNode, walk
-from hicache.tree.results import EMPTY_INDICES, MatchResult, PrefixPeek
+from hicache.tree.results import EMPTY_INDICES, MatchResult, PrefixPeek, make_match
 from hicache.tree.state import TreeState
 
 __all__ = ["Matching"]
@@ -74,7 +74,7 @@ class Matching(TreeState):
                 node, kb, pos, step, tick, last_host, device_values, None, 0
             )
         ref = self._ref
-        return MatchResult(
+        return make_match(
             kb,
             tuple(device_values),
             pos >> 3,
@@ -83,6 +83,7 @@ class Matching(TreeState):
             last_host._ref or ref(last_host),
             (),
             node._path_indices,
+            (),
         )
 
     def _match_host_tail(
@@ -117,7 +118,7 @@ class Matching(TreeState):
             if child.host_value is not None:
                 last_host = child
             node = child
-        return MatchResult(
+        return make_match(
             kb,
             tuple(device_values),
             device_end >> 3,
@@ -204,7 +205,7 @@ class Matching(TreeState):
                 last_host = n
                 break
         device_values = tuple(n.device_value for n in device_nodes if n.device_value is not None)
-        return MatchResult(
+        return make_match(
             kb,
             device_values,
             sum(n.num_tokens for n in device_nodes),

@@ -20,9 +20,9 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "build it with `make native`, `pip install -e .` or `python setup.py build_ext --inplace`"
     ) from exc
 
-__all__ = ["ComponentData", "TreeNode", "walk"]
+__all__ = ["ComponentData", "TreeNode", "maker", "new_node", "walk"]
 
-_WALK_BUILD = 1
+_WALK_BUILD = 2
 if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
     raise ImportError(
         f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
@@ -121,33 +121,32 @@ class TreeNode:
         "priority",
     )
 
-    def __init__(self, node_id: int, parent: TreeNode | None, key: bytes, ctx: tuple[int, Namespace]) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.key = key
-        self.device_value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.backup_pending: torch.Tensor | None = None
-        self.device_lock = 0
-        self.host_lock = 0
-        self.hit_count = 0
-        self.last_access = 0
-        self.priority = 0
-        self.components: dict[str, ComponentData] | None = None
-        self.poisoned = False
-        # Private bookkeeping kept by the tree: the number of children holding device data, the page
-        # hashes (computed lazily: they depend only on the tokens from the root, so they never go stale),
-        # and, for the upper part of a node split while its backup was in flight, the node the
-        # controller began the backup on.
-        self._dev_children = 0
-        self._hashes: list[bytes] | None = None
-        self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
-        self._backup_owner: TreeNode | None = None
-        # The joined device values of the whole root path, cached by a match that joined them; dropped
-        # whenever this node's device value changes (see `TreeState._path_device_indices`).
-        self._path_indices: torch.Tensor | None = None
-        self._ref: NodeRef | None = None  # the node's handle, made on first use
+    id: int
+    parent: TreeNode | None
+    children: dict[bytes, TreeNode]
+    key: bytes
+    device_value: torch.Tensor | None
+    host_value: torch.Tensor | None
+    backup_pending: torch.Tensor | None
+    device_lock: int
+    host_lock: int
+    hit_count: int
+    last_access: int
+    priority: int
+    components: dict[str, ComponentData] | None
+    poisoned: bool
+    # Private bookkeeping kept by the tree: the number of children holding device data; the page hashes
+    # (computed lazily: they depend only on the tokens from the root, so they never go stale); the tree's
+    # (page_size, namespace), shared by every node; for the upper part of a node split while its backup
+    # was in flight, the node the controller began the backup on; the joined device values of the whole
+    # root path, cached by a match that joined them and dropped whenever this node's device value changes
+    # (see `RadixTree._path_device_indices`); and the node's handle, made on first use.
+    _dev_children: int
+    _hashes: list[bytes] | None
+    _ctx: tuple[int, Namespace]
+    _backup_owner: TreeNode | None
+    _path_indices: torch.Tensor | None
+    _ref: NodeRef | None
 
     @property
     def num_tokens(self) -> int:
@@ -212,6 +211,34 @@ class TreeNode:
 
 
 _hicache_tree.bind(TreeNode)
+maker = _hicache_tree.maker
+"""`maker(cls, fields, defaults)`: a C constructor of a `__slots__` class that skips `__init__` (the tree's
+records on the hot path: nodes, `MatchResult`, `InsertResult`)."""
+
+new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace]], TreeNode] = _hicache_tree.maker(
+    TreeNode,
+    ("id", "parent", "key", "_ctx"),
+    {
+        "children": dict,  # a fresh dict per node
+        "device_value": None,
+        "host_value": None,
+        "backup_pending": None,
+        "device_lock": 0,
+        "host_lock": 0,
+        "hit_count": 0,
+        "last_access": 0,
+        "priority": 0,
+        "components": None,
+        "poisoned": False,
+        "_dev_children": 0,
+        "_hashes": None,
+        "_backup_owner": None,
+        "_path_indices": None,
+        "_ref": None,
+    },
+)
+"""`new_node(id, parent, key, ctx)`: a node holding nothing yet (made in C, without a Python `__init__`:
+it is on the insert path)."""
 walk: Callable[
     [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[TreeNode] | None, int],
     tuple[int, TreeNode, TreeNode, TreeNode | None, int],

@@ -20,7 +20,7 @@ from hicache.tree.checks import cat_indices
 from hicache.tree.component_book import ComponentBook
 from hicache.tree.handles import HeldIndices, NodeInfo, NodeRef
 from hicache.tree.leaf_set import LeafSet
-from hicache.tree.node import TreeNode
+from hicache.tree.node import TreeNode, new_node
 from hicache.tree.results import ComponentFree, TreeStatistics
 
 __all__ = ["TreeState"]
@@ -74,7 +74,7 @@ class TreeState:
             WritePolicy.WRITE_BACK: None,
         }[self.write_policy]
         self._serial = next(_TREE_SERIALS)  # tells this tree's handles from another's
-        self._root = TreeNode(0, None, b"", self._ctx)
+        self._root = new_node(0, None, b"", self._ctx)
         self._root.hashes = []
         self._nodes: dict[int, TreeNode] = {0: self._root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
@@ -198,7 +198,7 @@ class TreeState:
         """Split `node` after `nbytes` key bytes; the new upper part is returned, `node` keeps the rest."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids), parent, node.key[:nbytes], self._ctx)
+        upper = new_node(next(self._ids), parent, node.key[:nbytes], self._ctx)
         upper.device_lock = node.device_lock
         upper.host_lock = node.host_lock
         upper.hit_count = node.hit_count
@@ -215,7 +215,7 @@ class TreeState:
         return upper
 
     def _new_node(self, parent: TreeNode, key: bytes) -> TreeNode:
-        node = TreeNode(next(self._ids), parent, key, self._ctx)
+        node = new_node(next(self._ids), parent, key, self._ctx)
         parent.children[key[: self._step]] = node
         self._nodes[node.id] = node
         self._num_nodes += 1

@@ -95,7 +95,7 @@ class TreeNode:
         components: per-component data (sliding-window KV, Mamba state) by component name; `None` in a
             tree without components and until the node first holds or locks one.
         poisoned: its device pages hold bytes that are no node's KV (a failed load-back kept on the
-            device by a holder below; see `LoadBack.drop_failed_load`): no match reaches it or below.
+            device by a holder below; see `RadixTree.drop_failed_load`): no match reaches it or below.
     """
 
     __slots__ = (

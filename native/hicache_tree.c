@@ -13,10 +13,10 @@
 #include <string.h>
 
 /* Bumped whenever a function's behaviour or signature changes (hicache/tree/walk.py checks it). */
-#define BUILD 2
+#define BUILD 3
 
 static PyTypeObject *node_type = NULL;
-static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits;
+static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits, off_ref;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -44,7 +44,8 @@ static PyObject *bind(PyObject *self, PyObject *type) {
     if (slot_offset(type, "children", &off_children) < 0 || slot_offset(type, "key", &off_key) < 0 ||
         slot_offset(type, "device_value", &off_device) < 0 || slot_offset(type, "host_value", &off_host) < 0 ||
         slot_offset(type, "backup_pending", &off_pending) < 0 ||
-        slot_offset(type, "last_access", &off_access) < 0 || slot_offset(type, "hit_count", &off_hits) < 0)
+        slot_offset(type, "last_access", &off_access) < 0 || slot_offset(type, "hit_count", &off_hits) < 0 ||
+        slot_offset(type, "_ref", &off_ref) < 0)
         return NULL;
     Py_INCREF(type);
     Py_XSETREF(node_type, (PyTypeObject *)type);
@@ -69,7 +70,8 @@ PyDoc_STRVAR(walk_doc,
              "Follow `key` (page-aligned bytes) from byte `pos` below `node` through children the key covers whole\n"
              "and that hold device data, touching each (last_access = tick). values: a list that gets each passed\n"
              "node's device value, or None. backups: None, or a list: each passed node's hit_count is raised by\n"
-             "one, and a node reaching backup_hits (> 0) that is neither backed up nor pending is appended.\n"
+             "one, and the handle (_ref) of a node reaching backup_hits (> 0) that is neither backed up nor pending\n"
+             "is appended.\n"
              "Stops at a missing child, at the key's end, or before the first child that is matched only in part\n"
              "or holds no device data: returns (pos, node, last_host, stop, matched), where last_host is the\n"
              "deepest passed node with a host value (the given one if none), stop that child (None otherwise)\n"
@@ -162,7 +164,10 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
             if (backup_hits > 0 && h + 1 >= backup_hits && hv == Py_None) {
                 PyObject *pv = get_slot(child, off_pending, "backup_pending");
                 if (pv == NULL) return NULL;
-                if (pv == Py_None && PyList_Append(backups, child) < 0) return NULL;
+                if (pv == Py_None) {
+                    PyObject *ref = get_slot(child, off_ref, "_ref");
+                    if (ref == NULL || PyList_Append(backups, ref) < 0) return NULL;
+                }
             }
         }
         pos += clen;

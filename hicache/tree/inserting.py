@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["insert", "insert_host", "refill_backup_plan"]
 
+_new_ref = tuple.__new__
+
 logger = logging.getLogger("hicache.tree")
 
 _WB = WritePolicy.WRITE_BACK
@@ -86,15 +88,14 @@ def insert(
     ref = tree._ref
     root = tree._root
     # The duplicates first: the device stretch of the path, walked in C (each node counts a hit; those
-    # reaching the policy's threshold go to `passed`); a device node matched in part is split and the
+    # reaching the policy's threshold go to `backups`); a device node matched in part is split and the
     # walk goes on.
-    passed: list[TreeNode] = []
-    pos, node, _, stop, matched = walk(root, kb, 0, step, tick, root, None, passed, hits)
+    backups: list[NodeRef] = []
+    pos, node, _, stop, matched = walk(root, kb, 0, step, tick, root, None, backups, hits)
     while stop is not None and stop.device_value is not None:
         tree._split(stop, matched)
-        pos, node, _, stop, matched = walk(node, kb, pos, step, tick, root, None, passed, hits)
+        pos, node, _, stop, matched = walk(node, kb, pos, step, tick, root, None, backups, hits)
     prefix_bytes = pos
-    backups = [n._ref or ref(n) for n in passed]
     # Then the host-only nodes that follow (device prefix continuity): they get the caller's indices.
     # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
     values: torch.Tensor | None = None
@@ -123,7 +124,7 @@ def insert(
             and child.host_value is None
             and child.backup_pending is None
         ):
-            backups.append(child._ref or ref(child))
+            backups.append(child._ref)
         pos += matched
         node = child
     if pos < end:
@@ -134,7 +135,8 @@ def insert(
             value = device_indices.narrow_copy(0, start, (end >> 3) - start)
         else:
             value = values[start - base :]
-        leaf = new_node(next(tree._ids), node, kb[pos:] if pos else kb, tree._ctx)
+        nid = next(tree._ids)
+        leaf = new_node(nid, node, kb[pos:] if pos else kb, tree._ctx, _new_ref(NodeRef, (tree._serial, nid)))
         node.children[first] = leaf
         tree._nodes[leaf.id] = leaf
         tree._num_nodes += 1
@@ -158,7 +160,7 @@ def insert(
         assert tree._book is not None
         tree._book.attach(_key_path(tree, kb, root), 0, end >> 3, ntok, comp_values, "device")
     frees = tree._take_frees() if tree._book is not None else ()
-    return make_insert(prefix_bytes >> 3, end >> 3, node._ref or ref(node), tuple(backups), False, frees, ())
+    return make_insert(prefix_bytes >> 3, end >> 3, node._ref, tuple(backups), False, frees, ())
 
 
 def _key_path(tree: RadixTree, kb: bytes, start: TreeNode) -> list[TreeNode]:

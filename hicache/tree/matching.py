@@ -86,14 +86,13 @@ def match_prefix(tree: RadixTree, key: KeyLike) -> MatchResult:
         pos, node, last_host, stop, matched = walk(
             node, kb, pos, step, tick, last_host, device_values, None, 0
         )
-    ref = tree._ref
     return make_match(
         kb,
         tuple(device_values),
         pos >> 3,
         0,
-        node._ref or ref(node),
-        last_host._ref or ref(last_host),
+        node._ref,
+        last_host._ref,
         (),
         node._path_indices,
         (),

@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
 
 __all__ = ["ComponentData", "TreeNode", "maker", "new_node", "walk"]
 
-_WALK_BUILD = 2
+_WALK_BUILD = 3
 if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
     raise ImportError(
         f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
@@ -140,13 +140,13 @@ class TreeNode:
     # (page_size, namespace), shared by every node; for the upper part of a node split while its backup
     # was in flight, the node the controller began the backup on; the joined device values of the whole
     # root path, cached by a match that joined them and dropped whenever this node's device value changes
-    # (see `RadixTree._path_device_indices`); and the node's handle, made on first use.
+    # (see `RadixTree._path_device_indices`); and the node's handle, made with it.
     _dev_children: int
     _hashes: list[bytes] | None
     _ctx: tuple[int, Namespace]
     _backup_owner: TreeNode | None
     _path_indices: torch.Tensor | None
-    _ref: NodeRef | None
+    _ref: NodeRef
 
     @property
     def num_tokens(self) -> int:
@@ -215,32 +215,33 @@ maker = _hicache_tree.maker
 """`maker(cls, fields, defaults)`: a C constructor of a `__slots__` class that skips `__init__` (the tree's
 records on the hot path: nodes, `MatchResult`, `InsertResult`)."""
 
-new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace]], TreeNode] = _hicache_tree.maker(
-    TreeNode,
-    ("id", "parent", "key", "_ctx"),
-    {
-        "children": dict,  # a fresh dict per node
-        "device_value": None,
-        "host_value": None,
-        "backup_pending": None,
-        "device_lock": 0,
-        "host_lock": 0,
-        "hit_count": 0,
-        "last_access": 0,
-        "priority": 0,
-        "components": None,
-        "poisoned": False,
-        "_dev_children": 0,
-        "_hashes": None,
-        "_backup_owner": None,
-        "_path_indices": None,
-        "_ref": None,
-    },
+new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace], NodeRef], TreeNode] = (
+    _hicache_tree.maker(
+        TreeNode,
+        ("id", "parent", "key", "_ctx", "_ref"),
+        {
+            "children": dict,  # a fresh dict per node
+            "device_value": None,
+            "host_value": None,
+            "backup_pending": None,
+            "device_lock": 0,
+            "host_lock": 0,
+            "hit_count": 0,
+            "last_access": 0,
+            "priority": 0,
+            "components": None,
+            "poisoned": False,
+            "_dev_children": 0,
+            "_hashes": None,
+            "_backup_owner": None,
+            "_path_indices": None,
+        },
+    )
 )
-"""`new_node(id, parent, key, ctx)`: a node holding nothing yet (made in C, without a Python `__init__`:
+"""`new_node(id, parent, key, ctx, ref)`: a node holding nothing yet (made in C, without a Python `__init__`:
 it is on the insert path)."""
 walk: Callable[
-    [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[TreeNode] | None, int],
+    [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[NodeRef] | None, int],
     tuple[int, TreeNode, TreeNode, TreeNode | None, int],
 ] = _hicache_tree.walk
 """`walk(node, key, pos, step, tick, last_host, values, backups, backup_hits)`: follow page-aligned key bytes

@@ -42,6 +42,7 @@ __all__ = ["RadixTree"]
 
 _TREE_SERIALS = itertools.count(1)
 _new_ref = tuple.__new__
+"""Makes a node's `NodeRef` (a NamedTuple's Python-level `__new__` costs twice as much, once per node)."""
 
 
 class RadixTree:
@@ -102,7 +103,7 @@ class RadixTree:
             WritePolicy.WRITE_BACK: None,
         }[self.write_policy]
         self._serial = next(_TREE_SERIALS)  # tells this tree's handles from another's
-        self._root = new_node(0, None, b"", self._ctx)
+        self._root = new_node(0, None, b"", self._ctx, _new_ref(NodeRef, (self._serial, 0)))
         self._root.hashes = []
         self._nodes: dict[int, TreeNode] = {0: self._root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
@@ -226,7 +227,8 @@ class RadixTree:
         """Split `node` after `nbytes` key bytes; the new upper part is returned, `node` keeps the rest."""
         parent = node.parent
         assert parent is not None
-        upper = new_node(next(self._ids), parent, node.key[:nbytes], self._ctx)
+        nid = next(self._ids)
+        upper = new_node(nid, parent, node.key[:nbytes], self._ctx, _new_ref(NodeRef, (self._serial, nid)))
         upper.device_lock = node.device_lock
         upper.host_lock = node.host_lock
         upper.hit_count = node.hit_count
@@ -243,7 +245,8 @@ class RadixTree:
         return upper
 
     def _new_node(self, parent: TreeNode, key: bytes) -> TreeNode:
-        node = new_node(next(self._ids), parent, key, self._ctx)
+        nid = next(self._ids)
+        node = new_node(nid, parent, key, self._ctx, _new_ref(NodeRef, (self._serial, nid)))
         parent.children[key[: self._step]] = node
         self._nodes[node.id] = node
         self._num_nodes += 1
@@ -289,12 +292,8 @@ class RadixTree:
         return (kb if aligned == n else kb[:aligned]), n >> 3
 
     def _ref(self, node: TreeNode) -> NodeRef:
-        """`node`'s handle (made once per node)."""
-        ref = node._ref
-        if ref is None:
-            # tuple.__new__ directly: a NamedTuple's Python-level __new__ costs twice as much, per new node.
-            ref = node._ref = _new_ref(NodeRef, (self._serial, node.id))
-        return ref
+        """`node`'s handle (made with the node)."""
+        return node._ref
 
     def _require_live(self, ref: object, name: str = "node") -> TreeNode:
         """The live node a handle names.

@@ -199,20 +199,7 @@ class InsertResult:
         )
 
 
-make_match: Callable[
-    [
-        bytes,
-        tuple[torch.Tensor, ...],
-        int,
-        int,
-        NodeRef,
-        NodeRef,
-        tuple[NodeRef, ...],
-        torch.Tensor | None,
-        tuple[torch.Tensor, ...],
-    ],
-    MatchResult,
-] = maker(
+make_match: Callable[..., MatchResult] = maker(
     MatchResult,
     (
         "key",
@@ -230,10 +217,7 @@ make_match: Callable[
 """`make_match(key, device_values, device_len, host_len, last_device_node, last_host_node, host_nodes,
 indices, host_values)`: a `MatchResult` (`indices`: the joined device indices when known, else `None`)."""
 
-make_insert: Callable[
-    [int, int, NodeRef, tuple[NodeRef, ...], bool, tuple[ComponentFree, ...], tuple[NodeRef, ...]],
-    InsertResult,
-] = maker(
+make_insert: Callable[..., InsertResult] = maker(
     InsertResult,
     ("prefix_len", "total_len", "node", "backups", "host_insert_dropped", "component_frees", "backup_first"),
     {},

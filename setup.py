@@ -1,5 +1,6 @@
-"""Builds hicache's C extensions, `_hicache_native` (the file backend's read+verify path) and
-`_hicache_write` (its write path: header and write without the GIL); the rest of the project's metadata
+"""Builds hicache's C extensions, `_hicache_native` (the file backend's read+verify path),
+`_hicache_write` (its write path: header and write without the GIL) and `_hicache_tree` (the radix tree's
+walk); the rest of the project's metadata
 lives in pyproject.toml.
 
 `pip install -e .` (and `make venv`) compiles it in place. It needs a C compiler and Python's headers; where
@@ -60,6 +61,11 @@ setup(
             sources=["native/hicache_native.c", "native/xxh_dispatch.c"],
             include_dirs=["native"],
             depends=_XXHASH,
+            extra_compile_args=_FLAGS,
+        ),
+        Extension(
+            "_hicache_tree",
+            sources=["native/hicache_tree.c"],
             extra_compile_args=_FLAGS,
         ),
         Extension(

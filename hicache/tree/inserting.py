@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from hicache.keys import KeyLike
 from hicache.policy import WritePolicy
-from hicache.tree.backups import BackupsAndLocks
+from hicache.tree import backups
 from hicache.tree.checks import check_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
-from hicache.tree.node import TreeNode
-from hicache.tree.results import InsertResult
+from hicache.tree.node import TreeNode, new_node, walk
+from hicache.tree.results import InsertResult, make_insert
 
-__all__ = ["Inserting"]
+if TYPE_CHECKING:
+    from hicache.tree.radix import RadixTree
+
+__all__ = ["insert", "insert_host", "refill_backup_plan"]
+
+_new_ref = tuple.__new__
 
 logger = logging.getLogger("hicache.tree")
 
@@ -24,271 +30,274 @@ _WB = WritePolicy.WRITE_BACK
 _INT64 = torch.int64
 
 
-class Inserting(BackupsAndLocks):
-    """`insert` and `insert_host` (mixed into `RadixTree`)."""
+def _component_values(
+    tree: RadixTree, components: Mapping[str, torch.Tensor], aligned: int
+) -> dict[str, torch.Tensor] | None:
+    """Validated copies of the caller's component values for a key of `aligned` tokens."""
+    if tree._book is None:
+        raise ValueError("components: this tree has no components")
+    return tree._book.inputs(components, "components", aligned)
 
-    def _component_values(
-        self, components: Mapping[str, torch.Tensor], aligned: int
-    ) -> dict[str, torch.Tensor] | None:
-        """Validated copies of the caller's component values for a key of `aligned` tokens."""
-        if self._book is None:
-            raise ValueError("components: this tree has no components")
-        return self._book.inputs(components, "components", aligned)
 
-    def insert(
-        self,
-        key: KeyLike,
-        device_indices: torch.Tensor,
-        components: Mapping[str, torch.Tensor] | None = None,
-    ) -> InsertResult:
-        """Insert a key whose KV pages sit at `device_indices` on the device.
+def insert(
+    tree: RadixTree,
+    key: KeyLike,
+    device_indices: torch.Tensor,
+    components: Mapping[str, torch.Tensor] | None = None,
+) -> InsertResult:
+    """Insert a key whose KV pages sit at `device_indices` on the device.
 
-        Only the page-aligned part is inserted. Nodes that already hold device data are duplicates (the
-        caller frees `device_indices[:prefix_len]`); host-only nodes on the path get the caller's device
-        values re-attached; the rest becomes a new leaf. Every existing node on the path counts a hit, a
-        new node starts at one hit (zero under write-back); nodes reaching the policy's threshold are
-        returned in `backups`.
+    Only the page-aligned part is inserted. Nodes that already hold device data are duplicates (the
+    caller frees `device_indices[:prefix_len]`); host-only nodes on the path get the caller's device
+    values re-attached; the rest becomes a new leaf. Every existing node on the path counts a hit, a
+    new node starts at one hit (zero under write-back); nodes reaching the policy's threshold are
+    returned in `backups`.
 
-        Args:
-            key: the token key.
-            device_indices: a 1-D int64 tensor with one device index per token of the (unaligned) key.
-            components: device indices of hybrid components by name: a sliding window's for a
-                page-aligned suffix of the aligned key, a Mamba state's one slot (taken at the end of the
-                key: kept only when the key is page-aligned). The tree takes ownership of all of them:
-                nodes lacking a value on the device get their part, the rest comes back in the
-                result's `component_frees`.
+    Args:
+        key: the token key.
+        device_indices: a 1-D int64 tensor with one device index per token of the (unaligned) key.
+        components: device indices of hybrid components by name: a sliding window's for a
+            page-aligned suffix of the aligned key, a Mamba state's one slot (taken at the end of the
+            key: kept only when the key is page-aligned). The tree takes ownership of all of them:
+            nodes lacking a value on the device get their part, the rest comes back in the
+            result's `component_frees`.
 
-        Raises:
-            TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
-            ValueError: `device_indices` of the wrong shape or length, or malformed component values.
-        """
-        kb = key_bytes(key)
-        ntok = len(kb) >> 3
-        step = self._step
-        end = len(kb)
-        rem = end % step
-        if rem:
-            end -= rem
-            kb = kb[:end]
-        if not (
-            type(device_indices) is torch.Tensor
-            and device_indices.dtype is _INT64
-            and device_indices.dim() == 1
-            and device_indices.numel() == ntok
-        ):
-            check_indices(device_indices, "device_indices", ntok)
-        comp_values = self._component_values(components, end >> 3) if components else None
-        self._clock = tick = self._clock + 1
-        backup_hits = self._backup_hits
-        ref = self._ref
-        backups: list[NodeRef] = []
-        root = node = self._root
-        pos = 0
-        prefix_bytes = 0
-        # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
-        values: torch.Tensor | None = None
-        base = 0
-        first = b""
-        while pos < end:
-            first = kb[pos : pos + step]
-            child = node.children.get(first)
-            if child is None:
-                break
-            ck = child.key
-            if kb.startswith(ck, pos):
-                matched = len(ck)
-            else:
-                matched = self._matched_bytes(kb, pos, ck)
-                child = self._split(child, matched)
-            child.last_access = tick
-            child.hit_count += 1
-            if child.device_value is not None:
-                prefix_bytes += matched
-            else:
-                if values is None:
-                    base = pos >> 3
-                    values = device_indices.narrow_copy(0, base, (end >> 3) - base)
-                self._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
-            if (
-                backup_hits is not None
-                and child.hit_count >= backup_hits
-                and child.host_value is None
-                and child.backup_pending is None
-            ):
-                backups.append(child._ref or ref(child))
-            pos += matched
-            node = child
-        if pos < end:
-            # A new device leaf below `node` (what `_new_node` and `_set_device` do, inlined: the leaf
-            # holds no lock, no backup and no component yet).
-            start = pos >> 3
-            if values is None:
-                value = device_indices.narrow_copy(0, start, (end >> 3) - start)
-            else:
-                value = values[start - base :]
-            leaf = TreeNode(next(self._ids), node, kb[pos:] if pos else kb, self._ctx)
-            node.children[first] = leaf
-            self._nodes[leaf.id] = leaf
-            self._num_nodes += 1
-            leaf.last_access = tick
-            leaf.device_value = value
-            n = (end - pos) >> 3
-            self._device_tokens += n
-            self._evictable_size += n
-            node._dev_children += 1
-            if node._dev_children == 1 and node is not root:
-                # Its first device child: the parent (a device node, as every node on the path now is)
-                # stops being an evictable device leaf. With device children already, it was none.
-                self._device_leaves.discard(node)
-            if backup_hits is not None:
-                leaf.hit_count = 1
-                if backup_hits <= 1:
-                    backups.append(ref(leaf))
-            self._device_leaves.add_new(leaf)
-            node = leaf
-        if comp_values:
-            assert self._book is not None
-            self._book.attach(self._key_path(kb, root), 0, end >> 3, ntok, comp_values, "device")
-        frees = self._take_frees() if self._book is not None else ()
-        return InsertResult(prefix_bytes >> 3, end >> 3, node._ref or ref(node), tuple(backups), False, frees)
-
-    def _key_path(self, kb: bytes, start: TreeNode) -> list[TreeNode]:
-        """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
-        path: list[TreeNode] = []
-        step = self._step
-        node = start
-        pos = 0
-        while pos < len(kb):
-            child = node.children[kb[pos : pos + step]]
-            path.append(child)
-            pos += len(child.key)
-            node = child
-        return path
-
-    def _refill_attach_point(self, anchor: TreeNode, kb: bytes) -> tuple[int, TreeNode]:
-        """Walk `kb` below `anchor` without changing anything: (bytes matched, the node the rest would hang
-        from, or the node it would split)."""
-        step = self._step
-        end = len(kb)
-        node = anchor
-        pos = 0
-        while pos < end:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None:
-                return pos, node
-            matched = self._matched_bytes(kb, pos, child.key)
-            pos += matched
-            if matched < len(child.key):
-                return pos, child
-            node = child
-        return pos, node
-
-    def refill_backup_plan(self, anchor: NodeRef, key: KeyLike) -> tuple[NodeRef, ...]:
-        """The plan for a storage refill that `insert_host` would drop: the un-backed chain (root first)
-        to back up before it can attach; empty when it attaches as it is (or under write-back).
-
-        Pure: nothing changes. The caller backs the chain up (`backup_chain` of its last node) and then
-        calls `insert_host`, which drops it all the same if the backup did not happen.
-
-        Args:
-            anchor: a live node of this tree (the refill's anchor).
-            key: the refill's tokens, continuing from the anchor's end.
-        """
-        start = self._require_live(anchor, "anchor")
-        kb, _ = self._aligned_key(key)
-        pos, attach = self._refill_attach_point(start, kb)
+    Raises:
+        TypeError: a key, `device_indices` or component indices of the wrong type or dtype.
+        ValueError: `device_indices` of the wrong shape or length, or malformed component values.
+    """
+    kb = key_bytes(key)
+    ntok = len(kb) >> 3
+    step = tree._step
+    end = len(kb)
+    rem = end % step
+    if rem:
+        end -= rem
+        kb = kb[:end]
+    if not (
+        type(device_indices) is torch.Tensor
+        and device_indices.dtype is _INT64
+        and device_indices.dim() == 1
+        and device_indices.numel() == ntok
+    ):
+        check_indices(device_indices, "device_indices", ntok)
+    comp_values = _component_values(tree, components, end >> 3) if components else None
+    tree._clock = tick = tree._clock + 1
+    backup_hits = tree._backup_hits
+    hits = backup_hits or 0
+    ref = tree._ref
+    root = tree._root
+    # The duplicates first: the device stretch of the path, walked in C (each node counts a hit; those
+    # reaching the policy's threshold go to `backups`); a device node matched in part is split and the
+    # walk goes on.
+    backups: list[NodeRef] = []
+    pos, node, _, stop, matched = walk(root, kb, 0, step, tick, root, None, backups, hits)
+    while stop is not None and stop.device_value is not None:
+        tree._split(stop, matched)
+        pos, node, _, stop, matched = walk(node, kb, pos, step, tick, root, None, backups, hits)
+    prefix_bytes = pos
+    # Then the host-only nodes that follow (device prefix continuity): they get the caller's indices.
+    # The caller's indices from the first non-duplicate token, copied once (the tree owns its values).
+    values: torch.Tensor | None = None
+    base = 0
+    first = b""
+    while pos < end:
+        first = kb[pos : pos + step]
+        child = node.children.get(first)
+        if child is None:
+            break
+        ck = child.key
+        if kb.startswith(ck, pos):
+            matched = len(ck)
+        else:
+            matched = tree._matched_bytes(kb, pos, ck)
+            child = tree._split(child, matched)
+        child.last_access = tick
+        child.hit_count += 1
+        if values is None:
+            base = pos >> 3
+            values = device_indices.narrow_copy(0, base, (end >> 3) - base)
+        tree._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
         if (
-            pos >= len(kb)
-            or self.write_policy is _WB
-            or attach is self._root
-            or attach.host_value is not None
+            backup_hits is not None
+            and child.hit_count >= backup_hits
+            and child.host_value is None
+            and child.backup_pending is None
         ):
-            return ()
-        return tuple(self.backup_chain(self._ref(attach)))
+            backups.append(child._ref)
+        pos += matched
+        node = child
+    if pos < end:
+        # A new device leaf below `node` (what `_new_node` and `_set_device` do, inlined: the leaf
+        # holds no lock, no backup and no component yet).
+        start = pos >> 3
+        if values is None:
+            value = device_indices.narrow_copy(0, start, (end >> 3) - start)
+        else:
+            value = values[start - base :]
+        nid = next(tree._ids)
+        leaf = new_node(nid, node, kb[pos:] if pos else kb, tree._ctx, _new_ref(NodeRef, (tree._serial, nid)))
+        node.children[first] = leaf
+        tree._nodes[leaf.id] = leaf
+        tree._num_nodes += 1
+        leaf.last_access = tick
+        leaf.device_value = value
+        n = (end - pos) >> 3
+        tree._device_tokens += n
+        tree._evictable_size += n
+        node._dev_children += 1
+        if node._dev_children == 1 and node is not root:
+            # Its first device child: the parent (a device node, as every node on the path now is)
+            # stops being an evictable device leaf. With device children already, it was none.
+            tree._device_leaves.discard(node)
+        if backup_hits is not None:
+            leaf.hit_count = 1
+            if backup_hits <= 1:
+                backups.append(ref(leaf))
+        tree._device_leaves.add_new(leaf)
+        node = leaf
+    if comp_values:
+        assert tree._book is not None
+        tree._book.attach(_key_path(tree, kb, root), 0, end >> 3, ntok, comp_values, "device")
+    frees = tree._take_frees() if tree._book is not None else ()
+    return make_insert(prefix_bytes >> 3, end >> 3, node._ref, tuple(backups), False, frees, ())
 
-    def insert_host(
-        self,
-        anchor: NodeRef,
-        key: KeyLike,
-        host_indices: torch.Tensor,
-        hashes: list[bytes] | None = None,
-        components: Mapping[str, torch.Tensor] | None = None,
-    ) -> InsertResult:
-        """Attach a storage refill (host pages) below `anchor`.
 
-        `key` continues from the end of `anchor`'s key. Tokens already in the tree count as present (the
-        caller frees `host_indices[:prefix_len]`). If the rest would hang below a node that is neither the
-        root nor backed up and the policy is not write-back, nothing is attached and
-        `host_insert_dropped` is set: the caller frees every host index.
+def _key_path(tree: RadixTree, kb: bytes, start: TreeNode) -> list[TreeNode]:
+    """The nodes below `start` that exactly cover `kb` (after an insert, every boundary is a node's)."""
+    path: list[TreeNode] = []
+    step = tree._step
+    node = start
+    pos = 0
+    while pos < len(kb):
+        child = node.children[kb[pos : pos + step]]
+        path.append(child)
+        pos += len(child.key)
+        node = child
+    return path
 
-        Args:
-            anchor: a live node of this tree (the match's last host node, host-locked by the caller).
-            key: the refill's tokens, continuing from the anchor's end.
-            host_indices: a 1-D int64 tensor with one host index per token of `key`.
-            hashes: the precomputed page hashes of the page-aligned `key`, if known.
-            components: host indices of hybrid components by name, as for `insert` (relative to `key`).
-                Unless the refill is dropped, the tree takes ownership of them (what no node takes comes
-                back in the result's `component_frees`); a dropped refill leaves them to the caller.
 
-        Raises:
-            TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
-        """
-        start = self._require_live(anchor, "anchor")
-        kb, ntok = self._aligned_key(key)
-        check_indices(host_indices, "host_indices", ntok)
-        if host_indices.device.type != "cpu":
-            # Checked before any change: the copy the tree keeps is made through numpy, which takes CPU only.
-            raise ValueError(f"host_indices: expected a CPU tensor, got one on {host_indices.device}")
-        comp_values = self._component_values(components, len(kb) >> 3) if components else None
-        step = self._step
-        end = len(kb)
+def _refill_attach_point(tree: RadixTree, anchor: TreeNode, kb: bytes) -> tuple[int, TreeNode]:
+    """Walk `kb` below `anchor` without changing anything: (bytes matched, the node the rest would hang
+    from, or the node it would split)."""
+    step = tree._step
+    end = len(kb)
+    node = anchor
+    pos = 0
+    while pos < end:
+        child = node.children.get(kb[pos : pos + step])
+        if child is None:
+            return pos, node
+        matched = tree._matched_bytes(kb, pos, child.key)
+        pos += matched
+        if matched < len(child.key):
+            return pos, child
+        node = child
+    return pos, node
+
+
+def refill_backup_plan(tree: RadixTree, anchor: NodeRef, key: KeyLike) -> tuple[NodeRef, ...]:
+    """The plan for a storage refill that `insert_host` would drop: the un-backed chain (root first)
+    to back up before it can attach; empty when it attaches as it is (or under write-back).
+
+    Pure: nothing changes. The caller backs the chain up (`backup_chain` of its last node) and then
+    calls `insert_host`, which drops it all the same if the backup did not happen.
+
+    Args:
+        anchor: a live node of this tree (the refill's anchor).
+        key: the refill's tokens, continuing from the anchor's end.
+    """
+    start = tree._require_live(anchor, "anchor")
+    kb, _ = tree._aligned_key(key)
+    pos, attach = _refill_attach_point(tree, start, kb)
+    if pos >= len(kb) or tree.write_policy is _WB or attach is tree._root or attach.host_value is not None:
+        return ()
+    return tuple(backups.backup_chain(tree, tree._ref(attach)))
+
+
+def insert_host(
+    tree: RadixTree,
+    anchor: NodeRef,
+    key: KeyLike,
+    host_indices: torch.Tensor,
+    hashes: list[bytes] | None = None,
+    components: Mapping[str, torch.Tensor] | None = None,
+) -> InsertResult:
+    """Attach a storage refill (host pages) below `anchor`.
+
+    `key` continues from the end of `anchor`'s key. Tokens already in the tree count as present (the
+    caller frees `host_indices[:prefix_len]`). If the rest would hang below a node that is neither the
+    root nor backed up and the policy is not write-back, nothing is attached and
+    `host_insert_dropped` is set: the caller frees every host index.
+
+    Args:
+        anchor: a live node of this tree (the match's last host node, host-locked by the caller).
+        key: the refill's tokens, continuing from the anchor's end.
+        host_indices: a 1-D int64 tensor with one host index per token of `key`.
+        hashes: the precomputed page hashes of the page-aligned `key`, if known.
+        components: host indices of hybrid components by name, as for `insert` (relative to `key`).
+            Unless the refill is dropped, the tree takes ownership of them (what no node takes comes
+            back in the result's `component_frees`); a dropped refill leaves them to the caller.
+
+    Raises:
+        TypeError, ValueError: for a dead anchor or malformed key, indices or hashes.
+    """
+    start = tree._require_live(anchor, "anchor")
+    kb, ntok = tree._aligned_key(key)
+    check_indices(host_indices, "host_indices", ntok)
+    if host_indices.device.type != "cpu":
+        # Checked before any change: the copy the tree keeps is made through numpy, which takes CPU only.
+        raise ValueError(f"host_indices: expected a CPU tensor, got one on {host_indices.device}")
+    comp_values = _component_values(tree, components, len(kb) >> 3) if components else None
+    step = tree._step
+    end = len(kb)
+    if hashes is not None:
+        # Checked by C builtins over the list (a Python test per hash cost ~50 us per 1,024 pages).
+        if (
+            not isinstance(hashes, list)
+            or not set(map(type, hashes)) <= {bytes}
+            or not set(map(len, hashes)) <= {16}
+        ):
+            raise TypeError("hashes: expected a list of 16-byte hashes")
+        if len(hashes) != end // step:
+            raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
+    # A dry walk first: a dropped refill must leave the tree untouched (no split either).
+    pos, attach = _refill_attach_point(tree, start, kb)
+    attach_backed = attach is tree._root or attach.host_value is not None
+    if pos < end and not attach_backed and tree.write_policy is not _WB:
+        logger.info(
+            "insert_host dropped %d refill tokens: attach point node %d is not backed up",
+            (end - pos) >> 3,
+            attach.id,
+        )
+        plan = tuple(backups.backup_chain(tree, tree._ref(attach)))
+        return make_insert(0, 0, tree._ref(start), (), True, (), plan)
+    tree._clock += 1
+    tick = tree._clock
+    node = start
+    pos = 0
+    while pos < end:
+        child = node.children.get(kb[pos : pos + step])
+        if child is None:
+            break
+        matched = tree._matched_bytes(kb, pos, child.key)
+        if matched < len(child.key):
+            child = tree._split(child, matched)
+        child.last_access = tick
+        pos += matched
+        node = child
+    prefix = pos >> 3
+    if pos < end:
+        leaf = tree._new_node(node, kb[pos:])
+        leaf.last_access = tick
         if hashes is not None:
-            # Checked by C builtins over the list (a Python test per hash cost ~50 us per 1,024 pages).
-            if (
-                not isinstance(hashes, list)
-                or not set(map(type, hashes)) <= {bytes}
-                or not set(map(len, hashes)) <= {16}
-            ):
-                raise TypeError("hashes: expected a list of 16-byte hashes")
-            if len(hashes) != end // step:
-                raise ValueError(f"hashes: expected {end // step} page hashes, got {len(hashes)}")
-        # A dry walk first: a dropped refill must leave the tree untouched (no split either).
-        pos, attach = self._refill_attach_point(start, kb)
-        attach_backed = attach is self._root or attach.host_value is not None
-        if pos < end and not attach_backed and self.write_policy is not _WB:
-            logger.info(
-                "insert_host dropped %d refill tokens: attach point node %d is not backed up",
-                (end - pos) >> 3,
-                attach.id,
-            )
-            plan = tuple(self.backup_chain(self._ref(attach)))
-            return InsertResult(0, 0, self._ref(start), (), True, backup_first=plan)
-        self._clock += 1
-        tick = self._clock
-        node = start
-        pos = 0
-        while pos < end:
-            child = node.children.get(kb[pos : pos + step])
-            if child is None:
-                break
-            matched = self._matched_bytes(kb, pos, child.key)
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            child.last_access = tick
-            pos += matched
-            node = child
-        prefix = pos >> 3
-        if pos < end:
-            leaf = self._new_node(node, kb[pos:])
-            leaf.last_access = tick
-            if hashes is not None:
-                leaf._hashes = hashes[pos // step :]
-            # The tree keeps its own copy, made by numpy: `Tensor.clone` of 32k+ indices runs as an OpenMP
-            # region that, with reader threads busy on every core, waited ~10 ms for its second thread.
-            self._set_host(leaf, torch.from_numpy(host_indices[prefix : end >> 3].numpy().copy()))
-            self._refresh(node)
-            node = leaf
-        if comp_values:
-            assert self._book is not None
-            self._book.attach(self._key_path(kb, start), 0, end >> 3, ntok, comp_values, "host")
-        return InsertResult(prefix, end >> 3, self._ref(node), (), False, self._take_frees())
+            leaf._hashes = hashes[pos // step :]
+        # The tree keeps its own copy, made by numpy: `Tensor.clone` of 32k+ indices runs as an OpenMP
+        # region that, with reader threads busy on every core, waited ~10 ms for its second thread.
+        tree._set_host(leaf, torch.from_numpy(host_indices[prefix : end >> 3].numpy().copy()))
+        tree._refresh(node)
+        node = leaf
+    if comp_values:
+        assert tree._book is not None
+        tree._book.attach(_key_path(tree, kb, start), 0, end >> 3, ntok, comp_values, "host")
+    return make_insert(prefix, end >> 3, tree._ref(node), (), False, tree._take_frees(), ())

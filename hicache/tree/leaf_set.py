@@ -72,9 +72,13 @@ class LeafSet:
             self.push(node)
 
     def add_new(self, node: TreeNode) -> None:
-        """Make `node`, which never was a member (a node just made), one."""
+        """Make `node`, which never was a member (a node just made), one (`push` inlined: once per insert)."""
         self.members.add(node)
-        self.push(node)
+        self._seq = seq = self._seq + 1
+        heap = self._heap
+        heapq.heappush(heap, (self._key(node), node.id, seq, node))
+        if len(heap) > 2 * len(self.members) + 64:
+            self._compact()
 
     def discard(self, node: TreeNode) -> None:
         """Remove `node` from the members (its heap entries die lazily)."""

@@ -5,12 +5,30 @@ Only the tree reads and writes these; callers hold `NodeRef` handles the tree re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.tree.handles import NodeRef
 
-__all__ = ["ComponentData", "TreeNode"]
+try:
+    import _hicache_tree
+except ImportError as exc:  # pragma: no cover - only on an install that skipped the build
+    raise ImportError(
+        f"{exc}: hicache's C extension _hicache_tree (native/hicache_tree.c, the tree's walk) is not built; "
+        "build it with `make native`, `pip install -e .` or `python setup.py build_ext --inplace`"
+    ) from exc
+
+__all__ = ["ComponentData", "TreeNode", "maker", "new_node", "walk"]
+
+_WALK_BUILD = 3
+if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
+    raise ImportError(
+        f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
+        f"native/hicache_tree.c (build {getattr(_hicache_tree, 'BUILD', 0)}, this code needs {_WALK_BUILD}); "
+        "rebuild it with `make native`"
+    )
 
 
 class ComponentData:
@@ -100,32 +118,31 @@ class TreeNode:
         "priority",
     )
 
-    def __init__(self, node_id: int, parent: TreeNode | None, key: bytes, ctx: tuple[int, Namespace]) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
-        self.key = key
-        self.device_value: torch.Tensor | None = None
-        self.host_value: torch.Tensor | None = None
-        self.backup_pending: torch.Tensor | None = None
-        self.device_lock = 0
-        self.host_lock = 0
-        self.hit_count = 0
-        self.last_access = 0
-        self.priority = 0
-        self.components: dict[str, ComponentData] | None = None
-        # Private bookkeeping kept by the tree: the number of children holding device data, the page
-        # hashes (computed lazily: they depend only on the tokens from the root, so they never go stale),
-        # and, for the upper part of a node split while its backup was in flight, the node the
-        # controller began the backup on.
-        self._dev_children = 0
-        self._hashes: list[bytes] | None = None
-        self._ctx = ctx  # (page_size, namespace), shared by every node of a tree
-        self._backup_owner: TreeNode | None = None
-        # The joined device values of the whole root path, cached by a match that joined them; dropped
-        # whenever this node's device value changes (see `TreeState._path_device_indices`).
-        self._path_indices: torch.Tensor | None = None
-        self._ref: NodeRef | None = None  # the node's handle, made on first use
+    id: int
+    parent: TreeNode | None
+    children: dict[bytes, TreeNode]
+    key: bytes
+    device_value: torch.Tensor | None
+    host_value: torch.Tensor | None
+    backup_pending: torch.Tensor | None
+    device_lock: int
+    host_lock: int
+    hit_count: int
+    last_access: int
+    priority: int
+    components: dict[str, ComponentData] | None
+    # Private bookkeeping kept by the tree: the number of children holding device data; the page hashes
+    # (computed lazily: they depend only on the tokens from the root, so they never go stale); the tree's
+    # (page_size, namespace), shared by every node; for the upper part of a node split while its backup
+    # was in flight, the node the controller began the backup on; the joined device values of the whole
+    # root path, cached by a match that joined them and dropped whenever this node's device value changes
+    # (see `RadixTree._path_device_indices`); and the node's handle, made with it.
+    _dev_children: int
+    _hashes: list[bytes] | None
+    _ctx: tuple[int, Namespace]
+    _backup_owner: TreeNode | None
+    _path_indices: torch.Tensor | None
+    _ref: NodeRef
 
     @property
     def num_tokens(self) -> int:
@@ -185,3 +202,43 @@ class TreeNode:
             f"children={len(self.children)}, device_lock={self.device_lock}, host_lock={self.host_lock}, "
             f"hits={self.hit_count}, last_access={self.last_access}, priority={self.priority})"
         )
+
+
+_hicache_tree.bind(TreeNode)
+maker = _hicache_tree.maker
+"""`maker(cls, fields, defaults)`: a C constructor of a `__slots__` class that skips `__init__` (the tree's
+records on the hot path: nodes, `MatchResult`, `InsertResult`)."""
+
+new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace], NodeRef], TreeNode] = (
+    _hicache_tree.maker(
+        TreeNode,
+        ("id", "parent", "key", "_ctx", "_ref"),
+        {
+            "children": dict,  # a fresh dict per node
+            "device_value": None,
+            "host_value": None,
+            "backup_pending": None,
+            "device_lock": 0,
+            "host_lock": 0,
+            "hit_count": 0,
+            "last_access": 0,
+            "priority": 0,
+            "components": None,
+            "_dev_children": 0,
+            "_hashes": None,
+            "_backup_owner": None,
+            "_path_indices": None,
+        },
+    )
+)
+"""`new_node(id, parent, key, ctx, ref)`: a node holding nothing yet (made in C, without a Python `__init__`:
+it is on the insert path)."""
+walk: Callable[
+    [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[NodeRef] | None, int],
+    tuple[int, TreeNode, TreeNode, TreeNode | None, int],
+] = _hicache_tree.walk
+"""`walk(node, key, pos, step, tick, last_host, values, backups, backup_hits)`: follow page-aligned key bytes
+from byte `pos` below `node` through the children the key covers whole and that hold device data, in C
+(native/hicache_tree.c has the contract). Returns `(pos, node, last_host, stop, matched)`: where it ended,
+and the child it stopped before (matched in part, or not on the device) with the key bytes of it that
+match, or `None`."""

@@ -5,10 +5,13 @@ Results are data: they hold values and node handles, never the tree, and reading
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from hicache.tree.node import maker
 
 if TYPE_CHECKING:
     from hicache.tree.handles import NodeRef
@@ -27,6 +30,8 @@ __all__ = [
     "MatchResult",
     "PrefixPeek",
     "TreeStatistics",
+    "make_insert",
+    "make_match",
 ]
 
 EMPTY_INDICES = torch.empty(0, dtype=torch.int64)
@@ -56,8 +61,8 @@ class ComponentFree:
 class MatchResult:
     """The longest cached prefix of a key (a read-only record: callers never assign its attributes).
 
-    A plain slotted class rather than a frozen dataclass: it is built once per match on the hot path, and a
-    frozen dataclass's `__init__` costs several times more.
+    A slotted class made by the tree through `make_match` (in C, without a Python `__init__`: it is built
+    once per match on the hot path, where even a plain `__init__` cost a quarter of a match).
 
     Attributes:
         key: the page-aligned key in bytes form.
@@ -82,29 +87,17 @@ class MatchResult:
         "last_host_node",
     )
 
-    def __init__(
-        self,
-        key: bytes,
-        device_values: tuple[torch.Tensor, ...],
-        device_len: int,
-        host_len: int,
-        last_device_node: NodeRef,
-        last_host_node: NodeRef,
-        host_nodes: tuple[NodeRef, ...],
-        indices: torch.Tensor | None = None,
-        host_values: tuple[torch.Tensor, ...] = (),
-    ) -> None:
-        self.key = key
-        self.device_values = device_values
-        self.device_len = device_len
-        self.host_len = host_len
-        self.last_device_node = last_device_node
-        self.last_host_node = last_host_node
-        self.host_nodes = host_nodes
-        self.host_values = host_values
-        # The joined device indices, when known (the last device node's cached root path, or a join done
-        # by an earlier read of `device_indices`).
-        self._indices = indices
+    key: bytes
+    device_values: tuple[torch.Tensor, ...]
+    device_len: int
+    host_len: int
+    last_device_node: NodeRef
+    last_host_node: NodeRef
+    host_nodes: tuple[NodeRef, ...]
+    host_values: tuple[torch.Tensor, ...]
+    # The joined device indices, when known (the last device node's cached root path, or a join done by an
+    # earlier read of `device_indices`).
+    _indices: torch.Tensor | None
 
     @property
     def device_indices(self) -> torch.Tensor:
@@ -165,7 +158,7 @@ class PrefixPeek:
 
 
 class InsertResult:
-    """What an `insert` or `insert_host` did (a read-only record; slotted for the hot path).
+    """What an `insert` or `insert_host` did (a read-only record, made by the tree through `make_insert`).
 
     Attributes:
         prefix_len: tokens of the key that were already cached; the caller frees `indices[:prefix_len]`.
@@ -191,29 +184,46 @@ class InsertResult:
         "total_len",
     )
 
-    def __init__(
-        self,
-        prefix_len: int,
-        total_len: int,
-        node: NodeRef,
-        backups: tuple[NodeRef, ...] = (),
-        host_insert_dropped: bool = False,
-        component_frees: tuple[ComponentFree, ...] = (),
-        backup_first: tuple[NodeRef, ...] = (),
-    ) -> None:
-        self.backup_first = backup_first
-        self.prefix_len = prefix_len
-        self.total_len = total_len
-        self.node = node
-        self.backups = backups
-        self.host_insert_dropped = host_insert_dropped
-        self.component_frees = component_frees
+    prefix_len: int
+    total_len: int
+    node: NodeRef
+    backups: tuple[NodeRef, ...]
+    host_insert_dropped: bool
+    component_frees: tuple[ComponentFree, ...]
+    backup_first: tuple[NodeRef, ...]
 
     def __repr__(self) -> str:
         return (
             f"InsertResult(prefix_len={self.prefix_len}, total_len={self.total_len}, node={self.node.id}, "
             f"backups={[n.id for n in self.backups]}, host_insert_dropped={self.host_insert_dropped})"
         )
+
+
+make_match: Callable[..., MatchResult] = maker(
+    MatchResult,
+    (
+        "key",
+        "device_values",
+        "device_len",
+        "host_len",
+        "last_device_node",
+        "last_host_node",
+        "host_nodes",
+        "_indices",
+        "host_values",
+    ),
+    {},
+)
+"""`make_match(key, device_values, device_len, host_len, last_device_node, last_host_node, host_nodes,
+indices, host_values)`: a `MatchResult` (`indices`: the joined device indices when known, else `None`)."""
+
+make_insert: Callable[..., InsertResult] = maker(
+    InsertResult,
+    ("prefix_len", "total_len", "node", "backups", "host_insert_dropped", "component_frees", "backup_first"),
+    {},
+)
+"""`make_insert(prefix_len, total_len, node, backups, host_insert_dropped, component_frees, backup_first)`:
+an `InsertResult`."""
 
 
 @dataclass(frozen=True, slots=True)

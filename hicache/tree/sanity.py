@@ -13,7 +13,7 @@ from hicache.policy import WritePolicy
 if TYPE_CHECKING:
     from hicache.tree.component_book import ComponentBook
     from hicache.tree.node import TreeNode
-    from hicache.tree.state import TreeState
+    from hicache.tree.radix import RadixTree
 
 __all__ = ["check_tree", "collect_violations"]
 
@@ -27,7 +27,7 @@ def _check_value(node: TreeNode, name: str, value: torch.Tensor | None, out: lis
         out.append(f"node {node.id}: {name} has {value.shape[0]} entries for {node.num_tokens} tokens")
 
 
-def collect_violations(tree: TreeState) -> list[str]:
+def collect_violations(tree: RadixTree) -> list[str]:
     """Every violated invariant of `tree`, one line each (empty when the tree is sound)."""
     out: list[str] = []
     root = tree._root
@@ -186,7 +186,7 @@ def _check_path_cache(node: TreeNode, out: list[str]) -> None:
         out.append(f"node {node.id}: cached joined root path differs from its path's device values")
 
 
-def check_tree(tree: TreeState) -> None:
+def check_tree(tree: RadixTree) -> None:
     """Raise `InvariantViolation` listing every violated invariant of `tree`."""
     violations = collect_violations(tree)
     if violations:

@@ -1,0 +1,20 @@
+"""Type stub of the C extension `_hicache_tree` (native/hicache_tree.c): the radix tree's walk."""
+
+from typing import Any
+
+BUILD: int
+
+def bind(node_class: type, /) -> None: ...
+def walk(
+    node: Any,
+    key: bytes,
+    pos: int,
+    step: int,
+    tick: int,
+    last_host: Any,
+    values: list[Any] | None,
+    backups: list[Any] | None,
+    backup_hits: int,
+    /,
+) -> tuple[int, Any, Any, Any, int]: ...
+def maker(cls: type, fields: tuple[str, ...], defaults: dict[str, object], /) -> Any: ...

@@ -1,0 +1,117 @@
+"""The tree's C part (`native/hicache_tree.c`): the walk stops where Python must take over, and the records
+it makes without `__init__` have every slot set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _hicache_tree
+from hicache.tree import RadixTree
+from hicache.tree.node import TreeNode, new_node
+from hicache.tree.results import InsertResult, MatchResult, make_insert, make_match
+
+PAGE = 2
+STEP = PAGE * 8
+
+
+def _key(*tokens: int) -> bytes:
+    return torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()
+
+
+def _tree_with(*keys: bytes) -> RadixTree:
+    tree = RadixTree(PAGE)
+    for k in keys:
+        tree.insert(k, torch.arange(len(k) // 8, dtype=torch.int64))
+    return tree
+
+
+def test_a_node_made_in_c_has_every_slot_set() -> None:
+    """Guards against a slot added to `TreeNode` but not to `new_node`'s defaults: reading it would raise
+    `AttributeError` far from where the node was made."""
+    tree = RadixTree(PAGE)
+    node = new_node(7, None, b"", (PAGE, tree.namespace), tree.root)
+    for name in TreeNode.__slots__:
+        getattr(node, name)
+    assert node.children == {}
+    assert node.children is not new_node(8, None, b"", node._ctx, tree.root).children
+
+
+def test_the_results_made_in_c_have_every_slot_set() -> None:
+    """The same for the records of `match_prefix` and `insert`."""
+    ref = RadixTree(PAGE).root
+    match = make_match(b"", (), 0, 0, ref, ref, (), None, ())
+    insert = make_insert(0, 0, ref, (), False, (), ())
+    for record, cls in ((match, MatchResult), (insert, InsertResult)):
+        assert type(record) is cls
+        for name in cls.__slots__:
+            getattr(record, name)
+
+
+def test_a_maker_refuses_names_that_are_not_slots_and_wrong_argument_counts() -> None:
+    with pytest.raises(TypeError, match="nope"):
+        _hicache_tree.maker(TreeNode, ("nope",), {})
+    with pytest.raises(TypeError, match="hashes"):  # a property, not a slot
+        _hicache_tree.maker(TreeNode, ("hashes",), {})
+    make = _hicache_tree.maker(MatchResult, ("key",), {})
+    with pytest.raises(TypeError, match="expected 1 positional"):
+        make()
+
+
+def test_the_walk_stops_before_a_node_the_key_matches_in_part() -> None:
+    """The walk leaves splits to Python: it stops before the node, untouched, with the whole pages that
+    match."""
+    tree = _tree_with(_key(1, 2, 3, 4, 5, 6))
+    root = tree._root
+    (child,) = root.children.values()
+    before = child.last_access
+    values: list[torch.Tensor] = []
+    pos, node, last_host, stop, matched = _hicache_tree.walk(
+        root, _key(1, 2, 3, 4, 9, 9), 0, STEP, 99, root, values, None, 0
+    )
+    assert (pos, node, last_host, stop, matched) == (0, root, root, child, 2 * STEP)
+    assert values == []
+    assert child.last_access == before
+
+
+def test_the_walk_passes_whole_device_nodes_and_stops_before_a_host_only_one() -> None:
+    """Whole device nodes are touched and their values collected; a host-only node ends the walk (the
+    host tail is Python's)."""
+    tree = _tree_with(_key(1, 2, 3, 4), _key(1, 2, 3, 4, 5, 6))
+    root = tree._root
+    (top,) = root.children.values()
+    (leaf,) = top.children.values()
+    for start, node in ((0, top), (100, leaf)):  # write-through backs up root-first
+        tree.begin_backup(tree._ref(node), torch.arange(start, start + node.num_tokens, dtype=torch.int64))
+        tree.commit_backup(tree._ref(node))
+    tree.demote(tree._ref(leaf))
+    values: list[torch.Tensor] = []
+    pos, node, last_host, stop, matched = _hicache_tree.walk(
+        root, _key(1, 2, 3, 4, 5, 6), 0, STEP, tree._clock, root, values, None, 0
+    )
+    assert (pos, node, last_host, stop, matched) == (2 * STEP, top, top, leaf, STEP)
+    assert len(values) == 1
+    assert values[0] is top.device_value
+    assert top.last_access == tree._clock
+    tree.sanity_check()
+
+
+def test_the_walk_counts_hits_and_hands_back_the_handles_that_reach_the_threshold() -> None:
+    tree = _tree_with(_key(1, 2, 3, 4))
+    root = tree._root
+    (top,) = root.children.values()
+    hits = top.hit_count
+    backups: list[object] = []
+    _hicache_tree.walk(root, _key(1, 2, 3, 4), 0, STEP, tree._clock, root, None, backups, hits + 1)
+    assert top.hit_count == hits + 1
+    assert backups == [tree._ref(top)]
+
+
+@pytest.mark.parametrize(
+    ("key", "pos", "error"),
+    [("not bytes", 0, TypeError), (_key(1, 2, 3), 0, ValueError), (_key(1, 2), 8, ValueError)],
+)
+def test_the_walk_refuses_a_malformed_key_or_position(key: object, pos: int, error: type[Exception]) -> None:
+    tree = RadixTree(PAGE)
+    with pytest.raises(error):
+        _hicache_tree.walk(tree._root, key, pos, STEP, 1, tree._root, None, None, 0)

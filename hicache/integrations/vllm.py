@@ -729,7 +729,10 @@ class _Runtime:
                 "tree_nodes": stats.tree.num_nodes,
                 "prefetches_in_flight": stats.prefetches_in_flight,
                 "lookups_held": len(self._lookups),
-                "namespace": repr(self._config.namespace),
+                # The fields, as `Namespace(**...)` takes them back (the encoding's "v" aside).
+                "namespace": {
+                    k: v for k, v in json.loads(self._config.namespace.encoding).items() if k != "v"
+                },
             }
         raise ValueError(f"op: unknown {op!r}")
 

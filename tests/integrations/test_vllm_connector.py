@@ -20,6 +20,8 @@ import pytest
 from tiny_model import write_tiny_llama
 from vllm_helpers import ROOT, assert_identical, hit_tokens, run_workload, vllm_python
 
+from hicache.keys import Namespace, as_key_bytes, chained_page_keys
+
 sys.path.insert(0, str(ROOT / "tests"))
 from s3_servers import start_moto
 
@@ -115,9 +117,18 @@ def test_damaged_pages_and_aborted_loads_leave_outputs_identical(
     flight) leak no page and no prefetch."""
     damaged = engine_runs / "damaged"
     shutil.copytree(storage_root, damaged)
-    pages = sorted(damaged.rglob("*.kvp"))
-    assert len(pages) >= 6, pages
-    corrupt, truncated, foreign, donor = pages[0], pages[1], pages[2], pages[3]
+    # The root also holds the other-dtype and other-config engines' pages: damage the first engine's own,
+    # chosen by key. Its namespace's fields and its system prompts come back in its result.
+    namespace = Namespace(**first_engine["statistics"]["namespace"])
+    system_pages = [
+        [damaged / k[:2] / k[2:4] / f"{k}.kvp" for k in chained_page_keys(as_key_bytes(s), 32, namespace)[1]]
+        for s in first_engine["system_prompts"]
+    ]
+    assert all(p.is_file() for chain in system_pages for p in chain), system_pages
+    # The first system prompt's first page is read by the first request (or an aborted one) to look it up:
+    # the file is there and its header is whole, so only its read can find the flipped byte.
+    corrupt, donor = system_pages[0][0], system_pages[0][1]
+    foreign, truncated = system_pages[1][2], system_pages[1][3]
     data = bytearray(corrupt.read_bytes())
     data[-1] ^= 0xFF
     corrupt.write_bytes(bytes(data))
@@ -125,9 +136,6 @@ def test_damaged_pages_and_aborted_loads_leave_outputs_identical(
     foreign.write_bytes(donor.read_bytes())
     result = run_engine(engine_runs / "damaged.json", tiny_model, damaged, "--abort-first", "4")
     assert hit_tokens(result, "storage") > 0  # the undamaged pages still load
-    # The damaged pages were read and refused, never loaded. Which request read them depends on the
-    # page names (the namespace holds the model's temp path): one that then recomputes the blocks it was
-    # promised (`failed_tokens`), or one of the aborted ones.
     assert result["statistics"]["storage_refused_pages"] >= 1
     assert_identical(baseline, result)
     assert_clean(result)

@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                     "latency_s": latency,
                 }
             )
-    result: dict[str, Any] = {"requests": requests, "wall_s": time.perf_counter() - started}
+    result: dict[str, Any] = {
+        "requests": requests,
+        "wall_s": time.perf_counter() - started,
+        "system_prompts": systems,
+    }
     if args.connector == "hicache":
         from hicache.integrations.vllm import query_worker
 

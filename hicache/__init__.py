@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         PrefetchState,
         ReleaseStatistics,
     )
-    from hicache.controller.layered_load import LayerwiseLoad
+    from hicache.controller.movement.layered_load import LayerwiseLoad
     from hicache.errors import (
         CacheClosed,
         CacheFailed,
@@ -82,7 +82,7 @@ _MODULE_OF = {
     "KVLayout": "hicache.layout",
     "KVPool": "hicache.memory",
     "LayerReadiness": "hicache.memory.layerwise",
-    "LayerwiseLoad": "hicache.controller.layered_load",
+    "LayerwiseLoad": "hicache.controller.movement.layered_load",
     "Lease": "hicache.controller",
     "LeaseReleased": "hicache.errors",
     "LoadBackFailed": "hicache.errors",

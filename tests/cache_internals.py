@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hicache import HiCache, KVPool
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.layered_load import LayeredLoader
-from hicache.controller.release import ReleaseQueue
-from hicache.controller.storage_writer import StorageWriter
+from hicache.controller.movement.layered_load import LayeredLoader
+from hicache.controller.pages.allocation import ComponentPools
+from hicache.controller.pages.release import ReleaseQueue
+from hicache.controller.storage.writer import StorageWriter
 from hicache.tree import RadixTree
 
 

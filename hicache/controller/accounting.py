@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.copies import CopyTracker
-from hicache.controller.prefetch import Prefetch
-from hicache.controller.release import ReleaseQueue
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.pages.allocation import ComponentPools
+from hicache.controller.pages.release import ReleaseQueue
+from hicache.controller.prefetch.job import Prefetch
 from hicache.errors import InvariantViolation
 from hicache.memory import KVPool, Owner
 from hicache.tree import RadixTree

@@ -3,8 +3,7 @@
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
 streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
-`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`; start and close in `lifecycle`, what the
-cache shows of itself in `observing`). Every method that changes the tree does so synchronously between
+`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between
 awaits, so the tree is always consistent when another coroutine runs; every await that may touch a
 buffer is cancellation-safe: a device <-> host copy is waited for even when the caller is cancelled (a
 copy is short and cannot be abandoned), and a storage read is abandoned at once, its buffers quarantined
@@ -18,42 +17,52 @@ copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclos
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import warnings
 from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Self
 
+import anyio
 import torch
 
 from hicache.components import Component
 from hicache.config import HiCacheConfig
 from hicache.controller.accounting import Accounting
-from hicache.controller.allocation import Allocator, ComponentPools, make_pools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.copies import CopyTracker
-from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.controller.leases import Leases
-from hicache.controller.lifecycle import CacheLifecycle
-from hicache.controller.observing import CacheObservation
-from hicache.controller.prefetch import Prefetch, PrefetchOutcome
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ComponentTransfer, ReleaseQueue
-from hicache.controller.rescue import RefillRescue
-from hicache.controller.results import CacheStatistics, Lease
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.layered_load import LayeredLoader, LayerwiseLoad
+from hicache.controller.movement.tier_mover import TierMover
+from hicache.controller.pages.allocation import Allocator, ComponentPools, make_pools
+from hicache.controller.pages.release import ComponentTransfer, ReleaseQueue
+from hicache.controller.prefetch.job import Prefetch, PrefetchOutcome
+from hicache.controller.prefetch.prefetcher import Prefetcher
+from hicache.controller.prefetch.rescue import RefillRescue
+from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.storage.breaker import CircuitBreaker
+from hicache.controller.storage.guarded import GuardedStorage
+from hicache.controller.storage.writer import StorageWriter
 from hicache.controller.workers import Workers
+from hicache.errors import UnsupportedEventLoop
 from hicache.keys import KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices
 from hicache.memory.layerwise import LayerReadiness
 from hicache.metrics import CacheMetrics, CollectorRegistry, default_cache_metrics, rank_labels
-from hicache.parallel import Agreement
+from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same_tree, check_same_tree_async
 from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
 from storage_backends.protocol import StorageBackend
+from storage_backends.registry import open_backend
 
 __all__ = ["CacheStatistics", "HiCache", "Lease"]
 
+logger = logging.getLogger("hicache.cache")
 
-class HiCache(CacheLifecycle, CacheObservation):
+
+class HiCache:
     """A hierarchical KV cache: radix tree over device and host pools, with an optional storage tier.
 
     Use it as an async context manager::
@@ -65,8 +74,8 @@ class HiCache(CacheLifecycle, CacheObservation):
 
     The work is done by collaborators, each handed only what it needs: an `Allocator` (pages, with
     eviction), a `TierMover` (backups, write-through, load-back), a `Prefetcher` (admission, streaming,
-    commit, cancel) and the `Accounting` check; this class checks arguments; the lifecycle (`start`,
-    `aclose`) is `CacheLifecycle`'s, statistics, `repr` and `sanity_check` are `CacheObservation`'s.
+    commit, cancel) and the `Accounting` check; this class checks arguments, starts and closes them
+    (`start`, `aclose`), and shows what they hold (`statistics`, `repr`, `sanity_check`).
 
     Args:
         config: the validated configuration.
@@ -526,6 +535,250 @@ class HiCache(CacheLifecycle, CacheObservation):
         _check_request_id(request_id)
         return self._prefetcher.get(request_id)
 
+    # ------------------------------------------------------------------ start and close
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            # A storage URL or option refused by the backend: free the pools now, not in `__del__`.
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the storage backend (if configured) and start the background workers.
+
+        If starting fails (the backend cannot be opened, or the caller is cancelled), everything made so
+        far (storage, pools) is closed before the error propagates, and the cache is closed.
+
+        Raises:
+            UnsupportedEventLoop: no asyncio loop runs, or the cache was started on another event loop.
+            CacheClosed: the cache was closed (`CacheFailed` after a background failure).
+        """
+        self._state.check_loop("start")
+        if self._state.closed:
+            raise self._state.closed_error("start")
+        if self._state.started:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # anyio on trio: the read threads' eventfd and the pacer need asyncio's loop
+            raise UnsupportedEventLoop(
+                "start: HiCache runs on asyncio (anyio's asyncio backend); no asyncio event loop is running"
+            ) from None
+        try:
+            if self.storage is None and self.config.storage_url is not None:
+                self.storage = open_configured_storage(self.config)
+            if self.storage is not None:
+                self._open_storage_tier(self.storage)
+            if self._device_pool.device.type == "cuda":
+                # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
+                # thousands of page copies from their own threads fight over the GIL (on an H200, 16
+                # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
+                self._copies.limiter = anyio.CapacityLimiter(1)
+            if self.agreement is not None:
+                await anyio.to_thread.run_sync(check_same_pools, self.config)
+            await self._workers.start(self.storage if self._owns_storage else None)
+        except BaseException:
+            # A failed start: close what it opened and the pools; the cache stays closed.
+            self._state.close()
+            await self._workers.abort(self.storage if self._owns_storage else None)
+            raise
+        self._state.open(loop)
+
+    def _open_storage_tier(self, storage: StorageBackend) -> None:
+        """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
+        guarded = GuardedStorage(storage, self.storage_breaker, self.metrics.storage_errors)
+        writer = StorageWriter(
+            guarded,
+            tree=self._tree,
+            host_pool=self._host_pool,
+            component_pools=self._component_pools,
+            release_queue=self._release_queue,
+            metrics=self.metrics,
+            read_timeout_s=self.config.storage_read_timeout_s,
+            write_timeout_s=self.config.storage_write_timeout_s,
+        )
+        self._mover.writer = writer
+        self._prefetcher.storage = guarded
+        self._prefetcher.known = writer.known
+        warn_if_shared(self.config)
+
+    async def aclose(self) -> None:
+        """Cancel prefetches, stop the workers, release everything, close storage and the pools made here.
+
+        Idempotent, and bounded: returns within `config.close_timeout_s` (or the caller's own deadline,
+        whichever is first). What is left then (a stuck storage thread, pages it may still write into) is
+        logged and finishes in the background: buffers are released, and the pools the cache made are
+        closed, only once no read or copy can write into them. Pools passed to the constructor stay open.
+        After a background failure (`CacheFailed`) it finishes the shutdown that failure began.
+
+        On another event loop than `start()`'s (whose workers cannot run here) it closes the cache, asks
+        `start()`'s loop to shut the workers down when it next runs, closes the pools the cache made now
+        if that loop is not running, and returns.
+        """
+        home = self._state.loop
+        if home is not None and self._state.on_another_loop():
+            if not self._state.closed:
+                self._state.close()
+                if not home.is_closed():
+                    home.call_soon_threadsafe(self._begin_close)
+            logger.warning("%r: aclose on another event loop than start's: the workers run there", self)
+            if not home.is_running():
+                self._workers.close_pools()
+            return
+        if not self._state.closed:
+            self._state.close()
+            self._begin_close()
+        await self._workers.wait_closed()
+
+    def _begin_close(self) -> None:
+        """The cache closes (its state says closed already): cancel the prefetches, fail the agreement and
+        stop the workers."""
+        self._prefetcher.cancel_all()
+        if self.agreement is not None:
+            reason = "failed" if self._state.failure is not None else "was closed"
+            self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache {reason}"))
+        self._workers.begin_close()
+
+    def _background_failed(self, job: str, error: Exception) -> None:
+        """A background job raised `error` (`Workers`' `on_failure`): log it once, fail the cache (every
+        later call raises `CacheFailed`) and close it as `aclose()` would; `aclose()` then finishes."""
+        if not self._state.fail(error):
+            logger.warning("%r: background job %s raised after the cache closed: %r", self, job, error)
+            return
+        logger.error(
+            "%r: background job %s failed; the cache is closed and every call now raises CacheFailed",
+            self,
+            job,
+            exc_info=error,
+        )
+        self._begin_close()
+
+    def __del__(self) -> None:
+        # getattr: a constructor that raised never set the state, and must not fail again here.
+        state = getattr(self, "_state", None)
+        if state is not None and state.started and not state.closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+
+    # ------------------------------------------------------------------ what the cache shows of itself
+
+    def statistics(self) -> CacheStatistics:
+        """A frozen snapshot of the tree, the pools, the release queue and the work in flight."""
+        release = self._release_queue.statistics()
+        return CacheStatistics(
+            tree=self._tree.statistics(),
+            device_pool=self._device_pool.statistics(),
+            host_pool=self._host_pool.statistics(),
+            release_queue=release,
+            prefetches_in_flight=len(self._prefetcher),
+            prefetch_tokens_in_flight=self._prefetcher.inflight_tokens,
+            backups_queued=len(self._mover.backups),
+            storage_writes_queued=len(self._mover.storage_writes),
+            closed=self._state.closed,
+            quarantined_pages=release.quarantined_tokens // self.page_size,
+            detached_prefetches=self._prefetcher.detached,
+            backups_queued_max=self._mover.backups.max_queued,
+            storage_writes_queued_max=self._mover.storage_writes.max_queued,
+            storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
+            component_pools={
+                name: ComponentPoolStatistics(pools.device.statistics(), pools.host.statistics())
+                for name, pools in self._component_pools.items()
+            },
+            components=self._tree.component_statistics(),
+        )
+
+    def __repr__(self) -> str:
+        t = self._tree.statistics()
+        d, h = self._device_pool.statistics(), self._host_pool.statistics()
+        state = "closed" if self._state.closed else "open" if self._state.started else "new"
+        storage = type(self.storage).__name__ if self.storage is not None else None
+        return (
+            f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
+            f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
+            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetcher)} "
+            f"quarantined={self._release_queue.statistics().quarantined_tokens // self.page_size} pages "
+            f"storage={storage}>"
+        )
+
+    def sanity_check(
+        self,
+        *,
+        held_device_tokens: int = 0,
+        held_component_slots: Mapping[str, int] | None = None,
+        held_device: Sequence[torch.Tensor] | None = None,
+        held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        across_ranks: bool = False,
+    ) -> None:
+        """Check the tree's invariants and that every page of every pool has exactly one owner.
+
+        On the device and host pools and on every component pool, each page is in exactly one of: free,
+        held by the tree, held by the caller (allocated, not inserted), the destination of a copy in
+        flight (a load-back, a backup), buffers of a prefetch in flight, pending release. This is checked
+        by identity of pages: every page's owner tag in its pool must match where the page is found (the
+        tree's nodes, the load-backs and backups in flight, the prefetches, the release queue), no page is
+        found in two places, and the pool's free count matches its free tags. Component indices the tree
+        queued for freeing may carry any tag but must be allocated and found nowhere else.
+
+        Args:
+            held_device_tokens: device tokens the caller holds outside the tree (allocated, not inserted),
+                checked as a count of caller-held pages; ignored when `held_device` is given.
+            held_component_slots: per component, device slots the caller holds outside the tree (a
+                count); ignored for components named in `held_components`.
+            held_device: the device indices the caller holds, checked page by page.
+            held_components: per component, the device indices the caller holds, checked page by page.
+            across_ranks: also compare this rank's tree fingerprint (structure, tiers, backed-up flags,
+                locks) with every other rank's: a collective, so call it on every rank at the same point,
+                between cache calls; it blocks the thread, event loop included, until every rank has
+                called it (at most the group's timeout): on an event loop, prefer
+                `await sanity_check_async(across_ranks=True)`. Without a TP group there is nothing to
+                compare.
+
+        Raises:
+            InvariantViolation: listing every violation found.
+            TreeDivergence: the ranks' trees differ; the message names the first differing node.
+            RankFailed: a peer died or stopped responding.
+        """
+        if across_ranks and self.agreement is not None:
+            assert self.config.tp_group is not None
+            check_same_tree(self.config.tp_group, self._tree)
+        self._accounting.check(
+            held_device_tokens=held_device_tokens,
+            held_component_slots=held_component_slots,
+            held_device=held_device,
+            held_components=held_components,
+        )
+
+    async def sanity_check_async(
+        self,
+        *,
+        held_device_tokens: int = 0,
+        held_component_slots: Mapping[str, int] | None = None,
+        held_device: Sequence[torch.Tensor] | None = None,
+        held_components: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        across_ranks: bool = False,
+    ) -> None:
+        """`sanity_check`, with the cross-rank comparison run off the event loop: the local checks and
+        the fingerprint run on the loop, at the call (the tree as it is then); the collectives run in a
+        worker thread bounded by the group's timeout, so other tasks (a peer's pace, the cache's own
+        background work) keep running while the ranks meet. Same arguments and errors as `sanity_check`.
+        """
+        self._accounting.check(
+            held_device_tokens=held_device_tokens,
+            held_component_slots=held_component_slots,
+            held_device=held_device,
+            held_components=held_components,
+        )
+        if across_ranks and self.agreement is not None:
+            assert self.config.tp_group is not None
+            await check_same_tree_async(self.config.tp_group, self._tree)
+
 
 def _check_request_id(request_id: object) -> None:
     """Refuse a request id that is not a non-empty str (naming `request_id`), with or without storage."""
@@ -541,6 +794,30 @@ def _check_lease(lease: object) -> None:
     """Refuse a lease that is not a `Lease` (naming `lease`) before anything reads its fields."""
     if not isinstance(lease, Lease):
         raise TypeError(f"lease: expected a Lease from acquire, got {type(lease).__name__}")
+
+
+def open_configured_storage(config: HiCacheConfig) -> StorageBackend:
+    """Open the backend of `config.storage_url` (which must be set) with `config.storage_options`, plus
+    the cache's timeouts for a client that has its own (S3, Valkey, Mooncake: per-round-trip read and write deadlines),
+    unless the options set them."""
+    url = config.storage_url
+    assert url is not None
+    options = dict(config.storage_options)
+    if url.startswith(("s3://", "valkey://", "mooncake://")):
+        options.setdefault("read_deadline_s", config.storage_read_timeout_s)
+        options.setdefault("write_deadline_s", config.storage_write_timeout_s)
+    return open_backend(url, namespace_digest=config.namespace.digest, **options)
+
+
+def warn_if_shared(config: HiCacheConfig) -> None:
+    """Warn when a storage tier is used without a model id: every cache with the same KV layout and an
+    empty model id would share pages with this one."""
+    if not config.namespace.model_id:
+        logger.warning(
+            "HiCache has a storage tier but namespace.model_id is empty: every cache with the "
+            "same KV layout and an empty model_id shares pages with this one; pass "
+            "Namespace(model_id=<model name and revision, or a config hash>)"
+        )
 
 
 def _check_match(match: object) -> None:

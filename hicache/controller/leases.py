@@ -7,13 +7,13 @@ from collections.abc import Mapping
 
 import torch
 
-from hicache.controller.allocation import Allocator, ComponentPools
-from hicache.controller.layered_load import LayeredLoader
-from hicache.controller.prefetch import PrefetchOutcome
-from hicache.controller.prefetcher import Prefetcher
+from hicache.controller.movement.layered_load import LayeredLoader
+from hicache.controller.movement.tier_mover import TierMover
+from hicache.controller.pages.allocation import Allocator, ComponentPools
+from hicache.controller.prefetch.job import PrefetchOutcome
+from hicache.controller.prefetch.prefetcher import Prefetcher
 from hicache.controller.results import Lease
 from hicache.controller.state import OpenState
-from hicache.controller.tier_mover import TierMover
 from hicache.errors import LeaseReleased, LoadBackFailed
 from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes
 from hicache.memory import KVPool, Owner, check_token_indices

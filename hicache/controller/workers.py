@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 import anyio.abc
 
-from hicache.controller.copies import CopyTracker
-from hicache.controller.prefetcher import Prefetcher
-from hicache.controller.release import ReleaseQueue
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.tier_mover import TierMover
+from hicache.controller.pages.release import ReleaseQueue
+from hicache.controller.prefetch.prefetcher import Prefetcher
 from hicache.errors import CacheClosed, HiCacheError
 from hicache.memory import KVPool
 from storage_backends.protocol import StorageBackend

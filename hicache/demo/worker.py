@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar, cast
 import anyio
 import torch
 
-from hicache.controller.copies import wait_uncancelled
+from hicache.controller.movement.copies import wait_uncancelled
 from hicache.demo.model import Steps
 
 __all__ = ["ModelWorker"]

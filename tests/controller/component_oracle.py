@@ -18,7 +18,7 @@ from kv_oracle import _assert_owned_once, path_key
 
 from hicache import HiCache, Lease
 from hicache.components import MambaState, SlidingWindow, component_storage_key
-from hicache.controller.release import ComponentTransfer
+from hicache.controller.pages.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, TOKEN_BYTES, Namespace, chained_page_hashes
 from hicache.memory import KVLayout
 from storage_backends.protocol import StorageBackend

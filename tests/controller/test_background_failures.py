@@ -21,7 +21,7 @@ from cache_internals import host_pool_of, release_queue_of, tree_of
 from controller_helpers import GatedBackend, make_config, store_sequence, tokens
 
 from hicache import CacheClosed, CacheFailed, HiCache, HiCacheError, UnsupportedEventLoop
-from hicache.controller.prefetch import Prefetch
+from hicache.controller.prefetch.job import Prefetch
 from hicache.errors import PoolError
 from hicache.keys import Namespace
 from storage_backends.memory import MemoryBackend

@@ -14,7 +14,7 @@ from cache_internals import tree_of
 from controller_helpers import LAYOUT, PAGE, PassThroughBackend, insert_device_chain, make_config, tokens
 
 from hicache import HiCache
-from hicache.controller.work_queue import WorkQueue
+from hicache.controller.movement.work_queue import WorkQueue
 from hicache.tree import NodeInfo
 from storage_backends.file import FileBackend
 from storage_backends.memory import MemoryBackend

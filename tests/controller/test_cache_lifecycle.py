@@ -14,8 +14,8 @@ from controller_helpers import LAYOUT, PassThroughBackend, make_config, store_se
 
 from hicache import HiCache, KVLayout, UnsupportedEventLoop
 from hicache.components import MambaState, SlidingWindow
-from hicache.controller import allocation as allocation_module
-from hicache.controller import copies as copies_module
+from hicache.controller.movement import copies as copies_module
+from hicache.controller.pages import allocation as allocation_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
 from hicache.tree import MatchResult

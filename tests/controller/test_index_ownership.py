@@ -374,7 +374,7 @@ async def test_prefetch_refuses_transfers_the_caller_does_not_hold() -> None:
     with the prefetch and are released with it."""
     from controller_helpers import store_sequence
 
-    from hicache.controller.release import ComponentTransfer
+    from hicache.controller.pages.release import ComponentTransfer
     from hicache.keys import Namespace
 
     async with (

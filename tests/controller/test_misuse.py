@@ -15,7 +15,7 @@ import torch
 from controller_helpers import insert_device_chain, make_config, store_sequence, tokens
 
 from hicache import HiCache, LeaseReleased, Namespace, PoolError
-from hicache.controller.release import ComponentTransfer
+from hicache.controller.pages.release import ComponentTransfer
 from storage_backends.memory import MemoryBackend
 from tests.cache_internals import layered_loader_of
 from tests.controller.test_layerwise_load import LayerGate

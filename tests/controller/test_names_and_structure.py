@@ -215,11 +215,3 @@ def test_the_names_module_is_a_leaf() -> None:
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported == {"__future__", "enum"}
-
-
-def test_the_facade_hands_observation_and_lifecycle_to_collaborators() -> None:
-    """`cache.py` checks arguments and hands work to collaborators: statistics, repr and the sanity check
-    live in `observing`, starting and closing in `lifecycle` (a line count is no test of that)."""
-    graph = _controller_imports()
-    assert "hicache.controller.observing" in graph["hicache.controller.cache"]
-    assert "hicache.controller.lifecycle" in graph["hicache.controller.cache"]

@@ -16,7 +16,7 @@ import pytest
 from controller_helpers import PassThroughBackend, make_config, prefetch_together, store_sequence, tokens
 
 from hicache import HiCache, Namespace
-from hicache.controller.pacing import LoopPacer
+from hicache.controller.prefetch.pacing import LoopPacer
 from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import PageStatus
 

@@ -23,7 +23,7 @@ from controller_helpers import (
 )
 
 from hicache import DropReason, HiCache, PrefetchOutcome, PrefetchState, PrefetchStatus, UnknownRequest
-from hicache.controller.release import ComponentTransfer
+from hicache.controller.pages.release import ComponentTransfer
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.memory import Owner
 from hicache.metrics import render

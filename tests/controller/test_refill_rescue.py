@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hicache import HiCache, Namespace
-from hicache.controller import copies as copies_module
+from hicache.controller.movement import copies as copies_module
 from hicache.keys import as_key_bytes
 from hicache.tiers import DropReason
 from storage_backends.memory import MemoryBackend

@@ -29,7 +29,7 @@ from hicache import (
     StorageAuthError,
     StorageUnavailable,
 )
-from hicache.controller.guarded_storage import GuardedStorage
+from hicache.controller.storage.guarded import GuardedStorage
 from hicache.errors import StorageCircuitOpen
 from hicache.metrics import CollectorRegistry, default_cache_metrics, snapshot
 from storage_backends.memory import MemoryBackend

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hicache.controller.layered_load import LayeredLoader, LayerwiseLoad
+from hicache.controller.movement.layered_load import LayeredLoader, LayerwiseLoad
 from hicache.demo import llama_serve
 from hicache.demo.llama_serve import run_demo
 from hicache.demo.model import ModelSpec

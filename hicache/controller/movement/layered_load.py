@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.controller.copies import CopyTracker
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.tier_mover import TierMover
 from hicache.errors import LoadBackFailed
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner

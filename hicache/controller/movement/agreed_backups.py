@@ -30,8 +30,8 @@ from enum import Enum
 
 import torch
 
-from hicache.controller.allocation import Allocator, ComponentPools
-from hicache.controller.copies import CopyTracker
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.pages.allocation import Allocator, ComponentPools
 from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, Decision, decode_max, encode_max

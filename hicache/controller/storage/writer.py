@@ -10,9 +10,9 @@ import anyio
 import torch
 
 from hicache.components import component_storage_key
-from hicache.controller.allocation import ComponentPools
-from hicache.controller.guarded_storage import GuardedStorage
-from hicache.controller.release import ReleaseQueue
+from hicache.controller.pages.allocation import ComponentPools
+from hicache.controller.pages.release import ReleaseQueue
+from hicache.controller.storage.guarded import GuardedStorage
 from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics
 from hicache.tiers import Tier

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from hicache.controller.prefetch import Prefetch
-from hicache.controller.tier_mover import TierMover
+from hicache.controller.movement.tier_mover import TierMover
+from hicache.controller.prefetch.job import Prefetch
 from hicache.keys import TOKEN_BYTES
 from hicache.tree import RadixTree
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from hicache.controller.breaker import CircuitBreaker
+from hicache.controller.storage.breaker import CircuitBreaker
 from hicache.errors import ChecksumMismatch, PageNotFound, StorageCircuitOpen
 from hicache.metrics import Counter
 from storage_backends.protocol import PageStatus, StorageBackend

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
-from hicache.controller.release import ComponentTransfer
+from hicache.controller.pages.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tiers import DropReason, PrefetchStatus
 from hicache.tree import NodeRef

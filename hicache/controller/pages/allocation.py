@@ -11,7 +11,7 @@ import torch
 
 from hicache.components import Component
 from hicache.config import HiCacheConfig
-from hicache.controller.release import ReleaseQueue
+from hicache.controller.pages.release import ReleaseQueue
 from hicache.memory import KVPool, Owner, make_device_pool, make_host_pool
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import Tier

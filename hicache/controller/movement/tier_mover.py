@@ -12,12 +12,12 @@ import torch
 
 from hicache.components import Component
 from hicache.config import HiCacheConfig
-from hicache.controller.agreed_backups import AgreedBackup, AgreedBackups, AgreedStore
-from hicache.controller.allocation import Allocator, ComponentPools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.copies import CopyTracker
-from hicache.controller.storage_writer import StorageWriter
-from hicache.controller.work_queue import WorkQueue
+from hicache.controller.movement.agreed_backups import AgreedBackup, AgreedBackups, AgreedStore
+from hicache.controller.movement.copies import CopyTracker
+from hicache.controller.movement.work_queue import WorkQueue
+from hicache.controller.pages.allocation import Allocator, ComponentPools
+from hicache.controller.storage.breaker import CircuitBreaker
+from hicache.controller.storage.writer import StorageWriter
 from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES
 from hicache.memory import KVPool, Owner

@@ -12,13 +12,13 @@ import torch
 
 from hicache.components import component_storage_key
 from hicache.config import HiCacheConfig
-from hicache.controller.allocation import Allocator, ComponentPools
-from hicache.controller.breaker import CircuitBreaker
-from hicache.controller.guarded_storage import GuardedStorage
-from hicache.controller.pacing import LoopPacer
-from hicache.controller.release import ComponentTransfer
+from hicache.controller.pages.allocation import Allocator, ComponentPools
+from hicache.controller.pages.release import ComponentTransfer
+from hicache.controller.prefetch.pacing import LoopPacer
+from hicache.controller.prefetch.probe import probe_hit_pages
 from hicache.controller.state import OpenState
-from hicache.controller.storage_probe import probe_hit_pages
+from hicache.controller.storage.breaker import CircuitBreaker
+from hicache.controller.storage.guarded import GuardedStorage
 from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES, chained_page_keys
 from hicache.memory import KVPool, Owner

@@ -18,7 +18,7 @@ PROPERTY_TESTS := tests/tree/test_tree_state_machine.py tests/controller/test_co
 BENCHES := tree io s3 transfer faults ownership tp layerwise refill network vllm
 BENCH_TARGETS := $(addprefix bench-,$(BENCHES))
 
-.PHONY: run test fuzz check native bench $(BENCH_TARGETS) gpu-check venv venv-vllm clean
+.PHONY: run test fuzz check docs native bench $(BENCH_TARGETS) gpu-check venv venv-vllm clean
 
 $(STAMP): pyproject.toml setup.py native/hicache_native.c native/hicache_write.c native/hicache_tree.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -76,6 +76,16 @@ check: $(STAMP)
 	$(BIN)/ruff format --check hicache storage_backends tests bench examples
 	$(BIN)/mypy
 
+# The docs (docs/, mkdocs.yml) built in strict mode into site/: the `[docs]` extra is installed into .venv
+# on first use.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(BENCH_TARGETS)
 
 # bench-tp: tensor-parallel agreement cost at 1, 2 and 4 gloo ranks, and the TP demo's savings there.
@@ -90,4 +100,4 @@ gpu-check:
 	bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site

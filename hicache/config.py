@@ -95,7 +95,7 @@ class HiCacheConfig:
             The configuration derives the effective namespace from it: its `layout` field is always
             replaced by `layout_signature(layout, components)`, so caches whose pages differ in bytes never
             share pages, whatever is passed. Two caches share pages exactly when their effective
-            namespaces are equal (see README, "Namespaces and sharing").
+            namespaces are equal (see docs/storage.md, "Namespaces and sharing").
         backup_to_storage: write host backups through to storage in the background.
         prefetch_threshold: minimum page-aligned storage remainder (tokens) worth a prefetch.
         prefetch_stop_policy: when a prefetch stops streaming (see `StopPolicy`).
@@ -136,8 +136,8 @@ class HiCacheConfig:
             backed up: `drop` it (the default), or `backup_then_attach` (see `RefillPolicy`).
         tp_group: the tensor-parallel rank group (`hicache.parallel.RankGroup`), or None for one rank.
             With more than one rank, every decision that depends on rank-local facts (the storage probe,
-            the pages a prefetch completed) is agreed across the group before the tree changes (README,
-            "Tensor parallelism"). Its rank and size must equal `namespace.tp_rank` and `tp_size`.
+            the pages a prefetch completed) is agreed across the group before the tree changes
+            (docs/tensor-parallel.md). Its rank and size must equal `namespace.tp_rank` and `tp_size`.
     """
 
     layout: KVLayout

@@ -27,7 +27,7 @@ from hicache.metrics import (
     snapshot,
 )
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
 
 def updated_metrics(registry: CollectorRegistry) -> CacheMetrics:
@@ -70,9 +70,9 @@ def test_the_metric_set_scrapes_through_the_text_format() -> None:
     assert m.prefetch_latency.value() == 4.0
 
 
-def test_names_follow_prometheus_conventions_and_match_the_readme_table() -> None:
-    """Counters end in `_total`, units end the name, every name has the `hicache_` prefix; the README's
-    metrics table lists exactly the registered names, with their types and labels."""
+def test_names_follow_prometheus_conventions_and_match_the_docs_table() -> None:
+    """Counters end in `_total`, units end the name, every name has the `hicache_` prefix; the
+    metrics table of docs/metrics.md lists exactly the registered names, with their types and labels."""
     registry = CollectorRegistry()
     default_cache_metrics(registry)
     registered = {}
@@ -83,7 +83,7 @@ def test_names_follow_prometheus_conventions_and_match_the_readme_table() -> Non
         assert name.endswith("_total") == (kind == "counter"), name
         assert "bytes" not in name or name.endswith(("_bytes", "_bytes_total")), name
     assert registered["hicache_prefetch_latency_seconds"] == "histogram"
-    table = re.findall(r"^\| `(hicache_\w+)` \| (\w+) \| ([^|]*)\|", README.read_text(), re.M)
+    table = re.findall(r"^\| `(hicache_\w+)` \| (\w+) \| ([^|]*)\|", METRICS_DOC.read_text(), re.M)
     assert {name: kind for name, kind, _ in table} == registered
     labels = {name: set(re.findall(r"`(\w+)`", cell)) for name, _, cell in table}
     assert labels["hicache_writes_shed_total"] == {"tier", "reason"}

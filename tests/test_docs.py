@@ -44,6 +44,17 @@ def test_architecture_names_every_module() -> None:
     assert not missing, f"docs/architecture.md does not name these modules: {missing}"
 
 
+def test_the_module_map_names_only_modules_that_exist() -> None:
+    """A module deleted or renamed leaves no line behind in docs/architecture.md's module map."""
+    text = ARCHITECTURE.read_text()
+    listed = re.findall(
+        r"^- `((?:hicache|storage_backends)[\w.]*)`", text.split("## Every module", 1)[1], re.M
+    )
+    assert len(listed) >= 50
+    stale = sorted(set(listed) - set(module_names()))
+    assert not stale, f"docs/architecture.md's module map names modules that do not exist: {stale}"
+
+
 def test_readme_example_runs(tmp_path: Path) -> None:
     """The front door's example runs as printed, warnings as errors, and reuses the shared prefix."""
     script = tmp_path / "readme_example.py"

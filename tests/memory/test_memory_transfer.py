@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -289,6 +290,41 @@ async def test_a_cancelled_threaded_cuda_copy_completes_before_returning() -> No
         scope.cancel()
         await copy_pages_async(device, d_idx, host, h_idx)
     assert scope.cancelled_caught
+    assert bool((host.buffer == 3.0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_threaded_cuda_copy_cancelled_by_asyncio_while_enqueueing_completes_before_returning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Task.cancel` while the enqueueing thread runs: anyio's shield there did not hold it off, and the
+    copy returned before its copies were enqueued, let alone landed."""
+    started, release = threading.Event(), threading.Event()
+    real_enqueue = transfer_module._enqueue_on_side_stream
+
+    def gated_enqueue(*args: Any) -> torch.cuda.Event:
+        started.set()
+        release.wait(timeout=30)
+        return real_enqueue(*args)
+
+    monkeypatch.setattr(transfer_module, "_enqueue_on_side_stream", gated_enqueue)
+    pages = 4 * transfer_module._INLINE_RUNS
+    device = opened(make_device_pool(LAYOUT, pages))
+    host = opened(KVPool(LAYOUT, pages, pin_memory=True, name="host"))
+    d_idx = scattered_pages(device, list(range(pages))[::-1])
+    h_idx = alloc(host, pages * P)
+    device.buffer.fill_(3.0)
+    task = asyncio.get_running_loop().create_task(copy_pages_async(device, d_idx, host, h_idx))
+    try:
+        await anyio.to_thread.run_sync(started.wait)
+        task.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert not task.done(), "the cancelled copy returned while its copies were being enqueued"
+    finally:
+        release.set()
+    (done,) = await asyncio.gather(task, return_exceptions=True)
+    assert isinstance(done, asyncio.CancelledError)
     assert bool((host.buffer == 3.0).all())
 
 

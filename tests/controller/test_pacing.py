@@ -284,3 +284,60 @@ async def test_prefetches_started_together_never_exceed_the_capacity_between_the
         await cache.cancel_prefetch(admitted[0])
         assert cache.statistics().prefetches_in_flight == 0
         cache.sanity_check()
+
+
+class ParksTheCommitTurn(LoopPacer):
+    """A pacer whose turn parks its caller (as a queued turn would) until `gate` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def turn(self, ticket: int | None = None) -> None:
+        self.arrived.set()
+        await self.gate.wait()
+        await super().turn(ticket)
+
+
+@pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
+async def test_a_commit_cancelled_by_asyncio_in_its_turn_after_the_agreement_is_carried_out(how: str) -> None:
+    """The pages were agreed across the ranks when the commit waits for its turn; anyio's shield there
+    does not stop asyncio's own cancellation, which used to abandon the commit with its decision consumed:
+    the prefetch stayed in flight, a second commit failed with a KeyError, and under TP the ranks that
+    had committed diverged from this one. Now the commit is carried out, then the cancellation propagates."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    namespace = Namespace(model_id="controller-tests")
+    async with (
+        MemoryBackend(namespace_digest=namespace.digest) as backend,
+        HiCache(config, storage=backend) as cache,
+    ):
+        seq = tokens(0, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        with anyio.fail_after(5):
+            await prefetch.wait_for_stop_policy()  # read in full: the commit's is the next turn
+        pacer = ParksTheCommitTurn()
+        cache._prefetcher.pacer = pacer
+
+        deadline = asyncio.timeout(None)
+
+        async def commit() -> None:
+            async with deadline:
+                await cache.commit_prefetch("r")
+
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(commit())
+        with anyio.fail_after(5):
+            await pacer.arrived.wait()  # the commit is parked in its turn, after the agreement
+            if how == "asyncio.timeout":
+                deadline.reschedule(loop.time())
+            else:
+                task.cancel()
+            done = await asyncio.gather(task, return_exceptions=True)
+        expected = TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError
+        assert isinstance(done[0], expected)
+        assert cache.statistics().prefetches_in_flight == 0  # resolved: committed, not abandoned
+        assert cache.match(seq).host_len == 32
+        cache.sanity_check()

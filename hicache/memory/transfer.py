@@ -25,11 +25,10 @@ from a worker thread: 32k launches on the event loop would stall it for a good p
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,7 +39,7 @@ import torch
 
 from hicache.memory.pool import KVPool
 
-__all__ = ["copy_pages", "copy_pages_async", "wait_uncancelled"]
+__all__ = ["copy_pages", "copy_pages_async"]
 
 logger = logging.getLogger(__name__)
 
@@ -405,19 +404,6 @@ async def copy_pages_async(
     src_pages, dst_pages = _validated_pages(src, src_indices, dst, dst_indices)
     if src_pages.numel() == 0:
         return
-    # anyio holds asyncio's own cancellation (`asyncio.timeout`, `Task.cancel`) off neither `run_sync`
-    # nor its shields: the copy runs in a task of its own.
-    await wait_uncancelled(_copy_validated(src, src_pages, dst, dst_pages, limiter))
-
-
-async def _copy_validated(
-    src: KVPool,
-    src_pages: torch.Tensor,
-    dst: KVPool,
-    dst_pages: torch.Tensor,
-    limiter: anyio.CapacityLimiter | None,
-) -> None:
-    """`copy_pages_async` after validation (pages non-empty)."""
     cuda = next((p.device for p in (src, dst) if p.device.type == "cuda"), None)
     pageable_host = any(p.device.type == "cpu" and not p.pinned for p in (src, dst))
     if cuda is None or pageable_host:
@@ -442,31 +428,6 @@ async def _copy_validated(
                 _enqueue_on_side_stream, enqueue, cuda, after, limiter=limiter
             )
     await _wait_event_safely(event)
-
-
-async def wait_uncancelled(work: Awaitable[None]) -> None:
-    """Await `work` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
-
-    anyio's shielded scopes do not stop asyncio's own cancellation (`asyncio.timeout`, `wait_for`,
-    `Task.cancel`), so the work runs in a task of its own and a cancellation of the caller only ends the
-    caller's wait once the work is done. For short work that must never be abandoned (a copy into a
-    buffer the caller frees on its way out).
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)
-    except BaseException:
-        # Cancelled (or the work failed): wait for the work; anyio's re-deliveries are shielded, a second
-        # asyncio cancellation is absorbed, the first exception is what propagates.
-        with anyio.CancelScope(shield=True):
-            while not task.done():
-                try:
-                    await asyncio.wait([task])
-                except asyncio.CancelledError:
-                    continue
-        if not task.cancelled():
-            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
-        raise
 
 
 async def _wait_event_safely(event: torch.cuda.Event) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Awaitable, Iterator
 
 import anyio
 import torch
 
 from hicache.memory import KVPool, copy_pages_async
-from hicache.memory.transfer import wait_uncancelled
 
 __all__ = ["CopyTracker", "wait_uncancelled"]
 
@@ -35,7 +35,7 @@ class CopyTracker:
         re-raised only once the copy has landed."""
         self.begin()
         try:
-            await copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter)
+            await wait_uncancelled(copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter))
         finally:
             self.end()
 
@@ -66,3 +66,28 @@ class CopyTracker:
     def loading(self, pool: KVPool) -> Iterator[torch.Tensor]:
         """Indices of `pool` that load-backs in flight copy into."""
         return (indices for (p, indices) in self._loading.values() if p is pool)
+
+
+async def wait_uncancelled(work: Awaitable[None]) -> None:
+    """Await `work` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
+
+    anyio's shielded scopes do not stop asyncio's own cancellation (`asyncio.timeout`, `wait_for`,
+    `Task.cancel`), so the work runs in a task of its own and a cancellation of the caller only ends the
+    caller's wait once the work is done. For short work that must never be abandoned (a copy into a
+    buffer the caller frees on its way out).
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except BaseException:
+        # Cancelled (or the work failed): wait for the work; anyio's re-deliveries are shielded, a second
+        # asyncio cancellation is absorbed, the first exception is what propagates.
+        with anyio.CancelScope(shield=True):
+            while not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    continue
+        if not task.cancelled():
+            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
+        raise

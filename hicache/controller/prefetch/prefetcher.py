@@ -283,14 +283,8 @@ class Prefetcher:
             self._check_still_in_flight(request_id, prefetch)
         # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
         # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
-        # anyio's shield does not stop asyncio's own cancellation (`asyncio.timeout`, `Task.cancel`): one
-        # gives the turn up, the commit is carried out all the same, then the cancellation propagates.
-        cancelled: asyncio.CancelledError | None = None
-        try:
-            with anyio.CancelScope(shield=True):
-                await self.pacer.turn(prefetch.ticket)
-        except asyncio.CancelledError as exc:
-            cancelled = exc
+        with anyio.CancelScope(shield=True):
+            await self.pacer.turn(prefetch.ticket)
         self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
@@ -364,8 +358,6 @@ class Prefetcher:
             loaded,
             outcome.released_tokens,
         )
-        if cancelled is not None:
-            raise cancelled
         return outcome
 
     async def _stop_and_agree(self, prefetch: Prefetch) -> tuple[int, bool]:

@@ -246,8 +246,6 @@ class Prefetch:
                     if good < len(ok):
                         reason = _reason(ok[good])
                         self._note_unusable(self.page_keys[start:stop], ok)
-            except anyio.get_cancelled_exc_class():
-                raise
             except Exception as exc:  # a storage error ends the prefetch here, never the loop
                 logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
                 good = -1
@@ -293,8 +291,6 @@ class Prefetch:
                     self.timed_out_reads += 1
                     self._count_failures("timeout", 1)
                     return
-            except anyio.get_cancelled_exc_class():
-                raise
             except Exception as exc:  # as for pages: a storage error ends the prefetch, never the loop
                 logger.warning("prefetch %s: component read failed: %r", self.request_id, exc)
                 self._count_failures("error", 1)
@@ -326,8 +322,6 @@ class Prefetch:
         try:
             with anyio.move_on_after(timeout_s):
                 await backend.delete(self.unusable_keys)
-        except anyio.get_cancelled_exc_class():
-            raise
         except Exception as exc:
             logger.warning("prefetch %s: cannot remove unusable pages: %r", self.request_id, exc)
 

@@ -37,9 +37,14 @@ with nothing else running, and `*_loop_cpu_net_ms` / `loop_cpu_net_ms_per_gib_{b
 the figures without it. `--busy N` runs everything beside N processes
 that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
 
+`--no-pacer`: the controller passes run with the loop pacer switched off (`LoopPacer.turn` returns at once,
+counted, never queued: every prefetch stage runs in the iteration its await ended in, as before issue 12),
+the A/B of whether the pacer earns its place; the JSON line says `pacer: false`. There is no configuration
+for it (the pacer is no option of the cache), so the bench replaces the method for its controller passes.
+
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
        [--sequences 16] [--batch-pages N] [--page-kib 1024,64] [--states hot,cold] [--no-controller]
-       [--no-sglang] [--busy N] [--smoke]
+       [--no-sglang] [--busy N] [--no-pacer] [--smoke]
 Ends with one JSON line.
 """
 
@@ -68,6 +73,7 @@ import torch
 from _loop_timing import time_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
+from hicache.controller.prefetch.pacing import LoopPacer
 from hicache.keys import ROOT_HASH, chained_page_hashes
 from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
@@ -93,6 +99,8 @@ class Timed:
     max_stall_cpu_ms: float = 0.0
     loop_cpu_ms: float = 0.0
     reading: float = 0.0
+    pacer_queued: int = 0
+    """Controller passes: the pacer's turns that waited for another caller's (0 with `--no-pacer`)."""
 
 
 @dataclass
@@ -105,6 +113,7 @@ class Series:
     loop_cpu: list[float] = field(default_factory=list)
     loop_cpu_net: list[float] = field(default_factory=list)
     reading: list[float] = field(default_factory=list)
+    pacer_queued: list[int] = field(default_factory=list)
 
     def add(self, timed: Timed, ticker_ms_per_s: float = 0.0) -> None:
         """One pass; `ticker_ms_per_s` is the ticker's own loop CPU per second (`ticker_cost`), taken off
@@ -115,6 +124,7 @@ class Series:
         self.loop_cpu.append(timed.loop_cpu_ms)
         self.loop_cpu_net.append(max(0.0, timed.loop_cpu_ms - ticker_ms_per_s * timed.seconds))
         self.reading.append(timed.reading)
+        self.pacer_queued.append(timed.pacer_queued)
 
     @property
     def median(self) -> float:
@@ -253,28 +263,53 @@ def controller_config(
     )
 
 
-async def controller_pass(config: HiCacheConfig, seqs: Sequence[torch.Tensor], backend: FileBackend) -> Timed:
+@contextlib.contextmanager
+def pacer_switched_off(off: bool) -> Iterator[None]:
+    """With `off`, every `LoopPacer.turn` returns at once while inside (counted, never queued); restored
+    on the way out. Without `off`, nothing changes."""
+    if not off:
+        yield
+        return
+    shipped = LoopPacer.turn
+
+    async def turn(self: LoopPacer, ticket: int | None = None) -> None:
+        self.turns += 1
+
+    LoopPacer.turn = turn  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LoopPacer.turn = shipped  # type: ignore[method-assign]
+
+
+async def controller_pass(
+    config: HiCacheConfig, seqs: Sequence[torch.Tensor], backend: FileBackend, *, no_pacer: bool = False
+) -> Timed:
     """Prefetch and commit every sequence concurrently in a fresh cache reading through `backend` (the
-    same worker threads as the backend pass); time it with the ticker."""
-    async with HiCache(config, storage=backend) as cache:
+    same worker threads as the backend pass); time it with the ticker. `no_pacer`: see
+    `pacer_switched_off`."""
+    with pacer_switched_off(no_pacer):
+        async with HiCache(config, storage=backend) as cache:
 
-        async def one(i: int, seq: torch.Tensor, loaded: list[int]) -> None:
-            prefetch = await cache.prefetch(f"bench-{i}", seq)
-            assert prefetch is not None, "prefetch was skipped"
-            outcome = await cache.commit_prefetch(f"bench-{i}")
-            assert outcome.status == "committed", outcome
-            loaded[i] = outcome.loaded_tokens // PAGE_TOKENS
+            async def one(i: int, seq: torch.Tensor, loaded: list[int]) -> None:
+                prefetch = await cache.prefetch(f"bench-{i}", seq)
+                assert prefetch is not None, "prefetch was skipped"
+                outcome = await cache.commit_prefetch(f"bench-{i}")
+                assert outcome.status == "committed", outcome
+                loaded[i] = outcome.loaded_tokens // PAGE_TOKENS
 
-        async def run() -> int:
-            loaded = [0] * len(seqs)
-            async with anyio.create_task_group() as tg:
-                for i, seq in enumerate(seqs):
-                    tg.start_soon(one, i, seq, loaded)
-            return sum(loaded)
+            async def run() -> int:
+                loaded = [0] * len(seqs)
+                async with anyio.create_task_group() as tg:
+                    for i, seq in enumerate(seqs):
+                        tg.start_soon(one, i, seq, loaded)
+                return sum(loaded)
 
-        timed = await timed_with_ticker(run, backend)
-        cache.sanity_check()
-    return timed
+            queued = cache._prefetcher.pacer.queued
+            timed = await timed_with_ticker(run, backend)
+            timed.pacer_queued = cache._prefetcher.pacer.queued - queued
+            cache.sanity_check()
+        return timed
 
 
 async def bench_page_size(
@@ -326,7 +361,7 @@ async def bench_page_size(
                 if not args.no_controller:
                     if state == "cold":
                         drop_page_cache(paths)
-                    result = await controller_pass(config, seqs, backend)
+                    result = await controller_pass(config, seqs, backend, no_pacer=args.no_pacer)
                     assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
                     controller.add(result, ticker)
             assert torch.equal(pool[: n * page_bytes], expected), "backend read wrong bytes"
@@ -349,6 +384,7 @@ async def bench_page_size(
                     "controller_ratio": raw_med / controller.median,
                     "controller_max_stall_ms": max(controller.stalls),
                     "controller_max_stall_cpu_ms": max(controller.cpu_stalls),
+                    "controller_pacer_queued": max(controller.pacer_queued),
                     **controller.figures("controller_"),
                 }
             out[state] = entry
@@ -436,6 +472,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 max(r[f"{prefix}loop_cpu_net_ms"] for r in passes) / gib, 1
             )
     summary["busy"] = args.busy
+    summary["pacer"] = not args.no_pacer
     summary["max_loop_stall_ms"] = worst("max_stall_ms")
     summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")
     if not args.no_controller:
@@ -459,7 +496,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         f"{size_name(p)}_{state}": {
             k: v
             for k, v in r.items()
-            if k.endswith(("loop_cpu_ms", "loop_cpu_net_ms", "groups_reading", "_per_s"))
+            if k.endswith(("loop_cpu_ms", "loop_cpu_net_ms", "groups_reading", "_per_s", "pacer_queued"))
         }
         for p, states in results.items()
         for state, r in states.items()
@@ -567,6 +604,11 @@ def main() -> None:
     )
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes competing for the CPU")
+    parser.add_argument(
+        "--no-pacer",
+        action="store_true",
+        help="controller passes with the loop pacer switched off (the pacer's A/B)",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",

@@ -27,6 +27,7 @@ KEYS: dict[str, set[str]] = {
     "io": {
         "total_mib", "threads", "ratio_1mib_hot", "ratio_64kib_cold", "ratio_1mib_hot_controller",
         "max_loop_stall_ms", "max_loop_stall_ms_controller", "loop_cpu_ratio_controller_vs_backend_max",
+        "busy", "pacer",
     },
     "layerwise": {
         "device", "prefix_tokens", "suffix_tokens", "repeats", "ttft_ms_layerwise", "ttft_ms_whole",
@@ -115,3 +116,26 @@ def test_the_bench_smoke_pass_reports_its_keys(name: str) -> None:
     assert result["bench"] == name
     missing = KEYS.get(name, set()) - set(result)
     assert not missing, f"bench_{name}.py --smoke lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("pacer", [True, False], ids=["pacer", "no-pacer"])
+def test_bench_io_switches_the_pacer_off_for_its_ab(pacer: bool) -> None:
+    """`bench_io.py --no-pacer` is the pacer's A/B (BENCHMARKS.md cited a script outside the repository):
+    with the flag no controller turn waits for another's, without it the two prefetches started together
+    take turns."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    args = ["--smoke", "--page-kib", "64", "--states", "hot"] + ([] if pacer else ["--no-pacer"])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_io.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, f"bench_io.py {' '.join(args)} failed:\n{done.stderr[-4000:]}"
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["pacer"] is pacer
+    queued = result["passes"]["64kib_hot"]["controller_pacer_queued"]
+    assert (queued > 0) if pacer else (queued == 0), queued

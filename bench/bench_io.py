@@ -42,9 +42,13 @@ counted, never queued: every prefetch stage runs in the iteration its await ende
 the A/B of whether the pacer earns its place; the JSON line says `pacer: false`. There is no configuration
 for it (the pacer is no option of the cache), so the bench replaces the method for its controller passes.
 
+`--reader-nice N`: the read threads' nice increment (`storage_backends.threads._NICE`, 10 as shipped: they
+give a core to the loop thread as soon as it wakes, and to any other process as well), the A/B of what
+that costs beside a competitor (`--busy`); the JSON line says `reader_nice`.
+
 Usage: python bench/bench_io.py [--total-mib 1024] [--repeats 3] [--raw-threads 2,4,16] [--threads N]
        [--sequences 16] [--batch-pages N] [--page-kib 1024,64] [--states hot,cold] [--no-controller]
-       [--no-sglang] [--busy N] [--no-pacer] [--smoke]
+       [--no-sglang] [--busy N] [--no-pacer] [--reader-nice N] [--smoke]
 Ends with one JSON line.
 """
 
@@ -75,6 +79,7 @@ from _loop_timing import time_with_ticker
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace, StopPolicy
 from hicache.controller.prefetch.pacing import LoopPacer
 from hicache.keys import ROOT_HASH, chained_page_hashes
+from storage_backends import threads as read_threads
 from storage_backends.file import FileBackend
 from storage_backends.page_format import HEADER_SIZE
 from storage_backends.protocol import PageStatus
@@ -473,6 +478,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
             )
     summary["busy"] = args.busy
     summary["pacer"] = not args.no_pacer
+    summary["reader_nice"] = read_threads._NICE
     summary["max_loop_stall_ms"] = worst("max_stall_ms")
     summary["max_loop_stall_cpu_ms"] = worst("max_stall_cpu_ms")
     if not args.no_controller:
@@ -610,6 +616,12 @@ def main() -> None:
         help="controller passes with the loop pacer switched off (the pacer's A/B)",
     )
     parser.add_argument(
+        "--reader-nice",
+        type=int,
+        default=None,
+        help="the read threads' nice increment (default: the shipped one)",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="one tiny pass (16 MiB, one repeat), no SGLang, the same JSON keys",
@@ -617,6 +629,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.busy < 0:
         parser.error(f"--busy: expected >= 0, got {args.busy}")
+    if args.reader_nice is not None:
+        if not 0 <= args.reader_nice <= 19:
+            parser.error(f"--reader-nice: expected 0-19, got {args.reader_nice}")
+        read_threads._NICE = args.reader_nice  # read when each worker thread starts, after this
     if args.smoke:
         args.total_mib, args.repeats, args.raw_threads, args.sequences = 16, 1, "2", 2
         args.no_sglang = True

@@ -27,7 +27,7 @@ KEYS: dict[str, set[str]] = {
     "io": {
         "total_mib", "threads", "ratio_1mib_hot", "ratio_64kib_cold", "ratio_1mib_hot_controller",
         "max_loop_stall_ms", "max_loop_stall_ms_controller", "loop_cpu_ratio_controller_vs_backend_max",
-        "busy", "pacer",
+        "busy", "pacer", "reader_nice",
     },
     "layerwise": {
         "device", "prefix_tokens", "suffix_tokens", "repeats", "ttft_ms_layerwise", "ttft_ms_whole",
@@ -122,9 +122,10 @@ def test_the_bench_smoke_pass_reports_its_keys(name: str) -> None:
 def test_bench_io_switches_the_pacer_off_for_its_ab(pacer: bool) -> None:
     """`bench_io.py --no-pacer` is the pacer's A/B (BENCHMARKS.md cited a script outside the repository):
     with the flag no controller turn waits for another's, without it the two prefetches started together
-    take turns."""
+    take turns. `--reader-nice` (the read threads' nice A/B) rides along: the run reports what it used."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    args = ["--smoke", "--page-kib", "64", "--states", "hot"] + ([] if pacer else ["--no-pacer"])
+    args = ["--smoke", "--page-kib", "64", "--states", "hot"]
+    args += [] if pacer else ["--no-pacer", "--reader-nice", "3"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_io.py"), *args],
         cwd=ROOT,
@@ -137,5 +138,6 @@ def test_bench_io_switches_the_pacer_off_for_its_ab(pacer: bool) -> None:
     assert done.returncode == 0, f"bench_io.py {' '.join(args)} failed:\n{done.stderr[-4000:]}"
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["pacer"] is pacer
+    assert result["reader_nice"] == (10 if pacer else 3)
     queued = result["passes"]["64kib_hot"]["controller_pacer_queued"]
     assert (queued > 0) if pacer else (queued == 0), queued

@@ -83,9 +83,9 @@ typedef struct {
                          are dropped when the filesystem refuses them, READAHEAD_FLAG stays */
 } read_ctx;
 
-/* The page's path: root/ab/cd/<key><suffix> (FileBackend._path). Returns 0, or -1 if it does not fit. */
+/* The page's path: root/ab/<key><suffix> (PageFiles.path). Returns 0, or -1 if it does not fit. */
 static int build_path(const read_ctx *ctx, const char *key, Py_ssize_t key_len, char *out) {
-    Py_ssize_t need = ctx->root_len + 7 + key_len + ctx->suffix_len + 1;
+    Py_ssize_t need = ctx->root_len + 4 + key_len + ctx->suffix_len + 1;
     if (key_len < MIN_KEY_CHARS || need > MAX_PATH_BYTES) return -1;
     char *p = out;
     memcpy(p, ctx->root, ctx->root_len);
@@ -93,9 +93,6 @@ static int build_path(const read_ctx *ctx, const char *key, Py_ssize_t key_len, 
     *p++ = '/';
     *p++ = key[0];
     *p++ = key[1];
-    *p++ = '/';
-    *p++ = key[2];
-    *p++ = key[3];
     *p++ = '/';
     memcpy(p, key, key_len);
     p += key_len;
@@ -627,7 +624,7 @@ static PyTypeObject ReadJobType = {
 PyDoc_STRVAR(read_pages_doc,
              "read_pages(root, suffix, keys, buffers, namespace_digest, nowait_flags, /)\n"
              "    -> tuple[bytes, int, list[tuple[int, int]]]\n\n"
-             "Read and verify page files root/ab/cd/<key><suffix> into buffers with the GIL released.\n"
+             "Read and verify page files root/ab/<key><suffix> into buffers with the GIL released.\n"
              "nowait_flags: 0 (plain reads), or READAHEAD with any probe flags (RWF_NOWAIT): read ahead\n"
              "from the first page that is not in the page cache (from the first page without a probe).\n"
              "Returns one outcome byte per page (HIT, MISS, RETRY, ERROR), the flags to pass next time\n"

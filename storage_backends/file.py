@@ -1,7 +1,9 @@
 """A storage backend on a local or mounted filesystem: one file per page, written atomically.
 
-Layout: `root/ab/cd/<key>.kvp`, where `ab` and `cd` are the key's first two hex pairs, so no directory
-grows past 65536 entries per level. Every file is a `page_format` header followed by the payload.
+Layout: `root/ab/<key>.kvp`, where `ab` is the key's first hex pair: 256 directories, created once, each
+holding 1/256 of the pages (directories are hashed indexes on ext4 and XFS). Every file is a `page_format`
+header followed by the payload. A second level (`root/ab/cd/`, 65,536 directories) cost a fresh store one
+`mkdir` per page written, as much kernel CPU again as the page's own file (docs/storage.md).
 
 `FileBackend` is the async face (validation, grouping into worker-thread jobs, statistics, lifecycle);
 `storage_backends.file_pages.PageFiles` does the work on the files. Every blocking call runs in the backend's

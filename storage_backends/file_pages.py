@@ -1,6 +1,6 @@
 """The file backend's page files: where a page lives, and the work on it that runs in worker threads.
 
-`PageFiles` knows the layout under one root (`root/ab/cd/<key>.kvp`, a `page_format` header followed by the
+`PageFiles` knows the layout under one root (`root/ab/<key>.kvp`, a `page_format` header followed by the
 payload) and does the per-page work: batched reads through the C extension, a checked re-read of any page
 the C reader found unusual, atomic writes, stat and unlink. It runs in worker threads only; `FileBackend`
 (`storage_backends.file`) is the async face that validates, groups, counts and cancels.
@@ -80,7 +80,7 @@ class PageFiles:
 
     def path(self, key: str) -> str:
         """The file of page `key` (the key must be validated: 4-128 lowercase hex characters)."""
-        return f"{self.root}/{key[0:2]}/{key[2:4]}/{key}{SUFFIX}"
+        return f"{self.root}/{key[0:2]}/{key}{SUFFIX}"
 
     def statuses(
         self, keys: Sequence[str], codes: bytes, read_flags: int, errors: Sequence[tuple[int, int]]
@@ -157,7 +157,7 @@ class PageFiles:
         (EISDIR: `exists` counts it absent), is written again by `write_one`, which recreates the one and
         removes the other.
         """
-        dirs = [f"{self.root}/{key[0:2]}/{key[2:4]}" for key in keys]
+        dirs = [f"{self.root}/{key[0:2]}" for key in keys]
         for directory in set(dirs) - self._known_dirs:
             try:
                 os.makedirs(directory, exist_ok=True)
@@ -183,7 +183,7 @@ class PageFiles:
 
     def write_one(self, key: str, buf: memoryview) -> PageStatus:
         """Write one page to a temporary file in its directory and rename it over the final name."""
-        directory = f"{self.root}/{key[0:2]}/{key[2:4]}"
+        directory = f"{self.root}/{key[0:2]}"
         path = f"{directory}/{key}{SUFFIX}"
         tmp = f"{directory}/.{key}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         try:

@@ -121,7 +121,7 @@ def test_damaged_pages_and_aborted_loads_leave_outputs_identical(
     # chosen by key. Its namespace's fields and its system prompts come back in its result.
     namespace = Namespace(**first_engine["statistics"]["namespace"])
     system_pages = [
-        [damaged / k[:2] / k[2:4] / f"{k}.kvp" for k in chained_page_keys(as_key_bytes(s), 32, namespace)[1]]
+        [damaged / k[:2] / f"{k}.kvp" for k in chained_page_keys(as_key_bytes(s), 32, namespace)[1]]
         for s in first_engine["system_prompts"]
     ]
     assert all(p.is_file() for chain in system_pages for p in chain), system_pages

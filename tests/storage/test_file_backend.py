@@ -108,14 +108,49 @@ async def backend(tmp_path: Path) -> AsyncIterator[FileBackend]:
         yield b
 
 
-def test_pages_live_in_sharded_directories(tmp_path: Path) -> None:
-    """root/ab/cd/<key>.kvp, so no directory holds more than 256 subdirectories."""
+def test_pages_live_in_one_level_of_directories(tmp_path: Path) -> None:
+    """root/ab/<key>.kvp: 256 directories, made once. The two-level layout (root/ab/cd/) made a fresh
+    directory for nearly every page a filling store wrote, and each mkdir cost the writer as much kernel
+    CPU as the page's own file (issue 25)."""
     b = FileBackend(tmp_path, namespace_digest=NS)
     try:
         key = "abcdef0123456789"
-        assert b.path_of(key) == tmp_path / "ab" / "cd" / f"{key}.kvp"
+        assert b.path_of(key) == tmp_path / "ab" / f"{key}.kvp"
     finally:
         anyio.run(b.aclose)
+
+
+async def test_writes_make_no_directory_per_page(backend: FileBackend) -> None:
+    """Pages whose keys differ past their first hex pair share one directory: 64 pages under one pair
+    make one directory, and every page is read back from it."""
+    keys = [f"ab{i:02x}" + "0" * 28 for i in range(64)]
+    pages = make_pages(64, 64)
+    assert all(await backend.put(keys, pages))
+    assert sorted(p.name for p in backend.root.iterdir()) == ["ab"]
+    assert not [p for p in (backend.root / "ab").iterdir() if not p.is_file()]
+    out = [memoryview(bytearray(64)) for _ in keys]
+    assert await backend.get(keys, out) == [PageStatus.HIT] * 64
+    assert [bytes(o) for o in out] == [bytes(p) for p in pages]
+
+
+async def test_a_page_in_the_old_two_level_layout_is_a_miss(backend: FileBackend) -> None:
+    """A page file a server of the two-level layout wrote (root/ab/cd/<key>.kvp) is absent for this one:
+    `exists` counts 0 and `get` misses (no error, no read of the old file), and `put` writes the page at
+    its new path, leaving the old file alone."""
+    key = "abcd" + "0" * 28
+    old = backend.root / "ab" / "cd" / f"{key}.kvp"
+    old.parent.mkdir(parents=True)
+    page = make_pages(1, 64)
+    old.write_bytes(encode_header(page[0], NS, key) + bytes(page[0]))
+    assert await backend.exists([key]) == 0
+    out = [memoryview(bytearray(64))]
+    assert await backend.get([key], out) == [PageStatus.MISS]
+    assert all(await backend.put([key], page))
+    assert await backend.exists([key]) == 1
+    assert await backend.get([key], out) == [PageStatus.HIT]
+    assert bytes(out[0]) == bytes(page[0])
+    assert old.is_file()
+    assert backend.path_of(key).is_file()
 
 
 @pytest.mark.parametrize(

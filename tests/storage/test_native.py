@@ -429,7 +429,7 @@ def test_a_refused_probe_drops_the_probe_and_keeps_the_readahead(tmp_path: Path)
     flags = native.READAHEAD | _REFUSED_FLAG
     _, back, _ = native.read_pages(str(tmp_path), ".kvp", keys, bufs, NS16, flags)
     assert back == flags, "an absent page is opened, never read: nothing refused yet"
-    page = tmp_path / "ab" / "cd" / "abcd0000.kvp"
+    page = tmp_path / "ab" / "abcd0000.kvp"
     page.parent.mkdir(parents=True)
     page.write_bytes(bytes(native.HEADER_SIZE + 8))
     codes, back, _ = native.read_pages(str(tmp_path), ".kvp", keys, bufs, NS16, flags)

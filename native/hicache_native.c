@@ -53,9 +53,10 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 7 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
+#define NATIVE_BUILD 8 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
                           6: READAHEAD, separate from the probe; stat-only RETRY for a path that is no file;
-                          7: ReadQueue.call, a job that runs a Python callable */
+                          7: ReadQueue.call, a job that runs a Python callable;
+                          8: one directory level, root/ab/<key> */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */

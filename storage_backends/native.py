@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-BUILD = 7
+BUILD = 8
 """The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
 
 _REBUILD = (

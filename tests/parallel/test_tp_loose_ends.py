@@ -48,14 +48,14 @@ async def test_agreed_admissions_started_together_never_exceed_the_capacity_betw
         MemoryBackend(namespace_digest=digest) as inner,
         HiCache(config, storage=SettlingProbe(inner)) as cache,
     ):
-        cache._prefetcher._admission._agreement = Agreement()  # the agreed path, one rank
+        cache._admission._agreement = Agreement()  # the agreed path, one rank
         seqs = [tokens(0, 32), tokens(1000, 32)]
         for seq in seqs:
             await store_sequence(inner, cache, seq)
         admitted = await prefetch_together(cache, seqs)
         assert len(admitted) == 1
         assert cache.statistics().prefetch_tokens_in_flight == 32
-        assert cache._prefetcher._admission._admitting_tokens == 0
+        assert cache._admission._admitting_tokens == 0
         await cache.cancel_prefetch(admitted[0])
         cache.sanity_check()
 
@@ -88,7 +88,7 @@ async def test_an_agreed_admission_staging_its_components_still_counts_toward_th
     async with MemoryBackend(namespace_digest=digest) as inner:
         backend = GatedComponentProbe(inner)
         async with HiCache(config, storage=backend) as cache:
-            cache._prefetcher._admission._agreement = Agreement()  # the agreed path, one rank
+            cache._admission._agreement = Agreement()  # the agreed path, one rank
             seqs = [tokens(0, 32), tokens(1000, 32)]
             for seq in seqs:
                 keys = await store_sequence(inner, cache, seq)
@@ -107,7 +107,7 @@ async def test_an_agreed_admission_staging_its_components_still_counts_toward_th
                 await anyio.wait_all_tasks_blocked()
                 backend.gate.set()
             assert admitted == ["r0"]
-            assert cache._prefetcher._admission._admitting_tokens == 0
+            assert cache._admission._admitting_tokens == 0
             await cache.cancel_prefetch("r0")
             cache.sanity_check()
 

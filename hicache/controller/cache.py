@@ -41,8 +41,7 @@ from hicache.controller.prefetch.job import Prefetch, Prefetches, PrefetchOutcom
 from hicache.controller.prefetch.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
-from hicache.controller.storage.breaker import CircuitBreaker
-from hicache.controller.storage.guarded import GuardedStorage
+from hicache.controller.storage.guarded import CircuitBreaker, GuardedStorage
 from hicache.controller.storage.writer import StorageWriter
 from hicache.controller.workers import Workers
 from hicache.errors import UnsupportedEventLoop

@@ -127,9 +127,9 @@ class Admission:
         self._pacer = prefetches.pacer
         self._agreement = agreement
         self._admitting_tokens = 0
-        """Tokens of the plans between their capacity check and their return: they await the probe and
-        the pacer meanwhile, and count toward the capacity as if in flight (the caller launches a plan
-        in the same step it returns it)."""
+        """Tokens of the plans between their capacity check and their return: they await the probe
+        meanwhile, and count toward the capacity as if in flight (the caller launches a plan in the same
+        step it returns it)."""
         self._starting: set[str] = set()
         """Request ids whose `start` is between its duplicate check and its launch (it awaits meanwhile)."""
 
@@ -143,7 +143,9 @@ class Admission:
         """Admit and start streaming a prefetch (see `HiCache.prefetch`), or count and return why not.
 
         Its first stage (key conversion, the peek, admission's page hashing and storage keys) runs in a
-        turn of `pacer`: prefetches started together convert and hash one per loop iteration.
+        turn of `pacer`, the prefetch's one turn on its way down: prefetches started together convert and
+        hash one per loop iteration. The probe's await separates that stage from the allocation and the
+        launch; the stream's views and first reads come an iteration later again.
         """
         if request_id in self._prefetches or request_id in self._starting:
             raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")

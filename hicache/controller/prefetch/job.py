@@ -479,11 +479,9 @@ class Prefetches:
 
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
         try:
-            with anyio.CancelScope(shield=True):  # no new cancel point
-                await self.pacer.turn(prefetch.ticket)
             views = self._host_pool.page_views(prefetch.host_indices)
-            # One bounded piece of loop work per step: concurrent prefetches launched together would
-            # otherwise build their views and submit their first reads in one loop iteration (issue 12).
+            # Views and the first reads' submission are separate loop iterations (issue 12); the stream
+            # takes no turn of the pacer: its prefetch took its one turn on the way down at `start`.
             await anyio.lowlevel.cancel_shielded_checkpoint()
             await prefetch.stream(
                 storage,

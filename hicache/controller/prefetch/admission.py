@@ -87,7 +87,8 @@ class PrefetchPlan:
 
 
 class Admission:
-    """Decides whether to prefetch: thresholds, capacity, the storage probe, host room and components.
+    """Starts prefetches: decides whether to (thresholds, capacity, the storage probe, host room and
+    components, one plan for one rank and N), then builds the `Prefetch` and launches it.
 
     Args:
         config: the cache's configuration (thresholds, capacity, timeouts).
@@ -96,8 +97,8 @@ class Admission:
             prefetched pages go.
         metrics: the cache's metric set.
         state: whether the cache is still open after an await.
-        agreement: the ranks' agreement: across several ranks the probe's hit and the host room to make
-            are agreed (`_plan_agreed`).
+        agreement: the ranks' agreement: the probe's hit, the host room to make and the skip code are
+            agreed with it (`plan`; for one rank its decisions resolve at once).
         prefetches: the prefetches in flight: admitted ones are launched there; its storage, pacer,
             tokens in flight and `forget_stored` are the ones admission uses.
 

@@ -47,7 +47,7 @@ import torch
 from _loop_timing import run_with_ticker
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
-from hicache.controller.storage.breaker import BreakerState
+from hicache.controller.storage.guarded import BreakerState
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.metrics import snapshot
 from storage_backends.file import FileBackend

@@ -80,4 +80,4 @@ class UnknownRequest(HiCacheError, KeyError):
 
 class StorageCircuitOpen(StorageUnavailable):
     """Raised without any I/O when a storage tier's circuit breaker is open: storage was found down and
-    the next probe of it is not due yet (see `hicache.controller.storage.breaker`)."""
+    the next probe of it is not due yet (see `hicache.controller.storage.guarded`)."""

@@ -18,7 +18,7 @@ from hicache.controller.cache import HiCache
 from hicache.controller.pages.release import ComponentTransfer, ReleaseBatch, ReleaseQueue, ReleaseStatistics
 from hicache.controller.prefetch.job import Prefetch, PrefetchOutcome, PrefetchState
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
-from hicache.controller.storage.breaker import BreakerState, BreakerStatistics, CircuitBreaker
+from hicache.controller.storage.guarded import BreakerState, BreakerStatistics, CircuitBreaker
 
 __all__ = [
     "BreakerState",

@@ -3,7 +3,7 @@
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
 background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
 streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
-`TierMover`, `Prefetcher`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between
+`TierMover`, `Admission`, `Prefetches`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between
 awaits, so the tree is always consistent when another coroutine runs; every await that may touch a
 buffer is cancellation-safe: a device <-> host copy is waited for even when the caller is cancelled (a
 copy is short and cannot be abandoned), and a storage read is abandoned at once, its buffers quarantined
@@ -36,13 +36,12 @@ from hicache.controller.movement.layered_load import LayeredLoader
 from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.pages.allocation import Allocator, ComponentPools, make_pools
 from hicache.controller.pages.release import ComponentTransfer, ReleaseQueue
-from hicache.controller.prefetch.job import Prefetch, PrefetchOutcome
-from hicache.controller.prefetch.prefetcher import Prefetcher
+from hicache.controller.prefetch.admission import Admission
+from hicache.controller.prefetch.job import Prefetch, Prefetches, PrefetchOutcome
 from hicache.controller.prefetch.rescue import RefillRescue
 from hicache.controller.results import CacheStatistics, ComponentPoolStatistics, Lease
 from hicache.controller.state import OpenState
-from hicache.controller.storage.breaker import CircuitBreaker
-from hicache.controller.storage.guarded import GuardedStorage
+from hicache.controller.storage.guarded import CircuitBreaker, GuardedStorage
 from hicache.controller.storage.writer import StorageWriter
 from hicache.controller.workers import Workers
 from hicache.errors import UnsupportedEventLoop
@@ -72,7 +71,7 @@ class HiCache:
             await cache.insert(lease, tokens, indices)
 
     The work is done by collaborators, each handed only what it needs: an `Allocator` (pages, with
-    eviction), a `TierMover` (backups, write-through, load-back), a `Prefetcher` (admission, streaming,
+    eviction), a `TierMover` (backups, write-through, load-back), an `Admission` and `Prefetches` (admission, streaming,
     commit, cancel) and the `Accounting` check; this class checks arguments, starts and closes them
     (`start`, `aclose`), and shows what they hold (`statistics`, `repr`, `sanity_check`).
 
@@ -155,9 +154,12 @@ class HiCache:
             breaker,
             self.agreement,
         )
-        self._prefetcher = Prefetcher(config, tree, self._allocator, counters, state, self.agreement)
+        self._prefetches = Prefetches(config, tree, self._allocator, counters, state, self.agreement)
+        self._admission = Admission(
+            config, tree, self._allocator, counters, state, self.agreement, self._prefetches
+        )
         if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
-            self._prefetcher.rescue = RefillRescue(tree, self._mover)
+            self._prefetches.rescue = RefillRescue(tree, self._mover)
         # Layer-wise load-back agrees its outcome only across several ranks (it needs the group's
         # readiness channel); its one-rank path is the loader's own.
         self._loader = LayeredLoader(
@@ -175,19 +177,20 @@ class HiCache:
             comps,
             self._allocator,
             self._mover,
-            self._prefetcher,
+            self._prefetches,
+            self._admission,
             state,
             self._loader,
             config.layerwise_load_back,
         )
         self._accounting = Accounting(
-            tree, device, host, comps, queue, self._copies, self._prefetcher.all_in_flight
+            tree, device, host, comps, queue, self._copies, self._prefetches.all_in_flight
         )
         self._workers = Workers(
             f"hicache-workers-{id(self):x}",
             release_queue=queue,
             mover=self._mover,
-            prefetcher=self._prefetcher,
+            prefetcher=self._prefetches,
             copies=self._copies,
             owned_pools=pools.owned,
             close_timeout_s=config.close_timeout_s,
@@ -474,7 +477,7 @@ class HiCache:
         for transfer in transfers:
             if not isinstance(transfer, ComponentTransfer):
                 raise TypeError(f"transfers: expected ComponentTransfer items, got {transfer!r:.80}")
-        started = await self._prefetcher.start(request_id, tokens, match, transfers)  # converts tokens
+        started = await self._admission.start(request_id, tokens, match, transfers)  # converts tokens
         return None if isinstance(started, SkipReason) else started
 
     async def commit_prefetch(self, request_id: str) -> PrefetchOutcome:
@@ -492,7 +495,7 @@ class HiCache:
             UnknownRequest: when no prefetch is in flight for it.
         """
         _check_request_id(request_id)
-        return await self._prefetcher.commit(request_id)
+        return await self._prefetches.commit(request_id)
 
     async def cancel_prefetch(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch and give its pages back.
@@ -504,7 +507,7 @@ class HiCache:
         every page as released, none quarantined yet.
         """
         _check_request_id(request_id)
-        return await self._prefetcher.cancel(request_id)
+        return await self._prefetches.cancel(request_id)
 
     def get_prefetch(self, request_id: str) -> Prefetch:
         """The prefetch in flight for `request_id`.
@@ -514,7 +517,7 @@ class HiCache:
             UnknownRequest: if there is none.
         """
         _check_request_id(request_id)
-        return self._prefetcher.get(request_id)
+        return self._prefetches.get(request_id)
 
     # ------------------------------------------------------------------ start and close
 
@@ -574,7 +577,7 @@ class HiCache:
         self._state.open(loop)
 
     def _open_storage_tier(self, storage: StorageBackend) -> None:
-        """Put `storage` behind the breaker and hand it to the prefetcher and the write-through."""
+        """Put `storage` behind the breaker and hand it to the prefetches and the write-through."""
         guarded = GuardedStorage(storage, self.storage_breaker, self.metrics.storage_errors)
         writer = StorageWriter(
             guarded,
@@ -587,8 +590,8 @@ class HiCache:
             write_timeout_s=self.config.storage_write_timeout_s,
         )
         self._mover.writer = writer
-        self._prefetcher.storage = guarded
-        self._prefetcher.known = writer.known
+        self._prefetches.storage = guarded
+        self._prefetches.known = writer.known
         warn_if_shared(self.config)
 
     async def aclose(self) -> None:
@@ -622,7 +625,7 @@ class HiCache:
     def _begin_close(self) -> None:
         """The cache closes (its state says closed already): cancel the prefetches, fail the agreement and
         stop the workers."""
-        self._prefetcher.cancel_all()
+        self._prefetches.cancel_all()
         reason = "failed" if self._state.failure is not None else "was closed"
         self.agreement.fail(RankFailed(f"rank {self.agreement.tp_rank}: the cache {reason}"))
         self._workers.begin_close()
@@ -657,13 +660,13 @@ class HiCache:
             device_pool=self._device_pool.statistics(),
             host_pool=self._host_pool.statistics(),
             release_queue=release,
-            prefetches_in_flight=len(self._prefetcher),
-            prefetch_tokens_in_flight=self._prefetcher.inflight_tokens,
+            prefetches_in_flight=len(self._prefetches),
+            prefetch_tokens_in_flight=self._prefetches.inflight_tokens,
             backups_queued=len(self._mover.backups),
             storage_writes_queued=len(self._mover.storage_writes),
             closed=self._state.closed,
             quarantined_pages=release.quarantined_tokens // self.page_size,
-            detached_prefetches=self._prefetcher.detached,
+            detached_prefetches=self._prefetches.detached,
             backups_queued_max=self._mover.backups.max_queued,
             storage_writes_queued_max=self._mover.storage_writes.max_queued,
             storage_breaker=self.storage_breaker.statistics() if self.storage is not None else None,
@@ -682,7 +685,7 @@ class HiCache:
         return (
             f"<HiCache {state} policy={self.config.write_policy.value} page_size={self.page_size} "
             f"nodes={t.num_nodes} device={d.used_pages}/{d.capacity_pages} pages "
-            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetcher)} "
+            f"host={h.used_pages}/{h.capacity_pages} pages prefetches={len(self._prefetches)} "
             f"quarantined={self._release_queue.statistics().quarantined_tokens // self.page_size} pages "
             f"storage={storage}>"
         )

@@ -10,8 +10,8 @@ import torch
 from hicache.controller.movement.layered_load import LayeredLoader
 from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.pages.allocation import Allocator, ComponentPools
-from hicache.controller.prefetch.job import PrefetchOutcome
-from hicache.controller.prefetch.prefetcher import Prefetcher
+from hicache.controller.prefetch.admission import Admission
+from hicache.controller.prefetch.job import Prefetches, PrefetchOutcome
 from hicache.controller.results import Lease
 from hicache.controller.state import OpenState
 from hicache.errors import LeaseReleased, LoadBackFailed
@@ -38,7 +38,8 @@ class Leases:
         device_pool, component_pools: the device pools a request's KV is in.
         allocator: checks the caller's pages and frees what the tree lets go of.
         mover: loads host hits back, and backs inserted KV up.
-        prefetcher: streams storage hits in.
+        prefetches: the prefetches in flight (a lease's own is committed there).
+        admission: starts a lease's prefetch of its storage hit.
         state: whether the cache is still open after an await.
         loader: loads host hits back layer by layer (a lease shares the load it reads until released).
         layerwise: whether `acquire` loads layer by layer.
@@ -51,7 +52,8 @@ class Leases:
         component_pools: Mapping[str, ComponentPools],
         allocator: Allocator,
         mover: TierMover,
-        prefetcher: Prefetcher,
+        prefetches: Prefetches,
+        admission: Admission,
         state: OpenState,
         loader: LayeredLoader,
         layerwise: bool,
@@ -61,7 +63,8 @@ class Leases:
         self._component_pools = component_pools
         self._allocator = allocator
         self._mover = mover
-        self._prefetcher = prefetcher
+        self._prefetches = prefetches
+        self._admission = admission
         self._state = state
         self._loader = loader
         self._layerwise = layerwise
@@ -77,18 +80,18 @@ class Leases:
         outcome: PrefetchOutcome | None = None
         skipped: SkipReason | None = None
         anchor_end = 0
-        if prefetch and self._prefetcher.storage is not None:
-            started = await self._prefetcher.start(request_id, key, None, ())  # it peeks
+        if prefetch and self._prefetches.storage is not None:
+            started = await self._admission.start(request_id, key, None, ())  # it peeks
             if isinstance(started, SkipReason):
                 skipped = started
             else:
                 anchor_end = self._tree.depth(started.anchor)  # where the prefetch's tokens start
                 try:
-                    outcome = await self._prefetcher.commit(request_id)
+                    outcome = await self._prefetches.commit(request_id)
                 except BaseException:
                     # Cancelled (or failed) while waiting: stop the reads and give every page back.
-                    if self._prefetcher.is_in_flight(started):
-                        await self._prefetcher.stop_and_cancel(started)
+                    if self._prefetches.is_in_flight(started):
+                        await self._prefetches.stop_and_cancel(started)
                     raise
             self._state.check_open("acquire")
         # Matched after any await: eviction may have changed the tree meanwhile.

@@ -9,7 +9,7 @@ import torch
 
 from hicache.controller.pages.release import ReleaseStatistics
 from hicache.controller.prefetch.job import PrefetchOutcome
-from hicache.controller.storage.breaker import BreakerStatistics
+from hicache.controller.storage.guarded import BreakerStatistics
 from hicache.memory import PoolStatistics
 from hicache.memory.layerwise import ALL_READY, LayerReadiness
 from hicache.tiers import SkipReason

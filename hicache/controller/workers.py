@@ -20,7 +20,7 @@ import anyio.abc
 from hicache.controller.movement.copies import CopyTracker
 from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.pages.release import ReleaseQueue
-from hicache.controller.prefetch.prefetcher import Prefetcher
+from hicache.controller.prefetch.job import Prefetches
 from hicache.errors import CacheClosed, HiCacheError
 from hicache.memory import KVPool
 from storage_backends.protocol import StorageBackend
@@ -57,7 +57,7 @@ class Workers:
         *,
         release_queue: ReleaseQueue,
         mover: TierMover,
-        prefetcher: Prefetcher,
+        prefetcher: Prefetches,
         copies: CopyTracker,
         owned_pools: Sequence[KVPool],
         close_timeout_s: float,

@@ -81,7 +81,7 @@ class CacheMetrics:
     done (``queue_full``: the queue was at its limit; ``storage_unavailable``: the breaker was open). A
     queued storage write holds its host pages until written: only admission sheds."""
     storage_breaker_state: Gauge
-    """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.storage.breaker`)."""
+    """Labelled by ``tier``: 0 closed, 1 open, 2 half-open (see `hicache.controller.storage.guarded`)."""
 
 
 # (field, kind, name without prefix, help, labelnames)

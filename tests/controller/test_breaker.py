@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from hicache.controller.storage.breaker import BreakerState, CircuitBreaker
+from hicache.controller.storage.guarded import BreakerState, CircuitBreaker
 from hicache.metrics import CollectorRegistry, default_cache_metrics, render
 
 

@@ -180,7 +180,7 @@ def _controller_imports() -> dict[str, set[str]]:
 
 
 def test_no_collaborator_reaches_back_into_the_facade() -> None:
-    """The collaborators (allocation, tier mover, admission, prefetcher, leases, accounting, workers, the
+    """The collaborators (allocation, tier mover, admission, prefetches, leases, accounting, workers, the
     storage writer, ...) are handed what they need; none imports the facade (`cache.py`), which was the
     storage writer's import cycle."""
     graph = _controller_imports()

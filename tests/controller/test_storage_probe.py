@@ -15,7 +15,7 @@ from cache_internals import host_pool_of
 from controller_helpers import PAGE, PassThroughBackend, make_config, page_payload, store_sequence, tokens
 
 from hicache import HiCache
-from hicache.controller.prefetch.probe import EXACT_BELOW, FANOUT, probe_hit_pages
+from hicache.controller.prefetch.admission import EXACT_BELOW, FANOUT, probe_hit_pages
 from hicache.keys import Namespace, as_key_bytes
 from storage_backends.memory import MemoryBackend
 

@@ -570,3 +570,36 @@ async def refill_rescued_on_every_rank(group: RankGroup, root: str, failing: int
         await cache.tp_sync()
         check()
     return result
+
+
+class FailingLookups(PassThroughBackend):
+    """Every `exists` raises `StorageError` (a storage lookup that fails on this rank)."""
+
+    async def exists(self, keys: Sequence[str]) -> int:
+        raise StorageError("injected: exists failed on this rank")
+
+
+async def skip_reason_on_one_rank(group: RankGroup, root: str, failing: int, why: str) -> dict[str, Any]:
+    """SEQ is in storage (an earlier run). A fresh cache acquires it; on `failing` only, the storage lookup
+    fails (`why="error"`) or the capacity is too small for the hit (`why="capacity"`), while the other
+    ranks would admit it. Every rank skips with the reason that rank had, not a blanket `storage_miss`."""
+    await write_through(group, root)
+    rank = group.tp_rank
+    overrides: dict[str, Any] = {}
+    if rank == failing and why == "capacity":
+        overrides["prefetch_capacity_tokens"] = PAGE
+    config = tp_config(group, rank, group.tp_size, **overrides)
+    inner = FileBackend(Path(root), namespace_digest=config.namespace.digest)
+    backend: StorageBackend = FailingLookups(inner) if rank == failing and why == "error" else inner
+    try:
+        async with HiCache(config, storage=backend) as cache:
+            lease = await cache.acquire("r", SEQ)
+            cache.sanity_check(across_ranks=True)
+            skipped = None if lease.prefetch_skipped is None else lease.prefetch_skipped.value
+            result = {"cached": lease.cached_len, "skipped": skipped}
+            cache.release(lease)
+            await cache.tp_sync()
+            cache.sanity_check(across_ranks=True)
+    finally:
+        await inner.aclose()
+    return result

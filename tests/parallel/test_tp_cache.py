@@ -192,3 +192,15 @@ def test_four_ranks_with_different_host_and_device_pools_never_diverge(tmp_path:
     assert len({repr(o.value["hits"]) for o in out}) == 1
     assert len({o.value["checks"] for o in out}) == 1
     assert len({o.value["host_tokens"] for o in out}) == 1
+
+
+@pytest.mark.parametrize(("why", "reason"), [("error", "storage_error"), ("capacity", "capacity")])
+def test_a_prefetch_skipped_on_one_rank_is_skipped_on_every_rank_with_that_ranks_reason(
+    tmp_path: Path, why: str, reason: str
+) -> None:
+    """Rank 1's storage lookup fails, or its capacity cannot take the hit; rank 0 would admit the
+    prefetch. Every rank skips alike (nothing cached, the trees equal) and reports rank 1's reason, an
+    agreed skip code: before one admission path for 1 and N ranks, N ranks reported `storage_miss`."""
+    out = run_ranks(cache_workers.skip_reason_on_one_rank, 2, (str(tmp_path), 1, why), timeout_s=WATCHDOG_S)
+    _ok(out)
+    assert [o.value for o in out] == [{"cached": 0, "skipped": reason}] * 2

@@ -16,7 +16,7 @@ from hicache import HiCache, Namespace
 from hicache.components import MambaState, component_storage_key
 from hicache.errors import LoadBackFailed
 from hicache.memory.layerwise import CpuLayerReadiness
-from hicache.parallel import AgreedLayerReadiness, Agreement
+from hicache.parallel import AgreedLayerReadiness
 from hicache.parallel.launch import run_ranks
 from storage_backends.memory import MemoryBackend
 from tests.controller.controller_helpers import (
@@ -38,24 +38,23 @@ class SettlingProbe(PassThroughBackend):
 
 
 async def test_agreed_admissions_started_together_never_exceed_the_capacity_between_them() -> None:
-    """Guards against `_plan_agreed` checking the capacity on the in-flight value passed in: two
+    """Guards against the agreed plan checking the capacity on the in-flight value passed in: two
     32-token prefetches admitted together under a 40-token capacity both passed (neither was in flight
     while the other awaited its probe). Now a plan counts from its check until it returns, as on one
-    rank. Driven through the agreed path with a one-rank agreement (its decisions resolve at once)."""
+    rank. One rank runs the same plan as N (its decisions resolve at once)."""
     config = make_config(host_pages=64, prefetch_threshold=8, prefetch_capacity_tokens=40)
     digest = Namespace(model_id="controller-tests").digest
     async with (
         MemoryBackend(namespace_digest=digest) as inner,
         HiCache(config, storage=SettlingProbe(inner)) as cache,
     ):
-        cache._prefetcher._admission._agreement = Agreement()  # the agreed path, one rank
         seqs = [tokens(0, 32), tokens(1000, 32)]
         for seq in seqs:
             await store_sequence(inner, cache, seq)
         admitted = await prefetch_together(cache, seqs)
         assert len(admitted) == 1
         assert cache.statistics().prefetch_tokens_in_flight == 32
-        assert cache._prefetcher._admission._admitting_tokens == 0
+        assert cache._admission._admitting_tokens == 0
         await cache.cancel_prefetch(admitted[0])
         cache.sanity_check()
 
@@ -74,10 +73,10 @@ class GatedComponentProbe(PassThroughBackend):
 
 
 async def test_an_agreed_admission_staging_its_components_still_counts_toward_the_capacity() -> None:
-    """Guards against `_plan_agreed` ending its capacity count before it staged the components (one
+    """Guards against the agreed plan ending its capacity count before it staged the components (one
     more agreed step, a storage lookup): a second 32-token prefetch started while the first waited in
-    that lookup saw neither in flight and both were admitted under a 40-token capacity. Driven through
-    the agreed path with a one-rank agreement (its decisions resolve at once)."""
+    that lookup saw neither in flight and both were admitted under a 40-token capacity. One rank runs
+    the same plan as N (its decisions resolve at once)."""
     config = make_config(
         host_pages=64,
         prefetch_threshold=8,
@@ -88,7 +87,6 @@ async def test_an_agreed_admission_staging_its_components_still_counts_toward_th
     async with MemoryBackend(namespace_digest=digest) as inner:
         backend = GatedComponentProbe(inner)
         async with HiCache(config, storage=backend) as cache:
-            cache._prefetcher._admission._agreement = Agreement()  # the agreed path, one rank
             seqs = [tokens(0, 32), tokens(1000, 32)]
             for seq in seqs:
                 keys = await store_sequence(inner, cache, seq)
@@ -107,7 +105,7 @@ async def test_an_agreed_admission_staging_its_components_still_counts_toward_th
                 await anyio.wait_all_tasks_blocked()
                 backend.gate.set()
             assert admitted == ["r0"]
-            assert cache._prefetcher._admission._admitting_tokens == 0
+            assert cache._admission._admitting_tokens == 0
             await cache.cancel_prefetch("r0")
             cache.sanity_check()
 

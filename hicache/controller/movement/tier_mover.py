@@ -16,7 +16,7 @@ from hicache.controller.movement.agreed_backups import AgreedBackup, AgreedBacku
 from hicache.controller.movement.copies import CopyTracker
 from hicache.controller.movement.work_queue import WorkQueue
 from hicache.controller.pages.allocation import Allocator, ComponentPools
-from hicache.controller.storage.breaker import CircuitBreaker
+from hicache.controller.storage.guarded import CircuitBreaker
 from hicache.controller.storage.writer import StorageWriter
 from hicache.errors import StorageCircuitOpen
 from hicache.keys import TOKEN_BYTES

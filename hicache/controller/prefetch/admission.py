@@ -1,9 +1,21 @@
-"""Prefetch admission: whether a request's storage hit is worth streaming, as a plan or a skip reason."""
+"""Prefetch admission, from `start` to the launch: whether a request's storage hit is worth streaming
+(a plan, or a skip reason), sized by a sparse `exists` probe, then the prefetch built and handed to the
+registry of prefetches in flight (`job.Prefetches`), which streams it.
+
+The probe (`probe_hit_pages`): an exact answer stats every page (4,096 `stat` calls for 16 prefetches of
+256 pages); that was a quarter of the controller's prefetch time on hot 64 KiB pages (`bench/bench_io.py`).
+Instead the probe asks `exists` about up to `fanout` evenly spaced pages of the range still in doubt, keeps
+the bracket around the first absent probe, and repeats until the bracket is small enough to check page by
+page. A full hit of 1,024 pages costs one call of 16 keys; a partial hit costs two or three calls. The
+answer is exact when storage holds a prefix of the pages (what write-through to storage produces). With a
+hole between two probes it overestimates; that is safe, because every page a prefetch reads is verified:
+the stream ends at the first page it cannot read, and commit releases the unread tail.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -14,24 +26,38 @@ from hicache.components import component_storage_key
 from hicache.config import HiCacheConfig
 from hicache.controller.pages.allocation import Allocator
 from hicache.controller.pages.release import ComponentTransfer
-from hicache.controller.prefetch.pacing import LoopPacer
-from hicache.controller.prefetch.probe import probe_hit_pages
+from hicache.controller.prefetch.job import Prefetch, Prefetches
 from hicache.controller.state import OpenState
 from hicache.controller.storage.guarded import GuardedStorage
 from hicache.errors import StorageCircuitOpen
-from hicache.keys import TOKEN_BYTES, chained_page_keys
-from hicache.memory import Owner
+from hicache.keys import TOKEN_BYTES, KeyLike, as_key_bytes, chained_page_keys
+from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
+from storage_backends.protocol import StorageBackend
 
-__all__ = ["Admission", "PrefetchPlan"]
+__all__ = ["Admission", "PrefetchPlan", "probe_hit_pages"]
 
 logger = logging.getLogger("hicache.cache")
 
 _NO_EVICTION = 1 << 60
 """The eviction decision carries `_NO_EVICTION - tokens` so that the agreed minimum is the largest need."""
+
+_SKIPS = (SkipReason.STORAGE_ERROR, SkipReason.STORAGE_UNAVAILABLE, SkipReason.CAPACITY, SkipReason.HOST_FULL)
+"""A rank's reasons to skip before the hit is agreed, least telling first: its code is the index plus one
+(0: none), and the ranks agree the highest code. No code and too short an agreed hit: `STORAGE_MISS`."""
+
+_STAGE_SKIPS = (
+    SkipReason.HOST_FULL,
+    SkipReason.COMPONENT_HOST_FULL,
+    SkipReason.STORAGE_UNAVAILABLE,
+    SkipReason.STORAGE_ERROR,
+    SkipReason.COMPONENT_MISS,
+)
+"""Why a rank cannot stage an admitted prefetch's components, as codes (the index; `len(_STAGE_SKIPS)`:
+staged) of which the ranks agree the lowest: a host pool that took too few pages first (`HOST_FULL`)."""
 
 _StagedReads = list[tuple[list[str], Sequence[memoryview]]]
 
@@ -61,7 +87,8 @@ class PrefetchPlan:
 
 
 class Admission:
-    """Decides whether to prefetch: thresholds, capacity, the storage probe, host room and components.
+    """Starts prefetches: decides whether to (thresholds, capacity, the storage probe, host room and
+    components, one plan for one rank and N), then builds the `Prefetch` and launches it.
 
     Args:
         config: the cache's configuration (thresholds, capacity, timeouts).
@@ -70,11 +97,10 @@ class Admission:
             prefetched pages go.
         metrics: the cache's metric set.
         state: whether the cache is still open after an await.
-        agreement: the ranks' agreement: across several ranks the probe's hit and the host room to make
-            are agreed (`_plan_agreed`).
-        forget_stored: called with page keys storage was found to lack.
-        pacer: hands out the loop turns an admission's stages wait for (shared with the prefetcher's
-            launches and commits).
+        agreement: the ranks' agreement: the probe's hit, the host room to make and the skip code are
+            agreed with it (`plan`; for one rank its decisions resolve at once).
+        prefetches: the prefetches in flight: admitted ones are launched there; its storage, pacer,
+            tokens in flight and `forget_stored` are the ones admission uses.
 
     The storage breaker (no I/O at all while it is open) is the one of the storage `plan` is given.
     """
@@ -87,23 +113,109 @@ class Admission:
         metrics: CacheMetrics,
         state: OpenState,
         agreement: Agreement,
-        forget_stored: Callable[[Sequence[str]], None],
-        pacer: LoopPacer,
+        prefetches: Prefetches,
     ) -> None:
         self._config = config
+        self._page_size = config.page_size
         self._tree = tree
         self._host_pool = allocator.host_pool
         self._component_pools = allocator.component_pools
         self._allocator = allocator
         self._metrics = metrics
         self._state = state
-        self._forget_stored = forget_stored
-        self._pacer = pacer
+        self._prefetches = prefetches
+        self._forget_stored = prefetches.forget_stored
+        self._pacer = prefetches.pacer
         self._agreement = agreement
         self._admitting_tokens = 0
-        """Tokens of the plans between their capacity check and their return: they await the probe and
-        the pacer meanwhile, and count toward the capacity as if in flight (the caller launches a plan
-        in the same step it returns it)."""
+        """Tokens of the plans between their capacity check and their return: they await the probe
+        meanwhile, and count toward the capacity as if in flight (the caller launches a plan in the same
+        step it returns it)."""
+        self._starting: set[str] = set()
+        """Request ids whose `start` is between its duplicate check and its launch (it awaits meanwhile)."""
+
+    async def start(
+        self,
+        request_id: str,
+        tokens: KeyLike,
+        match: MatchResult | None,
+        transfers: Sequence[ComponentTransfer],
+    ) -> Prefetch | SkipReason:
+        """Admit and start streaming a prefetch (see `HiCache.prefetch`), or count and return why not.
+
+        Its first stage (key conversion, the peek, admission's page hashing and storage keys) runs in a
+        turn of `pacer`, the prefetch's one turn on its way down: prefetches started together convert and
+        hash one per loop iteration. The probe's await separates that stage from the allocation and the
+        launch; the stream's views and first reads come an iteration later again.
+        """
+        if request_id in self._prefetches or request_id in self._starting:
+            raise ValueError(f"request_id: a prefetch for {request_id!r} is already in flight")
+        self._check_transfers(transfers)
+        self._starting.add(request_id)  # held across the awaits below: a second start is refused at once
+        ticket = self._pacer.ticket()  # every stage of this prefetch goes ahead of those started later
+        try:
+            await self._pacer.turn(ticket)
+            self._state.check_open("prefetch")
+            key = as_key_bytes(tokens, name="tokens")
+            page = self._page_size
+            aligned = len(key) // TOKEN_BYTES // page * page
+            key = key[: aligned * TOKEN_BYTES]
+            if match is not None and not key.startswith(
+                match.key[: (match.device_len + match.host_len) * TOKEN_BYTES]
+            ):
+                raise ValueError("match: it matched other tokens than `tokens` (call match(tokens))")
+            found: MatchResult | PrefixPeek = match if match is not None else self._tree.peek(key)
+            if isinstance(found, MatchResult) and not self._tree.is_live(found.last_host_node):
+                found = self._tree.peek(key)  # evicted during the turn: as if none was given
+            self._metrics.prefetch_requested.inc()
+            storage = self._prefetches.storage
+            plan = await self.plan(request_id, key, found, storage, self._prefetches.inflight_tokens)
+            if isinstance(plan, SkipReason):
+                self._metrics.prefetch_skipped.labels(reason=plan.value).inc()
+                return plan
+            assert storage is not None
+            return self._launch(request_id, plan, transfers, storage, ticket)
+        finally:
+            self._starting.discard(request_id)
+
+    def _launch(
+        self,
+        request_id: str,
+        plan: PrefetchPlan,
+        transfers: Sequence[ComponentTransfer],
+        storage: GuardedStorage,
+        ticket: int,
+    ) -> Prefetch:
+        n_tokens = int(plan.host_indices.numel())
+        prefetch = Prefetch(
+            request_id=request_id,
+            anchor=plan.anchor,
+            key=plan.key,
+            hashes=plan.hashes,
+            page_keys=plan.page_keys,
+            host_indices=plan.host_indices,
+            page_size=self._page_size,
+            stop_policy=self._config.prefetch_stop_policy,
+            timeout_s=self._config.prefetch_timeout(n_tokens),
+            transfers=transfers,
+            staged=plan.staged,
+            staged_reads=plan.staged_reads,
+            ticket=ticket,
+        )
+        for transfer in transfers:  # the caller's buffers travel with the prefetch from here on
+            if isinstance(transfer.pool, KVPool):
+                transfer.pool.set_owner(transfer.indices, Owner.PREFETCH)
+        self._prefetches.launch(prefetch, storage)
+        return prefetch
+
+    def _check_transfers(self, transfers: Sequence[ComponentTransfer]) -> None:
+        """Refuse caller transfers holding pages the caller does not hold (a page twice included)."""
+        by_pool: dict[int, tuple[KVPool, list[torch.Tensor]]] = {}
+        for transfer in transfers:
+            if isinstance(transfer.pool, KVPool):
+                by_pool.setdefault(id(transfer.pool), (transfer.pool, []))[1].append(transfer.indices)
+        for pool, parts in by_pool.values():
+            pool.check_owned(torch.cat(parts), Owner.LEASE, name="transfers")
 
     async def plan(
         self,
@@ -112,17 +224,21 @@ class Admission:
         match: MatchResult | PrefixPeek,
         storage: GuardedStorage | None,
         inflight_tokens: int,
-        *,
-        ticket: int | None = None,
     ) -> PrefetchPlan | SkipReason:
         """Admit a prefetch of the storage hit of page-aligned `key` beyond `match`, or say why not.
 
         Skipped when there is no storage, the remainder beyond the match is below `prefetch_threshold`,
         `inflight_tokens` plus the remainders of the plans still being admitted plus it would exceed the
         capacity, storage is down or holds too few of the pages, or the host pool cannot take enough of
-        them. Nothing stays held on a skip. Called in a turn of the pacer; its allocation waits for
-        another, shown `ticket` (the prefetch's, see `LoopPacer.ticket`). A `peek` is anchored here (the tree splits the node its anchor ends in, touching no LRU
-        clock) only once the cheap checks pass.
+        them. Nothing stays held on a skip.
+
+        One path for one rank and N: what depends on this rank (capacity, the breaker, storage's hit,
+        host room) becomes its values in decisions agreed in one step: the hit (minimum over the ranks),
+        the host tokens to evict for it (maximum) and a skip code (maximum: the most telling reason any
+        rank has, `_SKIPS`). Every rank then evicts the same from its identical tree and takes what its
+        pool has free, never evicting on its own; a rank that gets fewer pages reads fewer, and the
+        commit's agreement shortens every rank's prefix to match. For one rank every decision resolves
+        as it is settled, with no step.
         """
         config = self._config
         remainder = len(key) // TOKEN_BYTES - (match.device_len + match.host_len)
@@ -130,100 +246,116 @@ class Admission:
             return SkipReason.NO_STORAGE
         if remainder <= 0 or remainder < config.prefetch_threshold:
             return SkipReason.BELOW_THRESHOLD
-        if not self._agreement.local:  # every rank reaches this point alike (the tree is identical)
-            # Counted from its check until it returns, staging included, as on one rank: a plan admitted
-            # meanwhile sees it. The capacity is this rank's value; the agreed hit is the least over ranks.
-            admitting = self._admitting_tokens
-            self._admitting_tokens += remainder
-            try:
-                return await self._plan_agreed(
-                    request_id, key, match, storage, inflight_tokens + admitting, self._agreement
-                )
-            finally:
-                self._admitting_tokens -= remainder
-        if inflight_tokens + self._admitting_tokens + remainder > config.capacity_tokens:
-            return SkipReason.CAPACITY
-        if not storage.breaker.allows():  # storage is down and no probe is due: no I/O at all
-            return SkipReason.STORAGE_UNAVAILABLE
+        # Every rank reaches this point alike (the tree is identical). Counted from its check until it
+        # returns, staging included: a plan admitted meanwhile sees it. The capacity is this rank's value.
+        admitting = self._admitting_tokens
         self._admitting_tokens += remainder
         try:
-            return await self._admit(request_id, key, match, storage, remainder, ticket)
+            return await self._plan(request_id, key, match, storage, inflight_tokens + admitting)
         finally:
             self._admitting_tokens -= remainder
 
-    async def _admit(
+    async def _plan(
         self,
         request_id: str,
         key: bytes,
         match: MatchResult | PrefixPeek,
         storage: GuardedStorage,
-        remainder: int,
-        ticket: int | None,
+        inflight_tokens: int,
     ) -> PrefetchPlan | SkipReason:
-        """`plan` past its cheap checks: anchor, hash, probe, allocate and stage the components."""
+        """`plan` past the checks every rank makes alike: anchor, hash, agree the probe, allocate, stage."""
+        agreement = self._agreement
         config = self._config
         page = config.page_size
-        matched = match.device_len + match.host_len
         tree = self._tree
-        if isinstance(match, PrefixPeek):
-            anchor = tree.node_at(key, match.anchor_len)
-        else:
-            anchor = match.last_host_node
+        matched = match.device_len + match.host_len
+        remainder = len(key) // TOKEN_BYTES - matched
+        probe = agreement.propose("probe", request_id)
+        skip = agreement.propose("probe_skip", request_id, default=encode_max(0))
+        evict = agreement.propose("probe_evict", request_id, default=_NO_EVICTION)
+        # Each component's host slots to evict for the staged reads ride on the probe's step.
+        rooms = [agreement.propose("probe_component_room", f"{request_id}:{c.name}") for c in tree.components]
+        anchor = (
+            tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
+        )
         anchor_end = tree.depth(anchor)
+        hashes, page_keys = chained_page_keys(
+            key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
+        )
+
+        async def local() -> int:
+            reason: SkipReason | None = None
+            try:
+                if inflight_tokens + remainder > config.capacity_tokens:
+                    reason = SkipReason.CAPACITY
+                    return 0
+                if not storage.breaker.allows():  # storage is down and no probe is due: no I/O at all
+                    reason = SkipReason.STORAGE_UNAVAILABLE
+                    return 0
+                # Hashing and the probe's submission are separate loop iterations.
+                await anyio.lowlevel.cancel_shielded_checkpoint()
+                probed = await self._probe(request_id, storage, page_keys, remainder)
+                hit_pages = 0 if isinstance(probed, SkipReason) else probed
+                reason = probed if isinstance(probed, SkipReason) else None
+                self._forget_stored(page_keys[hit_pages:])
+                hit = hit_pages * page
+                if reason is None and anchor_end + hit - matched >= config.prefetch_threshold:
+                    room = self._allocator.host_room()  # free pages and what eviction can reclaim
+                    if anchor_end + min(hit, room) - matched < config.prefetch_threshold:
+                        reason = SkipReason.HOST_FULL
+                need = hit - self._allocator.free_host_tokens()
+                evict.settle(_NO_EVICTION - max(0, need))
+                for comp, room_decision in zip(tree.components, rooms, strict=True):
+                    # The slots of this rank's hit: the agreed hit is no longer, so it needs no more.
+                    slots = (
+                        comp.prefix_pages(hit_pages * page, page)
+                        * self._component_pools[comp.name].host.page_size
+                    )
+                    lack = slots - self._allocator.free_component_slots(comp.name, Tier.HOST)
+                    room_decision.settle(encode_max(max(0, lack)))
+                return hit_pages
+            finally:
+                # Every path settles them (a no-op once settled above).
+                skip.settle(encode_max(0 if reason is None else _SKIPS.index(reason) + 1))
+                evict.settle(_NO_EVICTION)
+                for room_decision in rooms:
+                    room_decision.settle(encode_max(0))
+
         tree.lock_host(anchor)
         try:
-            # This first stage runs in the caller's turn of the pacer, the allocation below in another:
-            # of the prefetches started together, one hashes (or allocates) per loop iteration, so no
-            # iteration carries all of their page hashing and storage keys (issue 12).
-            hashes, page_keys = chained_page_keys(
-                key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
-            )
-            # Hashing and the probe's submission are separate loop iterations too.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-            hit_pages = await self._probe(request_id, storage, page_keys, remainder)
-            if isinstance(hit_pages, SkipReason):
-                tree.unlock_host(anchor)
-                return hit_pages
-            with anyio.CancelScope(shield=True):  # no new cancel point
-                await self._pacer.turn(ticket)
+            hit_pages = await agreement.agree_on(probe, local)
+            code = decode_max(await agreement.agree(skip))
+            to_evict = _NO_EVICTION - await agreement.agree(evict)
+            comp_evict = [decode_max(await agreement.agree(room)) for room in rooms]
             self._state.check_open("prefetch")
-            self._forget_stored(page_keys[hit_pages:])
-            hit = hit_pages * page
-            if anchor_end + hit - matched < config.prefetch_threshold:
+            if code or anchor_end + hit_pages * page - matched < config.prefetch_threshold:
                 tree.unlock_host(anchor)
-                return SkipReason.STORAGE_MISS
-            host_indices = self._allocator.alloc_host(hit, owner=Owner.PREFETCH, partial=True)
-            if (
-                host_indices is None
-                or anchor_end + host_indices.numel() - matched < config.prefetch_threshold
-            ):
-                if host_indices is not None:
-                    self._host_pool.free(host_indices, owner=Owner.PREFETCH)
-                tree.unlock_host(anchor)
-                return SkipReason.HOST_FULL
+                return _SKIPS[code - 1] if code else SkipReason.STORAGE_MISS
+            if to_evict:
+                self._allocator.evict_host(to_evict)
+            host_indices = self._allocator.alloc_host_free(hit_pages * page, owner=Owner.PREFETCH)
         except BaseException:
+            skip.settle(encode_max(0))
+            evict.settle(_NO_EVICTION)
+            for room in rooms:
+                room.settle(encode_max(0))
             tree.unlock_host(anchor)
             raise
-        n_pages = host_indices.numel() // page
-        staged: list[ComponentTransfer] = []
-        reads: _StagedReads = []
+        staged: tuple[list[ComponentTransfer], _StagedReads] = ([], [])
         if tree.components:
-            got = await self._stage_components_or_free(
-                storage, hashes[:n_pages], n_pages * page, host_indices, anchor
-            )
+            got = await self._stage(request_id, storage, hashes[:hit_pages], host_indices, anchor, comp_evict)
             if isinstance(got, SkipReason):
-                self._host_pool.free(host_indices, owner=Owner.PREFETCH)
-                tree.unlock_host(anchor)
                 return got
-            staged, reads = got
+            staged = got
+        n_pages = host_indices.numel() // page
         return PrefetchPlan(
             anchor=anchor,
             key=key[anchor_end * TOKEN_BYTES : (anchor_end + n_pages * page) * TOKEN_BYTES],
             hashes=hashes[:n_pages],
             page_keys=page_keys[:n_pages],
             host_indices=host_indices,
-            staged=staged,
-            staged_reads=reads,
+            staged=staged[0],
+            staged_reads=staged[1],
         )
 
     async def _probe(
@@ -246,101 +378,7 @@ class Admission:
             self._metrics.storage_page_failures.labels(reason="exists").inc()
         return SkipReason.STORAGE_ERROR
 
-    async def _plan_agreed(
-        self,
-        request_id: str,
-        key: bytes,
-        match: MatchResult | PrefixPeek,
-        storage: GuardedStorage,
-        inflight_tokens: int,
-        agreement: Agreement,
-    ) -> PrefetchPlan | SkipReason:
-        """`plan` under tensor parallelism: what depends on this rank (capacity, the breaker, storage's
-        hit, free host pages) becomes its value in two decisions agreed in one step: the hit (minimum
-        over the ranks) and the host tokens to evict for it (maximum). Every rank then evicts the same
-        from its identical tree and takes what its pool has free, never evicting on its own; a rank that
-        gets fewer pages reads fewer, and the commit's agreement shortens every rank's prefix to match.
-        """
-        config = self._config
-        page = config.page_size
-        tree = self._tree
-        matched = match.device_len + match.host_len
-        remainder = len(key) // TOKEN_BYTES - matched
-        probe = agreement.propose("probe", request_id)
-        evict = agreement.propose("probe_evict", request_id, default=_NO_EVICTION)
-        # Each component's host slots to evict for the staged reads ride on the probe's step.
-        rooms = [agreement.propose("probe_component_room", f"{request_id}:{c.name}") for c in tree.components]
-        anchor = (
-            tree.node_at(key, match.anchor_len) if isinstance(match, PrefixPeek) else match.last_host_node
-        )
-        anchor_end = tree.depth(anchor)
-        hashes, page_keys = chained_page_keys(
-            key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
-        )
-
-        async def local() -> int:
-            try:
-                if inflight_tokens + remainder > config.capacity_tokens:
-                    return 0
-                if not storage.breaker.allows():
-                    return 0
-                probed = await self._probe(request_id, storage, page_keys, remainder)
-                hit_pages = 0 if isinstance(probed, SkipReason) else probed
-                self._forget_stored(page_keys[hit_pages:])
-                need = hit_pages * page - self._allocator.free_host_tokens()
-                evict.settle(_NO_EVICTION - max(0, need))
-                for comp, room in zip(tree.components, rooms, strict=True):
-                    # The slots of this rank's hit: the agreed hit is no longer, so it needs no more.
-                    slots = (
-                        comp.prefix_pages(hit_pages * page, page)
-                        * self._component_pools[comp.name].host.page_size
-                    )
-                    lack = slots - self._allocator.free_component_slots(comp.name, Tier.HOST)
-                    room.settle(encode_max(max(0, lack)))
-                return hit_pages
-            finally:
-                evict.settle(_NO_EVICTION)  # every path settles it (a no-op once settled above)
-                for room in rooms:
-                    room.settle(encode_max(0))
-
-        tree.lock_host(anchor)
-        try:
-            hit_pages = await agreement.agree_on(probe, local)
-            to_evict = _NO_EVICTION - await agreement.agree(evict)
-            comp_evict = [decode_max(await agreement.agree(room)) for room in rooms]
-            self._state.check_open("prefetch")
-            if anchor_end + hit_pages * page - matched < config.prefetch_threshold:
-                tree.unlock_host(anchor)
-                return SkipReason.STORAGE_MISS
-            if to_evict:
-                self._allocator.evict_host(to_evict)
-            host_indices = self._allocator.alloc_host_free(hit_pages * page, owner=Owner.PREFETCH)
-        except BaseException:
-            evict.settle(_NO_EVICTION)
-            for room in rooms:
-                room.settle(encode_max(0))
-            tree.unlock_host(anchor)
-            raise
-        staged: tuple[list[ComponentTransfer], _StagedReads] = ([], [])
-        if tree.components:
-            got = await self._stage_agreed(
-                request_id, storage, hashes[:hit_pages], host_indices, anchor, comp_evict, agreement
-            )
-            if isinstance(got, SkipReason):
-                return got
-            staged = got
-        n_pages = host_indices.numel() // page
-        return PrefetchPlan(
-            anchor=anchor,
-            key=key[anchor_end * TOKEN_BYTES : (anchor_end + n_pages * page) * TOKEN_BYTES],
-            hashes=hashes[:n_pages],
-            page_keys=page_keys[:n_pages],
-            host_indices=host_indices,
-            staged=staged[0],
-            staged_reads=staged[1],
-        )
-
-    async def _stage_agreed(
+    async def _stage(
         self,
         request_id: str,
         storage: GuardedStorage,
@@ -348,31 +386,30 @@ class Admission:
         host_indices: torch.Tensor,
         anchor: NodeRef,
         comp_evict: Sequence[int],
-        agreement: Agreement,
     ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
-        """Stage the components of an agreed prefetch, all or nothing on every rank: each rank evicts the
+        """Stage the components of an admitted prefetch, all or nothing on every rank: each rank evicts the
         agreed component slots (the same from its identical tree), then looks its component pages up
-        and takes its slots; one `stage` decision (2: this rank has every page of the agreed hit and
-        every component staged) agrees whether the prefetch goes on. If not, every rank lets go of
-        everything and skips alike (`HOST_FULL` or `COMPONENT_MISS`). One more step per prefetch with
-        components."""
+        and takes its slots; one `stage` decision (the least over the ranks of a code, `_STAGE_SKIPS`,
+        whose top value says this rank has every page of the agreed hit and every component staged)
+        agrees whether the prefetch goes on. If not, every rank lets go of everything and skips alike,
+        with the reason of the lowest code. One more step per prefetch with components (none for one
+        rank)."""
+        agreement = self._agreement
         tree = self._tree
         page = self._config.page_size
         for comp, need in zip(tree.components, comp_evict, strict=True):
             self._allocator.evict_component_slots(comp.name, Tier.HOST, need)
-        # 2: staged; 1: a component page missing, or no slot for it; 0: the host pool did not take every
-        # page of the agreed hit. The least over the ranks says why every rank skips.
         stage = agreement.propose("stage", request_id)
         got: list[tuple[list[ComponentTransfer], _StagedReads]] = []
 
         async def local() -> int:
             if host_indices.numel() < len(hashes) * page:
-                return 0
-            staged = await self._stage_components(storage, hashes, len(hashes) * page, evict=False)
+                return _STAGE_SKIPS.index(SkipReason.HOST_FULL)
+            staged = await self._stage_components(storage, hashes, len(hashes) * page)
             if isinstance(staged, SkipReason):
-                return 1
+                return _STAGE_SKIPS.index(staged)
             got.append(staged)
-            return 2
+            return len(_STAGE_SKIPS)
 
         try:
             ok = await agreement.agree_on(stage, local)
@@ -380,30 +417,11 @@ class Admission:
         except BaseException:
             self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
             raise
-        if ok < 2:
+        if ok < len(_STAGE_SKIPS):
             self._let_go([t for transfers, _ in got for t in transfers], host_indices, anchor)
-            return SkipReason.HOST_FULL if ok == 0 else SkipReason.COMPONENT_MISS
+            return _STAGE_SKIPS[ok]
         assert got
         return got[0]
-
-    async def _stage_components_or_free(
-        self,
-        storage: GuardedStorage,
-        hashes: Sequence[bytes],
-        num_tokens: int,
-        host_indices: torch.Tensor,
-        anchor: NodeRef,
-    ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
-        """`_stage_components` for a prefetch holding `host_indices` and a lock on `anchor`: if staging
-        fails, or the cache closes meanwhile, the host pages, the lock and anything staged are let go."""
-        got: tuple[list[ComponentTransfer], _StagedReads] | SkipReason | None = None
-        try:
-            got = await self._stage_components(storage, hashes, num_tokens)
-            self._state.check_open("prefetch")
-        except BaseException:
-            self._let_go(got[0] if isinstance(got, tuple) else [], host_indices, anchor)
-            raise
-        return got
 
     def _let_go(
         self, staged: Sequence[ComponentTransfer], host_indices: torch.Tensor, anchor: NodeRef
@@ -420,14 +438,13 @@ class Admission:
         self._tree.unlock_host(anchor)
 
     async def _stage_components(
-        self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int, *, evict: bool = True
+        self, storage: GuardedStorage, hashes: Sequence[bytes], num_tokens: int
     ) -> tuple[list[ComponentTransfer], _StagedReads] | SkipReason:
         """Host buffers and page keys of every component a prefix of `num_tokens` tokens needs at its end.
 
         All or nothing: a skip reason when storage lacks any of the pages (a partial window, no Mamba
-        state) or a component's host pool cannot take them; nothing stays allocated then. `evict`:
-        whether to evict component values for the slots (not under tensor parallelism, where the
-        eviction was agreed before).
+        state) or a component's host pool cannot take them; nothing stays allocated then. Takes free
+        slots only: the eviction for them was agreed before (`_stage`).
         """
         staged: list[ComponentTransfer] = []
         reads: _StagedReads = []
@@ -459,12 +476,8 @@ class Admission:
                     break
                 host_pool = self._component_pools[comp.name].host
                 slots = k * host_pool.page_size
-                indices = (
-                    self._allocator.alloc_component_slots(comp.name, Tier.HOST, slots, owner=Owner.PREFETCH)
-                    if evict
-                    else self._allocator.alloc_component_free(
-                        comp.name, Tier.HOST, slots, owner=Owner.PREFETCH
-                    )
+                indices = self._allocator.alloc_component_free(
+                    comp.name, Tier.HOST, slots, owner=Owner.PREFETCH
                 )
                 if indices is None:
                     reason = SkipReason.COMPONENT_HOST_FULL
@@ -480,3 +493,42 @@ class Admission:
                 self._component_pools[transfer.component].host.free(transfer.indices, owner=Owner.PREFETCH)
             return reason
         return staged, reads
+
+
+EXACT_BELOW = 64
+"""A bracket this small (in pages) is checked page by page, in one call."""
+FANOUT = 16
+"""Pages probed per call while the bracket is larger."""
+
+
+async def probe_hit_pages(
+    storage: StorageBackend, keys: Sequence[str], *, exact_below: int = EXACT_BELOW, fanout: int = FANOUT
+) -> int:
+    """The number of leading `keys` that storage holds, assuming it holds a prefix of them.
+
+    Args:
+        storage: the backend to ask.
+        keys: the page keys of the prefetch, in order.
+        exact_below: brackets of fewer pages are checked page by page.
+        fanout: pages probed per call in a larger bracket (>= 2).
+
+    Raises:
+        ValueError: naming `fanout` or `exact_below` when below their minimum; whatever
+            `storage.exists` raises.
+    """
+    if fanout < 2:
+        raise ValueError(f"fanout: expected >= 2, got {fanout}")
+    if exact_below < 1:
+        raise ValueError(f"exact_below: expected >= 1, got {exact_below}")
+    lo, hi = 0, len(keys)  # pages [0, lo) are taken as present; page `hi` is absent (or the end)
+    while hi - lo > exact_below:
+        step = (hi - lo) / fanout
+        # Evenly spaced, the last probe on the bracket's last page: a full hit is settled in one call.
+        probes = sorted({lo + max(0, int(step * (i + 1)) - 1) for i in range(fanout)} | {hi - 1})
+        present = await storage.exists([keys[p] for p in probes])
+        if present == len(probes):
+            return hi
+        if present:
+            lo = probes[present - 1] + 1
+        hi = probes[present]
+    return lo + (await storage.exists(keys[lo:hi]) if hi > lo else 0)

@@ -1,15 +1,16 @@
 """Turns of event-loop work: at most one caller resumes from `LoopPacer.turn` per loop iteration.
 
-Sixteen prefetches admitted together otherwise run each stage of their admission, launch and commit side
-by side: every one of them resumes in the same loop iteration (their awaits end together), so that
-iteration carries sixteen prefetches' worth of page hashing, storage keys, index tags and tree inserts
-before any other task (a decode step) runs again (issue 12). Each of those stages is bounded on its own;
-the pacer bounds how many of them share an iteration.
+Sixteen prefetches started together otherwise run their first stage and their commit side by side: every
+one of them resumes in the same loop iteration (their awaits end together), so that iteration carries
+sixteen prefetches' worth of key conversion, page hashing, storage keys and tree inserts before any other
+task (a decode step) runs again (issue 12). Each of those stages is bounded on its own; the pacer bounds
+how many of them share an iteration. A prefetch takes two turns: one on its way down (at `start`: key
+conversion, the peek, hashing), one on its way back (its commit's atomic part).
 
 Queued turns go oldest ticket first, not first come first served: a prefetch takes a ticket when it starts
-and shows it at every later stage, so its allocation, launch and commit go ahead of the first stages of
-prefetches started after it. In first-come order the first prefetch's allocation queued behind every other
-prefetch's hashing, and the read threads sat idle until then (2-4 ms of a 55 ms pass of 1 GiB hot reads).
+and shows it at its commit, so its commit goes ahead of the first stages of prefetches started after it.
+Its allocation and launch take no turn: they follow its probe's await, never queued behind other
+prefetches' hashing (which once left the read threads idle: 2-4 ms of a 55 ms pass of 1 GiB hot reads).
 """
 
 from __future__ import annotations

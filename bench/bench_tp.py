@@ -31,7 +31,8 @@ over three system prompts, file storage) through a cache with a sliding window a
 through one without: acquire, allocate (the window's new part and the end state too, with
 `alloc_components_async`), insert; every third request ends a scheduling step. Rank 0's agreement steps
 per request (`hybrid_steps_per_request_tpN`, `plain_steps_per_request_tpN`), p50 time per request and
-cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average).
+cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average);
+`BENCH_TP_ONLY=agree` the agreement and raw collectives alone.
 
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.

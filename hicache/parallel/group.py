@@ -220,9 +220,9 @@ class RankGroup:
         """Start `min_reduce` of `tensor` from the running asyncio event loop, without a worker thread,
         and call `on_done(minimum, None)` or `on_done(None, error)` once, on the loop, when it completes
         or `timeout_s` passes: the collective runs on the backend's thread and its completion wakes the
-        loop. It first waits for the collective on the loop for at most 1 ms (when the last one took
-        less): one that completes within it calls `on_done` before this returns. Nothing a caller's cancellation does can stop it half-way on this rank alone (the
-        agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
+        loop. On gloo it first waits for the collective on the loop for at most 1 ms (when the last one
+        took less): one that completes within it calls `on_done` before this returns. Nothing a caller's
+        cancellation does can stop it half-way on this rank alone (the agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
         """
         loop = asyncio.get_running_loop()
         if self.tp_size == 1:
@@ -259,13 +259,13 @@ class RankGroup:
             except Exception as exc:
                 end(None, self._broke(what, self.timeout_s, exc))
                 return
-            # Wait on the loop first, briefly (the GIL is released): the peers are usually in the same
-            # step, and a collective that completes within the bound then costs one thread wake, not
-            # the backend thread's callback, the loop's self-pipe and a second loop turn (at TP 2 on 2
-            # cores: ~125 us of wake, as much as the bound saves). Only after a collective that itself
-            # completed within the bound: when one took longer, the next one most likely does too, and
-            # the wait would block the loop for nothing.
-            if self._inline_ok:
+            # On gloo, wait on the loop first, briefly (the GIL released): the peers are usually in the
+            # same step, and a collective that completes within the bound costs one wake of this thread
+            # instead of the backend thread's callback, the loop's self-pipe and a second loop turn
+            # (~125 us at TP 2 on 2 cores, BENCHMARKS.md). Only after a collective that completed within
+            # the bound: when one took longer, the next most likely does too, and the wait would only
+            # block the loop. (NCCL's `wait` does not wait for the host: the callback path only.)
+            if self._inline_ok and what == "all_gather":
                 started = time.perf_counter()
                 try:
                     work.wait(timeout=_INLINE_WAIT)

@@ -31,7 +31,8 @@ over three system prompts, file storage) through a cache with a sliding window a
 through one without: acquire, allocate (the window's new part and the end state too, with
 `alloc_components_async`), insert; every third request ends a scheduling step. Rank 0's agreement steps
 per request (`hybrid_steps_per_request_tpN`, `plain_steps_per_request_tpN`), p50 time per request and
-cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average).
+cached tokens. `BENCH_TP_ONLY=hybrid` runs this part alone (with the load average);
+`BENCH_TP_ONLY=agree` the agreement and raw collectives alone.
 
 Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2": .., "agree_us_p50_tp4":
 .., "raw_all_gather_us_p50_tp4": .., "raw_all_reduce_min_us_p50_tp4": .., "saved_tokens_tp1": .., "saved_tokens_tp2": .., "saved_tokens_tp4": .., ...}.
@@ -95,6 +96,7 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
         "acquire_p50": statistics.median(acquire),
         "raw_interleaved_p50": statistics.median(raw),
         "collectives_per_agreement": collectives / (2 * (iterations + 20)),
+        "inline_fraction": group.inline_completions / max(1, 2 * (iterations + 20)),
     }
 
 
@@ -301,6 +303,7 @@ def figures(out: dict[str, object], parts: tuple[str, ...], iterations: int, req
             if tp > 1:
                 out[f"raw_interleaved_all_gather_us_p50_tp{tp}"] = round(a["raw_interleaved_p50"], 1)
                 out[f"agree_vs_raw_p50_tp{tp}"] = round(a["p50"] / a["raw_interleaved_p50"], 3)
+                out[f"inline_fraction_tp{tp}"] = round(a["inline_fraction"], 3)
         if "raw" in v:
             out[f"raw_all_gather_us_p50_tp{tp}"] = round(v["raw"]["all_gather"], 1)
             out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(v["raw"]["all_reduce_min"], 1)
@@ -328,10 +331,10 @@ def main() -> None:
     demo_sizes = {"users": 1, "turns": 1} if args.smoke else {}
     out: dict[str, object] = {"bench": "tp", "iterations": iterations, "backend": "gloo"}
     only = os.environ.get("BENCH_TP_ONLY")
-    if only in ("layerwise", "hybrid"):
+    if only in ("agree", "layerwise", "hybrid"):
         if only == "hybrid":
             out["requests"] = requests
-        figures(out, (only,), iterations, requests)
+        figures(out, ("agree", "raw") if only == "agree" else (only,), iterations, requests)
         out["load_average"] = os.getloadavg()[0]
         print(json.dumps(out))
         return

@@ -13,7 +13,7 @@
 #include <string.h>
 
 /* Bumped whenever a function's behaviour or signature changes (hicache/tree/walk.py checks it). */
-#define BUILD 3
+#define BUILD 4
 
 static PyTypeObject *node_type = NULL;
 static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits, off_ref;
@@ -177,6 +177,36 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 
+/* ---------------------------------------------------------------- index copies */
+
+PyDoc_STRVAR(copy_into_doc,
+             "copy_into(dst, offset, src_address, nbytes, /) -> None\n\n"
+             "Copy `nbytes` bytes from the CPU address `src_address` (a contiguous CPU tensor's data_ptr(), read by\n"
+             "the caller, which keeps the tensor alive and checked it: CPU, contiguous, at least that long) into the\n"
+             "writable buffer `dst` (a numpy array) at byte `offset`. The tree's own copy of a caller's indices\n"
+             "without a torch op (a torch op here costs more than the rest of an insert's bookkeeping).");
+
+static PyObject *copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_into: expected 4 arguments");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), nbytes = PyLong_AsSsize_t(args[3]);
+    if ((offset == -1 || nbytes == -1) && PyErr_Occurred()) return NULL;
+    void *src = PyLong_AsVoidPtr(args[2]);
+    if (src == NULL && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (offset < 0 || nbytes < 0 || offset > view.len || nbytes > view.len - offset || (nbytes && src == NULL)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "copy_into: the copy does not fit the destination");
+        return NULL;
+    }
+    memcpy((char *)view.buf + offset, src, (size_t)nbytes);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------------- records made without __init__ */
 
 /* A maker builds instances of one __slots__ class: the positional arguments fill `fields` in order, every
@@ -293,6 +323,7 @@ static PyMethodDef methods[] = {
     {"bind", bind, METH_O, "bind(node_class, /) -> None\n\nResolve the slots of the tree's node class (once)."},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"maker", (PyCFunction)(void (*)(void))make_maker, METH_FASTCALL, maker_doc},
+    {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL, copy_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,9 +26,10 @@ proposed for longer than the group's timeout raises `RankDivergence` on the prop
 next collective then times out with `RankFailed`), so no loop steps forever.
 
 What a step costs beyond its collective: building and reading the fixed-shape tensor (numpy, over the
-pending decisions only), and no thread hop: the collective runs on the backend's thread and its
-completion wakes the event loop, where the step completes even if its caller was cancelled meanwhile
-(so no shield). How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
+pending decisions only), and no thread hop: the collective runs on the backend's thread and the loop
+waits for it at most 1 ms (`RankGroup.min_reduce_then`) before its completion wakes the event loop, where
+the step completes even if its caller was cancelled meanwhile (so no shield); a step that completed in
+that wait gives the loop one turn all the same. How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
 timeout, 1 s at most) to settle its own decisions, while a peer that has settled waits in the collective,
 so a value settled late resolves in one step, not after idle ones; the header carries how many decisions
 the neediest rank holds, so the step that resolves the last one is the last step. With no group, or a group of one rank, a settled decision is
@@ -309,7 +310,13 @@ class Agreement:
 
         self._stepping = True
         group.min_reduce_then(tensor, finished)
-        return await waiter
+        if not waiter.done():
+            return await waiter
+        # Completed within the group's short wait: one turn of the loop all the same, so a loop that
+        # steps (`drive`) never keeps the rest of the loop (this rank's I/O, its settlements) out.
+        waiter.exception()  # retrieved: a cancellation in the turn below leaves no unretrieved error
+        await asyncio.sleep(0)
+        return waiter.result()
 
     def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
         """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,11 @@ import torch.distributed as dist
 from hicache.parallel.errors import RankFailed
 
 __all__ = ["RankGroup"]
+
+_INLINE_WAIT_S = 0.001
+_INLINE_WAIT = datetime.timedelta(seconds=_INLINE_WAIT_S)
+"""How long `min_reduce_then` waits on the loop for its collective before it parks (the least
+`Work.wait` takes: its timeout is whole milliseconds, and 0 means no timeout)."""
 
 
 def _check_seconds(name: str, value: object) -> float:
@@ -76,6 +82,10 @@ class RankGroup:
         self._owned = False
         self.collectives = 0
         """Collectives this rank has run on the group (every rank runs the same number)."""
+        self.inline_completions = 0
+        """Collectives of `min_reduce_then` that completed within its short wait on the loop."""
+        self._inline_ok = True
+        """Whether `min_reduce_then`'s last collective completed within the short wait's bound."""
         self.readiness: RankGroup | None = None
         """The group of the per-layer readiness collectives (`readiness_process_group`), or None."""
         if readiness_process_group is not None:
@@ -210,8 +220,9 @@ class RankGroup:
         """Start `min_reduce` of `tensor` from the running asyncio event loop, without a worker thread,
         and call `on_done(minimum, None)` or `on_done(None, error)` once, on the loop, when it completes
         or `timeout_s` passes: the collective runs on the backend's thread and its completion wakes the
-        loop. Nothing a caller's cancellation does can stop it half-way on this rank alone (the
-        agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
+        loop. On gloo it first waits for the collective on the loop for at most 1 ms (when the last one
+        took less): one that completes within it calls `on_done` before this returns. Nothing a caller's
+        cancellation does can stop it half-way on this rank alone (the agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
         """
         loop = asyncio.get_running_loop()
         if self.tp_size == 1:
@@ -231,6 +242,7 @@ class RankGroup:
             on_done(result, error)
 
         def completed(fut: Any) -> None:
+            self._inline_ok = time.perf_counter() - state["started"] < _INLINE_WAIT_S
             try:
                 fut.value()
             except Exception as exc:
@@ -247,6 +259,25 @@ class RankGroup:
             except Exception as exc:
                 end(None, self._broke(what, self.timeout_s, exc))
                 return
+            # On gloo, wait on the loop first, briefly (the GIL released): the peers are usually in the
+            # same step, and a collective that completes within the bound costs one wake of this thread
+            # instead of the backend thread's callback, the loop's self-pipe and a second loop turn
+            # (~125 us at TP 2 on 2 cores, BENCHMARKS.md). Only after a collective that completed within
+            # the bound: when one took longer, the next most likely does too, and the wait would only
+            # block the loop. (NCCL's `wait` does not wait for the host: the callback path only.)
+            if self._inline_ok and what == "all_gather":
+                started = time.perf_counter()
+                try:
+                    work.wait(timeout=_INLINE_WAIT)
+                except Exception:  # still running (or failed: its future says so, below)
+                    self._inline_ok = False
+                else:
+                    self.inline_completions += 1
+                    end(self._min_of(what, state["out"], tensor.shape), None)
+                    return
+                state["started"] = started
+            else:
+                state["started"] = time.perf_counter()
             state["timer"] = loop.call_later(
                 self.timeout_s, lambda: end(None, self._broke(what, self.timeout_s, None))
             )

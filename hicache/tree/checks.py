@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hicache.components.base import TIERS
+from hicache.tree.node import join_indices
 from hicache.tree.results import EMPTY_INDICES
 
 __all__ = ["cat_indices", "check_count", "check_indices", "check_tier"]
@@ -29,7 +30,7 @@ def cat_indices(parts: list[torch.Tensor]) -> torch.Tensor:
         return EMPTY_INDICES
     if len(parts) == 1:
         return parts[0]
-    return torch.cat(parts)
+    return join_indices(parts)
 
 
 def check_count(value: object, name: str) -> int:

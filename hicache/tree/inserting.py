@@ -14,7 +14,7 @@ from hicache.tree import backups
 from hicache.tree.checks import check_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
-from hicache.tree.node import TreeNode, new_node, walk
+from hicache.tree.node import TreeNode, copy_indices, new_node, walk
 from hicache.tree.results import InsertResult, make_insert
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def insert(
         child.hit_count += 1
         if values is None:
             base = pos >> 3
-            values = device_indices.narrow_copy(0, base, (end >> 3) - base)
+            values = copy_indices(device_indices, base, (end >> 3) - base)
         tree._set_device(child, values[(pos >> 3) - base : (pos + matched >> 3) - base])
         if (
             backup_hits is not None
@@ -132,7 +132,7 @@ def insert(
         # holds no lock, no backup and no component yet).
         start = pos >> 3
         if values is None:
-            value = device_indices.narrow_copy(0, start, (end >> 3) - start)
+            value = copy_indices(device_indices, start, (end >> 3) - start)
         else:
             value = values[start - base :]
         nid = next(tree._ids)

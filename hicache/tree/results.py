@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hicache.tree.node import maker
+from hicache.tree.node import join_indices, maker
 
 if TYPE_CHECKING:
     from hicache.tree.handles import NodeRef
@@ -116,7 +116,7 @@ class MatchResult:
         elif len(vals) == 1:
             out = vals[0]
         else:
-            out = torch.cat(vals)
+            out = join_indices(vals)
         self._indices = out
         return out
 
@@ -126,7 +126,7 @@ class MatchResult:
         vals = self.host_values
         if not vals:
             return EMPTY_INDICES
-        return vals[0] if len(vals) == 1 else torch.cat(vals)
+        return vals[0] if len(vals) == 1 else join_indices(vals)
 
     def __repr__(self) -> str:
         return (

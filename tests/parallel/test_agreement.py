@@ -6,6 +6,8 @@ hanging CI. The single-rank tests run in-process.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 
 import anyio
@@ -280,3 +282,28 @@ def test_a_value_settled_late_on_one_rank_resolves_in_one_step() -> None:
     out = run_ranks(tp_workers.steps_for_a_late_value, 2, (0.2,), timeout_s=WATCHDOG_S)
     assert all(o.ok for o in out), [o.error for o in out]
     assert [o.value for o in out] == [{"agreed": 5, "steps": 1}] * 2
+
+
+async def test_steps_that_complete_at_once_still_let_the_loop_run_other_tasks() -> None:
+    """Guards against a stepping loop starving the rest of the event loop when each collective completes
+    within `min_reduce_then` (its short wait on the loop): awaiting a finished future does not yield, so
+    a busy `drive()` on a fast group kept this rank's other tasks (its I/O, its settlements) from running
+    until the peers stopped stepping. Each step gives the loop one turn."""
+    agreement = Agreement(DivergentPeerGroup(diverges_at=None))
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(other_task())
+    await asyncio.sleep(0)
+    before = turns
+    for _ in range(10):
+        await agreement.step(busy=True)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert turns - before >= 10

@@ -115,3 +115,49 @@ def test_the_walk_refuses_a_malformed_key_or_position(key: object, pos: int, err
     tree = RadixTree(PAGE)
     with pytest.raises(error):
         _hicache_tree.walk(tree._root, key, pos, STEP, 1, tree._root, None, None, 0)
+
+
+def test_the_tree_keeps_its_own_copy_of_the_inserted_indices() -> None:
+    """Guards against the C copy of `insert` (numpy memory filled from the caller's `data_ptr`) sharing
+    the caller's memory or reading from the wrong offset: the leaf holds exactly the caller's indices
+    after the duplicate prefix, and writing into the caller's tensor afterwards changes nothing."""
+    tree = _tree_with(_key(1, 2, 3, 4))
+    indices = torch.arange(100, 108, dtype=torch.int64)
+    caller = indices[2:]  # a view at an offset into a larger storage
+    result = tree.insert(_key(1, 2, 3, 4, 5, 6), caller)
+    assert result.prefix_len == 4
+    expected = caller.clone()
+    caller.fill_(-1)
+    assert torch.equal(tree.match_prefix(_key(1, 2, 3, 4, 5, 6)).device_indices[4:], expected[4:])
+    tree.sanity_check()
+
+
+def test_a_strided_insert_is_copied_by_torch_and_joins_match_torch_cat() -> None:
+    """Guards against the C copy taking a strided tensor's `data_ptr` as if it were contiguous; and
+    checks that the C join of a match's values is `torch.cat` of them."""
+    tree = RadixTree(PAGE)
+    strided = torch.arange(20, dtype=torch.int64)[::2]
+    assert not strided.is_contiguous()
+    tree.insert(_key(*range(1, 11)), strided)
+    tree.insert(_key(*range(1, 5), 50, 51), torch.arange(200, 206, dtype=torch.int64))
+    match = tree.match_prefix(_key(*range(1, 11)))
+    assert len(match.device_values) == 2
+    assert torch.equal(match.device_indices, strided)
+    assert torch.equal(match.device_indices, torch.cat(match.device_values))
+    tree.sanity_check()
+
+
+def test_copy_into_refuses_a_copy_past_the_destination() -> None:
+    """Guards against `copy_into` writing past its destination buffer (its caller passes raw addresses)."""
+    import numpy as np
+
+    dst = np.zeros(4, dtype=np.int64)
+    src = torch.arange(8, dtype=torch.int64)
+    _hicache_tree.copy_into(dst, 8, src.data_ptr(), 24)
+    assert dst.tolist() == [0, 0, 1, 2]
+    with pytest.raises(ValueError, match="does not fit"):
+        _hicache_tree.copy_into(dst, 8, src.data_ptr(), 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        _hicache_tree.copy_into(dst, -8, src.data_ptr(), 8)
+    with pytest.raises(BufferError):
+        _hicache_tree.copy_into(b"read-only", 0, src.data_ptr(), 1)

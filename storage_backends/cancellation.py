@@ -30,14 +30,16 @@ __all__ = ["StopScope", "run_in_thread", "uncancellable"]
 T = TypeVar("T")
 
 
-async def uncancellable(work: Awaitable[T]) -> T:
+async def uncancellable(work: Awaitable[T], *, on_cancel: Callable[[], object] | None = None) -> T:
     """Await `work` to its end, absorbing the caller's cancellations meanwhile; then re-raise the first.
 
     `work` runs in a task of its own (a future is awaited as it is), which the caller's cancellation never
     cancels: the caller's wait ends only once `work` has ended. If the caller was cancelled meanwhile, that
     cancellation propagates (whatever `work` returned or raised, which is retrieved); otherwise `work`'s
     result or exception is the caller's. For short work that must never be abandoned: a copy into a buffer
-    the caller frees on its way out, a decision that must be carried out whole.
+    the caller frees on its way out, a decision that must be carried out whole. `on_cancel`, if given, is
+    called at the caller's first cancellation (to ask the work to end early, e.g. a copy to stop at its
+    next layer).
     """
     task = asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
@@ -47,6 +49,8 @@ async def uncancellable(work: Awaitable[T]) -> T:
         except asyncio.CancelledError as exc:
             if cancelled is None:
                 cancelled = exc
+                if on_cancel is not None:
+                    on_cancel()
     if cancelled is not None:
         if not task.cancelled():
             task.exception()  # retrieved, whatever it is: never logged as "never retrieved"

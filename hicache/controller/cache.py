@@ -562,7 +562,7 @@ class HiCache:
                 # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
-                self._copies.limiter = anyio.CapacityLimiter(1)
+                self._copies.limiter = asyncio.Semaphore(1)
             if not self.agreement.local:
                 await anyio.to_thread.run_sync(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)

@@ -8,8 +8,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-import anyio
-import anyio.lowlevel
 import torch
 
 from hicache.config import HiCacheConfig
@@ -29,6 +27,7 @@ from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, Decision
 from hicache.tiers import DropReason, PrefetchStatus, SkipReason
 from hicache.tree import ComponentFree, MatchResult, NodeRef, PrefixPeek, RadixTree
+from storage_backends.cancellation import StopScope, uncancellable
 from storage_backends.threads import stray_threads
 
 __all__ = ["Prefetcher"]
@@ -201,12 +200,11 @@ class Prefetcher:
 
     async def _stream(self, prefetch: Prefetch, storage: GuardedStorage) -> None:
         try:
-            with anyio.CancelScope(shield=True):  # no new cancel point
-                await self.pacer.turn(prefetch.ticket)
+            await self.pacer.turn(prefetch.ticket)
             views = self._host_pool.page_views(prefetch.host_indices)
             # One bounded piece of loop work per step: concurrent prefetches launched together would
             # otherwise build their views and submit their first reads in one loop iteration (issue 12).
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await asyncio.sleep(0)
             await prefetch.stream(
                 storage,
                 views,
@@ -274,6 +272,15 @@ class Prefetcher:
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
         agreed_pages, components_complete = await self._stop_and_agree(prefetch)
+        # The ranks' decision is out of the agreement: the commit is carried out whole (a cancellation
+        # meanwhile is re-raised once it is). Before this point a cancellation undid everything.
+        return await uncancellable(self._carry_out(request_id, prefetch, agreed_pages, components_complete))
+
+    async def _carry_out(
+        self, request_id: str, prefetch: Prefetch, agreed_pages: int, components_complete: bool
+    ) -> PrefetchOutcome:
+        """The commit after the agreement: the refill rescue's backup, the commit's turn, then the
+        outcome, decided and carried out atomically."""
         self._check_still_in_flight(request_id, prefetch)
         rescued = False
         if self.rescue is not None and not prefetch.staged:
@@ -281,10 +288,8 @@ class Prefetcher:
             agreed_tokens = agreed_pages * self._page_size
             rescued = await self.rescue.prepare(prefetch, min(prefetch.completed_tokens, agreed_tokens))
             self._check_still_in_flight(request_id, prefetch)
-        # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
-        # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
-        with anyio.CancelScope(shield=True):
-            await self.pacer.turn(prefetch.ticket)
+        # Prefetches that stop together commit in loop iterations of their own.
+        await self.pacer.turn(prefetch.ticket)
         self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
@@ -386,7 +391,7 @@ class Prefetcher:
         prefetch = self.get(request_id)
         prefetch.request_stop()
         try:
-            with anyio.move_on_after(_STOP_GRACE_S):
+            async with StopScope(_STOP_GRACE_S):
                 await prefetch.wait_stopped()
         except BaseException:
             if self._prefetches.get(request_id) is prefetch:
@@ -400,13 +405,10 @@ class Prefetcher:
         a stream stops within a few loop turns) so its pages go back before the caller's error
         propagates, then resolve it; if it has not stopped by then, it is resolved detached."""
         prefetch.request_stop()
-        # A second asyncio cancellation (anyio's shield does not stop those) ends the wait: detached.
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(_STOP_GRACE_S),
-            contextlib.suppress(asyncio.CancelledError),
-        ):
-            await prefetch.wait_stopped()
+        # A second cancellation ends the wait: detached.
+        with contextlib.suppress(asyncio.CancelledError):
+            async with StopScope(_STOP_GRACE_S):
+                await prefetch.wait_stopped()
         if self._prefetches.get(prefetch.request_id) is prefetch:
             self.cancel_now(prefetch)
 

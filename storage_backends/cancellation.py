@@ -101,12 +101,12 @@ class StopScope:
     def stop(self) -> None:
         """Cut the body short at its next await (idempotent; before entering: at once on entry)."""
         self.stopped = True
-        if self._inside and self._timeout is not None:
+        if self._inside and self._timeout is not None and not self._timeout.expired():
             self._timeout.reschedule(asyncio.get_running_loop().time())
 
     async def __aenter__(self) -> StopScope:
         loop = asyncio.get_running_loop()
-        when = None if self._delay is None else loop.time() + self._delay
+        when = None if self._delay is None or math.isinf(self._delay) else loop.time() + self._delay
         self._timeout = asyncio.timeout_at(loop.time() if self.stopped else when)
         await self._timeout.__aenter__()
         self._inside = True

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import anyio
-import anyio.lowlevel
 import torch
 
 from hicache.components import component_storage_key
@@ -25,6 +24,7 @@ from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
+from storage_backends.cancellation import StopScope
 
 __all__ = ["Admission", "PrefetchPlan"]
 
@@ -179,13 +179,12 @@ class Admission:
                 key[anchor_end * TOKEN_BYTES :], page, config.namespace, tree.last_hash(anchor)
             )
             # Hashing and the probe's submission are separate loop iterations too.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await asyncio.sleep(0)  # a cancellation here or below unlocks the anchor (except, below)
             hit_pages = await self._probe(request_id, storage, page_keys, remainder)
             if isinstance(hit_pages, SkipReason):
                 tree.unlock_host(anchor)
                 return hit_pages
-            with anyio.CancelScope(shield=True):  # no new cancel point
-                await self._pacer.turn(ticket)
+            await self._pacer.turn(ticket)
             self._state.check_open("prefetch")
             self._forget_stored(page_keys[hit_pages:])
             hit = hit_pages * page
@@ -235,7 +234,7 @@ class Admission:
         try:
             # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
             budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
-            with anyio.move_on_after(budget):
+            async with StopScope(budget):
                 return await probe_hit_pages(storage, page_keys)
             storage.record_timeout("exists")
             self._metrics.storage_page_failures.labels(reason="timeout").inc()
@@ -439,9 +438,9 @@ class Admission:
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
                 try:
                     present = 0
-                    with anyio.move_on_after(self._config.storage_read_timeout_s) as lookup:
+                    async with StopScope(self._config.storage_read_timeout_s) as lookup:
                         present = await storage.exists(keys) if keys else 0
-                    if lookup.cancelled_caught:  # a hung lookup is a storage error, never a miss
+                    if lookup.cut_short:  # a hung lookup is a storage error, never a miss
                         logger.warning("prefetch: component lookup timed out")
                         storage.record_timeout("exists")
                         self._metrics.storage_page_failures.labels(reason="timeout").inc()

@@ -6,6 +6,7 @@ evicted. The anchor node is host-locked for the prefetch's whole life so it cann
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import math
@@ -13,13 +14,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import anyio
 import torch
 
 from hicache.controller.pages.release import ComponentTransfer
 from hicache.policy import StopPolicy
 from hicache.tiers import DropReason, PrefetchStatus
 from hicache.tree import NodeRef
+from storage_backends.cancellation import StopScope
 from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -159,9 +160,9 @@ class Prefetch:
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
         self._stop_requested = False
-        self._stream_scope: anyio.CancelScope | None = None
-        self._finished = anyio.Event()
-        self._progress = anyio.Event()
+        self._stream_scope: StopScope | None = None
+        self._finished = asyncio.Event()
+        self._progress = asyncio.Event()
 
     @property
     def num_tokens(self) -> int:
@@ -209,7 +210,7 @@ class Prefetch:
         next_batch = 0  # the first batch not settled yet
         next_read = 0  # the first batch no reader has taken yet
 
-        def settle(tg: anyio.abc.TaskGroup) -> None:
+        def settle(readers: StopScope) -> None:
             nonlocal next_batch
             while next_batch in finished:
                 start, stop = bounds[next_batch]
@@ -218,18 +219,18 @@ class Prefetch:
                 self._notify_progress()
                 if good < stop - start:
                     self._count_failures(reason, 1)
-                    tg.cancel_scope.cancel()  # the pages behind a failure are useless
+                    readers.stop()  # the pages behind a failure are useless
                     next_batch = len(bounds)
                     return
                 next_batch += 1
 
-        async def read(index: int, tg: anyio.abc.TaskGroup) -> None:
+        async def read(index: int, readers: StopScope) -> None:
             start, stop = bounds[index]
             reason = "error"
             try:
-                with anyio.move_on_after(read_timeout_s) as deadline:
+                async with StopScope(read_timeout_s) as deadline:
                     ok = await backend.get(self.page_keys[start:stop], views[start:stop])
-                if deadline.cancelled_caught:
+                if deadline.cut_short:
                     logger.warning(
                         "prefetch %s: storage read of pages %d-%d timed out after %.3gs",
                         self.request_id,
@@ -250,25 +251,26 @@ class Prefetch:
                 logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
                 good = -1
             finished[index] = (good, reason)
-            settle(tg)
+            settle(readers)
 
-        async def reader(tg: anyio.abc.TaskGroup) -> None:
+        async def reader(readers: StopScope) -> None:
             # Each of `concurrency` readers takes the next batch as soon as its own read settles: no task
             # spawned and no semaphore handed on per batch (each cost the loop an iteration, issue 12).
             nonlocal next_read
             while next_read < len(bounds) and next_batch < len(bounds):
-                await anyio.lowlevel.checkpoint_if_cancelled()  # a stopped stream starts no new read
+                if readers.stopped or self._stop_requested:  # a stopped stream starts no new read
+                    return
                 index, next_read = next_read, next_read + 1
-                await read(index, tg)
+                await read(index, readers)
 
         try:
-            with anyio.CancelScope() as scope:
+            async with StopScope() as scope:
                 self._stream_scope = scope
                 if self._stop_requested:
-                    scope.cancel()
-                async with anyio.create_task_group() as tg:
+                    scope.stop()
+                async with StopScope() as readers, asyncio.TaskGroup() as tg:
                     for _ in range(min(max(1, concurrency), len(bounds))):
-                        tg.start_soon(reader, tg)
+                        tg.create_task(reader(readers))
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend, read_timeout_s)
                 if self.unusable_keys:
@@ -284,9 +286,9 @@ class Prefetch:
         """Read the staged component pages; complete only if every one of them arrives."""
         for keys, views in self._staged_reads:
             try:
-                with anyio.move_on_after(read_timeout_s) as deadline:
+                async with StopScope(read_timeout_s) as deadline:
                     ok = await backend.get(keys, views)
-                if deadline.cancelled_caught:
+                if deadline.cut_short:
                     logger.warning("prefetch %s: component read timed out", self.request_id)
                     self.timed_out_reads += 1
                     self._count_failures("timeout", 1)
@@ -320,7 +322,7 @@ class Prefetch:
         for good. Part of the stream (a commit waits for it), bounded by the read timeout. A failure or a
         timeout only leaves them in place."""
         try:
-            with anyio.move_on_after(timeout_s):
+            async with StopScope(timeout_s):
                 await backend.delete(self.unusable_keys)
         except Exception as exc:
             logger.warning("prefetch %s: cannot remove unusable pages: %r", self.request_id, exc)
@@ -333,7 +335,7 @@ class Prefetch:
         """Ask the stream to stop now; pages already verified stay counted."""
         self._stop_requested = True
         if self._stream_scope is not None:
-            self._stream_scope.cancel()
+            self._stream_scope.stop()
 
     async def wait_stopped(self) -> None:
         """Wait until streaming has stopped and no I/O is in flight."""
@@ -348,7 +350,7 @@ class Prefetch:
             return
         remaining = self.started_at + self.timeout_s - time.monotonic()
         if remaining > 0:
-            with anyio.move_on_after(remaining):
+            async with StopScope(remaining):
                 await self._finished.wait()
         if not self._finished.is_set():
             self.timed_out = True
@@ -361,4 +363,4 @@ class Prefetch:
 
     def _notify_progress(self) -> None:
         self._progress.set()
-        self._progress = anyio.Event()
+        self._progress = asyncio.Event()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -405,12 +404,16 @@ class Prefetcher:
         a stream stops within a few loop turns) so its pages go back before the caller's error
         propagates, then resolve it; if it has not stopped by then, it is resolved detached."""
         prefetch.request_stop()
-        # A second cancellation ends the wait: detached.
-        with contextlib.suppress(asyncio.CancelledError):
-            async with StopScope(_STOP_GRACE_S):
-                await prefetch.wait_stopped()
-        if self._prefetches.get(prefetch.request_id) is prefetch:
-            self.cancel_now(prefetch)
+        try:
+            await uncancellable(self._wait_stopped_within_grace(prefetch))
+        finally:
+            if self._prefetches.get(prefetch.request_id) is prefetch:
+                self.cancel_now(prefetch)
+
+    @staticmethod
+    async def _wait_stopped_within_grace(prefetch: Prefetch) -> None:
+        async with StopScope(_STOP_GRACE_S):
+            await prefetch.wait_stopped()
 
     def cancel_all(self) -> None:
         """Resolve every prefetch in flight as cancelled, without awaiting (the cache is closing)."""

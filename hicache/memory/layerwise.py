@@ -36,7 +36,7 @@ import torch
 from hicache.errors import LeaseReleased, LoadBackFailed
 from hicache.memory.pool import KVPool
 from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _runs, _validated_pages, _wait_event
-from storage_backends.cancellation import run_in_thread, uncancellable
+from storage_backends.cancellation import uncancellable
 
 __all__ = [
     "ALL_READY",
@@ -263,8 +263,8 @@ class LayerwiseCopy:
     """A copy of whole pages from `src` to `dst` that lands layer by layer; `readiness` says which.
 
     Create it, hand `readiness` to the model, then `await run()` (once). A cancellation of `run` aborts the
-    copy (it stops before its next layer) and propagates once the copying thread returned; on CUDA, kernels
-    it enqueued may still run, so before `dst`'s pages go elsewhere the owner awaits `wait_settled()`.
+    copy (it stops before its next layer) and propagates at once, its thread (and on CUDA its kernels) maybe
+    still running: before `dst`'s pages go elsewhere the owner awaits `wait_settled()`.
 
     Args:
         src: the pool read from (the host pool, for a load-back).
@@ -353,10 +353,7 @@ class LayerwiseCopy:
         readiness = self.readiness
         if isinstance(readiness, CpuLayerReadiness):
             try:
-                # A cancellation stops the copy at its next layer and waits for the thread to return.
-                await uncancellable(
-                    run_in_thread(self._copy_cpu, readiness, limiter=limiter), on_cancel=self.abort
-                )
+                await self._in_thread(limiter, self._copy_cpu, readiness)
             except BaseException as exc:
                 readiness.fail(exc)
                 if isinstance(exc, Exception):
@@ -369,12 +366,8 @@ class LayerwiseCopy:
             return
         assert self._cuda is not None
         after = torch.cuda.current_stream(self._cuda)
-        # A cancellation stops the enqueueing at its next layer; once the thread returned it propagates
-        # (the owner's `wait_settled` waits for what was enqueued).
         try:
-            await uncancellable(
-                run_in_thread(self._enqueue_cuda, readiness, after, limiter=limiter), on_cancel=self.abort
-            )
+            await self._in_thread(limiter, self._enqueue_cuda, readiness, after)
         except Exception as exc:  # the readiness already says so: its events stop short
             readiness.fail(exc)
             raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
@@ -383,6 +376,21 @@ class LayerwiseCopy:
             readiness.fail(error)
             raise error
         await _wait_event(readiness.events[-1])
+
+    async def _in_thread(
+        self, limiter: asyncio.Semaphore | None, func: Callable[..., None], *args: object
+    ) -> None:
+        """`func(*args)` in a worker thread. A cancellation aborts the copy (it stops before its next
+        layer) and propagates at once: the owner awaits `wait_settled` before `dst`'s pages go elsewhere."""
+        try:
+            if limiter is None:
+                await asyncio.to_thread(func, *args)
+                return
+            async with limiter:
+                await asyncio.to_thread(func, *args)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
 
     # ------------------------------------------------------------------ CPU
 

@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import anyio
+    import asyncio
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -227,9 +228,9 @@ def _demo(args: argparse.Namespace) -> int:
 
         result: DemoResult
         if hybrid:
-            result = anyio.run(run_hybrid_demo, HybridDemoConfig(config), on_progress, announce)
+            result = asyncio.run(run_hybrid_demo(HybridDemoConfig(config), on_progress, announce))
         else:
-            result = anyio.run(run_demo, config, on_progress, announce)
+            result = asyncio.run(run_demo(config, on_progress, announce))
     summary = summarize(result)
     if args.plot:
         save_plot(result, args.plot)
@@ -260,7 +261,7 @@ def _check_backend(url: str) -> str | None:
     """Why the demo's `--backend` URL cannot be opened (redacted), or None: checked by opening and closing
     it before the model loads, so a bad URL (credentials in it or its endpoint, a query a backend does
     not take) costs one line, not a model load and a traceback."""
-    import anyio
+    import asyncio
 
     from storage_backends.names import check_url_names
     from storage_backends.redact import redact_text, redact_url, secret_values
@@ -271,7 +272,7 @@ def _check_backend(url: str) -> str | None:
     try:
         check_url_names(url)
         backend = open_backend(url, namespace_digest=bytes(16))
-        anyio.run(backend.aclose)
+        asyncio.run(backend.aclose())
     except (ValueError, TypeError, OSError) as exc:
         return redact_text(str(exc), secret_values(url))
     return None

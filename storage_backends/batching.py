@@ -2,12 +2,13 @@
 
 Backends write per-object (or per-group) primitives; `gather_bounded` runs them under a limit and, on the
 first failure, cancels and awaits the siblings before re-raising (the shape of fsspec's
-`_run_coros_in_chunks`, built on an anyio task group). The rest are small helpers every backend needs for
+`_run_coros_in_chunks`, built on an asyncio task group). The rest are small helpers every backend needs for
 per-page results: argument checks, grouping pages into worker-thread calls, and the statistics record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -15,8 +16,6 @@ from functools import partial
 from itertools import compress
 from operator import attrgetter
 from typing import TypeVar, cast
-
-import anyio
 
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import WorkerThreads
@@ -83,23 +82,19 @@ async def gather_bounded(funcs: Sequence[Callable[[], Awaitable[T]]], limit: int
     if n == 1:
         return [await funcs[0]()]
     results: list[object] = [_PENDING] * n
-    failures: list[Exception] = []
     cursor = iter(range(n))
 
-    async def worker(scope: anyio.CancelScope) -> None:
+    async def worker() -> None:
         for i in cursor:
-            try:
-                results[i] = await funcs[i]()
-            except Exception as exc:
-                failures.append(exc)
-                scope.cancel()
-                return
+            results[i] = await funcs[i]()
 
-    async with anyio.create_task_group() as tg:
-        for _ in range(min(limit, n)):
-            tg.start_soon(worker, tg.cancel_scope)
-    if failures:
-        raise failures[0]
+    # The first failure cancels the siblings (the task group does that) and is what propagates.
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(min(limit, n)):
+                tg.create_task(worker())
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
     assert all(r is not _PENDING for r in results), "gather_bounded finished with unfinished calls"
     return cast("list[T]", results)
 

@@ -16,13 +16,12 @@ collected while its threads run lets them leave once their jobs return.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Final, Self
-
-import anyio
 
 from storage_backends.errors import CacheClosed
 
@@ -64,7 +63,7 @@ class BackendLifecycle:
 
     _closed: bool = True
     _in_flight: int = 0
-    _released: anyio.Event | None = None
+    _released: asyncio.Event | None = None
     """Created by the first `aclose()`; set once `_release()` ran."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -87,7 +86,7 @@ class BackendLifecycle:
         """
         if self._released is None:
             self._closed = True
-            self._released = anyio.Event()
+            self._released = asyncio.Event()
             if not self._in_flight:
                 self._release_now()
         await self._released.wait()

@@ -26,6 +26,7 @@ raises `StorageUnavailable`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Sequence
@@ -34,7 +35,6 @@ from functools import partial
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlsplit
 
-import anyio
 import numpy as np
 
 from storage_backends.batching import (
@@ -46,6 +46,7 @@ from storage_backends.batching import (
     gather_bounded,
     group_slices,
 )
+from storage_backends.cancellation import uncancellable
 from storage_backends.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import prefix_from_url_path, validate_prefix
@@ -279,7 +280,7 @@ class MooncakeBackend(BackendLifecycle):
         self._holding = False
         """Whether `_release` left a reference to the shared client for `aclose` to drop."""
         self._shared: _SharedClient | None = None
-        self._connecting = anyio.Lock()
+        self._connecting = asyncio.Lock()
         self._registered: dict[int, int] = {}
         """Registered regions, start address -> bytes; touched under `_register_lock` in worker threads."""
         self._register_lock = threading.Lock()
@@ -318,8 +319,7 @@ class MooncakeBackend(BackendLifecycle):
         holding, self._holding = self._holding, False
         if holding:
             try:
-                with anyio.CancelScope(shield=True):
-                    await self._workers.call(self.drop_client)
+                await uncancellable(self._workers.call(self.drop_client))
             finally:
                 self._workers.close()
 

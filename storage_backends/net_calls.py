@@ -14,13 +14,13 @@ our credentials) the round trips not yet started fail at once instead of each wa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal, TypeVar
 
-import anyio
-
+from storage_backends.cancellation import StopScope
 from storage_backends.errors import PageNotFound, StorageAuthError, StorageError, StorageUnavailable
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_text
@@ -88,10 +88,12 @@ class RoundTrips:
         "_backoff_max_s",
         "_classify",
         "_limiter",
+        "_max_concurrency",
         "_max_retries",
         "_name",
         "_read_deadline_s",
         "_secrets",
+        "_waiting",
         "_write_deadline_s",
         "requests",
         "retries",
@@ -120,7 +122,9 @@ class RoundTrips:
         self._backoff_max_s = backoff_max_s
         self._secrets = secrets
         self._classify = classify
-        self._limiter = None if max_concurrency is None else anyio.CapacityLimiter(max_concurrency)
+        self._max_concurrency = max_concurrency
+        self._limiter = None if max_concurrency is None else asyncio.Semaphore(max_concurrency)
+        self._waiting = 0
         self.requests = 0
         self.retries = 0
 
@@ -131,7 +135,7 @@ class RoundTrips:
     @property
     def waiting(self) -> int:
         """Round trips waiting for a connection now."""
-        return 0 if self._limiter is None else int(self._limiter.statistics().tasks_waiting)
+        return self._waiting
 
     async def call(
         self,
@@ -168,17 +172,18 @@ class RoundTrips:
                 f"{self._name} {what}: skipped, the server was unreachable earlier in this batch"
             )
         limit_s = self.deadline_s(write=write)
-        deadline = anyio.current_time() + limit_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit_s
         attempt = 0
         while True:
             attempt += 1
             await self._take_connection(deadline, limit_s, what)
             self.requests += 1
-            remaining = deadline - anyio.current_time()
+            remaining = deadline - loop.time()
             try:
                 try:
                     # The attempt's timeout covers the attempt alone, never the wait for a connection.
-                    with anyio.fail_after(max(0.0, min(self._attempt_timeout_s, remaining))):
+                    async with asyncio.timeout(max(0.0, min(self._attempt_timeout_s, remaining))):
                         return await op()
                 finally:
                     if self._limiter is not None:
@@ -206,7 +211,7 @@ class RoundTrips:
                     not retry
                     or (batch is not None and batch.unavailable)
                     or attempt > self._max_retries
-                    or anyio.current_time() + delay >= deadline
+                    or loop.time() + delay >= deadline
                 ):
                     error = StorageUnavailable(
                         f"{self._name} {what} failed after {attempt} attempt(s) within {limit_s}s: {reason}"
@@ -224,7 +229,7 @@ class RoundTrips:
                     reason,
                     delay,
                 )
-                await anyio.sleep(delay)
+                await asyncio.sleep(delay)
 
     async def _take_connection(self, deadline: float, limit_s: float, what: str) -> None:
         """Wait for one of the `max_concurrency` connections, up to the round trip's `deadline` (the wait
@@ -237,12 +242,16 @@ class RoundTrips:
         """
         if self._limiter is None:
             return
-        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as waited:
-            await self._limiter.acquire()
-        if waited.cancelled_caught:
+        self._waiting += 1
+        try:
+            async with StopScope(max(0.0, deadline - asyncio.get_running_loop().time())) as waited:
+                await self._limiter.acquire()
+        finally:
+            self._waiting -= 1
+        if waited.cut_short:
             raise StorageUnavailable(
                 f"{self._name} {what}: no connection came free within {limit_s}s "
-                f"(all {int(self._limiter.total_tokens)} busy)"
+                f"(all {self._max_concurrency} busy)"
             )
 
     def redact(self, exc: BaseException) -> str:

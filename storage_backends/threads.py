@@ -5,7 +5,7 @@ Every blocking call of a backend runs in its `WorkerThreads`: at most `size` thr
 the GIL released between jobs. A job is a group of pages to read and verify (never taking the GIL), a group
 to stat, or a Python call (a write, a delete, a checked re-read, a client library's call), which its thread
 runs with the GIL. A thread takes the next job the moment it finishes one: no event-loop round trip and no
-GIL hand-off between two reads. Before, each group was its own `anyio.to_thread` call, and with the loop
+GIL hand-off between two reads. Before, each group was its own thread call, and with the loop
 busy (16 prefetches streaming) a thread waited up to the 5 ms GIL switch interval for each: on 2 cores the
 threads sat idle most of a pass (0.7-1.3 of 4 busy, measured with per-thread spans). The jobs of one call
 form a set that signals an eventfd the event loop watches once its last job finishes (a 64 MiB `get` split
@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final, TypeVar, cast
-
-import anyio
 
 from storage_backends import native
 
@@ -111,8 +109,8 @@ class StrayThreads:
     async def wait_quiet(self, buffers: Sequence[object], *, poll_s: float = 0.01) -> None:
         """Wait until no stray thread touches any of `buffers` (polled: threads cannot wake the loop
         safely once it may have stopped)."""
-        while self.busy(buffers):  # noqa: ASYNC110 - a thread cannot set an anyio.Event safely
-            await anyio.sleep(poll_s)
+        while self.busy(buffers):  # noqa: ASYNC110 - a thread cannot set an asyncio.Event safely
+            await asyncio.sleep(poll_s)
 
     def __repr__(self) -> str:
         return f"<StrayThreads running={self._threads} busy_buffers={len(self._busy)}>"
@@ -381,7 +379,7 @@ class _Waiter:
 
     def __init__(self, count: int) -> None:
         self.left = count
-        self.event = anyio.Event()
+        self.event = asyncio.Event()
         if not count:
             self.event.set()
 

@@ -28,14 +28,13 @@ appears in `repr`, logs or messages.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Final
 from urllib.parse import parse_qsl, unquote, urlsplit
-
-import anyio
 
 from storage_backends.batching import (
     BackendStatistics,
@@ -46,6 +45,7 @@ from storage_backends.batching import (
     gather_bounded,
     group_slices,
 )
+from storage_backends.cancellation import uncancellable
 from storage_backends.errors import ChecksumMismatch, StorageError, StorageUnavailable
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import prefix_from_url_path, validate_prefix
@@ -295,7 +295,7 @@ class ValkeyBackend(BackendLifecycle):
         self._client: Any = None
         self._closing: Any = None
         """The client `_release` took from `_client`, for `aclose` to close."""
-        self._connecting = anyio.Lock()
+        self._connecting = asyncio.Lock()
         self._workers = WorkerThreads(max_concurrency, name="hicache-valkey")
         self._stats = StatisticsRecorder()
         self._closed = False
@@ -326,8 +326,7 @@ class ValkeyBackend(BackendLifecycle):
         await super().aclose()
         client, self._closing = self._closing, None
         if client is not None:
-            with anyio.CancelScope(shield=True):
-                await client.aclose()
+            await uncancellable(client.aclose())
 
     def __repr__(self) -> str:
         hosts = ",".join(f"{h}:{p}" for h, p in self._nodes)
@@ -565,8 +564,7 @@ class ValkeyBackend(BackendLifecycle):
             try:
                 await client.initialize()
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await client.aclose()
+                await uncancellable(client.aclose())
                 raise
         else:
             host, port = self._nodes[0]
@@ -574,8 +572,7 @@ class ValkeyBackend(BackendLifecycle):
             try:
                 await client.ping()
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await client.aclose()
+                await uncancellable(client.aclose())
                 raise
         self._cluster = bool(cluster)
         return client
@@ -592,8 +589,7 @@ class ValkeyBackend(BackendLifecycle):
                     raise
                 last = exc
             finally:
-                with anyio.CancelScope(shield=True):
-                    await probe.aclose()
+                await uncancellable(probe.aclose())
         assert last is not None
         raise last
 

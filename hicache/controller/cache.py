@@ -1,7 +1,7 @@
 """`HiCache`: the object a serving loop embeds. The tree decides, this class executes.
 
 It owns the radix tree, the device and host pools, the storage backend, the release queue and the
-background workers (an anyio task group): device->host backups, host->storage write-through, prefetch
+background workers (an asyncio task group): device->host backups, host->storage write-through, prefetch
 streams; the work itself is done by collaborators each handed only what it needs (`Allocator`,
 `TierMover`, `Admission`, `Prefetches`, `Leases`, `Accounting`, `Workers`). Every method that changes the tree does so synchronously between
 awaits, so the tree is always consistent when another coroutine runs; every await that may touch a
@@ -9,8 +9,8 @@ buffer is cancellation-safe: a device <-> host copy is waited for even when the 
 copy is short and cannot be abandoned), and a storage read is abandoned at once, its buffers quarantined
 until its thread returns.
 
-Deadlines: every awaitable public method honours the caller's cancellation, from anyio cancel scopes and
-asyncio timeouts alike, and returns within a few event-loop turns of it, plus at most the device <-> host
+Deadlines: every awaitable public method honours the caller's cancellation, from `asyncio.timeout`,
+`asyncio.wait_for` and `Task.cancel` alike, and returns within a few event-loop turns of it, plus at most the device <-> host
 copy in flight (never a storage I/O: a stuck read or write is abandoned). `aclose()` returns within
 `config.close_timeout_s`. Storage calls run under `storage_read_timeout_s` / `storage_write_timeout_s`.
 """
@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
-import anyio
 import torch
 
 from hicache.components import Component
@@ -52,6 +51,7 @@ from hicache.parallel import Agreement, RankFailed, check_same_pools, check_same
 from hicache.policy import RefillPolicy
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import InsertResult, MatchResult, RadixTree
+from storage_backends.cancellation import run_in_thread
 from storage_backends.protocol import StorageBackend
 from storage_backends.registry import open_backend
 
@@ -552,9 +552,11 @@ class HiCache:
             return
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # anyio on trio: the read threads' eventfd and the pacer need asyncio's loop
+        except (
+            RuntimeError
+        ):  # no asyncio loop (trio, say): the read threads' eventfd and the pacer need asyncio's loop
             raise UnsupportedEventLoop(
-                "start: HiCache runs on asyncio (anyio's asyncio backend); no asyncio event loop is running"
+                "start: HiCache runs on asyncio; no asyncio event loop is running"
             ) from None
         try:
             if self.storage is None and self.config.storage_url is not None:
@@ -565,9 +567,9 @@ class HiCache:
                 # One thread enqueues every large CUDA copy plan: concurrent load-backs each launching
                 # thousands of page copies from their own threads fight over the GIL (on an H200, 16
                 # concurrent load-backs of 128 KiB pages ran at a quarter of one load-back's rate).
-                self._copies.limiter = anyio.CapacityLimiter(1)
+                self._copies.limiter = asyncio.Semaphore(1)
             if not self.agreement.local:
-                await anyio.to_thread.run_sync(check_same_pools, self.config)
+                await run_in_thread(check_same_pools, self.config)
             await self._workers.start(self.storage if self._owns_storage else None)
         except BaseException:
             # A failed start: close what it opened and the pools; the cache stays closed.

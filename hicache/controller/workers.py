@@ -14,15 +14,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-import anyio
-import anyio.abc
-
 from hicache.controller.movement.copies import CopyTracker
 from hicache.controller.movement.tier_mover import TierMover
 from hicache.controller.pages.release import ReleaseQueue
 from hicache.controller.prefetch.job import Prefetches
 from hicache.errors import CacheClosed, HiCacheError
 from hicache.memory import KVPool
+from storage_backends.cancellation import StopScope, uncancellable
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -37,8 +35,8 @@ _QUARANTINE_POLL_S = 0.02
 class Workers:
     """Runs a cache's background work in a task of its own and shuts it down.
 
-    The task is not on the caller's cancel-scope stack: `close()` may then be called from any scope
-    (inside `move_on_after`, `asyncio.wait_for`) and return within its bound while the rest of the
+    The task is not the caller's: `close()` may then be called under any deadline (`asyncio.timeout`,
+    `asyncio.wait_for`) and return within its bound while the rest of the
     shutdown finishes in that task.
 
     Args:
@@ -65,7 +63,8 @@ class Workers:
     ) -> None:
         self._name = name
         self._on_failure = on_failure
-        self._task_group: anyio.abc.TaskGroup | None = None
+        self._task_group: asyncio.TaskGroup | None = None
+        self._spawned: set[asyncio.Task[None]] = set()
         self._release_queue = release_queue
         self._mover = mover
         self._prefetcher = prefetcher
@@ -74,8 +73,8 @@ class Workers:
         self._close_timeout_s = close_timeout_s
         self._owned_storage: StorageBackend | None = None
         self._runner: asyncio.Task[None] | None = None
-        self._stopping = anyio.Event()
-        self._shut_down = anyio.Event()
+        self._stopping = asyncio.Event()
+        self._shut_down = asyncio.Event()
 
     def __repr__(self) -> str:
         return f"<Workers {self._name}>"
@@ -88,7 +87,7 @@ class Workers:
                 exception is its `__cause__`. Nothing runs then: `abort` closes storage and the pools.
         """
         self._owned_storage = owned_storage
-        ready = anyio.Event()
+        ready = asyncio.Event()
         runner = asyncio.get_running_loop().create_task(self._run(ready), name=self._name)
         runner.add_done_callback(lambda _: ready.set())  # a task that dies first must not leave us waiting
         self._runner = runner
@@ -107,7 +106,9 @@ class Workers:
         """
         if self._task_group is None:
             raise CacheClosed(f"{self._name}: the workers are not running")
-        self._task_group.start_soon(self._guarded, job, args, name=getattr(job, "__qualname__", None))
+        task = self._task_group.create_task(self._guarded(job, args), name=getattr(job, "__qualname__", None))
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
 
     async def _guarded(self, job: Callable[..., Awaitable[object]], args: tuple[object, ...]) -> None:
         try:
@@ -125,13 +126,15 @@ class Workers:
         and wait for it (bounded, shielded): the caller's error propagates only then."""
         if self._runner is not None:
             self._stopping.set()  # the runner closes storage and pools on its way out
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._close_timeout_s):
-                await self._shut_down.wait()
+            await uncancellable(self._within_close_timeout(self._shut_down.wait()))
             return
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self._close_timeout_s):
-            if owned_storage is not None:
-                await owned_storage.aclose()
+        if owned_storage is not None:
+            await uncancellable(self._within_close_timeout(owned_storage.aclose()))
         self.close_pools()
+
+    async def _within_close_timeout(self, work: Awaitable[object]) -> None:
+        async with StopScope(self._close_timeout_s):
+            await work
 
     def begin_close(self) -> None:
         """Stop taking work and ask the task to shut down (or close the pools at once if it never ran).
@@ -148,8 +151,7 @@ class Workers:
         """Wait (at most `close_timeout_s`) for the shutdown; log what is left to finish if it did not."""
         if self._runner is None:
             return
-        with anyio.move_on_after(self._close_timeout_s):
-            await self._shut_down.wait()
+        await self._within_close_timeout(self._shut_down.wait())
         if not self._shut_down.is_set():
             stats = self._release_queue.statistics()
             logger.warning(
@@ -167,10 +169,10 @@ class Workers:
         for pool in self._owned_pools:
             pool.close()
 
-    async def _run(self, ready: anyio.Event) -> None:
+    async def _run(self, ready: asyncio.Event) -> None:
         """The task: runs the workers until `begin_close()`, then shuts down."""
         try:
-            async with anyio.create_task_group() as tg:
+            async with asyncio.TaskGroup() as tg:
                 self._task_group = tg
                 self._prefetcher.spawn = self.spawn
                 self.spawn(self._release_queue.run)
@@ -178,7 +180,9 @@ class Workers:
                 self.spawn(self._mover.storage_writes.run)
                 ready.set()
                 await self._stopping.wait()
-                tg.cancel_scope.cancel()
+                self._task_group = None  # spawns nothing more
+                for task in self._spawned:
+                    task.cancel()
             self._task_group = None
             await self._shutdown()
         except BaseException:
@@ -221,7 +225,7 @@ class Workers:
                 logger.exception("%s: closing storage failed", self._name)
         await self._copies.wait_idle()
         while self._release_queue.statistics().quarantined_calls:
-            await anyio.sleep(_QUARANTINE_POLL_S)
+            await asyncio.sleep(_QUARANTINE_POLL_S)
             self.release_what_can_be()
         self.release_what_can_be()
         self.close_pools()

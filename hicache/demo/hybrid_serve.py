@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-import anyio
 import torch
 
 from hicache.components import MambaState, SlidingWindow
@@ -39,6 +38,7 @@ from hicache.demo.run import demo_cache_config, intra_op_threads, run_serving
 from hicache.demo.snapshot import pool_json
 from hicache.demo.workload import WorkloadSpec, make_workload
 from hicache.memory import KVLayout
+from storage_backends.cancellation import run_in_thread
 
 __all__ = ["HybridDemoConfig", "hybrid_demo_config", "run_hybrid_demo"]
 
@@ -264,7 +264,7 @@ async def _run_hybrid_demo(
     spec = config.model
     wall: dict[str, float] = {}
     t = time.perf_counter()
-    model = await anyio.to_thread.run_sync(HybridModel, spec)
+    model = await run_in_thread(HybridModel, spec)
     wall["model"] = time.perf_counter() - t
     runner = _HybridRunner(config, model, progress)
     page = demo.page_size

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import anyio
 import torch
 
 from hicache.config import HiCacheConfig
@@ -33,6 +32,7 @@ from hicache.demo.workload import Workload, make_workload
 from hicache.memory import KVLayout
 from hicache.memory.layerwise import read_layer_tokens
 from hicache.policy import WritePolicy
+from storage_backends.cancellation import run_in_thread
 
 __all__ = ["LlamaRunner", "run_demo"]
 
@@ -159,7 +159,7 @@ async def _run_demo(
 ) -> DemoResult:
     wall: dict[str, float] = {}
     t = time.perf_counter()
-    model = await anyio.to_thread.run_sync(DemoModel, config.model)
+    model = await run_in_thread(DemoModel, config.model)
     wall["model"] = time.perf_counter() - t
     workload = make_workload(config.workload_spec())
     runner = LlamaRunner(config, model, workload, progress)

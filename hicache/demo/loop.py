@@ -8,12 +8,12 @@ the event loop keeps serving cache I/O while the model computes, and the model n
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-import anyio
 import torch
 
 from hicache.controller import HiCache, Lease
@@ -67,7 +67,7 @@ class ServingLoop(Generic[ModelT]):
         # they never wait for room; anything past that waits.
         self.worker = ModelWorker(torch_threads, max_calls=2 * max_running)
         """The model thread every forward pass runs in (`close` stops it)."""
-        self.running = anyio.CapacityLimiter(max_running)
+        self.running = asyncio.Semaphore(max_running)
         self.records: list[RequestRecord] = []
         self.extra_requests = 0
         """Requests served besides the workload's turns (a scenario's own), for the progress totals."""
@@ -97,9 +97,9 @@ class ServingLoop(Generic[ModelT]):
         then depends on the workload only, not on timing.
         """
         if not self.lockstep:
-            async with anyio.create_task_group() as tg:
+            async with asyncio.TaskGroup() as tg:
                 for conversation in self.workload.conversations:
-                    tg.start_soon(self._user_cached, cache, Session(self.workload, conversation))
+                    tg.create_task(self._user_cached(cache, Session(self.workload, conversation)))
             return
         sessions = [Session(self.workload, conversation) for conversation in self.workload.conversations]
         while any(not session.done for session in sessions):
@@ -110,11 +110,11 @@ class ServingLoop(Generic[ModelT]):
 
     async def _user_cached(self, cache: HiCache, session: Session) -> None:
         conv = session.conversation
-        await anyio.sleep(conv.start_delay_s)
+        await asyncio.sleep(conv.start_delay_s)
         while not session.done:
             turn = session.turn
             await self._turn_cached(cache, session)
-            await anyio.sleep(conv.think_times_s[turn])
+            await asyncio.sleep(conv.think_times_s[turn])
 
     async def _turn_cached(self, cache: HiCache, session: Session) -> None:
         """Serve the session's next turn through `cache` and record it."""
@@ -194,19 +194,19 @@ class ServingLoop(Generic[ModelT]):
             for record in sorted(self.records, key=lambda r: (r.turn, r.user)):
                 await self._recompute_one(record, done)
             return
-        async with anyio.create_task_group() as tg:
+        async with asyncio.TaskGroup() as tg:
             for conv in self.workload.conversations:
-                tg.start_soon(
-                    self._user_recompute, conv.start_delay_s, conv.think_times_s, by_user[conv.user], done
+                tg.create_task(
+                    self._user_recompute(conv.start_delay_s, conv.think_times_s, by_user[conv.user], done)
                 )
 
     async def _user_recompute(
         self, delay: float, think: tuple[float, ...], records: list[RequestRecord], done: list[int]
     ) -> None:
-        await anyio.sleep(delay)
+        await asyncio.sleep(delay)
         for record in records:
             await self._recompute_one(record, done)
-            await anyio.sleep(think[record.turn])
+            await asyncio.sleep(think[record.turn])
 
     async def _recompute_one(self, record: RequestRecord, done: list[int]) -> None:
         """Serve `record`'s prompt with full recompute and compare the reply."""

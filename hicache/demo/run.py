@@ -7,6 +7,7 @@ recompute and runs the runner's bitwise checks; every runner (Llama, hybrid) end
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import tempfile
 import time
@@ -15,7 +16,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 
 from hicache.components.base import Component
@@ -29,6 +29,7 @@ from hicache.memory import KVLayout
 from hicache.metrics import render as render_metrics
 from hicache.metrics import snapshot as metrics_snapshot
 from hicache.policy import StopPolicy
+from storage_backends.cancellation import run_in_thread
 from storage_backends.redact import redact_url
 
 __all__ = ["demo_cache_config", "intra_op_threads", "run_serving", "storage_url"]
@@ -102,8 +103,17 @@ async def run_serving(
         finally:
             # Shielded: a cancelled run (Ctrl-C, a deadline) would otherwise raise at the call's first
             # checkpoint, before `close` ran, and leave the model thread waiting for work forever.
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(runner.worker.close)
+            await run_in_thread(runner.worker.close)
+
+
+class _Listening:
+    """Where `serve_metrics` reports its bound port."""
+
+    def __init__(self) -> None:
+        self.port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    def started(self, value: int) -> None:
+        self.port.set_result(value)
 
 
 @contextlib.contextmanager
@@ -139,11 +149,16 @@ async def _serve_phases(
     details: dict[str, Any] = {}
     async with storage_url(config.backend_url) as url:
         hicache_config = cache_config(url)
-        async with HiCache(hicache_config) as cache, anyio.create_task_group() as tg:
+        async with HiCache(hicache_config) as cache, asyncio.TaskGroup() as tg:
+            metrics_server: asyncio.Task[None] | None = None
             if config.metrics_port is not None:
                 from hicache.metrics import serve_metrics
 
-                port = await tg.start(serve_metrics, cache.registry, "127.0.0.1", config.metrics_port)
+                listening = _Listening()
+                metrics_server = tg.create_task(
+                    serve_metrics(cache.registry, "127.0.0.1", config.metrics_port, task_status=listening)
+                )
+                port = await listening.port
                 metrics_url = f"http://127.0.0.1:{port}/metrics"
                 if announce is not None:
                     announce(metrics_url)
@@ -173,7 +188,8 @@ async def _serve_phases(
             if inspect is not None:
                 details = inspect(cache)
             prefixes = top_prefixes(cache)
-            tg.cancel_scope.cancel()
+            if metrics_server is not None:
+                metrics_server.cancel()
     t = runner.t0 = time.perf_counter()
     await runner.serve_recompute()
     wall["recompute"] = time.perf_counter() - t

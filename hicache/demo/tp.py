@@ -30,7 +30,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import anyio.to_thread
 import torch
 
 from hicache.config import HiCacheConfig
@@ -44,6 +43,7 @@ from hicache.memory import KVLayout
 from hicache.memory.layerwise import LayerReadiness
 from hicache.parallel import RankGroup
 from hicache.parallel.launch import run_ranks
+from storage_backends.cancellation import run_in_thread
 
 __all__ = ["TP_MODEL", "TPDemoConfig", "TPDemoResult", "run_tp_demo"]
 
@@ -195,8 +195,7 @@ async def serve_rank(group: RankGroup, cfg: TPDemoConfig, storage_url: str, run_
         async with HiCache(rank_config(cfg, group, storage_url, run_id)) as cache:
             result = await _serve_all(cache, worker, group, cfg, model, sessions)
     finally:
-        with anyio.CancelScope(shield=True):  # the model thread must not wait for work forever
-            await anyio.to_thread.run_sync(worker.close)
+        await run_in_thread(worker.close)  # waited for: the model thread must not wait for work forever
     return result
 
 

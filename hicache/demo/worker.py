@@ -30,11 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, cast
 
-import anyio
 import torch
 
-from hicache.controller.movement.copies import wait_uncancelled
 from hicache.demo.model import Steps
+from storage_backends.cancellation import uncancellable
 
 __all__ = ["ModelWorker"]
 
@@ -67,7 +66,8 @@ class ModelWorker:
             raise ValueError(f"max_calls: expected an int >= 1, got {max_calls!r}")
         self._torch_threads = torch_threads
         self.max_calls = max_calls
-        self._slots = anyio.Semaphore(max_calls)  # on the submitters' loop: held from admission to result
+        self._slots = asyncio.Semaphore(max_calls)  # on the submitters' loop: held from admission to result
+        self._admitted = 0
         self._jobs: deque[_Job[Any]] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -87,7 +87,7 @@ class ModelWorker:
     @property
     def admitted(self) -> int:
         """Calls in the worker (queued or running; at most `max_calls`)."""
-        return self.max_calls - self._slots.value
+        return self._admitted
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn()` in the model thread and return its result (waiting for it even if cancelled)."""
@@ -100,10 +100,9 @@ class ModelWorker:
     async def _submit(self, fn: Callable[[], T] | None, steps: Steps[T] | None) -> T:
         if self._closed:
             raise RuntimeError("the model worker is closed")
-        try:
-            self._slots.acquire_nowait()  # room: no extra turn of the loop
-        except anyio.WouldBlock:
-            await self._slots.acquire()  # backpressure: cancellable, nothing queued yet
+        # Room: no extra turn of the loop; else backpressure (cancellable, nothing queued yet).
+        await self._slots.acquire()
+        self._admitted += 1
         try:
             loop = asyncio.get_running_loop()
             job: _Job[T] = _Job(loop, loop.create_future(), fn, steps)
@@ -118,9 +117,9 @@ class ModelWorker:
                 self._jobs.append(job)
                 self._cond.notify()
             # The model is never abandoned mid-call: a cancelled caller waits for its call to return.
-            await wait_uncancelled(cast("asyncio.Future[None]", job.future))
-            return job.future.result()
+            return await uncancellable(job.future)
         finally:
+            self._admitted -= 1
             self._slots.release()
 
     def close(self) -> None:

@@ -44,7 +44,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
 import prometheus_client
 import torch
 import zmq
@@ -57,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hicache import HiCache, HiCacheConfig, KVLayout, Namespace
 from hicache.keys import as_key_bytes
+from storage_backends.cancellation import run_in_thread
 
 __all__ = [
     "EXTRA_CONFIG_KEYS",
@@ -644,12 +644,12 @@ class _Runtime:
         self._stop = asyncio.Event()
         context, sock, path = _bind(self._endpoint)
         try:
-            async with HiCache(self._config, metrics=self.registry) as cache, anyio.create_task_group() as tg:
+            async with HiCache(self._config, metrics=self.registry) as cache, asyncio.TaskGroup() as tg:
                 self._cache = cache
-                tg.start_soon(self._serve, sock)
+                serving = tg.create_task(self._serve(sock))
                 self._ready.set()
                 await self._stop.wait()
-                tg.cancel_scope.cancel()
+                serving.cancel()
         finally:
             sock.close()
             context.term()
@@ -792,7 +792,7 @@ class _Runtime:
                 if loaded > job.start:
                     pages = lease.device_indices[job.start : loaded : page] // page
                     blocks = list(job.block_ids[: (loaded - job.start) // page])
-                    await anyio.to_thread.run_sync(self._copy_in, pages, blocks)
+                    await run_in_thread(self._copy_in, pages, blocks)
             finally:
                 cache.release(lease)
         except Exception:
@@ -835,9 +835,7 @@ class _Runtime:
             new = await cache.alloc_device(n)
             if new is None:
                 return  # no staging room: skipped (a later request recomputes)
-            await anyio.to_thread.run_sync(
-                self._copy_out, list(job.block_ids[cached // page :]), new[::page] // page
-            )
+            await run_in_thread(self._copy_out, list(job.block_ids[cached // page :]), new[::page] // page)
             await cache.insert(lease, job.key, torch.cat([lease.device_indices, new]))
             new = None
             self.counters.saves += 1

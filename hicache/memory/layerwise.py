@@ -30,15 +30,13 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-import anyio
-import anyio.lowlevel
-import anyio.to_thread
 import numpy as np
 import torch
 
 from hicache.errors import LeaseReleased, LoadBackFailed
 from hicache.memory.pool import KVPool
 from hicache.memory.transfer import _POLL_INTERVAL_S, _mapped_host_view, _runs, _validated_pages, _wait_event
+from storage_backends.cancellation import uncancellable
 
 __all__ = [
     "ALL_READY",
@@ -78,7 +76,7 @@ class LayerReadiness:
         while True:
             if self.is_ready(layer) or self.done:
                 break
-            await anyio.sleep(_POLL_INTERVAL_S)
+            await asyncio.sleep(_POLL_INTERVAL_S)
         self.wait_layer(layer)  # raises if the copy failed; otherwise returns at once
 
     def __repr__(self) -> str:
@@ -264,10 +262,9 @@ def read_layer_tokens(pool: KVPool, indices: torch.Tensor, layer: int) -> torch.
 class LayerwiseCopy:
     """A copy of whole pages from `src` to `dst` that lands layer by layer; `readiness` says which.
 
-    Create it, hand `readiness` to the model, then `await run()` (once). Under anyio's cancellation `run`
-    waits for the copy before the cancellation propagates, as `copy_pages_async` does; asyncio's own
-    (`Task.cancel`, a loop shutting down) may abandon its thread, so before `dst`'s pages go elsewhere the
-    owner calls `abort()` (the copy stops at its next layer) and awaits `wait_settled()`.
+    Create it, hand `readiness` to the model, then `await run()` (once). A cancellation of `run` aborts the
+    copy (it stops before its next layer) and propagates at once, its thread (and on CUDA its kernels) maybe
+    still running: before `dst`'s pages go elsewhere the owner awaits `wait_settled()`.
 
     Args:
         src: the pool read from (the host pool, for a load-back).
@@ -328,13 +325,12 @@ class LayerwiseCopy:
         return True
 
     async def wait_settled(self) -> None:
-        """Wait until `settled` (polls; a cancellation, anyio's or asyncio's own, is absorbed meanwhile)."""
-        with anyio.CancelScope(shield=True):
-            while not self.settled:
-                try:
-                    await anyio.sleep(_POLL_INTERVAL_S)
-                except asyncio.CancelledError:
-                    continue
+        """Wait until `settled` (polls; a cancellation meanwhile is absorbed, then re-raised)."""
+        await uncancellable(self._poll_settled())
+
+    async def _poll_settled(self) -> None:
+        while not self.settled:  # noqa: ASYNC110 - polled: a thread or a CUDA event cannot wake the loop
+            await asyncio.sleep(_POLL_INTERVAL_S)
 
     def _begin_work(self) -> bool:
         """Called first in the copying thread: whether to go on (False once aborted)."""
@@ -345,7 +341,7 @@ class LayerwiseCopy:
             self._working = True
             return True
 
-    async def run(self, *, limiter: anyio.CapacityLimiter | None = None) -> None:
+    async def run(self, *, limiter: asyncio.Semaphore | None = None) -> None:
         """Copy every layer in order, marking each ready as it lands; return when all have.
 
         Raises:
@@ -357,9 +353,7 @@ class LayerwiseCopy:
         readiness = self.readiness
         if isinstance(readiness, CpuLayerReadiness):
             try:
-                # run_sync waits for the thread under anyio's cancellation; asyncio's own (`Task.cancel`)
-                # abandons it: a caller that frees `dst` then calls `abort` and awaits `wait_settled`.
-                await anyio.to_thread.run_sync(self._copy_cpu, readiness, limiter=limiter)
+                await self._in_thread(limiter, self._copy_cpu, readiness)
             except BaseException as exc:
                 readiness.fail(exc)
                 if isinstance(exc, Exception):
@@ -369,22 +363,34 @@ class LayerwiseCopy:
                 error = LoadBackFailed("layer-wise copy aborted before it began")
                 readiness.fail(error)
                 raise error
-            await anyio.lowlevel.checkpoint_if_cancelled()
             return
         assert self._cuda is not None
         after = torch.cuda.current_stream(self._cuda)
-        with anyio.CancelScope(shield=True):  # every layer enqueued before anything else happens
-            try:
-                await anyio.to_thread.run_sync(self._enqueue_cuda, readiness, after, limiter=limiter)
-            except Exception as exc:  # the readiness already says so: its events stop short
-                readiness.fail(exc)
-                raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
-            if len(readiness.events) < readiness.num_layers:  # aborted before its thread began
-                error = LoadBackFailed("layer-wise copy aborted before it began")
-                readiness.fail(error)
-                raise error
-            await _wait_event(readiness.events[-1])
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            await self._in_thread(limiter, self._enqueue_cuda, readiness, after)
+        except Exception as exc:  # the readiness already says so: its events stop short
+            readiness.fail(exc)
+            raise LoadBackFailed(f"layer-wise copy failed: {exc!r}") from exc
+        if len(readiness.events) < readiness.num_layers:  # aborted before its thread began
+            error = LoadBackFailed("layer-wise copy aborted before it began")
+            readiness.fail(error)
+            raise error
+        await _wait_event(readiness.events[-1])
+
+    async def _in_thread(
+        self, limiter: asyncio.Semaphore | None, func: Callable[..., None], *args: object
+    ) -> None:
+        """`func(*args)` in a worker thread. A cancellation aborts the copy (it stops before its next
+        layer) and propagates at once: the owner awaits `wait_settled` before `dst`'s pages go elsewhere."""
+        try:
+            if limiter is None:
+                await asyncio.to_thread(func, *args)
+                return
+            async with limiter:
+                await asyncio.to_thread(func, *args)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
 
     # ------------------------------------------------------------------ CPU
 

@@ -25,6 +25,7 @@ from a worker thread: 32k launches on the event loop would stall it for a good p
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import weakref
@@ -32,12 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-import anyio
-import anyio.lowlevel
-import anyio.to_thread
 import torch
 
 from hicache.memory.pool import KVPool
+from storage_backends.cancellation import run_in_thread, uncancellable
 
 __all__ = ["copy_pages", "copy_pages_async"]
 
@@ -376,14 +375,14 @@ async def copy_pages_async(
     dst: KVPool,
     dst_indices: torch.Tensor,
     *,
-    limiter: anyio.CapacityLimiter | None = None,
+    limiter: asyncio.Semaphore | None = None,
 ) -> None:
     """Copy whole pages from `src` to `dst` without blocking the event loop.
 
     With a CUDA side and pinned (or no) host memory, the copy is enqueued on a side stream that first
     waits for the current stream, an event is recorded, and completion is awaited by polling
     `event.query()`. Otherwise (CPU pools, or pageable host memory whose copies would block) the copy runs
-    in a worker thread through `anyio.to_thread.run_sync`.
+    in a worker thread (`storage_backends.cancellation.run_in_thread`).
 
     Cancellation never abandons a copy in flight: when the awaiting task is cancelled, this coroutine
     still waits for the worker thread or the CUDA event before re-raising the cancellation, so the caller
@@ -394,7 +393,8 @@ async def copy_pages_async(
         src_indices: token indices of whole, aligned pages of `src`.
         dst: the pool written to; must have the same `page_shape` and `dtype` as `src`.
         dst_indices: token indices of whole, aligned pages of `dst`, as many as `src_indices`.
-        limiter: bounds the worker threads used for thread copies (anyio's default limiter otherwise).
+        limiter: bounds how many thread copies run at once (unbounded beyond the executor's own threads
+            otherwise).
 
     Raises:
         TypeError: when an index tensor is not a 1-D int64 CPU tensor, or a pool is not a `KVPool`.
@@ -407,10 +407,8 @@ async def copy_pages_async(
     cuda = next((p.device for p in (src, dst) if p.device.type == "cuda"), None)
     pageable_host = any(p.device.type == "cpu" and not p.pinned for p in (src, dst))
     if cuda is None or pageable_host:
-        # run_sync waits for the thread even when this task is cancelled (abandon_on_cancel=False).
-        await anyio.to_thread.run_sync(_copy_and_wait, src, src_pages, dst, dst_pages, limiter=limiter)
-        # The copy is complete; a cancellation that arrived meanwhile is raised here rather than later.
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        # Waits for the thread even when this task is cancelled, then re-raises the cancellation.
+        await run_in_thread(_copy_and_wait, src, src_pages, dst, dst_pages, limiter=limiter)
         return
     after = torch.cuda.current_stream(cuda)
     if src.device == dst.device:  # one CUDA device: a gather and a scatter
@@ -421,25 +419,22 @@ async def copy_pages_async(
     if operations <= _INLINE_RUNS:
         event = _enqueue_on_side_stream(enqueue, cuda, after)
     else:
-        # Waits for the thread even when cancelled: once it returns, every copy is enqueued and the
-        # event below covers them all.
-        with anyio.CancelScope(shield=True):
-            event = await anyio.to_thread.run_sync(
-                _enqueue_on_side_stream, enqueue, cuda, after, limiter=limiter
-            )
-    await _wait_event_safely(event)
+        # The enqueueing thread and the copies it enqueued are waited for as one: a cancellation meanwhile
+        # is re-raised once both are done.
+        await uncancellable(_enqueue_and_wait(enqueue, cuda, after, limiter))
+        return
+    await uncancellable(_wait_event(event))  # no DMA still writes when the caller frees a buffer
 
 
-async def _wait_event_safely(event: torch.cuda.Event) -> None:
-    """Wait for a copy's event; if cancelled meanwhile, still wait for it before re-raising, so no DMA is
-    still writing when the caller frees a buffer."""
-    try:
-        await _wait_event(event)
-    except BaseException:
-        with anyio.CancelScope(shield=True):
-            await _wait_event(event)
-        raise
-    await anyio.lowlevel.checkpoint_if_cancelled()
+async def _enqueue_and_wait(
+    enqueue: Callable[[], None],
+    cuda: torch.device,
+    after: torch.cuda.Stream,
+    limiter: asyncio.Semaphore | None,
+) -> None:
+    """Enqueue the copies from a worker thread, then wait for them to land."""
+    event = await run_in_thread(_enqueue_on_side_stream, enqueue, cuda, after, limiter=limiter)
+    await _wait_event(event)
 
 
 async def _wait_event(event: torch.cuda.Event) -> None:
@@ -447,4 +442,4 @@ async def _wait_event(event: torch.cuda.Event) -> None:
     while True:
         if event.query():  # type: ignore[no-untyped-call]
             return
-        await anyio.sleep(_POLL_INTERVAL_S)
+        await asyncio.sleep(_POLL_INTERVAL_S)

@@ -8,16 +8,24 @@ values to files there, and `scrape_registry` reads them all back for exposition.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
-from typing import Any
+import threading
+from typing import Any, Protocol
 
-import anyio
-import anyio.abc
 import prometheus_client as prom
 from prometheus_client import multiprocess
 
+from storage_backends.cancellation import run_in_thread, uncancellable
+
 __all__ = ["multiprocess_dir", "render", "scrape_registry", "serve_metrics", "snapshot"]
+
+
+class _TaskStatus(Protocol):
+    """What `serve_metrics` tells the bound port through (anyio's `TaskStatus` fits)."""
+
+    def started(self, value: int) -> None: ...
 
 
 def multiprocess_dir() -> str | None:
@@ -90,26 +98,31 @@ async def serve_metrics(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    task_status: _TaskStatus | None = None,
 ) -> None:
     """Serve `registry` (through `scrape_registry`) with prometheus_client's HTTP server until cancelled.
 
-    Start it with ``port = await task_group.start(serve_metrics, registry)`` to learn the bound port. The
+    Run it as a task; `task_status.started(port)` is called once it listens (so anyio's
+    ``port = await task_group.start(serve_metrics, registry)`` learns the bound port). The
     server runs in prometheus_client's own thread; cancelling this task shuts it down and waits for it.
 
     Args:
         registry: the metrics to serve.
         host: the address to bind; loopback by default.
         port: the port to bind; 0 picks a free one.
-        task_status: receives the bound port once listening.
+        task_status: receives the bound port once listening (None: nobody asks).
     """
     exposed = scrape_registry(registry)
-    server, thread = await anyio.to_thread.run_sync(lambda: prom.start_http_server(port, host, exposed))
+    server, thread = await run_in_thread(lambda: prom.start_http_server(port, host, exposed))
     try:
-        task_status.started(int(server.server_address[1]))
-        await anyio.sleep_forever()
+        if task_status is not None:
+            task_status.started(int(server.server_address[1]))
+        await asyncio.get_running_loop().create_future()  # until cancelled
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(server.shutdown)
-            server.server_close()
-            await anyio.to_thread.run_sync(thread.join)
+        await uncancellable(_shut_down(server, thread))
+
+
+async def _shut_down(server: Any, thread: threading.Thread) -> None:
+    await run_in_thread(server.shutdown)
+    server.server_close()
+    await run_in_thread(thread.join)

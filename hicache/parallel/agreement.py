@@ -45,13 +45,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-import anyio
 import numpy as np
 import torch
 
 from hicache.parallel.decision import NONE, Decision, decode_max, encode_max
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError
 from hicache.parallel.group import RankGroup
+from storage_backends.cancellation import StopScope
 
 __all__ = [
     "AGREEMENT_CAPACITY",
@@ -149,9 +149,9 @@ class Agreement:
         self._timed_out = 0
         self._last_step_us = 0.0
         self._stepping = False
-        self._stepped: anyio.Event | None = None
+        self._stepped: asyncio.Event | None = None
         self._failed: RankGroupError | None = None
-        self._changed: anyio.Event | None = None
+        self._changed: asyncio.Event | None = None
         # (base, since) while decisions wait outside the window
         self._held_back: tuple[int, float] | None = None
         self._template = np.array([_ABSENT] * (_HEADER + capacity), dtype=np.int64)
@@ -266,7 +266,7 @@ class Agreement:
         """
         while self._stepping:  # a step whose caller was cancelled is still completing: after it
             if self._stepped is None:
-                self._stepped = anyio.Event()
+                self._stepped = asyncio.Event()
             await self._stepped.wait()
         if self._failed is not None:
             raise self._failed
@@ -447,7 +447,7 @@ class Agreement:
         """
         if self.local:
             if not decision.settled and decision.deadline < math.inf:
-                with anyio.move_on_after(max(0.0, decision.deadline - time.monotonic())):
+                async with StopScope(max(0.0, decision.deadline - time.monotonic())):
                     await decision.wait()
                 if not decision.resolved:
                     self._timed_out += 1
@@ -499,13 +499,13 @@ class Agreement:
             else:
                 error: Exception | None = None
                 agreed = decision.default
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(run_local)
+                async with asyncio.TaskGroup() as tg:
+                    local_run = tg.create_task(run_local())
                     try:
                         agreed = await self.agree(decision)
                     except Exception as exc:  # kept out of the group: raised as itself, not in a group
                         error = exc
-                        tg.cancel_scope.cancel()
+                        local_run.cancel()
                 if error is not None:
                     raise error
         except BaseException:
@@ -548,8 +548,8 @@ class Agreement:
             await self._wait_change(self.idle_s)
 
     async def _wait_change(self, timeout_s: float) -> None:
-        self._changed = anyio.Event()
-        with anyio.move_on_after(timeout_s):
+        self._changed = asyncio.Event()
+        async with StopScope(timeout_s):
             await self._changed.wait()
 
     async def drive(self, busy: Callable[[], bool]) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import anyio
 import torch
 import xxhash
 
@@ -12,6 +11,7 @@ from hicache.parallel.errors import TreeDivergence
 from hicache.parallel.group import RankGroup
 from hicache.tree.fingerprint import describe_difference, encode_records, fingerprint_of, node_records
 from hicache.tree.radix import RadixTree
+from storage_backends.cancellation import run_in_thread
 
 if TYPE_CHECKING:
     from hicache.config import HiCacheConfig
@@ -49,9 +49,9 @@ async def check_same_tree_async(group: RankGroup, tree: RadixTree) -> int:
     """
     records = node_records(tree)
     digest = fingerprint_of(records)
-    if _same(await anyio.to_thread.run_sync(_gather_digests, group, digest)):
+    if _same(await run_in_thread(_gather_digests, group, digest)):
         return digest
-    shared = await anyio.to_thread.run_sync(group.gather_bytes, encode_records(records))
+    shared = await run_in_thread(group.gather_bytes, encode_records(records))
     raise TreeDivergence(describe_difference(shared, this_rank=group.tp_rank))
 
 

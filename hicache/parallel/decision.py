@@ -3,9 +3,9 @@ to the minimum over the ranks (`Agreement` carries it through its steps)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
-import anyio
 import xxhash
 
 __all__ = ["NONE", "Decision", "decode_max", "encode_max"]
@@ -84,7 +84,7 @@ class Decision:
         self._local: int | None = None
         self._result: int | None = None
         self._error: BaseException | None = None
-        self._event: anyio.Event | None = None
+        self._event: asyncio.Event | None = None
         self._notify = notify
         self._on_resolve = on_resolve
         self._unmatched_since: float | None = None  # first step that saw it here but not on some peer
@@ -158,7 +158,7 @@ class Decision:
         """
         if not self.resolved:
             if self._event is None:
-                self._event = anyio.Event()
+                self._event = asyncio.Event()
             await self._event.wait()
         if self._error is not None:
             raise self._error

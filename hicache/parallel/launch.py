@@ -3,6 +3,7 @@ the benchmark). A serving engine has its own launcher and passes its TP group to
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import multiprocessing
@@ -15,8 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 from hicache.errors import HiCacheError
 from hicache.parallel.group import RankGroup
@@ -70,7 +69,7 @@ def _child(
     result: tuple[str, Any, str | None]
     try:
         if inspect.iscoroutinefunction(target):
-            value = anyio.run(target, group, *args)
+            value = asyncio.run(target(group, *args))
         else:
             value = target(group, *args)
         result = ("ok", value, None)
@@ -95,7 +94,7 @@ def run_ranks(
     """Run `target(group, *args)` in `size` spawned processes forming one gloo group on 127.0.0.1.
 
     `target` must be importable by name (a module-level function); a coroutine function runs under
-    `anyio.run`. Returns one `RankOutcome` per rank, in rank order; a rank that raised or died is reported,
+    `asyncio.run`. Returns one `RankOutcome` per rank, in rank order; a rank that raised or died is reported,
     not re-raised.
 
     Raises:

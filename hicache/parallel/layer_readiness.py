@@ -39,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import anyio.to_thread
 import torch
 
 from hicache.errors import LoadBackFailed
@@ -47,6 +46,7 @@ from hicache.memory.layerwise import CudaLayerReadiness, LayerReadiness
 from hicache.parallel.agreement import Agreement, Decision
 from hicache.parallel.decision import NONE
 from hicache.parallel.group import RankGroup
+from storage_backends.cancellation import run_in_thread
 
 __all__ = ["AgreedLayerReadiness", "AgreedLoad"]
 
@@ -151,7 +151,7 @@ class AgreedLayerReadiness(LayerReadiness):
 
     async def wait_layer_async(self, layer: int) -> None:
         """`wait_layer` in a worker thread (it may block in the collective): never blocks the loop."""
-        await anyio.to_thread.run_sync(self.wait_layer, layer)
+        await run_in_thread(self.wait_layer, layer)
 
     def is_ready(self, layer: int) -> bool:
         """Whether every rank agreed layer `layer` landed (only `wait_layer` moves this on)."""

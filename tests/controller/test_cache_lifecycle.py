@@ -19,6 +19,7 @@ from hicache.controller.pages import allocation as allocation_module
 from hicache.keys import Namespace
 from hicache.memory import KVPool, make_device_pool, make_host_pool
 from hicache.tree import MatchResult
+from storage_backends.cancellation import uncancellable
 from storage_backends.memory import MemoryBackend
 from storage_backends.protocol import PageStatus
 
@@ -58,10 +59,13 @@ class HeldReads(PassThroughBackend):
 
     async def get(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
         self.started.set()
+
+        async def read() -> list[PageStatus]:
+            await self.finish.wait()
+            return await self.inner.get(keys, buffers)
+
         try:
-            with anyio.CancelScope(shield=True):
-                await self.finish.wait()
-                return await self.inner.get(keys, buffers)
+            return await uncancellable(read())
         finally:
             self.closed_at_return.append(any(pool.closed for pool in self.watched))
 
@@ -186,9 +190,12 @@ async def test_pools_close_only_after_a_callers_load_back_copy_landed(
 
     async def held_copy(*args: object, **kwargs: object) -> None:
         copy_started.set()
-        with anyio.CancelScope(shield=True):  # like a real copy: never abandoned mid-flight
+
+        async def copy() -> None:
             await finish_copy.wait()
             await real_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+        await uncancellable(copy())  # like a real copy: never abandoned mid-flight
         closed_when_copy_returned.append(any(pool.closed for pool in pools))
 
     seq = tokens(1, 16)

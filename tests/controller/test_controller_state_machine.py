@@ -621,7 +621,14 @@ class ControllerMachine(RuleBasedStateMachine):
             if opened:
                 self.backend.gated = True
             if not got:
-                return  # cancelled while waiting: the prefetch stays in flight, asked to stop
+                # Cancelled before the ranks' decision was taken: the prefetch stays in flight, asked to
+                # stop. Cancelled after it: the commit was carried out whole, the prefetch is resolved.
+                try:
+                    self.c.get_prefetch(request_id)
+                except UnknownRequest:
+                    del self.prefetches[request_id]
+                    event("commit cancelled after the agreement: carried out")
+                return
             outcome = got[0]
             del self.prefetches[request_id]
             assert outcome.status in ("committed", "dropped")

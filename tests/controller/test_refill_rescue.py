@@ -5,16 +5,17 @@ released exactly as a drop or a cancel does, once."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
-import anyio
 import pytest
 import torch
 
-from hicache import HiCache, Namespace
+from hicache import HiCache, Namespace, UnknownRequest
 from hicache.controller.movement import copies as copies_module
 from hicache.keys import as_key_bytes
 from hicache.tiers import DropReason
+from storage_backends.cancellation import uncancellable
 from storage_backends.memory import MemoryBackend
 from tests.cache_internals import host_pool_of, tree_of
 from tests.controller.controller_helpers import (
@@ -134,39 +135,61 @@ async def test_a_failed_backup_copy_drops_as_today(
         assert cache.match(SEQ).host_len == 0
 
 
+@pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
 async def test_cancelled_mid_backup_releases_everything_once(
-    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
+    backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """The commit is cancelled while the backup's copy is held: the copy lands, the backup is undone,
-    the prefetch stays in flight, and its cancel releases every page once."""
+    """The commit is cancelled while the rescue's backup copy is held. The ranks' decision was already
+    taken out of the agreement, so the commit is carried out whole (the copy lands, the backup is kept,
+    the refill attached) and only then does the cancellation propagate: the prefetch is resolved, every
+    page has one owner, and nothing is left to release a second time. (A commit that stopped half-way
+    here used to leave the prefetch in flight with its decision consumed: under TP the other ranks had
+    committed it.)"""
     real_copy = copies_module.copy_pages_async
-    copy_started = anyio.Event()
-    finish_copy = anyio.Event()
+    copy_started = asyncio.Event()
+    finish_copy = asyncio.Event()
 
     async def held_copy(*args: object, **kwargs: object) -> None:
-        copy_started.set()
-        with anyio.CancelScope(shield=True):  # like a real copy: never abandoned
+        async def copy() -> None:
+            copy_started.set()
             await finish_copy.wait()
             await real_copy(*args, **kwargs)  # type: ignore[arg-type]
+
+        await uncancellable(copy())  # like a real copy: never abandoned
 
     async with cache_with(backend, "backup_then_attach") as cache:
         await fresh_prefix_below_a_storage_hit(cache, backend)
         assert await cache.prefetch("r", SEQ) is not None
         monkeypatch.setattr(copies_module, "copy_pages_async", held_copy)
-        async with anyio.create_task_group() as tg:
+        deadline = asyncio.timeout(None)
 
-            async def commit() -> None:
+        async def commit() -> None:
+            async with deadline:
                 await cache.commit_prefetch("r")
 
-            tg.start_soon(commit)
-            await copy_started.wait()
-            tg.cancel_scope.cancel()
-            finish_copy.set()
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(commit())
+        await copy_started.wait()
+        if how == "asyncio.timeout":
+            deadline.reschedule(loop.time())
+        else:
+            task.cancel()
+        finish_copy.set()
+        (done,) = await asyncio.gather(task, return_exceptions=True)
         monkeypatch.undo()
-        assert cache.statistics().prefetches_in_flight == 1
-        outcome = await cache.cancel_prefetch("r")
-        assert outcome.status == "cancelled"
-        await released_everything(cache)
-        assert host_pool_of(cache).statistics().used_pages == 0
+        assert isinstance(done, TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError)
+        await released_everything(cache)  # resolved: committed, sanity_check holds
+        with pytest.raises(UnknownRequest):
+            await cache.cancel_prefetch("r")  # nothing left to release twice
         match = cache.match(SEQ)
-        assert (match.device_len, match.host_len) == (16, 0)
+        assert (match.device_len, match.host_len) == (16, 16)  # backed up, and the refill attached
+        assert not tree_of(cache).refill_backup_plan(tree_of(cache).root, as_key_bytes(SEQ))
+        page = cache.config.page_size
+        assert host_pool_of(cache).statistics().used_pages == 32 // page  # the backup's and the refill's
+        lease = await cache.acquire("reader", SEQ)
+        assert lease.cached_len == 32
+        assert torch.equal(
+            cache.device_pool.read_tokens(lease.device_indices), page_payload(as_key_bytes(SEQ))
+        )
+        cache.release(lease)
+        await released_everything(cache)

@@ -17,6 +17,7 @@ from controller_helpers import PAGE, PassThroughBackend, make_config, page_paylo
 from hicache import HiCache
 from hicache.controller.prefetch.admission import EXACT_BELOW, FANOUT, probe_hit_pages
 from hicache.keys import Namespace, as_key_bytes
+from storage_backends.cancellation import uncancellable
 from storage_backends.memory import MemoryBackend
 
 
@@ -130,9 +131,7 @@ class HeldProbe(PassThroughBackend):
         self.calls += 1
         if self.calls >= 2:
             self.second_call.set()
-            with anyio.CancelScope(shield=True):
-                await self.release.wait()
-            await anyio.lowlevel.checkpoint()  # a cancellation lands when the call returns, as with a thread
+            await uncancellable(self.release.wait())  # a cancellation lands when it returns, as with a thread
         return await super().exists(keys)
 
 

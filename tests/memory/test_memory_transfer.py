@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -117,8 +119,13 @@ async def test_copy_pages_async_validates_before_starting() -> None:
         await copy_pages_async(src, torch.arange(P), dst, torch.arange(1, P + 1))
 
 
-async def test_cancelled_copy_waits_for_its_worker_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cancelled copy must not return while its thread still writes into a buffer the caller may free."""
+@pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
+async def test_a_copy_cancelled_by_asyncio_waits_for_its_worker_thread(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A cancelled copy must not return while its thread still writes into a buffer the caller may free.
+    anyio's `run_sync` held off anyio's cancellation only: under asyncio's own the copy used to return at
+    once, its thread still writing."""
     started, release = threading.Event(), threading.Event()
     real_copy = transfer_module._copy_page_ids
 
@@ -131,27 +138,26 @@ async def test_cancelled_copy_waits_for_its_worker_thread(monkeypatch: pytest.Mo
     src, dst = pool(4, "src"), pool(4, "dst")
     s_idx, d_idx = alloc(src, 4 * P), alloc(dst, 4 * P)
     kv = fill_random(src, s_idx, seed=7)
-
-    scope = anyio.CancelScope()
-    returned = anyio.Event()
+    loop = asyncio.get_running_loop()
+    deadline = asyncio.timeout(None)
 
     async def run_copy() -> None:
-        try:
-            with scope:
-                await copy_pages_async(src, s_idx, dst, d_idx)
-        finally:
-            returned.set()
+        async with deadline:
+            await copy_pages_async(src, s_idx, dst, d_idx)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run_copy)
+    task = loop.create_task(run_copy())
+    try:
         await anyio.to_thread.run_sync(started.wait)
-        scope.cancel()
+        if how == "asyncio.timeout":
+            deadline.reschedule(loop.time())
+        else:
+            task.cancel()
         await anyio.wait_all_tasks_blocked()
-        assert not returned.is_set(), "the cancelled copy returned while its worker was still running"
+        assert not task.done(), "the cancelled copy returned while its worker was still running"
+    finally:
         release.set()
-        await returned.wait()
-
-    assert scope.cancelled_caught
+    (done,) = await asyncio.gather(task, return_exceptions=True)
+    assert isinstance(done, TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError)
     assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
 
 
@@ -247,6 +253,41 @@ async def test_a_cancelled_threaded_cuda_copy_completes_before_returning() -> No
         scope.cancel()
         await copy_pages_async(device, d_idx, host, h_idx)
     assert scope.cancelled_caught
+    assert bool((host.buffer == 3.0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_threaded_cuda_copy_cancelled_by_asyncio_while_enqueueing_completes_before_returning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Task.cancel` while the enqueueing thread runs: anyio's shield there did not hold it off, and the
+    copy returned before its copies were enqueued, let alone landed."""
+    started, release = threading.Event(), threading.Event()
+    real_enqueue = transfer_module._enqueue_on_side_stream
+
+    def gated_enqueue(*args: Any) -> torch.cuda.Event:
+        started.set()
+        release.wait(timeout=30)
+        return real_enqueue(*args)
+
+    monkeypatch.setattr(transfer_module, "_enqueue_on_side_stream", gated_enqueue)
+    pages = 4 * transfer_module._INLINE_RUNS
+    device = opened(make_device_pool(LAYOUT, pages))
+    host = opened(KVPool(LAYOUT, pages, pin_memory=True, name="host"))
+    d_idx = scattered_pages(device, list(range(pages))[::-1])
+    h_idx = alloc(host, pages * P)
+    device.buffer.fill_(3.0)
+    task = asyncio.get_running_loop().create_task(copy_pages_async(device, d_idx, host, h_idx))
+    try:
+        await anyio.to_thread.run_sync(started.wait)
+        task.cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert not task.done(), "the cancelled copy returned while its copies were being enqueued"
+    finally:
+        release.set()
+    (done,) = await asyncio.gather(task, return_exceptions=True)
+    assert isinstance(done, asyncio.CancelledError)
     assert bool((host.buffer == 3.0).all())
 
 

@@ -345,18 +345,20 @@ async def test_server_killed_mid_batch_fails_pages_then_recovers(
 async def every_connection_busy(backend: S3Backend) -> AsyncIterator[None]:
     """Every connection of the backend taken, as by requests that run long (a request held inside its
     attempt would time out and give its connection up)."""
-    limiter = backend._requests._limiter
+    limiter, connections = backend._requests._limiter, backend._requests._max_concurrency
+    assert limiter is not None
+    assert connections is not None
     async with anyio.create_task_group() as tg:
         held = anyio.Event()
         done = anyio.Event()
 
         async def hold(n: int) -> None:
             async with limiter:
-                if n == int(limiter.total_tokens) - 1:
+                if n == connections - 1:
                     held.set()
                 await done.wait()
 
-        for n in range(int(limiter.total_tokens)):
+        for n in range(connections):
             tg.start_soon(hold, n)
         await held.wait()
         try:

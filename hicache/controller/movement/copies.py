@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 
-import anyio
 import torch
 
 from hicache.memory import KVPool, copy_pages_async
 
-__all__ = ["CopyTracker", "wait_uncancelled"]
+__all__ = ["CopyTracker"]
 
 
 class CopyTracker:
@@ -23,19 +22,19 @@ class CopyTracker:
     def __init__(self) -> None:
         self.count = 0
         """Copies in flight, the caller's load-backs included."""
-        self.limiter: anyio.CapacityLimiter | None = None
-        """Threads that enqueue or run copies (None: anyio's default limiter)."""
-        self._idle: anyio.Event | None = None
+        self.limiter: asyncio.Semaphore | None = None
+        """Bounds the copies that run or enqueue in worker threads at once (None: unbounded)."""
+        self._idle: asyncio.Event | None = None
         self._loading: dict[int, tuple[KVPool, torch.Tensor]] = {}
 
     async def copy(
         self, src: KVPool, src_indices: torch.Tensor, dst: KVPool, dst_indices: torch.Tensor
     ) -> None:
-        """`copy_pages_async`, counted and never abandoned: a cancellation, anyio's or asyncio's own, is
-        re-raised only once the copy has landed."""
+        """`copy_pages_async`, counted and never abandoned: a cancellation is re-raised only once the copy
+        has landed."""
         self.begin()
         try:
-            await wait_uncancelled(copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter))
+            await copy_pages_async(src, src_indices, dst, dst_indices, limiter=self.limiter)
         finally:
             self.end()
 
@@ -52,7 +51,7 @@ class CopyTracker:
     async def wait_idle(self) -> None:
         """Wait until no copy is in flight."""
         while self.count:
-            self._idle = anyio.Event()  # set by the last copy to finish
+            self._idle = asyncio.Event()  # set by the last copy to finish
             await self._idle.wait()
 
     def track_load(self, pool: KVPool, indices: torch.Tensor) -> None:
@@ -66,28 +65,3 @@ class CopyTracker:
     def loading(self, pool: KVPool) -> Iterator[torch.Tensor]:
         """Indices of `pool` that load-backs in flight copy into."""
         return (indices for (p, indices) in self._loading.values() if p is pool)
-
-
-async def wait_uncancelled(work: Awaitable[None]) -> None:
-    """Await `work` to its end even if the caller is cancelled meanwhile, then re-raise the cancellation.
-
-    anyio's shielded scopes do not stop asyncio's own cancellation (`asyncio.timeout`, `wait_for`,
-    `Task.cancel`), so the work runs in a task of its own and a cancellation of the caller only ends the
-    caller's wait once the work is done. For short work that must never be abandoned (a copy into a
-    buffer the caller frees on its way out).
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.shield(task)
-    except BaseException:
-        # Cancelled (or the work failed): wait for the work; anyio's re-deliveries are shielded, a second
-        # asyncio cancellation is absorbed, the first exception is what propagates.
-        with anyio.CancelScope(shield=True):
-            while not task.done():
-                try:
-                    await asyncio.wait([task])
-                except asyncio.CancelledError:
-                    continue
-        if not task.cancelled():
-            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
-        raise

@@ -36,7 +36,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import anyio
 import torch
 
 from hicache.controller.movement.copies import CopyTracker
@@ -437,7 +436,7 @@ class _Load(LayerReadiness):
         self.spare = _NO_PAGES
         """Once landed with readers: its pages the tree did not take (freed with the last reader)."""
         self.agreed: _Agreed | None = None
-        self.ended = anyio.Event()
+        self.ended = asyncio.Event()
 
     def _check(self, layer: int) -> None:
         if self.state is _State.FAILED:

@@ -3,11 +3,11 @@ storage write-through, and host -> device load-back."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from functools import partial
 
-import anyio
 import torch
 
 from hicache.components import Component
@@ -25,6 +25,7 @@ from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import ShedReason, Tier
 from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
+from storage_backends.cancellation import StopScope
 
 __all__ = ["TierMover"]
 
@@ -94,7 +95,7 @@ class TierMover:
             on_drop=lambda items: _unlock_all(tree, [t for t in items if not isinstance(t, AgreedStore)]),
         )
         self._writer: StorageWriter | None = None
-        self._backup_lock = anyio.Lock()
+        self._backup_lock = asyncio.Lock()
         self.agreed: AgreedBackups | None = None
         """Under tensor parallelism: the backups and write-through locks the ranks agree on."""
         if not agreement.local:
@@ -188,11 +189,11 @@ class TierMover:
         work, and wait (bounded) for a queue above half its limit."""
         if self.backups.idle and self.storage_writes.idle:
             return
-        await anyio.lowlevel.checkpoint()
+        await asyncio.sleep(0)
         for queue in (self.backups, self.storage_writes):
             watermark = (queue.limit or 0) // 2
             if queue.limit is not None and len(queue) > watermark:
-                with anyio.move_on_after(_BACKPRESSURE_WAIT_S):
+                async with StopScope(_BACKPRESSURE_WAIT_S):
                     await queue.wait_below(watermark)
 
     def schedule_backups(self, targets: Sequence[NodeRef]) -> None:

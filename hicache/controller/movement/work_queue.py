@@ -15,12 +15,11 @@ see `HiCache.insert`): a serving task that never suspends would otherwise never 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Generic, TypeVar
-
-import anyio
 
 __all__ = ["WorkQueue"]
 
@@ -64,9 +63,9 @@ class WorkQueue(Generic[T]):
         self._items: deque[T] = deque()
         self._unfinished = 0
         self._max_queued = 0
-        self._wakeup = anyio.Event()
-        self._taken = anyio.Event()
-        self._idle = anyio.Event()
+        self._wakeup = asyncio.Event()
+        self._taken = asyncio.Event()
+        self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
 
@@ -127,7 +126,7 @@ class WorkQueue(Generic[T]):
             return shed
         self._max_queued = max(self._max_queued, len(self._items))
         if self._unfinished == 0:
-            self._idle = anyio.Event()
+            self._idle = asyncio.Event()
         self._unfinished += added
         self._wakeup.set()
         return shed
@@ -140,14 +139,14 @@ class WorkQueue(Generic[T]):
         """Wait until at most `n` items are queued (the worker took the rest)."""
         while len(self._items) > n:
             if self._taken.is_set():
-                self._taken = anyio.Event()
+                self._taken = asyncio.Event()
             await self._taken.wait()
 
     async def run(self) -> None:
         """The worker: runs queued jobs, up to `max_batch` items per call, until cancelled."""
         while True:
             await self._wakeup.wait()
-            self._wakeup = anyio.Event()
+            self._wakeup = asyncio.Event()
             while self._items:
                 batch = [self._items.popleft() for _ in range(min(self.max_batch, len(self._items)))]
                 self._taken.set()

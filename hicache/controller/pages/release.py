@@ -7,17 +7,17 @@ through the queue once the thread returns.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import anyio
-import anyio.lowlevel
 import torch
 
 from hicache.memory import KVPool, Owner
+from storage_backends.cancellation import StopScope
 from storage_backends.threads import stray_threads
 
 __all__ = ["ComponentTransfer", "IndexPool", "ReleaseBatch", "ReleaseQueue", "ReleaseStatistics"]
@@ -106,8 +106,8 @@ class ReleaseQueue:
         self._quarantined: list[_Quarantined] = []
         self._quarantined_tokens = 0
         self._poll_s = poll_s
-        self._wakeup = anyio.Event()
-        self._idle = anyio.Event()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
         self._idle.set()
         self.history: list[ReleaseBatch] | None = None
         """When set to a list (tests), every release call is appended to it."""
@@ -124,7 +124,7 @@ class ReleaseQueue:
         self._pending.append(batch)
         self._pending_tokens += batch.num_tokens
         if self._idle.is_set():
-            self._idle = anyio.Event()
+            self._idle = asyncio.Event()
         self._wakeup.set()
         return batch
 
@@ -224,15 +224,15 @@ class ReleaseQueue:
         """The worker: frees pending batches step by step, and settles the quarantine, until cancelled."""
         while True:
             if self._quarantined:
-                with anyio.move_on_after(self._poll_s):
+                async with StopScope(self._poll_s):
                     await self._wakeup.wait()
             else:
                 await self._wakeup.wait()
-            self._wakeup = anyio.Event()
+            self._wakeup = asyncio.Event()
             self.settle_quarantine()
             while self._pending:
                 self._step()
-                await anyio.lowlevel.checkpoint()
+                await asyncio.sleep(0)
             self._idle.set()
 
     async def drain(self) -> None:

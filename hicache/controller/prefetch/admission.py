@@ -14,12 +14,11 @@ the stream ends at the first page it cannot read, and commit releases the unread
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import anyio
-import anyio.lowlevel
 import torch
 
 from hicache.components import component_storage_key
@@ -36,6 +35,7 @@ from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import SkipReason, Tier
 from hicache.tree import MatchResult, NodeRef, PrefixPeek, RadixTree
+from storage_backends.cancellation import StopScope
 from storage_backends.protocol import StorageBackend
 
 __all__ = ["Admission", "PrefetchPlan", "probe_hit_pages"]
@@ -293,7 +293,7 @@ class Admission:
                     reason = SkipReason.STORAGE_UNAVAILABLE
                     return 0
                 # Hashing and the probe's submission are separate loop iterations.
-                await anyio.lowlevel.cancel_shielded_checkpoint()
+                await asyncio.sleep(0)
                 probed = await self._probe(request_id, storage, page_keys, remainder)
                 hit_pages = 0 if isinstance(probed, SkipReason) else probed
                 reason = probed if isinstance(probed, SkipReason) else None
@@ -367,7 +367,7 @@ class Admission:
         try:
             # A hung lookup must not hang the request: it gets the stream's budget, at most a read's.
             budget = min(config.prefetch_timeout(remainder), config.storage_read_timeout_s)
-            with anyio.move_on_after(budget):
+            async with StopScope(budget):
                 return await probe_hit_pages(storage, page_keys)
             storage.record_timeout("exists")
             self._metrics.storage_page_failures.labels(reason="timeout").inc()
@@ -456,9 +456,9 @@ class Admission:
                 keys = [component_storage_key(h, comp.name) for h in hashes[len(hashes) - k :]]
                 try:
                     present = 0
-                    with anyio.move_on_after(self._config.storage_read_timeout_s) as lookup:
+                    async with StopScope(self._config.storage_read_timeout_s) as lookup:
                         present = await storage.exists(keys) if keys else 0
-                    if lookup.cancelled_caught:  # a hung lookup is a storage error, never a miss
+                    if lookup.cut_short:  # a hung lookup is a storage error, never a miss
                         logger.warning("prefetch: component lookup timed out")
                         storage.record_timeout("exists")
                         self._metrics.storage_page_failures.labels(reason="timeout").inc()

@@ -9,7 +9,6 @@ evicted. The anchor node is host-locked for the prefetch's whole life so it cann
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import math
@@ -18,8 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import anyio
-import anyio.lowlevel
 import torch
 
 from hicache.config import HiCacheConfig
@@ -37,6 +34,7 @@ from hicache.parallel.agreement import Agreement, Decision
 from hicache.policy import StopPolicy
 from hicache.tiers import DropReason, PrefetchStatus
 from hicache.tree import ComponentFree, NodeRef, RadixTree
+from storage_backends.cancellation import StopScope, uncancellable
 from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -181,9 +179,9 @@ class Prefetch:
         """The `timeout` stop policy's deadline passed before the stream finished."""
         self.started_at = time.monotonic()
         self._stop_requested = False
-        self._stream_scope: anyio.CancelScope | None = None
-        self._finished = anyio.Event()
-        self._progress = anyio.Event()
+        self._stream_scope: StopScope | None = None
+        self._finished = asyncio.Event()
+        self._progress = asyncio.Event()
 
     @property
     def num_tokens(self) -> int:
@@ -231,7 +229,7 @@ class Prefetch:
         next_batch = 0  # the first batch not settled yet
         next_read = 0  # the first batch no reader has taken yet
 
-        def settle(tg: anyio.abc.TaskGroup) -> None:
+        def settle(readers: StopScope) -> None:
             nonlocal next_batch
             while next_batch in finished:
                 start, stop = bounds[next_batch]
@@ -240,18 +238,18 @@ class Prefetch:
                 self._notify_progress()
                 if good < stop - start:
                     self._count_failures(reason, 1)
-                    tg.cancel_scope.cancel()  # the pages behind a failure are useless
+                    readers.stop()  # the pages behind a failure are useless
                     next_batch = len(bounds)
                     return
                 next_batch += 1
 
-        async def read(index: int, tg: anyio.abc.TaskGroup) -> None:
+        async def read(index: int, readers: StopScope) -> None:
             start, stop = bounds[index]
             reason = "error"
             try:
-                with anyio.move_on_after(read_timeout_s) as deadline:
+                async with StopScope(read_timeout_s) as deadline:
                     ok = await backend.get(self.page_keys[start:stop], views[start:stop])
-                if deadline.cancelled_caught:
+                if deadline.cut_short:
                     logger.warning(
                         "prefetch %s: storage read of pages %d-%d timed out after %.3gs",
                         self.request_id,
@@ -272,25 +270,26 @@ class Prefetch:
                 logger.warning("prefetch %s: storage read failed: %r", self.request_id, exc)
                 good = -1
             finished[index] = (good, reason)
-            settle(tg)
+            settle(readers)
 
-        async def reader(tg: anyio.abc.TaskGroup) -> None:
+        async def reader(readers: StopScope) -> None:
             # Each of `concurrency` readers takes the next batch as soon as its own read settles: no task
             # spawned and no semaphore handed on per batch (each cost the loop an iteration, issue 12).
             nonlocal next_read
             while next_read < len(bounds) and next_batch < len(bounds):
-                await anyio.lowlevel.checkpoint_if_cancelled()  # a stopped stream starts no new read
+                if readers.stopped or self._stop_requested:  # a stopped stream starts no new read
+                    return
                 index, next_read = next_read, next_read + 1
-                await read(index, tg)
+                await read(index, readers)
 
         try:
-            with anyio.CancelScope() as scope:
+            async with StopScope() as scope:
                 self._stream_scope = scope
                 if self._stop_requested:
-                    scope.cancel()
-                async with anyio.create_task_group() as tg:
+                    scope.stop()
+                async with StopScope() as readers, asyncio.TaskGroup() as tg:
                     for _ in range(min(max(1, concurrency), len(bounds))):
-                        tg.start_soon(reader, tg)
+                        tg.create_task(reader(readers))
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend, read_timeout_s)
                 if self.unusable_keys:
@@ -306,9 +305,9 @@ class Prefetch:
         """Read the staged component pages; complete only if every one of them arrives."""
         for keys, views in self._staged_reads:
             try:
-                with anyio.move_on_after(read_timeout_s) as deadline:
+                async with StopScope(read_timeout_s) as deadline:
                     ok = await backend.get(keys, views)
-                if deadline.cancelled_caught:
+                if deadline.cut_short:
                     logger.warning("prefetch %s: component read timed out", self.request_id)
                     self.timed_out_reads += 1
                     self._count_failures("timeout", 1)
@@ -342,7 +341,7 @@ class Prefetch:
         for good. Part of the stream (a commit waits for it), bounded by the read timeout. A failure or a
         timeout only leaves them in place."""
         try:
-            with anyio.move_on_after(timeout_s):
+            async with StopScope(timeout_s):
                 await backend.delete(self.unusable_keys)
         except Exception as exc:
             logger.warning("prefetch %s: cannot remove unusable pages: %r", self.request_id, exc)
@@ -355,7 +354,7 @@ class Prefetch:
         """Ask the stream to stop now; pages already verified stay counted."""
         self._stop_requested = True
         if self._stream_scope is not None:
-            self._stream_scope.cancel()
+            self._stream_scope.stop()
 
     async def wait_stopped(self) -> None:
         """Wait until streaming has stopped and no I/O is in flight."""
@@ -370,7 +369,7 @@ class Prefetch:
             return
         remaining = self.started_at + self.timeout_s - time.monotonic()
         if remaining > 0:
-            with anyio.move_on_after(remaining):
+            async with StopScope(remaining):
                 await self._finished.wait()
         if not self._finished.is_set():
             self.timed_out = True
@@ -383,7 +382,7 @@ class Prefetch:
 
     def _notify_progress(self) -> None:
         self._progress.set()
-        self._progress = anyio.Event()
+        self._progress = asyncio.Event()
 
 
 _COMPLETE = 1 << 40
@@ -482,7 +481,7 @@ class Prefetches:
             views = self._host_pool.page_views(prefetch.host_indices)
             # Views and the first reads' submission are separate loop iterations (issue 12); the stream
             # takes no turn of the pacer: its prefetch took its one turn on the way down at `start`.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+            await asyncio.sleep(0)
             await prefetch.stream(
                 storage,
                 views,
@@ -541,6 +540,15 @@ class Prefetches:
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
         agreed_pages, components_complete = await self._stop_and_agree(prefetch)
+        # The ranks' decision is out of the agreement: the commit is carried out whole (a cancellation
+        # meanwhile is re-raised once it is). Before this point a cancellation undid everything.
+        return await uncancellable(self._carry_out(request_id, prefetch, agreed_pages, components_complete))
+
+    async def _carry_out(
+        self, request_id: str, prefetch: Prefetch, agreed_pages: int, components_complete: bool
+    ) -> PrefetchOutcome:
+        """The commit after the agreement: the refill rescue's backup, the commit's turn, then the
+        outcome, decided and carried out atomically."""
         self._check_still_in_flight(request_id, prefetch)
         rescued = False
         if self.rescue is not None and not prefetch.staged:
@@ -548,10 +556,8 @@ class Prefetches:
             agreed_tokens = agreed_pages * self._page_size
             rescued = await self.rescue.prepare(prefetch, min(prefetch.completed_tokens, agreed_tokens))
             self._check_still_in_flight(request_id, prefetch)
-        # Prefetches that stop together commit in loop iterations of their own. Shielded: no new cancel
-        # point, so a commit whose pages were agreed across the ranks is not cancelled after the agreement.
-        with anyio.CancelScope(shield=True):
-            await self.pacer.turn(prefetch.ticket)
+        # Prefetches that stop together commit in loop iterations of their own.
+        await self.pacer.turn(prefetch.ticket)
         self._check_still_in_flight(request_id, prefetch)
         # No await from here on: the outcome is decided and carried out atomically.
         del self._prefetches[request_id]
@@ -653,7 +659,7 @@ class Prefetches:
         prefetch = self.get(request_id)
         prefetch.request_stop()
         try:
-            with anyio.move_on_after(_STOP_GRACE_S):
+            async with StopScope(_STOP_GRACE_S):
                 await prefetch.wait_stopped()
         except BaseException:
             if self._prefetches.get(request_id) is prefetch:
@@ -667,15 +673,16 @@ class Prefetches:
         a stream stops within a few loop turns) so its pages go back before the caller's error
         propagates, then resolve it; if it has not stopped by then, it is resolved detached."""
         prefetch.request_stop()
-        # A second asyncio cancellation (anyio's shield does not stop those) ends the wait: detached.
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(_STOP_GRACE_S),
-            contextlib.suppress(asyncio.CancelledError),
-        ):
+        try:
+            await uncancellable(self._wait_stopped_within_grace(prefetch))
+        finally:
+            if self._prefetches.get(prefetch.request_id) is prefetch:
+                self.cancel_now(prefetch)
+
+    @staticmethod
+    async def _wait_stopped_within_grace(prefetch: Prefetch) -> None:
+        async with StopScope(_STOP_GRACE_S):
             await prefetch.wait_stopped()
-        if self._prefetches.get(prefetch.request_id) is prefetch:
-            self.cancel_now(prefetch)
 
     def cancel_all(self) -> None:
         """Resolve every prefetch in flight as cancelled, without awaiting (the cache is closing)."""

@@ -46,8 +46,9 @@ class RefillRescue:
         """Back up what `prefetch`'s completed refill would hang from, if it is not backed up.
 
         Returns whether a backup was needed and landed. A backup that finds no host room or whose copy
-        fails returns False (the commit then drops the refill as `RefillPolicy.DROP` does); a
-        cancellation propagates with the backup undone (`TierMover.back_up` aborts it). Under tensor
+        fails returns False (the commit then drops the refill as `RefillPolicy.DROP` does). The commit
+        runs it after the ranks' agreement, where no cancellation reaches it (a commit is then carried out
+        whole); a caller that cancels it directly gets the backup undone (`TierMover.back_up` aborts it). Under tensor
         parallelism `completed_tokens` is the agreed length of the refill (the plan is then the same on
         every rank) and the backup is agreed (`TierMover.back_up`): landed on every rank, or on none.
         """

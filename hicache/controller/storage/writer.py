@@ -6,7 +6,6 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-import anyio
 import torch
 
 from hicache.components import component_storage_key
@@ -17,6 +16,7 @@ from hicache.memory import KVPool
 from hicache.metrics import CacheMetrics
 from hicache.tiers import Tier
 from hicache.tree import NodeRef, RadixTree, StoredPath
+from storage_backends.cancellation import StopScope
 from storage_backends.protocol import StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -180,9 +180,9 @@ class StorageWriter:
 
     async def _exists(self, keys: list[str]) -> int | None:
         """`storage.exists` under the read timeout; None (counted) when it timed out."""
-        with anyio.move_on_after(self._read_timeout_s) as deadline:
+        async with StopScope(self._read_timeout_s) as deadline:
             return await self._storage.exists(keys)
-        assert deadline.cancelled_caught
+        assert deadline.cut_short
         self._record_timeout("exists")
         self._metrics.storage_page_failures.labels(reason="timeout").inc()
         logger.warning("write-through: storage lookup of %d pages timed out", len(keys))
@@ -199,12 +199,12 @@ class StorageWriter:
         touched.extend(views)
         timeout = self._write_timeout_s
         try:
-            with anyio.move_on_after(timeout) as deadline:
+            async with StopScope(timeout) as deadline:
                 ok = await self._storage.put(keys, views)
         except Exception:
             metrics.storage_page_failures.labels(reason="write").inc(len(views))
             raise
-        if deadline.cancelled_caught:
+        if deadline.cut_short:
             self._record_timeout("put")
             metrics.storage_page_failures.labels(reason="write_timeout").inc(len(views))
             logger.warning("write-through: a put of %d pages timed out after %.3gs", len(views), timeout)

@@ -1,0 +1,109 @@
+"""A commit cancelled by asyncio (`asyncio.timeout`, `Task.cancel`) after the ranks' agreement is carried
+out whole, then the cancellation propagates; one cancelled before it leaves the prefetch as it was."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from controller_helpers import make_config, store_sequence, tokens
+
+from hicache import HiCache, Namespace
+from hicache.controller.prefetch.pacing import LoopPacer
+from storage_backends.memory import MemoryBackend
+
+
+class ParksTheCommitTurn(LoopPacer):
+    """A pacer whose turn parks its caller (as a queued turn would) until `gate` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def turn(self, ticket: int | None = None) -> None:
+        self.arrived.set()
+        await self.gate.wait()
+        await super().turn(ticket)
+
+
+@pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
+async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out(how: str) -> None:
+    """The pages were agreed across the ranks when the commit waits for its turn; anyio's shield there did
+    not stop asyncio's own cancellation, which abandoned the commit with its decision consumed: the
+    prefetch stayed in flight, a second commit failed with a KeyError, and under TP the ranks that had
+    committed diverged from this one. Now the commit is carried out, then the cancellation propagates."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    namespace = Namespace(model_id="controller-tests")
+    async with (
+        MemoryBackend(namespace_digest=namespace.digest) as backend,
+        HiCache(config, storage=backend) as cache,
+    ):
+        seq = tokens(0, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        async with asyncio.timeout(5):
+            await prefetch.wait_for_stop_policy()  # read in full: the commit's is the next turn
+        pacer = ParksTheCommitTurn()
+        cache._prefetcher.pacer = pacer
+        deadline = asyncio.timeout(None)
+
+        async def commit() -> None:
+            async with deadline:
+                await cache.commit_prefetch("r")
+
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(commit())
+        async with asyncio.timeout(5):
+            await pacer.arrived.wait()  # the commit is parked in its turn, after the agreement
+            if how == "asyncio.timeout":
+                deadline.reschedule(loop.time())
+            else:
+                task.cancel()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not task.done(), "the commit returned before it was carried out"
+            pacer.gate.set()
+            (done,) = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(done, TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError)
+        assert cache.statistics().prefetches_in_flight == 0  # resolved: committed, not abandoned
+        assert cache.match(seq).host_len == 32
+        cache.sanity_check()
+
+
+async def test_a_commit_cancelled_before_the_agreement_leaves_the_prefetch_in_flight() -> None:
+    """Cancelled while it waits for the stop policy (before the agreement): nothing is carried out, the
+    prefetch stays in flight as it was, and a second commit completes it."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    namespace = Namespace(model_id="controller-tests")
+    async with (
+        MemoryBackend(namespace_digest=namespace.digest) as backend,
+        HiCache(config, storage=backend) as cache,
+    ):
+        seq = tokens(0, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        stopped = asyncio.Event()
+        real_wait = prefetch.wait_for_stop_policy
+
+        async def parked_stop_policy() -> None:
+            stopped.set()
+            await asyncio.Event().wait()
+
+        prefetch.wait_for_stop_policy = parked_stop_policy  # type: ignore[method-assign]
+        task = asyncio.get_running_loop().create_task(cache.commit_prefetch("r"))
+        async with asyncio.timeout(5):
+            await stopped.wait()
+        task.cancel()
+        (done,) = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(done, asyncio.CancelledError)
+        assert cache.statistics().prefetches_in_flight == 1  # left as it was
+        cache.sanity_check()
+        prefetch.wait_for_stop_policy = real_wait  # type: ignore[method-assign]
+        outcome = await cache.commit_prefetch("r")
+        assert outcome.status == "committed"
+        assert cache.match(seq).host_len == 32
+        await cache.wait_idle()
+        cache.sanity_check()

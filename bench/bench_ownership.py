@@ -2,11 +2,12 @@
 """Benchmark of the page-ownership checks on the request path.
 
 Usage:
-    .venv/bin/python bench/bench_ownership.py [--requests 1000] [--reps 3]
+    .venv/bin/python bench/bench_ownership.py [--requests 1000] [--reps 3] [--write-policy write_back]
 
 Workload (bench_tree's shape): requests of 1,024 tokens, each one of 50 shared 512-token prefixes plus a
-random 512-token suffix, page size 16, served through a `HiCache` without storage under write-back (no
-background backups): acquire, `alloc_device` for the uncached part, `insert`. Reports, in CPU time per
+random 512-token suffix, page size 16, served through a `HiCache` without storage, by default under
+write-back (no background backups; `--write-policy write_through` begins a backup in every insert, with a
+host pool as large as the device pool): acquire, `alloc_device` for the uncached part, `insert`. Reports, in CPU time per
 request (minimum over --reps): `insert` alone, the whole acquire + alloc + insert cycle, and the ownership
 work inside insert measured on its own (`check_owned` of 32 caller pages, the prefix comparison and the
 re-tag), plus a free + alloc of 32 pages. Run it with another checkout first on PYTHONPATH to compare.
@@ -36,11 +37,15 @@ def workload(n: int) -> list[list[int]]:
     return [prefixes[rng.randrange(50)] + [rng.randrange(1 << 20) for _ in range(512)] for _ in range(n)]
 
 
-async def serve(seqs: list[list[int]]) -> tuple[float, float]:
-    """CPU seconds in `insert` and in the whole cycle."""
+async def serve(seqs: list[list[int]], policy: str) -> tuple[float, float]:
+    """CPU seconds in `insert` and in the whole cycle (the backups' background work included)."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16, page_size=PAGE)
+    pages = len(seqs) * 1024 // PAGE + 64
     config = HiCacheConfig(
-        layout=layout, device_pages=len(seqs) * 1024 // PAGE + 64, host_pages=64, write_policy="write_back"
+        layout=layout,
+        device_pages=pages,
+        host_pages=64 if policy == "write_back" else pages,
+        write_policy=policy,
     )
     async with HiCache(config) as cache:
         in_insert = 0.0
@@ -53,6 +58,7 @@ async def serve(seqs: list[list[int]]) -> tuple[float, float]:
             t = time.process_time()
             await cache.insert(lease, seq, indices)
             in_insert += time.process_time() - t
+        await cache.wait_idle()
         return in_insert, time.process_time() - start
 
 
@@ -91,6 +97,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
+        "--write-policy",
+        default="write_back",
+        choices=["write_back", "write_through", "write_through_selective"],
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="one tiny pass (seconds): the same JSON keys, no figure worth reading",
@@ -101,10 +112,11 @@ def main() -> None:
     seqs = workload(args.requests)
     best_insert = best_cycle = float("inf")
     for _ in range(args.reps):
-        in_insert, cycle = anyio.run(serve, seqs)
+        in_insert, cycle = anyio.run(serve, seqs, args.write_policy)
         best_insert, best_cycle = min(best_insert, in_insert), min(best_cycle, cycle)
     result: dict[str, object] = {
         "bench": "ownership",
+        "write_policy": args.write_policy,
         "requests": args.requests,
         "insert_us": round(best_insert / args.requests * 1e6, 1),
         "cycle_us": round(best_cycle / args.requests * 1e6, 1),

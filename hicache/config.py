@@ -122,10 +122,10 @@ class HiCacheConfig:
             write-through skip storage without I/O.
         storage_breaker_backoff_s: seconds after opening before one call probes storage again.
         storage_breaker_backoff_max_s: cap of the probe backoff, which doubles after each failed probe.
-        backup_queue_limit: most device->host backups queued; more are shed and counted in
-            `writes_shed_total{tier="host"}`.
-        storage_write_queue_limit: most host->storage writes queued; more are shed and counted in
-            `writes_shed_total{tier="storage"}`.
+        backup_queue_limit: most device->host backup targets begun and not yet committed or aborted
+            (queued or copying); more are shed and counted in `writes_shed_total{tier="host"}`.
+        storage_write_queue_limit: most write-through targets host-locked at once (queued or being
+            written); more are shed and counted in `writes_shed_total{tier="storage"}`.
         components: hybrid-model components kept beside full-attention KV (`SlidingWindow`,
             `MambaState`), each with its own device and host pools; empty for a full-attention model.
         layerwise_load_back: `acquire` loads host hits back layer by layer and returns at once; the

@@ -160,17 +160,7 @@ class HiCache:
         )
         if config.refill_under_unbacked is RefillPolicy.BACKUP_THEN_ATTACH:
             self._prefetches.rescue = RefillRescue(tree, self._mover)
-        # Layer-wise load-back agrees its outcome only across several ranks (it needs the group's
-        # readiness channel); its one-rank path is the loader's own.
-        self._loader = LayeredLoader(
-            tree,
-            device,
-            host,
-            self._mover,
-            self._copies,
-            counters,
-            None if self.agreement.local else self.agreement,
-        )
+        self._loader = LayeredLoader(tree, device, host, self._mover, self._copies, counters, self.agreement)
         self._leases = Leases(
             tree,
             device,

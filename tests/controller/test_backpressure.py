@@ -81,7 +81,7 @@ class GatedPuts(PassThroughBackend):
 
 async def test_storage_writes_beyond_the_limit_are_shed_newest_first_and_counted() -> None:
     """Storage stalls (a put held at a gate) while requests keep evicting under write-back: the storage
-    write queue stops at its limit, later writes are shed and counted, and once storage moves again the
+    writes stop at their limit (the one being written counts), later writes are shed and counted, and once storage moves again the
     oldest work is what reached it (the first prompt's pages are there, the shed ones are not)."""
     inner = MemoryBackend(namespace_digest=make_config().namespace.digest)
     storage = GatedPuts(inner)
@@ -97,10 +97,10 @@ async def test_storage_writes_beyond_the_limit_are_shed_newest_first_and_counted
                 await anyio.wait_all_tasks_blocked()
             stats = cache.statistics()
             assert storage.puts == 1, "the writer is held in its first put"
-            assert stats.storage_writes_queued == limit
-            assert stats.storage_writes_queued_max == limit
+            assert stats.storage_writes_queued + 1 == limit, "one write held in its put, the rest queued"
+            assert stats.storage_writes_queued_max <= limit
             evicted = len(prompts) - 2
-            assert shed(cache, "storage", "queue_full") == evicted - 1 - limit
+            assert shed(cache, "storage", "queue_full") == evicted - limit
             storage.gate.set()
             await cache.wait_idle()
             cache.sanity_check()

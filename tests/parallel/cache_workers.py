@@ -603,3 +603,81 @@ async def skip_reason_on_one_rank(group: RankGroup, root: str, failing: int, why
     finally:
         await inner.aclose()
     return result
+
+
+async def pending_backup_split_on_every_rank(group: RankGroup, root: str, slow: int) -> dict[str, Any]:
+    """`slow`'s backup copies wait on a gate, so the first request's backup stays pending on every rank
+    (its decision unresolved) while the second request, sharing its first 4 pages, splits the pending
+    node and begins its own leaf below the split-off upper part. Once the gate opens and the ranks
+    agree, all of it is backed up on every rank (before: every chain below the split was aborted)."""
+    rank = group.tp_rank
+    first = [700 + i for i in range(6 * PAGE)]
+    second = first[: 4 * PAGE] + [800 + i for i in range(2 * PAGE)]
+    async with rank_cache(group, root) as (cache, _):
+        gate = anyio.Event()
+
+        async def copy(real: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            if rank == slow:
+                await gate.wait()
+            await real(*args, **kwargs)
+
+        _patch_backup_copy(cache, copy)
+        await serve(cache, rank, "a", first)
+        await serve(cache, rank, "b", second)  # splits the pending node
+        cache.sanity_check(across_ranks=True)
+        during = cache.statistics().tree
+        gate.set()
+        await cache.tp_sync()
+        cache.sanity_check(across_ranks=True)
+        after = cache.statistics().tree
+        backed = [
+            int(cache.match(seq).last_host_node == cache.match(seq).last_device_node)
+            for seq in (first, second)
+        ]
+        skipped = int(cache.metrics.backup_skipped.value())
+    return {
+        "pending": during.pending_backup_tokens,
+        "host_after": after.host_tokens,
+        "pending_after": after.pending_backup_tokens,
+        "backed": backed,
+        "skipped": skipped,
+    }
+
+
+async def alloc_waits_for_pending_backups(group: RankGroup, root: str, slow: int) -> dict[str, Any]:
+    """`slow`'s backup copy waits on a gate; every rank then asks for every device page, which only the
+    pending (device-locked) node holds. Every rank's `alloc_device` lets the begun backup resolve
+    (agreed) and evicts the node, alike on every rank, instead of returning None."""
+    rank = group.tp_rank
+    seq = [600 + i for i in range(6 * PAGE)]
+    async with rank_cache(group, root) as (cache, _):
+        gate = anyio.Event()
+
+        async def copy(real: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            if rank == slow:
+                await gate.wait()
+            await real(*args, **kwargs)
+
+        _patch_backup_copy(cache, copy)
+        await serve(cache, rank, "a", seq)
+        pending = cache.statistics().tree.pending_backup_tokens
+        pages = cache.config.device_pages * PAGE
+        got: list[torch.Tensor | None] = []
+
+        async def alloc_all() -> None:
+            got.append(await cache.alloc_device(pages))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(alloc_all)
+            await anyio.wait_all_tasks_blocked()
+            gate.set()
+        taken = got[0]
+        cache.sanity_check(across_ranks=True, held_device=[] if taken is None else [taken])
+        result = {
+            "pending": pending,
+            "taken": 0 if taken is None else int(taken.numel()),
+            "host": cache.match(seq).host_len,
+        }
+        if taken is not None:
+            cache.device_pool.free(taken)
+    return result

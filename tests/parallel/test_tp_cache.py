@@ -204,3 +204,33 @@ def test_a_prefetch_skipped_on_one_rank_is_skipped_on_every_rank_with_that_ranks
     out = run_ranks(cache_workers.skip_reason_on_one_rank, 2, (str(tmp_path), 1, why), timeout_s=WATCHDOG_S)
     _ok(out)
     assert [o.value for o in out] == [{"cached": 0, "skipped": reason}] * 2
+
+
+def test_a_pending_backup_split_by_a_later_request_commits_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's copies are held while a second request splits the first one's pending node: once they
+    land and the ranks agree, both requests are backed up on every rank, nothing skipped or aborted."""
+    out = run_ranks(
+        cache_workers.pending_backup_split_on_every_rank, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    for o in out:
+        assert o.value["pending"] == 8 * cache_workers.PAGE
+        assert o.value["host_after"] == 8 * cache_workers.PAGE
+        assert o.value["pending_after"] == 0
+        assert o.value["backed"] == [1, 1]
+        assert o.value["skipped"] == 0
+    assert out[0].value == out[1].value
+
+
+def test_alloc_device_waits_for_a_begun_backup_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1's copy is held while every rank asks for every device page, held only by the pending
+    node: every rank gets them once the backup is agreed (the node demoted, its host copy kept)."""
+    out = run_ranks(
+        cache_workers.alloc_waits_for_pending_backups, 2, (str(tmp_path), 1), timeout_s=WATCHDOG_S
+    )
+    _ok(out)
+    for o in out:
+        assert o.value["pending"] == 6 * cache_workers.PAGE
+        assert o.value["taken"] == 16 * cache_workers.PAGE
+        assert o.value["host"] == 6 * cache_workers.PAGE
+    assert out[0].value == out[1].value

@@ -1,9 +1,9 @@
-"""Backups and write-through under tensor parallelism: every change they make to the tree is agreed.
+"""Backups and write-through, for one rank and N alike: every change they make to the tree is agreed.
 
-On one rank a backup is begun, copied and committed by a background worker whenever it runs. Under tensor
-parallelism that worker's pace is rank-local, so the ranks' trees would differ between quiescent points
-(a node backed up on one rank and not yet on another, device-locked by a copy on one rank only), and so
-would what eviction then picks. Here:
+The backup worker's pace is rank-local, so if it began and committed backups whenever it ran, the ranks'
+trees would differ between quiescent points (a node backed up on one rank and not yet on another,
+device-locked by a copy on one rank only), and so would what eviction then picks. Here, on any number of
+ranks (one rank is an agreement of one: its decisions resolve as they are settled, with no step):
 
 - A backup *begins* inside the engine call that asks for it (`insert`, a device eviction), on every rank
   alike: the host room is agreed first (the most any rank must evict, `backup_room`), every rank evicts
@@ -84,6 +84,9 @@ class AgreedBackup:
     chain_components: list[list[tuple[str, torch.Tensor, torch.Tensor]]]
     """Per chain, the component values copied with it: (name, device slots, host slots), one per node
     and component backed up."""
+    chain_parents: list[NodeRef | None] = field(default_factory=list)
+    """Each chain's top's parent when begun (None: the root). A split of a pending node puts its upper
+    part, pending in the same backup, between the two: the commit checks this parent, as the tree does."""
     decision: Decision | None = None
     state: BackupState = field(default=BackupState.QUEUED, init=False)
 
@@ -125,7 +128,7 @@ class AgreedStore:
 
 class AgreedBackups:
     """Begins, copies, commits and aborts device->host backups, and holds write-through host locks, at
-    points every rank reaches alike (see the module docstring).
+    points every rank reaches alike (see the module docstring); the cache's only backup path.
 
     Args:
         tree: the radix tree.
@@ -135,7 +138,7 @@ class AgreedBackups:
         allocator: frees and takes host and component pages.
         copies: runs the device->host copies.
         metrics: the cache's metric set.
-        agreement: the tensor-parallel agreement.
+        agreement: the ranks' agreement (for one rank its decisions resolve as they are settled).
         backup_limit: most backup targets pending at once (beyond: shed, on every rank alike).
         store_limit: most write-through targets host-locked at once (beyond: shed, alike).
         write_through: whether committed backups are written to storage (`backup_to_storage`).
@@ -171,6 +174,8 @@ class AgreedBackups:
         """Backup targets begun and not yet resolved (the same on every rank)."""
         self.storing_targets = 0
         """Write-through targets host-locked and not yet let go of (the same on every rank)."""
+        self._begun: list[AgreedBackup] = []
+        """The batches begun and not yet committed or aborted, in the order they were begun."""
         self.queue_copy: Callable[[AgreedBackup], bool] = lambda batch: False
         """Hands a begun batch to the background copy worker; False if it was not taken."""
         self.queue_store: Callable[[AgreedStore], bool] = lambda store: False
@@ -227,8 +232,16 @@ class AgreedBackups:
             return None
         evict += max(0, again - tokens)
         if evict and self._allocator.evict_host(evict) < evict:
-            self._metrics.backup_skipped.inc()  # some rank has no room: no rank backs up
-            return None
+            # Some rank has no room for the whole batch: no rank backs it up. Its upper part may fit (a
+            # shared prefix above the leaves): any leading run of its root-first nodes keeps every
+            # parent ahead of its children, so begin again without the last nodes, as many as the
+            # agreed deficit (alike on every rank: the trees are identical).
+            self._metrics.backup_skipped.inc()
+            upper = [node for chain in chains for node in chain]
+            short = evict
+            while upper and short > 0:
+                short -= self._tree.node_info(upper.pop()).num_tokens
+            return await self.begin(upper) if upper else None
         # A component whose host slots the tree could not free (on every rank alike) is not backed up
         # with this batch: its nodes are tombstones on host there, as on one rank.
         backed = {
@@ -239,7 +252,8 @@ class AgreedBackups:
             for need in [comp_evict.get(name, 0)]
         }
         # Free host pages only grew since this rank settled (nothing allocates host pages off the engine
-        # path under tensor parallelism): with the agreed eviction, they cover the batch.
+        # path under tensor parallelism; one rank's step returned without yielding): with the agreed
+        # eviction, they cover the batch.
         host = self._host_pool.alloc(again, Owner.COPY)
         if host is None:
             raise AssertionError(
@@ -264,8 +278,18 @@ class AgreedBackups:
                 device_parts.append(info.device_value)
                 offset += size
             chain_hosts.append(host[start:offset])
-        batch = AgreedBackup(kept, chains, torch.cat(device_parts), host, chain_hosts, chain_comps)
+        parents = [self._tree.node_info(chain[0]).parent for chain in chains]
+        batch = AgreedBackup(
+            kept,
+            chains,
+            torch.cat(device_parts),
+            host,
+            chain_hosts,
+            chain_comps,
+            [None if parent == self._tree.root else parent for parent in parents],
+        )
         self.pending_targets += len(kept)
+        self._begun.append(batch)
         nodes = sum(len(chain) for chain in chains)
         batch.decision = self._agreement.propose(
             "backup", f"{nodes}:{again}", on_resolve=lambda agreed: self._resolved(batch, agreed)
@@ -313,16 +337,34 @@ class AgreedBackups:
 
         async def copy() -> int:
             await self.copy([batch])
-            # `_copied` settled the decision already (the first value settled counts): this only says it.
+            # `copied` settled the decision already (the first value settled counts): this only says it.
             return int(batch.state in (BackupState.COPIED, BackupState.COMMITTED))
 
         await self._agreement.agree_on(batch.decision, copy)
         return len(batch.targets) if batch.state is BackupState.COMMITTED else 0
 
+    @property
+    def begun(self) -> bool:
+        """Whether some batch is begun and not yet committed or aborted (alike on every rank)."""
+        return bool(self._begun)
+
+    async def resolve_begun(self) -> None:
+        """Copy (here, if the worker has not started it) and agree every batch begun so far, in the order
+        begun: each is committed or aborted on return. Every rank calls it at the same point of an engine
+        call (the begun batches are alike there), so all agree the same decisions in the same order; one
+        rank's resolve as their copies land."""
+        for batch in list(self._begun):
+            if batch.finished:
+                continue
+            if batch.state is BackupState.QUEUED:
+                await self.copy([batch])  # the worker skips it when it comes to it (no longer queued)
+            assert batch.decision is not None
+            await self._agreement.agree(batch.decision)
+
     def start(self, batch: AgreedBackup | None) -> None:
         """Hand a begun batch to the background copy (not taken: it counts as failed on this rank)."""
         if batch is not None and not self.queue_copy(batch):
-            self._copied(batch, 0)
+            self.copied(batch, 0)
 
     # ------------------------------------------------------------------ copying (background)
 
@@ -351,12 +393,12 @@ class AgreedBackups:
             ok = 0
         except BaseException:
             for b in live:
-                self._copied(b, 0)
+                self.copied(b, 0)
             raise
         for b in live:
-            self._copied(b, ok)
+            self.copied(b, ok)
 
-    def _copied(self, batch: AgreedBackup, ok: int) -> None:
+    def copied(self, batch: AgreedBackup, ok: int) -> None:
         """This rank's copy of `batch` ended (`ok` 1) or will not run (0): settle its decision."""
         if not batch.finished:  # a batch aborted before its copy started stays aborted
             batch.enter(BackupState.COPIED if ok else BackupState.COPY_FAILED)
@@ -371,7 +413,7 @@ class AgreedBackups:
 
     def _resolved(self, batch: AgreedBackup, agreed: int | None) -> None:
         if agreed is None and batch.state is BackupState.COPYING:
-            return  # the agreement failed (closing): aborted once the copy returns (`_copied`)
+            return  # the agreement failed (closing): aborted once the copy returns (`copied`)
         self._finish(batch, agreed or 0)
 
     def _finish(self, batch: AgreedBackup, verdict: int) -> None:
@@ -382,10 +424,16 @@ class AgreedBackups:
         tree = self._tree
         committed: list[NodeRef] = []
         frees: list[ComponentFree] = []
-        for target, chain, host, comps in zip(
-            batch.targets, batch.chains, batch.chain_hosts, batch.chain_components, strict=True
+        self._begun.remove(batch)
+        for target, chain, parent, host, comps in zip(
+            batch.targets,
+            batch.chains,
+            batch.chain_parents,
+            batch.chain_hosts,
+            batch.chain_components,
+            strict=True,
         ):
-            if verdict and self._parent_backed_up(chain[0]):
+            if verdict and self._parent_backed_up(parent):
                 for node in chain:
                     frees.extend(tree.commit_backup(node).component_frees)
                 # The host copies are the tree's now (before freeing what it let go of among them).
@@ -403,14 +451,15 @@ class AgreedBackups:
         if committed and self.write_through and self._agreement.failed is None:
             self._store(committed)
 
-    def _parent_backed_up(self, top: NodeRef) -> bool:
-        """Whether `top`'s backup may commit: its parent is the root or backed up (an earlier batch the
-        parent was pending in may have been aborted), or the policy is write-back."""
+    def _parent_backed_up(self, parent: NodeRef | None) -> bool:
+        """Whether a chain below `parent` (its top's parent when begun; None: the root) may commit: the
+        parent is the root or backed up (an earlier batch the parent was pending in may have been
+        aborted), or the policy is write-back. Not the top's parent now: a split of the pending top put
+        its upper part, pending with it and committed with it, in between."""
         tree = self._tree
         if tree.write_policy is WritePolicy.WRITE_BACK:
             return True
-        parent = tree.node_info(top).parent
-        return parent is None or parent == tree.root or tree.node_info(parent).host_value is not None
+        return parent is None or tree.node_info(parent).host_value is not None
 
     def _store(self, targets: list[NodeRef]) -> None:
         """Host-lock `targets` for their write-through (at this agreed step) and propose its release."""

@@ -82,8 +82,9 @@ class LayeredLoader:
         mover: allocates device pages (evicting), and loads whole when layer-wise cannot be used.
         copies: counts the copies in flight (so `aclose` waits for them) and their pages.
         metrics: the cache's metric set (`load_back_tokens`, counted when a load lands).
-        agreement: the tensor-parallel agreement (None for one rank): each load's outcome and its
-            layers' readiness are then agreed (its group must have a `readiness` group).
+        agreement: the ranks' agreement: each load's outcome is agreed with it (for one rank: as its
+            copy settles), and across several ranks its layers' readiness too (the group must then have
+            a `readiness` group).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class LayeredLoader:
         mover: TierMover,
         copies: CopyTracker,
         metrics: CacheMetrics,
-        agreement: Agreement | None = None,
+        agreement: Agreement,
     ) -> None:
         self._agreement = agreement
         self._tree = tree
@@ -149,9 +150,11 @@ class LayeredLoader:
                 raise
             current = tree.match_prefix(match.key)
             moved = not self._unchanged(current, start, host_indices)
-            if pages is None or moved or self._overlapping(current) is not None:
+            stale = moved or self._overlapping(current) is not None or self._agreement.failed is not None
+            if pages is None or stale:
                 # No room, or the tree moved while pages were found (a request inserted the prefix,
-                # another load began there): give them back and look again.
+                # another load began there), or the agreement failed meanwhile (closing: the load could
+                # not propose its outcome, and the next `alloc_device` raises): give them back, look again.
                 tree.unlock_host(last)
                 tree.unlock_device(above)
                 if pages is None:
@@ -169,6 +172,8 @@ class LayeredLoader:
                 pages,
                 above,
                 last,
+                agreement=self._agreement,
+                finish=self._end,
             )
             self._device_pool.set_owner(pages, Owner.COPY)
             self._copies.track_load(self._device_pool, pages)
@@ -214,25 +219,22 @@ class LayeredLoader:
         return None
 
     async def _wait_ended(self, load: _Load) -> None:
-        """Wait until `load` landed or failed; under TP an unresolved outcome is agreed here (every rank's
-        engine call is at the same point, and sees the same loads)."""
-        if load.agreed is not None and self._agreement is not None and not load.ended.is_set():
-            decision = load.agreed.outcome.decision
-            if not decision.resolved and self._agreement.failed is None:
-                await self._agreement.agree(decision)
+        """Wait until `load` landed or failed; an unresolved outcome is agreed here (every rank's engine
+        call is at the same point, and sees the same loads; one rank's resolves as its copy settles)."""
+        decision = load.outcome.decision
+        if not decision.resolved and self._agreement.failed is None:
+            await self._agreement.agree(decision)
         await load.ended.wait()
 
     def _reader(self, load: _Load, match: MatchResult, offset: int, n: int) -> LayerwiseLoad:
         """A new reader of `load`'s tokens [offset, offset + n), below `match`'s device prefix."""
         load.readers += 1
-        layers: LayerReadiness = load if load.agreed is None else load.agreed.layers
-        reader = _Reader(layers, self._num_layers, load, self._drop_reader)
+        reader = _Reader(load.layers, self._num_layers, load, self._drop_reader)
         return LayerwiseLoad(match, load.device_indices[offset : offset + n], reader)
 
     async def landed(self, layers: LayerReadiness) -> bool:
         """Whether the load that `layers` (a lease's) reads landed, once it has ended (True when they read
-        no load). Under TP an unresolved outcome is agreed here: every rank's engine call is at the same
-        point."""
+        no load). An unresolved outcome is agreed here: every rank's engine call is at the same point."""
         if not isinstance(layers, _Reader):
             return True
         await self._wait_ended(layers.load)
@@ -242,8 +244,6 @@ class LayeredLoader:
         """Run `load`'s copy in a task of its own."""
         self._landing[id(load)] = load
         self._copies.begin()
-        if self._agreement is not None:
-            self._agree(load)
         task = asyncio.get_running_loop().create_task(self._run(load), name="hicache-layerwise-load")
         self._tasks.add(task)
         # A task cancelled before its first step never runs `_run`: the callback ends the load then.
@@ -263,41 +263,16 @@ class LayeredLoader:
         if error is not None and not isinstance(error, Exception):
             raise error
 
-    def _agree(self, load: _Load) -> None:
-        """Under TP: propose the load's agreed outcome (at the engine call that started it, on every rank
-        alike) and give its readers the agreed readiness. Once the agreement failed (the group is gone) a
-        load ends on its own copy."""
-        agreement = self._agreement
-        assert agreement is not None
-        assert agreement.group is not None
-        group = agreement.group.readiness
-        assert group is not None, "checked by HiCacheConfig"
-        if agreement.failed is not None:
-            return
-        copy = load.copy
-        layers = AgreedLayerReadiness(
-            copy.readiness, group, self._num_layers, revoked=lambda: load.state is _State.FAILED
-        )
-        outcome = AgreedLoad(
-            agreement,
-            f"{load.start}+{load.device_indices.numel()}",
-            settled=lambda: copy.settled,
-            finish=lambda landed: self._end(load, landed),
-        )
-        load.agreed = _Agreed(outcome, layers)
-
     def _copy_ended(self, load: _Load, error: BaseException | None) -> None:
-        """This rank's copy ended: end the load (one rank), or settle its agreed outcome (TP)."""
+        """This rank's copy ended: settle the load's outcome (it ends when that resolves: for one rank at
+        once, under TP at the agreement step that resolves it, on every rank alike)."""
         if load.state is not _State.COPYING:
             return
         load.error = error
         # Every layer landed and nothing writes any more: a cancellation after the last layer keeps them.
         landed = load.copy.settled and load.copy.readiness.is_ready(self._num_layers - 1)
-        if load.agreed is None:
-            self._end(load, landed)
-        else:
-            load.state = _State.AGREEING
-            load.agreed.outcome.settle(landed)
+        load.state = _State.AGREEING
+        load.outcome.settle(landed)
 
     def _after(self, task: asyncio.Task[None], load: _Load) -> None:
         """The task's done callback: end a load whose task ended before `_copy_ended` (cancelled before it
@@ -388,26 +363,20 @@ class _State(enum.Enum):
     COPYING = "copying"
     """Its copy runs (or settled before `_copy_ended` ran)."""
     AGREEING = "agreeing"
-    """Under TP: this rank's copy settled into the agreed outcome, which decides."""
+    """This rank's copy settled into the load's outcome, which the ranks' agreement decides (for one
+    rank at once)."""
     LANDED = "landed"
     """Its pages joined the tree's device tier."""
     FAILED = "failed"
     """It touched nothing in the tree; its pages go back to the pool (once its copy settled)."""
 
 
-@dataclass(frozen=True)
-class _Agreed:
-    """Under TP: a load's outcome, agreed by the ranks, and the readiness its readers get."""
-
-    outcome: AgreedLoad
-    layers: AgreedLayerReadiness
-
-
 class _Load(LayerReadiness):
     """One layer-wise load-back: its copy, where it copies from and into, its locks and readers.
 
     As a readiness it is its copy's, until it failed: from then on every layer raises `LoadBackFailed`
-    (its pages are no reader's KV any more).
+    (its pages are no reader's KV any more). Its outcome is proposed when it is made (at the engine call
+    that starts it, on every rank alike); `finish` ends it once that resolves.
     """
 
     def __init__(
@@ -418,6 +387,9 @@ class _Load(LayerReadiness):
         device_indices: torch.Tensor,
         above: NodeRef,
         last: NodeRef,
+        *,
+        agreement: Agreement,
+        finish: Callable[[_Load, bool], None],
     ) -> None:
         self.copy = copy
         self.key = key
@@ -435,8 +407,25 @@ class _Load(LayerReadiness):
         """Once landed with readers: the node device-locked for them."""
         self.spare = _NO_PAGES
         """Once landed with readers: its pages the tree did not take (freed with the last reader)."""
-        self.agreed: _Agreed | None = None
         self.ended = asyncio.Event()
+        self.outcome = AgreedLoad(
+            agreement,
+            f"{start}+{device_indices.numel()}",
+            settled=lambda: copy.settled,
+            finish=lambda landed: finish(self, landed),
+        )
+        """Whether its pages stay in the tree: landed on every rank (1) or not."""
+        self.layers: LayerReadiness = self
+        """What its readers wait on: itself; under TP the ranks' agreed readiness instead, since a rank
+        must not raise for a layer while its peers enter the readiness collective for it."""
+        if not agreement.local:
+            assert agreement.group is not None
+            group = agreement.group.readiness
+            assert group is not None, "checked by HiCacheConfig"
+            num_layers = copy.readiness.num_layers
+            self.layers = AgreedLayerReadiness(
+                copy.readiness, group, num_layers, revoked=lambda: self.state is _State.FAILED
+            )
 
     def _check(self, layer: int) -> None:
         if self.state is _State.FAILED:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from functools import partial
 
 import torch
 
@@ -24,7 +23,7 @@ from hicache.memory import KVPool, Owner
 from hicache.metrics import CacheMetrics
 from hicache.parallel.agreement import Agreement, decode_max, encode_max
 from hicache.tiers import ShedReason, Tier
-from hicache.tree import ComponentFree, MatchResult, NodeRef, RadixTree
+from hicache.tree import MatchResult, NodeRef, RadixTree
 from storage_backends.cancellation import StopScope
 
 __all__ = ["TierMover"]
@@ -53,9 +52,8 @@ class TierMover:
         copies: runs and counts device <-> host copies.
         metrics: the cache's metric set.
         storage_breaker: the storage tier's breaker (write-through is shed while it is open).
-        agreement: the ranks' agreement (for one rank its decisions resolve at once): device allocation
-            and load-backs are agreed with it; across several ranks backups and write-through locks
-            too (`AgreedBackups`).
+        agreement: the ranks' agreement (for one rank its decisions resolve at once): device allocation,
+            load-backs, backups and write-through locks are agreed with it (`AgreedBackups`).
     """
 
     def __init__(
@@ -83,38 +81,45 @@ class TierMover:
         self._metrics = metrics
         self._breaker = storage_breaker
         self._page_size = config.page_size
-        # Under tensor parallelism the queues carry agreed batches (begun at an engine call) instead.
-        self.backups: WorkQueue[NodeRef | AgreedBackup] = WorkQueue(
-            "backup", self._backup_batch, limit=config.backup_queue_limit, max_batch=_MAX_BATCH
+        self.agreed = AgreedBackups(
+            tree,
+            device_pool,
+            host_pool,
+            component_pools,
+            allocator,
+            copies,
+            metrics,
+            agreement,
+            backup_limit=config.backup_queue_limit,
+            store_limit=config.storage_write_queue_limit,
+            write_through=False,
         )
-        self.storage_writes: WorkQueue[NodeRef | AgreedStore] = WorkQueue(
+        """The backups and write-through locks, begun and let go of where every rank is alike."""
+        agreed = self.agreed
+
+        # The queues carry what was begun at an engine call; what `close` drops unrun lets go of its
+        # pages and locks as a copy that failed, or a write that ended, would.
+        def drop_copies(batches: list[AgreedBackup]) -> None:
+            for batch in batches:
+                agreed.copied(batch, 0)
+
+        def drop_stores(stores: list[AgreedStore]) -> None:
+            for store in stores:
+                agreed.stored(store)
+
+        self.backups: WorkQueue[AgreedBackup] = WorkQueue(
+            "backup", agreed.copy, limit=config.backup_queue_limit, max_batch=_MAX_BATCH, on_drop=drop_copies
+        )
+        self.storage_writes: WorkQueue[AgreedStore] = WorkQueue(
             "storage write-through",
             self._store,
             limit=config.storage_write_queue_limit,
             max_batch=_MAX_BATCH,
-            on_drop=lambda items: _unlock_all(tree, [t for t in items if not isinstance(t, AgreedStore)]),
+            on_drop=drop_stores,
         )
+        agreed.queue_copy = lambda batch: not self.backups.put([batch])
+        agreed.queue_store = lambda store: not self.storage_writes.put([store])
         self._writer: StorageWriter | None = None
-        self._backup_lock = asyncio.Lock()
-        self.agreed: AgreedBackups | None = None
-        """Under tensor parallelism: the backups and write-through locks the ranks agree on."""
-        if not agreement.local:
-            agreed = AgreedBackups(
-                tree,
-                device_pool,
-                host_pool,
-                component_pools,
-                allocator,
-                copies,
-                metrics,
-                agreement,
-                backup_limit=config.backup_queue_limit,
-                store_limit=config.storage_write_queue_limit,
-                write_through=False,
-            )
-            agreed.queue_copy = lambda batch: not self.backups.put([batch])
-            agreed.queue_store = lambda store: not self.storage_writes.put([store])
-            self.agreed = agreed
 
     @property
     def writer(self) -> StorageWriter | None:
@@ -124,8 +129,7 @@ class TierMover:
     @writer.setter
     def writer(self, writer: StorageWriter | None) -> None:
         self._writer = writer
-        if self.agreed is not None:
-            self.agreed.write_through = writer is not None and self._config.backup_to_storage
+        self.agreed.write_through = writer is not None and self._config.backup_to_storage
 
     # ------------------------------------------------------------------ device allocation
 
@@ -177,6 +181,12 @@ class TierMover:
             if result.freed_device.numel() or backed_up:
                 continue
             if not result.backups:
+                if self.agreed.begun:
+                    # Backups begun at an engine call hold their nodes (pending, device-locked) until
+                    # they resolve: let them, here (alike on every rank: the begun batches are), and
+                    # plan again, so that room that will exist is not refused.
+                    await self.agreed.resolve_begun()
+                    continue
                 return None  # nothing could be evicted, nor backed up to make it evictable
             # The planned backups found no host room after all (taken meanwhile by other work): plan
             # again without host room, so that un-backed leaves are dropped instead of waited on.
@@ -196,163 +206,33 @@ class TierMover:
                 async with StopScope(_BACKPRESSURE_WAIT_S):
                     await queue.wait_below(watermark)
 
-    def schedule_backups(self, targets: Sequence[NodeRef]) -> None:
-        """Queue backups of `targets` (shedding, and counting, what the queue cannot take)."""
-        shed = self.backups.put(targets)
-        if shed:
-            self._shed(len(shed), Tier.HOST, ShedReason.QUEUE_FULL)
-
     async def start_backups(self, targets: Sequence[NodeRef]) -> None:
-        """Back `targets` up in the background: queued on one rank (`schedule_backups`); under tensor
-        parallelism begun here, on every rank alike, and committed at the step that agrees them."""
-        if self.agreed is None:
-            self.schedule_backups(targets)
-        elif targets:
+        """Back `targets` up in the background: begun here (at an engine call, on every rank alike),
+        copied by the backup worker, and committed at the agreement that resolves the copies (for one
+        rank: as soon as the copy landed)."""
+        if targets:
             self.agreed.start(await self.agreed.begin(targets))
 
-    async def _backup_batch(self, items: list[NodeRef | AgreedBackup]) -> None:
-        batches = [item for item in items if isinstance(item, AgreedBackup)]
-        targets = [item for item in items if not isinstance(item, AgreedBackup)]
-        if batches:
-            assert self.agreed is not None
-            await self.agreed.copy(batches)
-        if targets:
-            await self.back_up(targets)
-
     async def back_up(self, targets: Sequence[NodeRef]) -> int:
-        """Back `targets` up to host, each with its un-backed ancestors, root first, in one device->host
-        copy (one thread hop however many requests queued backups meanwhile). Returns how many targets
-        were committed (those backed up already, pending or without host room are not). Under tensor
-        parallelism the backup is begun, copied and agreed within this call (`AgreedBackups`)."""
-        if self.agreed is not None:
-            return await self.agreed.back_up_now(targets)
-        async with self._backup_lock:
-            chains: list[tuple[NodeRef, list[NodeRef]]] = []
-            nodes: list[NodeRef] = []
-            device_parts: list[torch.Tensor] = []
-            host_parts: list[torch.Tensor] = []
-            comp_copies: _ComponentCopies = {}
-            try:
-                for target in targets:
-                    # Computed after the earlier chains began: a shared ancestor is pending by now and
-                    # ends this chain, so every node is copied once and committed after its parent.
-                    chain = self._tree.backup_chain(target)
-                    if not chain:
-                        continue
-                    infos = [self._tree.node_info(node) for node in chain]
-                    sizes = [info.num_tokens for info in infos]
-                    host_indices = self._allocator.alloc_host(sum(sizes), owner=Owner.COPY)
-                    if host_indices is None:
-                        self._metrics.backup_skipped.inc()
-                        continue
-                    staged_comps = self._stage_component_backup(chain) if self._components else {}
-                    comp_copies.update(staged_comps)
-                    offset = 0
-                    for node, info in zip(chain, infos, strict=True):
-                        size = info.num_tokens
-                        staged = {name: host for (n, name), (_, host) in staged_comps.items() if n == node}
-                        self._tree.begin_backup(node, host_indices[offset : offset + size], staged or None)
-                        nodes.append(node)
-                        assert info.device_value is not None
-                        device_parts.append(info.device_value)
-                        offset += size
-                    host_parts.append(host_indices)
-                    chains.append((target, chain))
-                if not chains:
-                    return 0
-                await self._copies.copy(
-                    self._device_pool, torch.cat(device_parts), self._host_pool, torch.cat(host_parts)
-                )
-                for (_, name), (device, host) in comp_copies.items():
-                    pools = self._component_pools[name]
-                    await self._copies.copy(pools.device, device, pools.host, host)
-            except BaseException:
-                for node in reversed(nodes):
-                    aborted = self._tree.abort_backup(node)
-                    self._host_pool.free(aborted.freed_host, owner=Owner.COPY)
-                    self._allocator.free_components(aborted.component_frees, owner=Owner.COPY)
-                raise
-            # Root first. A node split while copying is committed together with its split-off upper part.
-            frees: list[ComponentFree] = []
-            for node in nodes:
-                frees.extend(self._tree.commit_backup(node).component_frees)
-            # The host copies now belong to the tree (before freeing what it let go of among them).
-            for part in host_parts:
-                self._host_pool.set_owner(part, Owner.TREE)
-            for (_, name), (_, host) in comp_copies.items():
-                self._component_pools[name].host.set_owner(host, Owner.TREE)
-            self._allocator.free_components(frees)
-            self._metrics.backup_tokens.inc(sum(int(part.numel()) for part in host_parts))
-        if self.writer is not None and self._config.backup_to_storage:
-            self._queue_storage_writes([target for target, _ in chains])
-        return len(chains)
-
-    def _stage_component_backup(self, chain: Sequence[NodeRef]) -> _ComponentCopies:
-        """Host slots for the component device values of `chain`: (node, name) -> (device, host).
-
-        A component whose host slots cannot be had is not backed up (the node is a tombstone there).
-        """
-        out: _ComponentCopies = {}
-        for node in chain:
-            for comp in self._components:
-                device = self._tree.component_value(node, comp.name, Tier.DEVICE)
-                if device is None:
-                    continue
-                host = self._allocator.alloc_component_slots(
-                    comp.name, Tier.HOST, int(device.numel()), owner=Owner.COPY
-                )
-                if host is not None:
-                    out[(node, comp.name)] = (device, host)
-        return out
+        """Back `targets` up to host within this call, each with its un-backed ancestors, root first, in
+        one device->host copy; returns how many targets were committed (0 on every rank, or the same).
+        See `AgreedBackups.back_up_now`."""
+        return await self.agreed.back_up_now(targets)
 
     # ------------------------------------------------------------------ host -> storage
 
     def _shed(self, count: int, tier: Tier, reason: ShedReason) -> None:
         self._metrics.writes_shed.inc(count, tier=tier.value, reason=reason.value)
 
-    def _queue_storage_writes(self, targets: list[NodeRef]) -> None:
-        """Queue write-through of `targets`, each host-locked until it is written (host eviction never
-        takes a queued write's pages); shed (and count) what the queue refuses, and all while storage is
-        down. Admission is the only place a write is shed."""
-        if not self._breaker.allows():
-            self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
-            return
-        for target in targets:
-            self._tree.lock_host(target)
-        shed = self.storage_writes.put(targets)
-        queued = len(targets) - len(shed)
-        if not self.storage_writes.accepting:  # closing: nothing was queued, nothing is shed
-            queued = 0
-        elif shed:
-            self._shed(len(shed), Tier.STORAGE, ShedReason.QUEUE_FULL)
-        _unlock_all(self._tree, targets[queued:])
+    async def _store(self, stores: list[AgreedStore]) -> None:
+        """Write `stores` (host-locked at the step that committed them, until every rank wrote) in one
+        `store_many`; shed, and counted, while storage is down."""
+        targets = [target for store in stores for target in store.targets]
 
-    async def _store(self, items: list[NodeRef | AgreedStore]) -> None:
-        targets = [item for item in items if not isinstance(item, AgreedStore)]
-        for item in items:
-            if isinstance(item, AgreedStore):
-                await self._store_agreed(item)
-        if targets:
-            await self._store_targets(targets)
+        def done() -> None:
+            for store in stores:
+                self.agreed.stored(store)
 
-    async def _store_agreed(self, store: AgreedStore) -> None:
-        """Write an agreed write-through (its targets are host-locked until every rank's write is done)."""
-        assert self.agreed is not None
-        done = partial(self.agreed.stored, store)
-        if self.writer is None or not self._breaker.allows():
-            self._shed(len(store.targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
-            done()
-            return
-        try:
-            await self.writer.store_many(store.targets, on_done=done)
-        except StorageCircuitOpen:
-            self._shed(len(store.targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
-        except OSError as exc:  # counted by the guard (`storage_errors`) and the writer; no traceback
-            logger.warning("storage write-through of %d node(s) failed: %r", len(store.targets), exc)
-
-    async def _store_targets(self, targets: list[NodeRef]) -> None:
-        """Write queued `targets` (host-locked since they were queued; let go of once written)."""
-        done = partial(_unlock_all, self._tree, targets)
         if self.writer is None or not self._breaker.allows():
             self._shed(len(targets), Tier.STORAGE, ShedReason.STORAGE_UNAVAILABLE)
             done()
@@ -455,8 +335,3 @@ class TierMover:
         """Give back the device slots of component loads that will not land."""
         for (_, name), (_, device) in loaded.items():
             self._component_pools[name].device.free(device, owner=Owner.COPY)
-
-
-def _unlock_all(tree: RadixTree, nodes: Sequence[NodeRef]) -> None:
-    for node in nodes:
-        tree.unlock_host(node)

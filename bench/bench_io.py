@@ -310,9 +310,9 @@ async def controller_pass(
                         tg.start_soon(one, i, seq, loaded)
                 return sum(loaded)
 
-            queued = cache._prefetcher.pacer.queued
+            queued = cache._prefetches.pacer.queued
             timed = await timed_with_ticker(run, backend)
-            timed.pacer_queued = cache._prefetcher.pacer.queued - queued
+            timed.pacer_queued = cache._prefetches.pacer.queued - queued
             cache.sanity_check()
         return timed
 

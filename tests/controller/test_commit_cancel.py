@@ -46,7 +46,7 @@ async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out
         async with asyncio.timeout(5):
             await prefetch.wait_for_stop_policy()  # read in full: the commit's is the next turn
         pacer = ParksTheCommitTurn()
-        cache._prefetcher.pacer = pacer
+        cache._prefetches.pacer = pacer
         deadline = asyncio.timeout(None)
 
         async def commit() -> None:

@@ -325,8 +325,10 @@ class LayerwiseCopy:
         return True
 
     async def wait_settled(self) -> None:
-        """Wait until `settled` (polls; a cancellation meanwhile is absorbed, then re-raised)."""
-        await uncancellable(self._poll_settled())
+        """Wait until `settled` (polls; a cancellation meanwhile is absorbed, then re-raised). Settled
+        already: returns at once, with no turn of the loop (a landing load ends in the turn its copy does)."""
+        if not self.settled:
+            await uncancellable(self._poll_settled())
 
     async def _poll_settled(self) -> None:
         while not self.settled:  # noqa: ASYNC110 - polled: a thread or a CUDA event cannot wake the loop

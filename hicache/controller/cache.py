@@ -180,7 +180,7 @@ class HiCache:
             f"hicache-workers-{id(self):x}",
             release_queue=queue,
             mover=self._mover,
-            prefetcher=self._prefetches,
+            prefetches=self._prefetches,
             copies=self._copies,
             owned_pools=pools.owned,
             close_timeout_s=config.close_timeout_s,

@@ -41,7 +41,7 @@ class Workers:
 
     Args:
         name: names the task and the log lines.
-        release_queue, mover, prefetcher: whose workers run here (and whose leftovers shutdown releases).
+        release_queue, mover, prefetches: whose workers run here (and whose leftovers shutdown releases).
         copies: the copies shutdown waits for before closing pools.
         owned_pools: the pools to close last (those the cache made).
         close_timeout_s: the most `close()` waits.
@@ -55,7 +55,7 @@ class Workers:
         *,
         release_queue: ReleaseQueue,
         mover: TierMover,
-        prefetcher: Prefetches,
+        prefetches: Prefetches,
         copies: CopyTracker,
         owned_pools: Sequence[KVPool],
         close_timeout_s: float,
@@ -67,7 +67,7 @@ class Workers:
         self._spawned: set[asyncio.Task[None]] = set()
         self._release_queue = release_queue
         self._mover = mover
-        self._prefetcher = prefetcher
+        self._prefetches = prefetches
         self._copies = copies
         self._owned_pools = owned_pools
         self._close_timeout_s = close_timeout_s
@@ -174,7 +174,7 @@ class Workers:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._task_group = tg
-                self._prefetcher.spawn = self.spawn
+                self._prefetches.spawn = self.spawn
                 self.spawn(self._release_queue.run)
                 self.spawn(self._mover.backups.run)
                 self.spawn(self._mover.storage_writes.run)
@@ -194,7 +194,7 @@ class Workers:
             raise
         finally:
             self._task_group = None
-            self._prefetcher.spawn = None
+            self._prefetches.spawn = None
             self._shut_down.set()
 
     def release_what_can_be(self) -> None:
@@ -214,7 +214,7 @@ class Workers:
         self._mover.backups.close()
         self._mover.storage_writes.close()
         try:
-            self._prefetcher.finish_all_detached()  # streams that never ran: nothing can write into them
+            self._prefetches.finish_all_detached()  # streams that never ran: nothing can write into them
         except Exception:
             logger.exception("%s: releasing the cancelled prefetches failed", self._name)
         self.release_what_can_be()

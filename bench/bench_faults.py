@@ -24,11 +24,17 @@ Two parts, each against a baseline measured in the same run:
 per page): `FileBackend.put` of PAGES fresh 8 KiB pages with random keys, in puts of `--put-batch`, into a
 fresh root; reported: the process's kernel and user CPU and the wall time per page, over the puts only. With
 `--put-root DIR` the pages go to DIR and stay there (so `strace -c -f` over two sizes, subtracted, counts
-the system calls of the puts alone, without the root's removal or the interpreter's start).
+the system calls of the puts alone, without the root's removal or the interpreter's start). `--put-layout`
+measures, instead of the backend, the bare system calls of a layout in one thread (the same pages, header
+bytes included, into `root/ab/`): `files`, one file per page (create + write + close + rename: what the
+backend does); `links`, one group file per put written whole, then one hard link per page named as its page
+file (a page-group design whose index is the directory); `group`, one group file per put renamed into place
+and no name per page (the floor: such a group needs an index of its own).
 
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
        [--smoke]
        python bench/bench_faults.py --put 4000 [--put-batch 64] [--put-root DIR]
+       [--put-layout backend|files|links|group]
 Ends with one JSON line.
 """
 
@@ -366,23 +372,58 @@ async def _stuck_rounds(rounds: int, return_ms: list[float], quarantined: list[i
 # --------------------------------------------------------------------------- put micro-run
 
 
-async def put_run(pages: int, batch: int, root: str | None) -> dict[str, Any]:
-    """`FileBackend.put` of `pages` fresh 8 KiB pages in puts of `batch`: CPU and wall time per page."""
+PUT_LAYOUTS = ("backend", "files", "links", "group")
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
+def _put_layout(layout: str, root: str, keys: Sequence[str], pages: Sequence[bytes], tag: int) -> None:
+    """One put of `keys` in `layout`'s bare system calls (see the module docstring)."""
+    if layout == "files":
+        for key, page in zip(keys, pages, strict=False):
+            tmp, path = f"{root}/{key[:2]}/.{key}.tmp", f"{root}/{key[:2]}/{key}.kvp"
+            fd = os.open(tmp, _O_CREATE, 0o644)
+            os.writev(fd, [page])
+            os.close(fd)
+            os.rename(tmp, path)
+        return
+    tmp = f"{root}/{keys[0][:2]}/.group-{tag}.tmp"
+    fd = os.open(tmp, _O_CREATE, 0o644)
+    os.writev(fd, pages[: len(keys)])
+    os.close(fd)
+    if layout == "group":
+        os.rename(tmp, f"{root}/{keys[0][:2]}/group-{tag}.kvg")
+        return
+    for key in keys:
+        os.link(tmp, f"{root}/{key[:2]}/{key}.kvp")
+    os.unlink(tmp)
+
+
+async def put_run(pages: int, batch: int, root: str | None, layout: str = "backend") -> dict[str, Any]:
+    """`FileBackend.put` (or `layout`'s bare system calls) of `pages` fresh 8 KiB pages in puts of
+    `batch`: CPU and wall time per page."""
     rng = random.Random(25)
     keys = [rng.randbytes(16).hex() for _ in range(pages)]
     buffers = [memoryview(rng.randbytes(LAYOUT.page_nbytes)) for _ in range(min(pages, batch))]
+    raw = [bytes(56) + bytes(buf) for buf in buffers]
     with tempfile.TemporaryDirectory(prefix="hicache-bench-put-") as scratch:
-        async with FileBackend(root or scratch, namespace_digest=NAMESPACE.digest) as backend:
+        root = root or scratch
+        async with FileBackend(root, namespace_digest=NAMESPACE.digest) as backend:
             await backend.put(keys[:0], buffers[:0])  # the worker threads start outside the measurement
+            for d in range(256):
+                os.makedirs(f"{root}/{d:02x}", exist_ok=True)
             t0, wall0 = os.times(), time.perf_counter()
             for s in range(0, pages, batch):
                 chunk = keys[s : s + batch]
-                written = await backend.put(chunk, buffers[: len(chunk)])
-                assert all(written), "a page was not written"
+                if layout == "backend":
+                    written = await backend.put(chunk, buffers[: len(chunk)])
+                    assert all(written), "a page was not written"
+                else:
+                    _put_layout(layout, root, chunk, raw, s)
             wall, t1 = time.perf_counter() - wall0, os.times()
     per_page = 1e6 / max(pages, 1)
     return {
         "bench": "faults_put",
+        "layout": layout,
         "pages": pages,
         "batch": batch,
         "page_bytes": LAYOUT.page_nbytes,
@@ -496,12 +537,17 @@ if __name__ == "__main__":
     parser.add_argument("--smoke", action="store_true", help="one tiny pass of each part, the same JSON keys")
     parser.add_argument("--put", type=int, default=None, metavar="PAGES", help="the put micro-run instead")
     parser.add_argument("--put-batch", type=int, default=64, help="pages per put in the put micro-run")
-    parser.add_argument("--put-root", default=None, help="the put micro-run's root (kept), default a fresh one")
+    parser.add_argument(
+        "--put-root", default=None, help="the put micro-run's root (kept), default a fresh one"
+    )
+    parser.add_argument(
+        "--put-layout", choices=PUT_LAYOUTS, default="backend", help="what the put micro-run puts"
+    )
     args = parser.parse_args()
     if args.put is not None:
-        summary = anyio.run(put_run, args.put, args.put_batch, args.put_root)
+        summary = anyio.run(put_run, args.put, args.put_batch, args.put_root, args.put_layout)
         print(
-            f"FileBackend.put, {args.put} fresh pages of {LAYOUT.page_nbytes} bytes, puts of {args.put_batch}: "
+            f"put ({args.put_layout}), {args.put} fresh pages of {LAYOUT.page_nbytes} bytes, puts of {args.put_batch}: "
             f"sys {summary['sys_us_per_page']} us, user {summary['user_us_per_page']} us, "
             f"wall {summary['wall_us_per_page']} us per page"
         )

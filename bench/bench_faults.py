@@ -22,14 +22,15 @@ Two parts, each against a baseline measured in the same run:
 
 `--put PAGES`: instead of the parts above, the file backend's write path alone (what the soak's writer pays
 per page): `FileBackend.put` of PAGES fresh 8 KiB pages with random keys, in puts of `--put-batch`, into a
-fresh root; reported: the process's kernel and user CPU and the wall time per page, over the puts only. With
-`--put-root DIR` the pages go to DIR and stay there (so `strace -c -f` over two sizes, subtracted, counts
-the system calls of the puts alone, without the root's removal or the interpreter's start). `--put-layout`
-measures, instead of the backend, the bare system calls of a layout in one thread (the same pages, header
-bytes included, into `root/ab/`): `files`, one file per page (create + write + close + rename: what the
-backend does); `links`, one group file per put written whole, then one hard link per page named as its page
-file (a page-group design whose index is the directory); `group`, one group file per put renamed into place
-and no name per page (the floor: such a group needs an index of its own).
+fresh root whose 256 directories are made first; reported: the process's kernel and user CPU and the wall
+time per page, over the puts only. With `--put-root DIR` the pages go to DIR and stay there (so
+`strace -c -f` over two sizes, subtracted, counts the system calls of the puts alone, without the root's
+removal or the interpreter's start). `--put-layout` measures, instead of the backend, the bare system calls
+of a layout in one thread (the same pages, header bytes included, into `root/ab/`): `files`, one file per
+page (create + write + close + rename: what the backend does); `links`, one group file per put written
+whole, then one hard link per page named as its page file (a page-group design whose index is the
+directory); `group`, one group file per put renamed into place and no name per page (the floor: such a
+group needs an index of its own).
 
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
        [--smoke]

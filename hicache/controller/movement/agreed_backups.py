@@ -283,7 +283,7 @@ class AgreedBackups:
         batch = AgreedBackup(
             kept,
             chains,
-            torch.cat(device_parts),
+            _joined(device_parts),
             host,
             chain_hosts,
             chain_comps,
@@ -380,9 +380,9 @@ class AgreedBackups:
         try:
             await self._copies.copy(
                 self._device_pool,
-                torch.cat([b.device for b in live]),
+                _joined([b.device for b in live]),
                 self._host_pool,
-                torch.cat([b.host for b in live]),
+                _joined([b.host for b in live]),
             )
             for b in live:
                 for comps in b.chain_components:
@@ -504,3 +504,8 @@ class AgreedBackups:
             self._unlock(store)
         else:
             store.decision.settle(1)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, without the op (~10 us on the loop) for one part, the usual batch."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

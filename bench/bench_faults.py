@@ -32,8 +32,12 @@ whole, then one hard link per page named as its page file (a page-group design w
 directory); `group`, one group file per put renamed into place and no name per page (the floor: such a
 group needs an index of its own).
 
+`--soak-cpu REPS`: only the soak, without storage and writing through to the memory backend, REPS times
+each; reports the event loop's and the process's CPU per request (minimum over the reps), which a loaded
+machine disturbs less than the rate.
+
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
-       [--smoke]
+       [--smoke] [--soak-cpu REPS]
        python bench/bench_faults.py --put 4000 [--put-batch 64] [--put-root DIR]
        [--put-layout backend|files|links|group]
 Ends with one JSON line.
@@ -437,7 +441,38 @@ async def put_run(pages: int, batch: int, root: str | None, layout: str = "backe
 # --------------------------------------------------------------------------- main
 
 
+async def soak_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """`--soak-cpu REPS`: the soak alone, without storage and writing through to the memory backend, REPS
+    times each (alternating); the CPU per request served of the event loop's thread and of the whole
+    process (worker threads included), the minimum over the reps (least disturbed by other load)."""
+    requests = soak_requests(args.requests, seed=3)
+    cpu: dict[str, list[tuple[float, float]]] = {"no_storage": [], "memory_backend": []}
+    for rep in range(args.soak_cpu):
+        for name, url in (("no_storage", None), ("memory_backend", f"memory://soak-cpu-{os.getpid()}-{rep}")):
+            loop0, proc0 = time.thread_time(), time.process_time()
+            result = await soak(requests, args.workers, url)
+            loop, proc = time.thread_time() - loop0, time.process_time() - proc0
+            cpu[name].append((loop / result.served * 1e6, proc / result.served * 1e6))
+    best = {name: (min(r[0] for r in runs), min(r[1] for r in runs)) for name, runs in cpu.items()}
+    for name, (loop, proc) in best.items():
+        print(
+            f"  soak {name}: loop {loop:.0f} us, process {proc:.0f} us of CPU per request (min of {args.soak_cpu})"
+        )
+    return {
+        "bench": "faults-soak-cpu",
+        "soak_loop_cpu_us_no_storage": round(best["no_storage"][0], 1),
+        "soak_loop_cpu_us_memory_backend": round(best["memory_backend"][0], 1),
+        "soak_process_cpu_us_no_storage": round(best["no_storage"][1], 1),
+        "soak_process_cpu_us_memory_backend": round(best["memory_backend"][1], 1),
+        "soak_loop_cpu_ratio_no_storage_vs_memory_backend": round(
+            best["no_storage"][0] / best["memory_backend"][0], 3
+        ),
+    }
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.soak_cpu:
+        return await soak_cpu(args)
     down = await storage_down(args.acquires, args.rounds)
     base_p50, base_p99 = quantile(down.base_ms, 0.5), quantile(down.base_ms, 0.99)
     down_p50, down_p99 = quantile(down.down_ms, 0.5), quantile(down.down_ms, 0.99)
@@ -543,6 +578,13 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--put-layout", choices=PUT_LAYOUTS, default="backend", help="what the put micro-run puts"
+    )
+    parser.add_argument(
+        "--soak-cpu",
+        type=int,
+        default=0,
+        metavar="REPS",
+        help="only the soak, without storage and on the memory backend, REPS times each: min CPU per request",
     )
     args = parser.parse_args()
     if args.put is not None:

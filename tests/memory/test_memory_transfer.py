@@ -135,6 +135,7 @@ async def test_a_copy_cancelled_by_asyncio_waits_for_its_worker_thread(
         real_copy(src, sp, dst, dp)
 
     monkeypatch.setattr(transfer_module, "_copy_page_ids", gated_copy)
+    monkeypatch.setattr(transfer_module, "_INLINE_CPU_BYTES", 0)  # a thread copy, however small
     src, dst = pool(4, "src"), pool(4, "dst")
     s_idx, d_idx = alloc(src, 4 * P), alloc(dst, 4 * P)
     kv = fill_random(src, s_idx, seed=7)
@@ -159,6 +160,32 @@ async def test_a_copy_cancelled_by_asyncio_waits_for_its_worker_thread(
     (done,) = await asyncio.gather(task, return_exceptions=True)
     assert isinstance(done, TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError)
     assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+
+
+async def test_a_small_cpu_copy_runs_on_the_loop_and_a_large_one_in_a_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A copy between CPU pools of at most `_INLINE_CPU_BYTES` is a `memmove` of microseconds: it used to
+    take a worker thread's round trip, which cost the event loop more than the copy (one or two per
+    request in the write-through soak of `bench/bench_faults.py`). A larger one still runs in a thread."""
+    hops: list[object] = []
+    real_run_in_thread = transfer_module.run_in_thread
+
+    async def counted(func: Any, /, *args: Any, limiter: asyncio.Semaphore | None = None) -> Any:
+        hops.append(func)
+        return await real_run_in_thread(func, *args, limiter=limiter)
+
+    monkeypatch.setattr(transfer_module, "run_in_thread", counted)
+    src, dst = pool(8, "src"), pool(8, "dst")
+    s_idx, d_idx = scattered_pages(src, [5, 0, 3, 1]), scattered_pages(dst, [2, 7, 4, 6])
+    kv = fill_random(src, s_idx, seed=11)
+    monkeypatch.setattr(transfer_module, "_INLINE_CPU_BYTES", 4 * LAYOUT.page_nbytes)
+    await copy_pages_async(src, s_idx, dst, d_idx)
+    assert hops == []
+    assert torch.equal(dst.read_tokens(d_idx).view(torch.int16), kv.view(torch.int16))
+    monkeypatch.setattr(transfer_module, "_INLINE_CPU_BYTES", 4 * LAYOUT.page_nbytes - 1)
+    await copy_pages_async(src, s_idx, dst, d_idx)
+    assert len(hops) == 1
 
 
 @pytest.mark.cuda

@@ -174,8 +174,9 @@ class AgreedBackups:
         """Backup targets begun and not yet resolved (the same on every rank)."""
         self.storing_targets = 0
         """Write-through targets host-locked and not yet let go of (the same on every rank)."""
-        self._begun: list[AgreedBackup] = []
-        """The batches begun and not yet committed or aborted, in the order they were begun."""
+        self._begun: dict[AgreedBackup, None] = {}
+        """The batches begun and not yet committed or aborted, in the order they were begun (a dict: a
+        batch leaves it in O(1), whichever resolves first)."""
         self.queue_copy: Callable[[AgreedBackup], bool] = lambda batch: False
         """Hands a begun batch to the background copy worker; False if it was not taken."""
         self.queue_store: Callable[[AgreedStore], bool] = lambda store: False
@@ -282,14 +283,14 @@ class AgreedBackups:
         batch = AgreedBackup(
             kept,
             chains,
-            torch.cat(device_parts),
+            _joined(device_parts),
             host,
             chain_hosts,
             chain_comps,
             [None if parent == self._tree.root else parent for parent in parents],
         )
         self.pending_targets += len(kept)
-        self._begun.append(batch)
+        self._begun[batch] = None
         nodes = sum(len(chain) for chain in chains)
         batch.decision = self._agreement.propose(
             "backup", f"{nodes}:{again}", on_resolve=lambda agreed: self._resolved(batch, agreed)
@@ -379,9 +380,9 @@ class AgreedBackups:
         try:
             await self._copies.copy(
                 self._device_pool,
-                torch.cat([b.device for b in live]),
+                _joined([b.device for b in live]),
                 self._host_pool,
-                torch.cat([b.host for b in live]),
+                _joined([b.host for b in live]),
             )
             for b in live:
                 for comps in b.chain_components:
@@ -424,7 +425,7 @@ class AgreedBackups:
         tree = self._tree
         committed: list[NodeRef] = []
         frees: list[ComponentFree] = []
-        self._begun.remove(batch)
+        del self._begun[batch]
         for target, chain, parent, host, comps in zip(
             batch.targets,
             batch.chains,
@@ -503,3 +504,8 @@ class AgreedBackups:
             self._unlock(store)
         else:
             store.decision.settle(1)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)`, without the op (~10 us on the loop) for one part, the usual batch."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -172,6 +172,10 @@ class SoakResult:
     max_storage_queue: int
     shed: dict[str, float]
     later_hit_fraction: float
+    backups_skipped: int
+    """Host backups not begun for want of host room (their pages never reach host, nor storage)."""
+    dropped_pages: int
+    """Device pages evicted without a host copy (never backed up, so never written through)."""
 
 
 def soak_requests(n: int, seed: int) -> list[list[int]]:
@@ -189,15 +193,18 @@ def soak_requests(n: int, seed: int) -> list[list[int]]:
     return out
 
 
-async def soak(requests: list[list[int]], workers: int, storage_url: str | None) -> SoakResult:
-    """Serve `requests` from `workers` tasks with no pause; with `storage_url`, write through to it."""
+async def soak(
+    requests: list[list[int]], workers: int, storage_url: str | None, *, prefetch: bool = True
+) -> SoakResult:
+    """Serve `requests` from `workers` tasks with no pause; with `storage_url`, write through to it (and,
+    unless `prefetch` is False, prefetch storage hits: work the soak without storage never does)."""
     config = HiCacheConfig(
         layout=LAYOUT,
         device_pages=1024,
         host_pages=4096,
         namespace=NAMESPACE,
         storage_url=storage_url,
-        prefetch_threshold=4 * PAGE,
+        prefetch_threshold=4 * PAGE if prefetch else 1 << 40,
     )
     unique: set[bytes] = set()
     served = 0
@@ -230,10 +237,13 @@ async def soak(requests: list[list[int]], workers: int, storage_url: str | None)
             written = cache.storage.statistics().pages_written
             await cache.wait_idle()
             written_after = cache.storage.statistics().pages_written
+        metrics = snapshot(cache.registry)
         shed = {
             f"{s['labels']['tier']}/{s['labels']['reason']}": s["value"]
-            for s in snapshot(cache.registry)["hicache_writes_shed_total"]["samples"]
+            for s in metrics["hicache_writes_shed_total"]["samples"]
         }
+        skipped = sum(s["value"] for s in metrics["hicache_backup_skipped_total"]["samples"])
+        dropped = sum(s["value"] for s in metrics["hicache_evict_dropped_tokens_total"]["samples"]) // PAGE
         later = 0.0
     if storage_url is not None:
         # A fresh instance on the same storage: how much of the first 200 requests' prefix it can prefetch.
@@ -262,6 +272,8 @@ async def soak(requests: list[list[int]], workers: int, storage_url: str | None)
         max_backup_queue=stats.backups_queued_max,
         max_storage_queue=stats.storage_writes_queued_max,
         shed=shed,
+        backups_skipped=int(skipped),
+        dropped_pages=int(dropped),
         later_hit_fraction=later,
     )
 
@@ -503,6 +515,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     base = await soak(requests, args.workers, None)
     with tempfile.TemporaryDirectory(prefix="hicache-bench-faults-") as root:
         wt = await soak(requests, args.workers, f"file://{root}")
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-faults-") as root:
+        write_only = await soak(requests, args.workers, f"file://{root}", prefetch=False)
     mem = await soak(requests, args.workers, f"memory://bench-faults-{os.getpid()}")
     limits = HiCacheConfig(layout=LAYOUT, device_pages=1, host_pages=1)
     fraction = wt.pages_written / wt.unique_pages
@@ -523,6 +537,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         f"  max backup queue {wt.max_backup_queue} (limit {limits.backup_queue_limit}), max storage queue "
         f"{wt.max_storage_queue} (limit {limits.storage_write_queue_limit}); shed {wt.shed or 'nothing'}"
     )
+    print(
+        f"  pages that never reached host (so never storage): {wt.backups_skipped} backups skipped for host "
+        f"room, {wt.dropped_pages} device pages evicted un-backed"
+    )
+    wo_ratio = (write_only.served / write_only.seconds) / (base.served / base.seconds)
+    print(
+        f"  the same soak with prefetching off (the write-through's own cost: no storage hit is served): "
+        f"ratio {wo_ratio:.2f}, write fraction {write_only.pages_written / write_only.unique_pages:.3f}"
+    )
     print(f"  a fresh instance then hits {wt.later_hit_fraction:.3f} of the first 200 requests' pages")
     mem_ratio = (mem.served / mem.seconds) / (base.served / base.seconds)
     print(
@@ -540,6 +563,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "soak_later_hit_fraction": round(wt.later_hit_fraction, 4),
         "soak_rate_ratio_vs_no_storage": round((wt.served / wt.seconds) / (base.served / base.seconds), 3),
         "soak_rate_ratio_memory_backend_vs_no_storage": round(mem_ratio, 3),
+        "soak_rate_ratio_no_prefetch_vs_no_storage": round(wo_ratio, 3),
+        "soak_storage_write_fraction_no_prefetch": round(
+            write_only.pages_written / write_only.unique_pages, 4
+        ),
+        "soak_backups_skipped": wt.backups_skipped,
+        "soak_dropped_pages": wt.dropped_pages,
         "soak_storage_write_fraction_memory_backend": round(mem.pages_written / mem.unique_pages, 4),
         "max_backup_queue": wt.max_backup_queue,
         "max_storage_queue": wt.max_storage_queue,

@@ -37,12 +37,20 @@ class Ticked(Generic[T]):
         stall_ms: the loop's longest lateness (wall): its own work, plus waits for the GIL and for a core.
         stall_cpu_ms: the most CPU time the loop thread spent between two ticks: the loop's own work
             only, which the machine's load does not inflate (a shared machine's load does the wall figure).
+        stall_runqueue_ms: of the longest wall stall, the time the loop thread was runnable but waited
+            for a core (the kernel's run-queue wait, `/proc/thread-self/schedstat`; 0 where that is not
+            readable). What is left of the stall beyond its CPU and this is time the thread slept: waiting
+            for the GIL, which another thread held.
+        stall_at_cpu_ms: the loop thread's own CPU within that longest wall stall (`stall_cpu_ms` is the
+            longest CPU stretch, often another tick).
     """
 
     result: T
     seconds: float
     stall_ms: float
     stall_cpu_ms: float
+    stall_runqueue_ms: float = 0.0
+    stall_at_cpu_ms: float = 0.0
 
 
 @dataclass
@@ -125,17 +133,21 @@ async def time_with_ticker(run: Callable[[], Awaitable[T]]) -> Ticked[T]:
     gc.collect()
     gc.freeze()
     done = anyio.Event()
-    worst = 0.0
-    worst_cpu = 0.0
+    worst = worst_cpu = worst_queued = worst_at_cpu = 0.0
+    waited, close_clock = _runqueue_clock()
 
     async def ticker() -> None:
-        nonlocal worst, worst_cpu
+        nonlocal worst, worst_cpu, worst_queued, worst_at_cpu
         while not done.is_set():
             t = time.perf_counter()
             c = time.thread_time()  # the loop thread's CPU: every callback that runs until the next tick
+            q = waited()
             await anyio.sleep(0.001)
-            worst = max(worst, time.perf_counter() - t - 0.001)
-            worst_cpu = max(worst_cpu, time.thread_time() - c)
+            late = time.perf_counter() - t - 0.001
+            cpu = time.thread_time() - c
+            if late > worst:
+                worst, worst_queued, worst_at_cpu = late, waited() - q, cpu
+            worst_cpu = max(worst_cpu, cpu)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -153,8 +165,24 @@ async def time_with_ticker(run: Callable[[], Awaitable[T]]) -> Ticked[T]:
                 seconds = time.perf_counter() - start
             done.set()
     finally:
+        close_clock()
         gc.unfreeze()  # the next pass's collection must reach what this one left behind
-    return Ticked(result, seconds, worst * 1000, worst_cpu * 1000)
+    return Ticked(result, seconds, worst * 1000, worst_cpu * 1000, worst_queued * 1000, worst_at_cpu * 1000)
+
+
+def _runqueue_clock() -> tuple[Callable[[], float], Callable[[], None]]:
+    """A clock of the calling thread's run-queue wait in seconds (Linux `schedstat`: the time it was
+    runnable but not running; ~2.5 us a reading), and its closer. The clock stays at 0 where the file
+    cannot be read."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return (lambda: 0.0), (lambda: None)
+
+    def waited() -> float:
+        return int(os.pread(fd, 64, 0).split()[1]) / 1e9
+
+    return waited, lambda: os.close(fd)
 
 
 async def run_with_ticker(run: Callable[[], Awaitable[T]]) -> tuple[T, float, float]:

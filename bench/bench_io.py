@@ -31,10 +31,17 @@ its README says what it times). `vs_sglang_file_1mib_{hot,cold}` is our controll
 I/O thread, as SGLang runs it); `vs_sglang_file_t16_*` the same over its 16-caller variant.
 
 Loop CPU per GiB: `loop_cpu_ratio_controller_vs_backend_max` is the worst pass's controller loop CPU over
-the backend pass's (the same bytes: the ratio is per GiB). Both include the ticker's own CPU, which follows
-the pass's wall time (about 1,000 wake-ups a second); `ticker_loop_cpu_ms_per_s` is that cost, measured
-with nothing else running, and `*_loop_cpu_net_ms` / `loop_cpu_net_ms_per_gib_{backend,controller}_max`
-the figures without it. `--busy N` runs everything beside N processes
+the backend pass's (the same bytes: the ratio is per GiB). The loop CPU comes from passes of their own,
+run without the ticker, one after each ticked pass (the same cache state): the ticker wakes the loop about
+1,000 times a second, so its CPU follows a pass's wall time (a slower pass or a loaded machine pays more)
+and no estimate of it taken off afterwards was sound (an idle ticked pass read 30-110 ms per second in one
+run, and took a backend pass's whole figure to 0). `loop_cpu_ticked_ms` (and
+`loop_cpu_ratio_ticked_controller_vs_backend_max`) are the ticked passes' figures, as reported before.
+`loop_cpu_ms_per_gib_{backend,controller}_max` are the worst passes' unticked figures per GiB.
+
+Of the longest wall stall, `*stall_runqueue_ms` is the time the loop thread waited for a core (the
+kernel's run-queue wait) and `*stall_at_cpu_ms` its own CPU in that stall; the rest it slept, waiting for
+the GIL (see `time_with_ticker`). `--busy N` runs everything beside N processes
 that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
 
 `--no-pacer`: the controller passes run with the loop pacer switched off (`LoopPacer.turn` returns at once,
@@ -106,6 +113,10 @@ class Timed:
     reading: float = 0.0
     pacer_queued: int = 0
     """Controller passes: the pacer's turns that waited for another caller's (0 with `--no-pacer`)."""
+    stall_runqueue_ms: float = 0.0
+    """Of the longest wall stall, the loop thread's wait for a core (see `Ticked`)."""
+    stall_at_cpu_ms: float = 0.0
+    """Of the longest wall stall, the loop thread's own CPU."""
 
 
 @dataclass
@@ -113,23 +124,33 @@ class Series:
     """The passes of one way of reading, for one page size and cache state."""
 
     seconds: list[float] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)
-    cpu_stalls: list[float] = field(default_factory=list)
+    stalls: list[Timed] = field(default_factory=list)
     loop_cpu: list[float] = field(default_factory=list)
-    loop_cpu_net: list[float] = field(default_factory=list)
+    loop_cpu_ticked: list[float] = field(default_factory=list)
     reading: list[float] = field(default_factory=list)
     pacer_queued: list[int] = field(default_factory=list)
 
-    def add(self, timed: Timed, ticker_ms_per_s: float = 0.0) -> None:
-        """One pass; `ticker_ms_per_s` is the ticker's own loop CPU per second (`ticker_cost`), taken off
-        the pass's loop CPU for the net figure."""
+    def add(self, timed: Timed) -> None:
+        """One ticked pass: its time, stalls, ticked loop CPU and groups read."""
         self.seconds.append(timed.seconds)
-        self.stalls.append(timed.max_stall_ms)
-        self.cpu_stalls.append(timed.max_stall_cpu_ms)
-        self.loop_cpu.append(timed.loop_cpu_ms)
-        self.loop_cpu_net.append(max(0.0, timed.loop_cpu_ms - ticker_ms_per_s * timed.seconds))
+        self.stalls.append(timed)
+        self.loop_cpu_ticked.append(timed.loop_cpu_ms)
         self.reading.append(timed.reading)
         self.pacer_queued.append(timed.pacer_queued)
+
+    def add_work(self, untimed: Timed) -> None:
+        """One pass run without the ticker: its loop CPU is the pass's own work."""
+        self.loop_cpu.append(untimed.loop_cpu_ms)
+
+    def worst_stall(self, prefix: str) -> dict[str, float]:
+        """The longest wall stall over the passes and what it was made of, and the longest CPU stretch."""
+        worst = max(self.stalls, key=lambda t: t.max_stall_ms)
+        return {
+            f"{prefix}max_stall_ms": round(worst.max_stall_ms, 2),
+            f"{prefix}max_stall_runqueue_ms": round(worst.stall_runqueue_ms, 1),
+            f"{prefix}max_stall_at_cpu_ms": round(worst.stall_at_cpu_ms, 1),
+            f"{prefix}max_stall_cpu_ms": round(max(t.max_stall_cpu_ms for t in self.stalls), 2),
+        }
 
     @property
     def median(self) -> float:
@@ -139,7 +160,7 @@ class Series:
         """The medians of the loop's CPU and of the groups read at once, under `prefix`."""
         return {
             f"{prefix}loop_cpu_ms": round(statistics.median(self.loop_cpu), 1),
-            f"{prefix}loop_cpu_net_ms": round(statistics.median(self.loop_cpu_net), 1),
+            f"{prefix}loop_cpu_ticked_ms": round(statistics.median(self.loop_cpu_ticked), 1),
             f"{prefix}groups_reading": round(statistics.median(self.reading), 2),
         }
 
@@ -197,10 +218,25 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
     return time.perf_counter() - start
 
 
-async def timed_with_ticker(run: Callable[[], Awaitable[int]], backend: FileBackend) -> Timed:
+async def timed_with_ticker(
+    run: Callable[[], Awaitable[int]], backend: FileBackend, *, ticked: bool = True
+) -> Timed:
     """Time `run()` (which returns the pages it loaded) and the loop's longest stall (see
     `time_with_ticker`: garbage is collected and the survivors frozen first), the loop thread's CPU
-    over the pass (the ticker's included) and the mean groups `backend`'s read threads read at once."""
+    over the pass (the ticker's included) and the mean groups `backend`'s read threads read at once.
+
+    Not `ticked`: `run()` alone, its loop CPU and seconds (no stall figures), garbage collected and
+    frozen alike: the pass's own loop work."""
+    if not ticked:
+        gc.collect()
+        gc.freeze()
+        try:
+            start, wall = time.thread_time(), time.perf_counter()
+            pages = await run()
+            spent, seconds = time.thread_time() - start, time.perf_counter() - wall
+        finally:
+            gc.unfreeze()
+        return Timed(seconds, 0.0, pages, loop_cpu_ms=spent * 1000)
     cpu: list[float] = []
 
     async def counted() -> int:
@@ -212,25 +248,16 @@ async def timed_with_ticker(run: Callable[[], Awaitable[int]], backend: FileBack
     before = backend.read_statistics().reading_s
     ticked = await time_with_ticker(counted)
     reading = (backend.read_statistics().reading_s - before) / ticked.seconds
-    return Timed(ticked.seconds, ticked.stall_ms, ticked.result, ticked.stall_cpu_ms, cpu[0] * 1000, reading)
-
-
-async def ticker_cost(seconds: float = 0.2) -> float:
-    """The ticker's own loop-thread CPU in ms per second of wall time: a pass that only sleeps, ticked.
-
-    The ticker wakes the loop every millisecond, so its CPU grows with a pass's wall time, not with the
-    pass's work (and more so on a loaded machine): this is what `loop_cpu_net_ms` takes off."""
-
-    spent: list[float] = []
-
-    async def idle() -> int:
-        start, wall = time.thread_time(), time.perf_counter()
-        await anyio.sleep(seconds)
-        spent.append((time.thread_time() - start) * 1000 / (time.perf_counter() - wall))
-        return 0
-
-    await time_with_ticker(idle)
-    return spent[0]
+    return Timed(
+        ticked.seconds,
+        ticked.stall_ms,
+        ticked.result,
+        ticked.stall_cpu_ms,
+        cpu[0] * 1000,
+        reading,
+        stall_runqueue_ms=ticked.stall_runqueue_ms,
+        stall_at_cpu_ms=ticked.stall_at_cpu_ms,
+    )
 
 
 def sequences(n_pages: int, count: int) -> list[torch.Tensor]:
@@ -288,11 +315,16 @@ def pacer_switched_off(off: bool) -> Iterator[None]:
 
 
 async def controller_pass(
-    config: HiCacheConfig, seqs: Sequence[torch.Tensor], backend: FileBackend, *, no_pacer: bool = False
+    config: HiCacheConfig,
+    seqs: Sequence[torch.Tensor],
+    backend: FileBackend,
+    *,
+    no_pacer: bool = False,
+    ticked: bool = True,
 ) -> Timed:
     """Prefetch and commit every sequence concurrently in a fresh cache reading through `backend` (the
-    same worker threads as the backend pass); time it with the ticker. `no_pacer`: see
-    `pacer_switched_off`."""
+    same worker threads as the backend pass); time it with the ticker (`ticked`, see
+    `timed_with_ticker`). `no_pacer`: see `pacer_switched_off`."""
     with pacer_switched_off(no_pacer):
         async with HiCache(config, storage=backend) as cache:
 
@@ -311,7 +343,7 @@ async def controller_pass(
                 return sum(loaded)
 
             queued = cache._prefetches.pacer.queued
-            timed = await timed_with_ticker(run, backend)
+            timed = await timed_with_ticker(run, backend, ticked=ticked)
             timed.pacer_queued = cache._prefetches.pacer.queued - queued
             cache.sanity_check()
         return timed
@@ -349,7 +381,6 @@ async def bench_page_size(
             direct, controller = Series(), Series()
             if state == "hot":
                 raw_read(paths, views, max(raw_threads))  # warm the page cache
-            ticker = await ticker_cost()
             for _ in range(args.repeats):
                 for t, series in raws.items():
                     if state == "cold":
@@ -357,18 +388,27 @@ async def bench_page_size(
                     pool.zero_()
                     gc.collect()
                     series.add(Timed(raw_read(paths, views, t), 0.0, n))
-                if state == "cold":
-                    drop_page_cache(paths)
-                pool.zero_()
-                result = await timed_with_ticker(backend_run, backend)
-                assert result.pages == n, f"backend loaded {result.pages} of {n} pages"
-                direct.add(result, ticker)
-                if not args.no_controller:
+                for ticked in (True, False):  # timed and ticked; then the same for its loop work alone
                     if state == "cold":
                         drop_page_cache(paths)
-                    result = await controller_pass(config, seqs, backend, no_pacer=args.no_pacer)
-                    assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
-                    controller.add(result, ticker)
+                    pool.zero_()
+                    result = await timed_with_ticker(backend_run, backend, ticked=ticked)
+                    assert result.pages == n, f"backend loaded {result.pages} of {n} pages"
+                    if ticked:
+                        direct.add(result)
+                    else:
+                        direct.add_work(result)
+                    if not args.no_controller:
+                        if state == "cold":
+                            drop_page_cache(paths)
+                        result = await controller_pass(
+                            config, seqs, backend, no_pacer=args.no_pacer, ticked=ticked
+                        )
+                        assert result.pages == n, f"controller loaded {result.pages} of {n} pages"
+                        if ticked:
+                            controller.add(result)
+                        else:
+                            controller.add_work(result)
             assert torch.equal(pool[: n * page_bytes], expected), "backend read wrong bytes"
             best_threads = min(raws, key=lambda t: raws[t].median)
             raw_med = raws[best_threads].median
@@ -378,17 +418,14 @@ async def bench_page_size(
                 "raw_gbps_by_threads": {t: round(total / s.median / 1e9, 2) for t, s in raws.items()},
                 "backend_gbps": total / direct.median / 1e9,
                 "ratio": raw_med / direct.median,
-                "max_stall_ms": max(direct.stalls),
-                "max_stall_cpu_ms": max(direct.cpu_stalls),
-                "ticker_loop_cpu_ms_per_s": round(ticker, 2),
+                **direct.worst_stall(""),
                 **direct.figures(""),
             }
             if controller.seconds:
                 entry |= {
                     "controller_gbps": total / controller.median / 1e9,
                     "controller_ratio": raw_med / controller.median,
-                    "controller_max_stall_ms": max(controller.stalls),
-                    "controller_max_stall_cpu_ms": max(controller.cpu_stalls),
+                    **controller.worst_stall("controller_"),
                     "controller_pacer_queued": max(controller.pacer_queued),
                     **controller.figures("controller_"),
                 }
@@ -466,15 +503,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
 
     if not args.no_controller:
         passes = [r for s in results.values() for r in s.values()]
-        summary["loop_cpu_ratio_controller_vs_backend_max"] = round(
-            max(r["controller_loop_cpu_ms"] / r["loop_cpu_ms"] for r in passes), 3
-        )
-        # Without the ticker's share (see `ticker_cost`): each side's own work on the loop, per GiB (the
-        # backend's is near 0, so a ratio of the two says nothing).
+        for name, figure in (("", "loop_cpu_ms"), ("ticked_", "loop_cpu_ticked_ms")):
+            summary[f"loop_cpu_ratio_{name}controller_vs_backend_max"] = round(
+                max(r[f"controller_{figure}"] / max(r[figure], 0.1) for r in passes), 3
+            )
         gib = args.total_mib / 1024
         for side, prefix in (("backend", ""), ("controller", "controller_")):
-            summary[f"loop_cpu_net_ms_per_gib_{side}_max"] = round(
-                max(r[f"{prefix}loop_cpu_net_ms"] for r in passes) / gib, 1
+            summary[f"loop_cpu_ms_per_gib_{side}_max"] = round(
+                max(r[f"{prefix}loop_cpu_ms"] for r in passes) / gib, 1
             )
     summary["busy"] = args.busy
     summary["pacer"] = not args.no_pacer
@@ -487,6 +523,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
                 summary[f"ratio_{size_name(page_bytes)}_{state}_controller"] = round(r["controller_ratio"], 3)
         summary["max_loop_stall_ms_controller"] = worst("controller_max_stall_ms")
         summary["max_loop_stall_cpu_ms_controller"] = worst("controller_max_stall_cpu_ms")
+        slowest = max(passes, key=lambda r: r["controller_max_stall_ms"])
+        summary["max_loop_stall_runqueue_ms_controller"] = slowest["controller_max_stall_runqueue_ms"]
+        summary["max_loop_stall_at_cpu_ms_controller"] = slowest["controller_max_stall_at_cpu_ms"]
     if not args.no_controller:
         sglang = run_sglang(args)
         if sglang is not None:
@@ -502,7 +541,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         f"{size_name(p)}_{state}": {
             k: v
             for k, v in r.items()
-            if k.endswith(("loop_cpu_ms", "loop_cpu_net_ms", "groups_reading", "_per_s", "pacer_queued"))
+            if k.endswith(("loop_cpu_ms", "loop_cpu_ticked_ms", "groups_reading", "pacer_queued"))
+            or "max_stall" in k
         }
         for p, states in results.items()
         for state, r in states.items()

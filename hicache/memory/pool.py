@@ -418,7 +418,7 @@ class PageViews(Sequence[memoryview]):
 
     def __getitem__(self, index: int | slice) -> memoryview | list[memoryview]:
         if isinstance(index, slice):
-            return [self._view(i) for i in range(*index.indices(len(self._starts)))]
+            return self._slice(index)
         i = operator.index(index)
         n = len(self._starts)
         if i < 0:
@@ -429,6 +429,21 @@ class PageViews(Sequence[memoryview]):
 
     def __iter__(self) -> Iterator[memoryview]:
         return iter(self[:])
+
+    def _slice(self, index: slice) -> list[memoryview]:
+        """The views of a slice, those not built yet built in one pass (a stream's batch asks for
+        hundreds at once: one comprehension, not a method call per page)."""
+        views = self._views
+        kept = views[index]
+        if None not in kept:
+            return kept  # type: ignore[return-value]  # no None left in it
+        flat, size, starts = self._flat, self._size, self._starts[index]
+        built = [
+            flat[start : start + size] if view is None else view
+            for view, start in zip(kept, starts, strict=True)
+        ]
+        views[index] = built
+        return built
 
     def _view(self, i: int) -> memoryview:
         view = self._views[i]

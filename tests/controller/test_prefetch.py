@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 
@@ -208,18 +209,50 @@ async def test_wait_complete_commit_waits_for_every_page(backend: MemoryBackend)
         await cache.aclose()
 
 
+async def test_a_one_batch_stream_reads_in_its_own_task(backend: MemoryBackend) -> None:
+    """A prefetch whose pages fit one `get` batch reads them in its stream's task: no reader task and no
+    task group to join per prefetch (each cost the loop a task step and a wake-up of the stream, issue 25).
+    The pages still land and commit whole."""
+    gated = GatedBackend(backend)
+    cache = await open_cache(
+        gated, storage_batch_pages=64, storage_concurrency=4, prefetch_stop_policy="wait_complete"
+    )
+    try:
+        seq = tokens(3, 32)
+        await store_sequence(backend, cache, seq)
+        await anyio.wait_all_tasks_blocked()
+        before = len(asyncio.all_tasks())
+        prefetch = await cache.prefetch("r1", seq)
+        assert prefetch is not None
+        await anyio.wait_all_tasks_blocked()  # the stream waits in the gated `get`
+        assert len(asyncio.all_tasks()) - before == 1, "the stream's own task, and no reader beside it"
+        gated.allow(prefetch.num_tokens // PAGE)
+        outcome = await cache.commit_prefetch("r1")
+        assert (outcome.status, outcome.loaded_tokens) == (PrefetchStatus.COMMITTED, 32), outcome
+        await release_queue_of(cache).drain()
+        assert_accounting(cache)
+    finally:
+        await cache.aclose()
+
+
 async def test_timeout_commit_gives_up_after_the_deadline(
     backend: MemoryBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """timeout: a stalled stream is stopped once min(max, base + per_1k * tokens) has passed.
 
     The deadline passes on the loop's clock once two pages landed and the commit waits: with a 50 ms real
-    deadline, the lookup and the two reads raced it under load.
+    deadline, the lookup and the two reads raced it under load. The stalled read's own timeout lies beyond
+    the clock's jump: two deadlines passing at once left the outcome to the order the loop woke the two
+    tasks in (a stream reading in its own task ended a turn earlier than one reading in a child task).
     """
     loop_clock = LoopClock(monkeypatch)
     gated = GatedBackend(backend)
     cache = await open_cache(
-        gated, prefetch_stop_policy="timeout", prefetch_timeout_base=60.0, prefetch_timeout_per_1k_tokens=0.0
+        gated,
+        prefetch_stop_policy="timeout",
+        prefetch_timeout_base=60.0,
+        prefetch_timeout_per_1k_tokens=0.0,
+        storage_read_timeout_s=2 * HOUR_S,
     )
     try:
         seq = tokens(1, 32)

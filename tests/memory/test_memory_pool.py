@@ -128,6 +128,10 @@ def test_page_views_are_built_once_and_keep_their_identity() -> None:
     batch = views[1:3]
     assert isinstance(batch, list)
     assert len(batch) == 2
+    backwards = views[::-1]  # a slice of built and unbuilt views builds the rest, keeps the built ones
+    assert backwards[1] is batch[0]
+    assert backwards[0] is batch[1]
+    assert [id(v) for v in views[0:3:2]] == [id(backwards[2]), id(batch[1])]
     assert batch[0] is views[1]
     assert batch[1] is views[-1]
     assert [id(v) for v in views] == [id(v) for v in views[:]]

@@ -287,9 +287,14 @@ class Prefetch:
                 self._stream_scope = scope
                 if self._stop_requested:
                     scope.stop()
-                async with StopScope() as readers, asyncio.TaskGroup() as tg:
-                    for _ in range(min(max(1, concurrency), len(bounds))):
-                        tg.create_task(reader(readers))
+                readers_needed = min(max(1, concurrency), len(bounds))
+                async with StopScope() as readers:
+                    if readers_needed == 1:  # one reader reads in this task: no task, no group to join
+                        await reader(readers)
+                    else:
+                        async with asyncio.TaskGroup() as tg:
+                            for _ in range(readers_needed):
+                                tg.create_task(reader(readers))
                 if self.completed_pages == total and self._staged_reads:
                     await self._read_components(backend, read_timeout_s)
                 if self.unusable_keys:

@@ -31,11 +31,12 @@ Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens, in 
 (`time.process_time`, minimum of --reps): a ratio of our own costs, which wall time on a machine shared
 with other jobs does not measure. Prints a table, then one JSON line.
 
-Instruction counts (`--instructions insert|acquire`), for comparing two commits on a loaded machine, where
-time cannot: run under `valgrind --tool=callgrind --instr-atstart=no`; only the measured calls are
+Instruction counts (`--instructions insert|match|acquire`), for comparing two commits on a loaded machine,
+where time cannot: run under `valgrind --tool=callgrind --instr-atstart=no`; only the measured calls are
 instrumented (switched on and off with `callgrind_control`), and valgrind prints the count (`Collected`)
 at exit. `insert`: the reference workload's 2,000 inserts into a fresh tree (`--page-size`, default 16);
-`acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
+`match`: as many first matches of its keys on a tree holding all of them, each reading `device_indices`
+(the `match_joined` figure); `acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
 switching itself).
 """
 
@@ -307,6 +308,18 @@ def count_instructions(
         insert_all(tree, seqs[:count], values[:count])
         _callgrind(False)
         return
+    if what == "match":
+        warm = RadixTree(page_size)
+        insert_all(warm, seqs[:100], values[:100])
+        match_all(warm, seqs[:100])
+        tree = RadixTree(page_size)
+        insert_all(tree, seqs, values)
+        gc.collect()
+        gc.disable()
+        _callgrind(True)
+        match_all(tree, seqs[:count])
+        _callgrind(False)
+        return
 
     async def acquire_release() -> None:
         async with device_hit_cache(seqs, page_size) as (cache, prompts):
@@ -328,8 +341,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip SGLang's RadixCache side by side")
-    ap.add_argument("--instructions", choices=("insert", "acquire"), help="count instructions (callgrind)")
-    ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or 500 acquires)")
+    ap.add_argument("--instructions", choices=("insert", "match", "acquire"), help="count instructions (callgrind)")
+    ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or matches, 500 acquires)")
     ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
     ap.add_argument("--smoke", action="store_true", help="one tiny pass, no baseline, the same JSON keys")
     a = ap.parse_args()
@@ -338,7 +351,7 @@ def main() -> None:
         a.reps, a.no_baseline = 1, True
     seqs, values = make_workload(60 if a.smoke else 2000, 50, 512, 512, vocab, a.seed)
     if a.instructions:
-        default = 2000 if a.instructions == "insert" else 500
+        default = 500 if a.instructions == "acquire" else 2000
         count_instructions(a.instructions, seqs, values, a.page_size, default if a.count is None else a.count)
         return
     result: dict[str, object] = {"bench": "tree"}

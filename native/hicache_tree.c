@@ -12,10 +12,14 @@
 #include <stddef.h>
 #include <string.h>
 
-/* Bumped whenever a function's behaviour or signature changes (hicache/tree/walk.py checks it). */
-#define BUILD 4
+/* Bumped whenever a function's behaviour or signature changes (hicache/tree/node.py checks it). */
+#define BUILD 5
 
 static PyTypeObject *node_type = NULL;
+/* numpy.empty, numpy.int64 and torch.from_numpy (set by bind): the tree's own index tensors are numpy memory
+ * filled here and viewed as tensors (a torch op costs more than the rest of an insert's bookkeeping). */
+static PyObject *np_empty = NULL, *np_int64 = NULL, *from_numpy = NULL;
+static PyObject *str_is_cpu = NULL, *str_is_contiguous = NULL, *str_data_ptr = NULL, *str_numel = NULL;
 static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits, off_ref;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
@@ -36,19 +40,33 @@ static int slot_offset(PyObject *type, const char *name, Py_ssize_t *out) {
     return 0;
 }
 
-static PyObject *bind(PyObject *self, PyObject *type) {
-    if (!PyType_Check(type)) {
-        PyErr_SetString(PyExc_TypeError, "bind: expected the node class");
+static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "bind: expected (node class, numpy.empty, numpy.int64, torch.from_numpy)");
         return NULL;
     }
+    PyObject *type = args[0];
     if (slot_offset(type, "children", &off_children) < 0 || slot_offset(type, "key", &off_key) < 0 ||
         slot_offset(type, "device_value", &off_device) < 0 || slot_offset(type, "host_value", &off_host) < 0 ||
         slot_offset(type, "backup_pending", &off_pending) < 0 ||
         slot_offset(type, "last_access", &off_access) < 0 || slot_offset(type, "hit_count", &off_hits) < 0 ||
         slot_offset(type, "_ref", &off_ref) < 0)
         return NULL;
+    if (str_numel == NULL) {
+        str_is_cpu = PyUnicode_InternFromString("is_cpu");
+        str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+        str_data_ptr = PyUnicode_InternFromString("data_ptr");
+        str_numel = PyUnicode_InternFromString("numel");
+        if (str_is_cpu == NULL || str_is_contiguous == NULL || str_data_ptr == NULL || str_numel == NULL) return NULL;
+    }
     Py_INCREF(type);
     Py_XSETREF(node_type, (PyTypeObject *)type);
+    Py_INCREF(args[1]);
+    Py_XSETREF(np_empty, args[1]);
+    Py_INCREF(args[2]);
+    Py_XSETREF(np_int64, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(from_numpy, args[3]);
     Py_RETURN_NONE;
 }
 
@@ -173,38 +191,161 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         pos += clen;
         node = child;
     }
-    return Py_BuildValue("(nOOOn)", pos, node, last_host, stop, matched);
+    PyObject *out = PyTuple_New(5);
+    if (out == NULL) return NULL;
+    PyObject *p = PyLong_FromSsize_t(pos), *m = PyLong_FromSsize_t(matched);
+    if (p == NULL || m == NULL) {
+        Py_XDECREF(p);
+        Py_XDECREF(m);
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_INCREF(node);
+    Py_INCREF(last_host);
+    Py_INCREF(stop);
+    PyTuple_SET_ITEM(out, 0, p);
+    PyTuple_SET_ITEM(out, 1, node);
+    PyTuple_SET_ITEM(out, 2, last_host);
+    PyTuple_SET_ITEM(out, 3, stop);
+    PyTuple_SET_ITEM(out, 4, m);
+    return out;
 }
 
 
 /* ---------------------------------------------------------------- index copies */
 
-PyDoc_STRVAR(copy_into_doc,
-             "copy_into(dst, offset, src_address, nbytes, /) -> None\n\n"
-             "Copy `nbytes` bytes from the CPU address `src_address` (a contiguous CPU tensor's data_ptr(), read by\n"
-             "the caller, which keeps the tensor alive and checked it: CPU, contiguous, at least that long) into the\n"
-             "writable buffer `dst` (a numpy array) at byte `offset`. The tree's own copy of a caller's indices\n"
-             "without a torch op (a torch op here costs more than the rest of an insert's bookkeeping).");
+/* A new int64 tensor of `n` elements over numpy memory, its buffer in `*view` (released by the caller after
+ * filling it), or NULL with an exception. */
+static PyObject *new_indices(Py_ssize_t n, PyObject **array, Py_buffer *view) {
+    if (np_empty == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
+        return NULL;
+    }
+    PyObject *len = PyLong_FromSsize_t(n);
+    if (len == NULL) return NULL;
+    PyObject *argv[2] = {len, np_int64};
+    PyObject *arr = PyObject_Vectorcall(np_empty, argv, 2, NULL);
+    Py_DECREF(len);
+    if (arr == NULL) return NULL;
+    if (PyObject_GetBuffer(arr, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (view->len != 8 * n) {
+        PyBuffer_Release(view);
+        Py_DECREF(arr);
+        PyErr_SetString(PyExc_ValueError, "new_indices: numpy.empty gave a buffer of the wrong size");
+        return NULL;
+    }
+    *array = arr;
+    return arr;
+}
 
-static PyObject *copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_into: expected 4 arguments");
+/* `arr` (a filled numpy array, stolen) viewed as a tensor. */
+static PyObject *as_tensor(PyObject *arr) {
+    PyObject *t = PyObject_CallOneArg(from_numpy, arr);
+    Py_DECREF(arr);
+    return t;
+}
+
+PyDoc_STRVAR(copy_out_doc,
+             "copy_out(src_address, n, /) -> torch.Tensor\n\n"
+             "A new int64 tensor (numpy memory) holding the `n` int64 values at the CPU address `src_address` (a\n"
+             "contiguous CPU int64 tensor's data_ptr() plus an offset, read by the caller, which keeps the tensor\n"
+             "alive and checked it: CPU, contiguous, at least that long). The tree's own copy of a caller's indices.");
+
+static PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_out: expected 2 arguments");
         return NULL;
     }
-    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), nbytes = PyLong_AsSsize_t(args[3]);
-    if ((offset == -1 || nbytes == -1) && PyErr_Occurred()) return NULL;
-    void *src = PyLong_AsVoidPtr(args[2]);
+    void *src = PyLong_AsVoidPtr(args[0]);
     if (src == NULL && PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (offset < 0 || nbytes < 0 || offset > view.len || nbytes > view.len - offset || (nbytes && src == NULL)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "copy_into: the copy does not fit the destination");
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || (n && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "copy_out: a negative length or a null address");
         return NULL;
     }
-    memcpy((char *)view.buf + offset, src, (size_t)nbytes);
+    PyObject *arr;
+    Py_buffer view;
+    if (new_indices(n, &arr, &view) == NULL) return NULL;
+    memcpy(view.buf, src, (size_t)(8 * n));
     PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return as_tensor(arr);
+}
+
+/* A part's data address and length if it is a contiguous CPU tensor (1), else 0; -1 with an exception. */
+static int cpu_part(PyObject *part, void **addr, Py_ssize_t *n) {
+    PyObject *cpu = PyObject_GetAttr(part, str_is_cpu);
+    if (cpu == NULL) return -1;
+    int ok = cpu == Py_True;
+    Py_DECREF(cpu);
+    if (!ok) return 0;
+    PyObject *cont = PyObject_CallMethodNoArgs(part, str_is_contiguous);
+    if (cont == NULL) return -1;
+    ok = cont == Py_True;
+    Py_DECREF(cont);
+    if (!ok) return 0;
+    PyObject *ptr = PyObject_CallMethodNoArgs(part, str_data_ptr);
+    if (ptr == NULL) return -1;
+    *addr = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    if (*addr == NULL && PyErr_Occurred()) return -1;
+    PyObject *numel = PyObject_CallMethodNoArgs(part, str_numel);
+    if (numel == NULL) return -1;
+    *n = PyLong_AsSsize_t(numel);
+    Py_DECREF(numel);
+    if (*n == -1 && PyErr_Occurred()) return -1;
+    return 1;
+}
+
+#define JOIN_MAX 64
+
+PyDoc_STRVAR(join_doc,
+             "join(parts, /) -> torch.Tensor | None\n\n"
+             "The 1-D int64 tensors `parts` (a tuple or list) joined into one new tensor (numpy memory), or None\n"
+             "when a part is not a contiguous CPU tensor or there are more than 64 parts (the caller then joins\n"
+             "them with torch.cat). The caller checked the dtype and dimensions.");
+
+static PyObject *join(PyObject *self, PyObject *parts) {
+    PyObject *seq = PySequence_Fast(parts, "join: expected a tuple or list of tensors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    if (k > JOIN_MAX) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
+    void *addrs[JOIN_MAX];
+    Py_ssize_t lens[JOIN_MAX], total = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int r = cpu_part(PySequence_Fast_GET_ITEM(seq, i), &addrs[i], &lens[i]);
+        if (r <= 0) {
+            Py_DECREF(seq);
+            if (r < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+        if (lens[i] && addrs[i] == NULL) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "join: a part with a null address");
+            return NULL;
+        }
+        total += lens[i];
+    }
+    PyObject *arr;
+    Py_buffer view;
+    if (new_indices(total, &arr, &view) == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *dst = view.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(dst, addrs[i], (size_t)(8 * lens[i]));
+        dst += 8 * lens[i];
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(seq); /* the parts (and their memory) stayed alive through the copy */
+    return as_tensor(arr);
 }
 
 /* ---------------------------------------------------------------- records made without __init__ */
@@ -320,10 +461,13 @@ static PyObject *make_maker(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_O, "bind(node_class, /) -> None\n\nResolve the slots of the tree's node class (once)."},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(node_class, np_empty, np_int64, from_numpy, /) -> None\n\nResolve the slots of the tree's node class and "
+     "keep the makers of its index tensors (once)."},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"maker", (PyCFunction)(void (*)(void))make_maker, METH_FASTCALL, maker_doc},
-    {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL, copy_into_doc},
+    {"copy_out", (PyCFunction)(void (*)(void))copy_out, METH_FASTCALL, copy_out_doc},
+    {"join", join, METH_O, join_doc},
     {NULL, NULL, 0, NULL},
 };
 

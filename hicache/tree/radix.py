@@ -108,7 +108,6 @@ class RadixTree:
         self._nodes: dict[int, TreeNode] = {0: self._root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
         self._host_leaves = LeafSet(self.eviction_policy)
-        self._num_nodes = 0
         self._device_tokens = 0
         self._host_tokens = 0
         self._pending_tokens = 0
@@ -234,7 +233,6 @@ class RadixTree:
         upper.children[rest[: self._step]] = node
         parent.children[upper.key[: self._step]] = upper
         self._nodes[upper.id] = upper
-        self._num_nodes += 1
         return upper
 
     def _new_node(self, parent: TreeNode, key: bytes) -> TreeNode:
@@ -242,7 +240,6 @@ class RadixTree:
         node = new_node(nid, parent, key, self._ctx, _new_ref(NodeRef, (self._serial, nid)))
         parent.children[key[: self._step]] = node
         self._nodes[node.id] = node
-        self._num_nodes += 1
         return node
 
     def _detach(self, node: TreeNode) -> None:
@@ -257,7 +254,6 @@ class RadixTree:
         self._host_leaves.discard(node)
         node.parent = None
         del self._nodes[node.id]
-        self._num_nodes -= 1
         self._refresh(parent)
 
     def _take_frees(self) -> tuple[ComponentFree, ...]:
@@ -412,7 +408,7 @@ class RadixTree:
     def statistics(self) -> TreeStatistics:
         """A snapshot of the tree's sizes (O(1): the counters are kept incrementally)."""
         return TreeStatistics(
-            num_nodes=self._num_nodes,
+            num_nodes=len(self._nodes) - 1,  # every live node but the root
             device_tokens=self._device_tokens,
             host_tokens=self._host_tokens,
             pending_backup_tokens=self._pending_tokens,

@@ -147,17 +147,18 @@ def test_a_strided_insert_is_copied_by_torch_and_joins_match_torch_cat() -> None
     tree.sanity_check()
 
 
-def test_copy_into_refuses_a_copy_past_the_destination() -> None:
-    """Guards against `copy_into` writing past its destination buffer (its caller passes raw addresses)."""
-    import numpy as np
-
-    dst = np.zeros(4, dtype=np.int64)
+def test_copy_out_and_join_refuse_what_they_cannot_copy() -> None:
+    """Guards against the C copies reading a null address or a part that is not CPU memory they may read
+    (their callers pass raw addresses; a part they cannot read must fall back to `torch.cat`)."""
     src = torch.arange(8, dtype=torch.int64)
-    _hicache_tree.copy_into(dst, 8, src.data_ptr(), 24)
-    assert dst.tolist() == [0, 0, 1, 2]
-    with pytest.raises(ValueError, match="does not fit"):
-        _hicache_tree.copy_into(dst, 8, src.data_ptr(), 32)
-    with pytest.raises(ValueError, match="does not fit"):
-        _hicache_tree.copy_into(dst, -8, src.data_ptr(), 8)
-    with pytest.raises(BufferError):
-        _hicache_tree.copy_into(b"read-only", 0, src.data_ptr(), 1)
+    assert _hicache_tree.copy_out(src.data_ptr() + 16, 3).tolist() == [2, 3, 4]
+    assert _hicache_tree.copy_out(0, 0).numel() == 0
+    with pytest.raises(ValueError, match="null address"):
+        _hicache_tree.copy_out(0, 4)
+    with pytest.raises(ValueError, match="negative"):
+        _hicache_tree.copy_out(src.data_ptr(), -1)
+    assert _hicache_tree.join((src[:2], src[6:])).tolist() == [0, 1, 6, 7]
+    assert _hicache_tree.join((src[:2], src[::2])) is None  # strided: the caller uses torch.cat
+    assert _hicache_tree.join([src[:1]] * 65) is None  # more parts than the C join takes
+    with pytest.raises(TypeError):
+        _hicache_tree.join(3)

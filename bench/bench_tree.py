@@ -341,8 +341,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip SGLang's RadixCache side by side")
-    ap.add_argument("--instructions", choices=("insert", "match", "acquire"), help="count instructions (callgrind)")
-    ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or matches, 500 acquires)")
+    ap.add_argument(
+        "--instructions", choices=("insert", "match", "acquire"), help="count instructions (callgrind)"
+    )
+    ap.add_argument(
+        "--count", type=int, default=None, help="calls counted (2,000 inserts or matches, 500 acquires)"
+    )
     ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
     ap.add_argument("--smoke", action="store_true", help="one tiny pass, no baseline, the same JSON keys")
     a = ap.parse_args()

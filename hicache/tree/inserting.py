@@ -14,15 +14,13 @@ from hicache.tree import backups
 from hicache.tree.checks import check_indices
 from hicache.tree.handles import NodeRef
 from hicache.tree.matching import key_bytes
-from hicache.tree.node import TreeNode, copy_indices, new_leaf, walk
+from hicache.tree.node import TreeNode, add_leaf, copy_indices, walk
 from hicache.tree.results import InsertResult, make_insert
 
 if TYPE_CHECKING:
     from hicache.tree.radix import RadixTree
 
 __all__ = ["insert", "insert_host", "refill_backup_plan"]
-
-_new_ref = tuple.__new__
 
 logger = logging.getLogger("hicache.tree")
 
@@ -102,31 +100,14 @@ def insert(
         # the key's end or at a missing child: nothing to re-attach.
         values, base, pos, node = _reattach_host_nodes(tree, kb, pos, node, device_indices, tick, backups)
     if pos < end:
-        # A new device leaf below `node` (what `_new_node` and `_set_device` do, inlined: the leaf holds no
-        # lock, no backup and no component yet).
+        # A new device leaf below `node`, made and counted in C (what `_new_node` and `_set_device` do: the
+        # leaf holds no lock, no backup and no component yet).
         start = pos >> 3
         if values is None:
             value = copy_indices(device_indices, start, (end >> 3) - start)
         else:
             value = values[start - base :]
-        nid = next(tree._ids)
-        ref = _new_ref(NodeRef, (tree._serial, nid))
-        leaf_key = kb[pos:] if pos else kb
-        leaf = new_leaf(nid, node, leaf_key, tree._ctx, ref, value, tick, 0 if backup_hits is None else 1)
-        node.children[leaf_key[:step]] = leaf
-        tree._nodes[nid] = leaf
-        n = (end - pos) >> 3
-        tree._device_tokens += n
-        tree._evictable_size += n
-        node._dev_children += 1
-        if node._dev_children == 1 and node is not root:
-            # Its first device child: the parent (a device node, as every node on the path now is)
-            # stops being an evictable device leaf. With device children already, it was none.
-            tree._device_leaves.discard(node)
-        if backup_hits == 1:
-            backups.append(ref)
-        tree._device_leaves.add_new(leaf)
-        node = leaf
+        node = add_leaf(tree, node, kb, pos, value, tick, backups, backup_hits)
     if tree._book is None:
         return make_insert(prefix_bytes >> 3, end >> 3, node._ref, tuple(backups), False, (), ())
     if comp_values:

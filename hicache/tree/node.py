@@ -21,7 +21,18 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "build it with `make native`, `pip install -e .` or `python setup.py build_ext --inplace`"
     ) from exc
 
-__all__ = ["ComponentData", "TreeNode", "copy_indices", "join_indices", "maker", "new_leaf", "new_node", "walk"]
+__all__ = [
+    "ComponentData",
+    "TreeNode",
+    "copy_indices",
+    "join_indices",
+    "add_leaf",
+    "bind_tree",
+    "maker",
+    "new_leaf",
+    "new_node",
+    "walk",
+]
 
 _WALK_BUILD = 5
 if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
@@ -232,8 +243,10 @@ new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace], NodeRef]
 """`new_node(id, parent, key, ctx, ref)`: a node holding nothing yet (made in C, without a Python `__init__`:
 it is on the insert path)."""
 _LEAF_FIELDS = ("id", "parent", "key", "_ctx", "_ref", "device_value", "last_access", "hit_count")
-new_leaf: Callable[[int, TreeNode, bytes, tuple[int, Namespace], NodeRef, torch.Tensor, int, int], TreeNode] = (
-    _hicache_tree.maker(TreeNode, _LEAF_FIELDS, {k: v for k, v in _NODE_DEFAULTS.items() if k not in _LEAF_FIELDS})
+new_leaf: Callable[
+    [int, TreeNode, bytes, tuple[int, Namespace], NodeRef, torch.Tensor, int, int], TreeNode
+] = _hicache_tree.maker(
+    TreeNode, _LEAF_FIELDS, {k: v for k, v in _NODE_DEFAULTS.items() if k not in _LEAF_FIELDS}
 )
 """`new_leaf(id, parent, key, ctx, ref, device_value, last_access, hit_count)`: an insert's new device leaf
 (as `new_node`, with the three slots an insert sets filled by the maker)."""
@@ -246,6 +259,12 @@ from byte `pos` below `node` through the children the key covers whole and that 
 (native/hicache_tree.c has the contract). Returns `(pos, node, last_host, stop, matched)`: where it ended,
 and the child it stopped before (matched in part, or not on the device) with the key bytes of it that
 match, or `None`."""
+
+add_leaf: Callable[..., TreeNode] = _hicache_tree.add_leaf
+"""`add_leaf(tree, parent, key, pos, value, tick, backups, backup_hits)`: an insert's new device leaf, made and
+counted in C (native/hicache_tree.c has the contract; `RadixTree` binds its slots with `bind_tree`)."""
+bind_tree: Callable[..., None] = _hicache_tree.bind_tree
+"""`bind_tree(tree_class, leaf_set_class, ref_class, leaf_maker, heappush)`: what `add_leaf` needs (once)."""
 
 _copy_out = _hicache_tree.copy_out
 _join = _hicache_tree.join

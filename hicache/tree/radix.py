@@ -15,6 +15,7 @@ handles (`handles`), never nodes.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from hicache.tree.checks import cat_indices, check_tier
 from hicache.tree.component_book import ComponentBook
 from hicache.tree.handles import ComponentInfo, HeldIndices, NodeInfo, NodeRef
 from hicache.tree.leaf_set import LeafSet
-from hicache.tree.node import TreeNode, new_node
+from hicache.tree.node import TreeNode, bind_tree, new_leaf, new_node
 from hicache.tree.results import (
     EMPTY_INDICES,
     BranchStatistics,
@@ -63,6 +64,34 @@ class RadixTree:
         ValueError: a page size below 1, a threshold below 1, an unknown policy name, or two components
             with one name.
     """
+
+    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets.
+    __slots__ = (
+        "_backup_hits",
+        "_book",
+        "_clock",
+        "_ctx",
+        "_device_leaves",
+        "_device_tokens",
+        "_evictable_host",
+        "_evictable_size",
+        "_host_leaves",
+        "_host_tokens",
+        "_ids",
+        "_nodes",
+        "_path_cache_tokens",
+        "_pending_tokens",
+        "_protected_size",
+        "_reclaimable_host",
+        "_root",
+        "_serial",
+        "_step",
+        "eviction_policy",
+        "namespace",
+        "page_size",
+        "write_policy",
+        "write_through_threshold",
+    )
 
     def __init__(
         self,
@@ -583,3 +612,6 @@ class RadixTree:
             f"evictable_device_tokens={s.evictable_device_tokens}, device_leaves={len(self._device_leaves)}, "
             f"host_leaves={len(self._host_leaves)})"
         )
+
+
+bind_tree(RadixTree, LeafSet, NodeRef, new_leaf, heapq.heappush)

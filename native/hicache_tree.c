@@ -420,6 +420,24 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(all_hashes_doc,
+             "all_hashes(hashes, /) -> bool\n\n"
+             "Whether every item of the list `hashes` is a bytes object (exactly) of 16 bytes: a refill's page\n"
+             "hashes checked in one pass (a Python test per hash cost ~50 us per 1,024 pages).");
+
+static PyObject *all_hashes(PyObject *self, PyObject *hashes) {
+    if (!PyList_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "all_hashes: expected a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != 16) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* ---------------------------------------------------------------- index copies */
 
 /* A new int64 tensor of `n` elements over numpy memory, its buffer in `*view` (released by the caller after
@@ -677,6 +695,7 @@ static PyMethodDef methods[] = {
     {"copy_out", (PyCFunction)(void (*)(void))copy_out, METH_FASTCALL, copy_out_doc},
     {"bind_tree", (PyCFunction)(void (*)(void))bind_tree, METH_FASTCALL, bind_tree_doc},
     {"add_leaf", (PyCFunction)(void (*)(void))add_leaf, METH_FASTCALL, add_leaf_doc},
+    {"all_hashes", all_hashes, METH_O, all_hashes_doc},
     {"join", join, METH_O, join_doc},
     {NULL, NULL, 0, NULL},
 };

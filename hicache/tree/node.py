@@ -24,10 +24,11 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
 __all__ = [
     "ComponentData",
     "TreeNode",
+    "add_leaf",
+    "all_hashes",
+    "bind_tree",
     "copy_indices",
     "join_indices",
-    "add_leaf",
-    "bind_tree",
     "maker",
     "new_leaf",
     "new_node",
@@ -263,6 +264,8 @@ match, or `None`."""
 add_leaf: Callable[..., TreeNode] = _hicache_tree.add_leaf
 """`add_leaf(tree, parent, key, pos, value, tick, backups, backup_hits)`: an insert's new device leaf, made and
 counted in C (native/hicache_tree.c has the contract; `RadixTree` binds its slots with `bind_tree`)."""
+all_hashes: Callable[[list[bytes]], bool] = _hicache_tree.all_hashes
+"""`all_hashes(hashes)`: whether every item of the list is a bytes object of 16 bytes (in C: one pass)."""
 bind_tree: Callable[..., None] = _hicache_tree.bind_tree
 """`bind_tree(tree_class, leaf_set_class, ref_class, leaf_maker, heappush)`: what `add_leaf` needs (once)."""
 
@@ -278,7 +281,8 @@ def copy_indices(src: torch.Tensor, start: int, n: int) -> torch.Tensor:
     elsewhere (a CUDA tensor, a strided one) it is `narrow_copy`.
     """
     if src.is_cpu and src.is_contiguous():
-        return _copy_out(src.data_ptr() + 8 * start, n)
+        out: torch.Tensor = _copy_out(src.data_ptr() + 8 * start, n)
+        return out
     return src.narrow_copy(0, start, n)
 
 

@@ -65,8 +65,10 @@ class RadixTree:
             with one name.
     """
 
-    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets.
+    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets. A `__dict__` as
+    # well, so an instance still takes other attributes (tests wrap its methods to count calls).
     __slots__ = (
+        "__dict__",
         "_backup_hits",
         "_book",
         "_clock",

@@ -38,6 +38,10 @@ at exit. `insert`: the reference workload's 2,000 inserts into a fresh tree (`--
 `match`: as many first matches of its keys on a tree holding all of them, each reading `device_indices`
 (the `match_joined` figure); `acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
 switching itself).
+
+Storage refills (`--insert-host`): `insert_host` of refills of 1,024 and 32,768 tokens (with their page
+hashes) below the root of a tree holding 200 of them, CPU time per call (`time.process_time`, median of
+200 calls): what a prefetch's commit costs the loop in the tree. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ import anyio
 import torch
 
 from hicache import HiCache, HiCacheConfig, KVLayout
-from hicache.keys import as_key_bytes
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.tree import RadixTree
 
 BASELINE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-radix" / "run"
@@ -336,6 +340,27 @@ def count_instructions(
     anyio.run(acquire_release)
 
 
+def bench_insert_host(page_size: int, seed: int, vocab: int, calls: int = 200) -> dict[str, float]:
+    """`insert_host` of fresh refills below the root, CPU time per call (median), by refill length."""
+    out: dict[str, float] = {}
+    rng = random.Random(seed)
+    for n in (1024, 32768):
+        tree = RadixTree(page_size)
+        keys = [array("q", [rng.randrange(vocab) for _ in range(n)]).tobytes() for _ in range(calls)]
+        hashes = [chained_page_hashes(k, page_size, tree.namespace, ROOT_HASH) for k in keys]
+        host = torch.arange(n, dtype=torch.int64)
+        root = tree.root
+        times = []
+        gc.collect()
+        for k, h in zip(keys, hashes, strict=True):
+            t0 = time.process_time()
+            tree.insert_host(root, k, host, h)
+            times.append(time.process_time() - t0)
+        tree.sanity_check()
+        out[f"insert_host_{n}_us"] = round(statistics.median(times) * 1e6, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -349,11 +374,19 @@ def main() -> None:
     )
     ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
     ap.add_argument("--smoke", action="store_true", help="one tiny pass, no baseline, the same JSON keys")
+    ap.add_argument("--insert-host", action="store_true", help="time insert_host of storage refills only")
     a = ap.parse_args()
     vocab = 128000
     if a.smoke:
         a.reps, a.no_baseline = 1, True
     seqs, values = make_workload(60 if a.smoke else 2000, 50, 512, 512, vocab, a.seed)
+    if a.insert_host:
+        print(
+            json.dumps(
+                {"bench": "tree_insert_host", **bench_insert_host(16, a.seed, vocab, 20 if a.smoke else 200)}
+            )
+        )
+        return
     if a.instructions:
         default = 500 if a.instructions == "acquire" else 2000
         count_instructions(a.instructions, seqs, values, a.page_size, default if a.count is None else a.count)

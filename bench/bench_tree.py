@@ -31,12 +31,17 @@ Scaling: the same per-op costs on trees of about 10^4, 10^5 and 10^6 tokens, in 
 (`time.process_time`, minimum of --reps): a ratio of our own costs, which wall time on a machine shared
 with other jobs does not measure. Prints a table, then one JSON line.
 
-Instruction counts (`--instructions insert|acquire`), for comparing two commits on a loaded machine, where
-time cannot: run under `valgrind --tool=callgrind --instr-atstart=no`; only the measured calls are
+Instruction counts (`--instructions insert|match|acquire`), for comparing two commits on a loaded machine,
+where time cannot: run under `valgrind --tool=callgrind --instr-atstart=no`; only the measured calls are
 instrumented (switched on and off with `callgrind_control`), and valgrind prints the count (`Collected`)
 at exit. `insert`: the reference workload's 2,000 inserts into a fresh tree (`--page-size`, default 16);
-`acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
+`match`: as many first matches of its keys on a tree holding all of them, each reading `device_indices`
+(the `match_joined` figure); `acquire`: 500 `acquire` + `release` pairs, as timed above. Subtract a run with `--count 0` (the
 switching itself).
+
+Storage refills (`--insert-host`): `insert_host` of refills of 1,024 and 32,768 tokens (with their page
+hashes) below the root of a tree holding 200 of them, CPU time per call (`time.process_time`, median of
+200 calls): what a prefetch's commit costs the loop in the tree. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ import anyio
 import torch
 
 from hicache import HiCache, HiCacheConfig, KVLayout
-from hicache.keys import as_key_bytes
+from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.tree import RadixTree
 
 BASELINE = Path(__file__).resolve().parents[1] / ".." / "shared" / "baselines" / "sglang-radix" / "run"
@@ -307,6 +312,18 @@ def count_instructions(
         insert_all(tree, seqs[:count], values[:count])
         _callgrind(False)
         return
+    if what == "match":
+        warm = RadixTree(page_size)
+        insert_all(warm, seqs[:100], values[:100])
+        match_all(warm, seqs[:100])
+        tree = RadixTree(page_size)
+        insert_all(tree, seqs, values)
+        gc.collect()
+        gc.disable()
+        _callgrind(True)
+        match_all(tree, seqs[:count])
+        _callgrind(False)
+        return
 
     async def acquire_release() -> None:
         async with device_hit_cache(seqs, page_size) as (cache, prompts):
@@ -323,22 +340,55 @@ def count_instructions(
     anyio.run(acquire_release)
 
 
+def bench_insert_host(page_size: int, seed: int, vocab: int, calls: int = 200) -> dict[str, float]:
+    """`insert_host` of fresh refills below the root, CPU time per call (median), by refill length."""
+    out: dict[str, float] = {}
+    rng = random.Random(seed)
+    for n in (1024, 32768):
+        tree = RadixTree(page_size)
+        keys = [array("q", [rng.randrange(vocab) for _ in range(n)]).tobytes() for _ in range(calls)]
+        hashes = [chained_page_hashes(k, page_size, tree.namespace, ROOT_HASH) for k in keys]
+        host = torch.arange(n, dtype=torch.int64)
+        root = tree.root
+        times = []
+        gc.collect()
+        for k, h in zip(keys, hashes, strict=True):
+            t0 = time.process_time()
+            tree.insert_host(root, k, host, h)
+            times.append(time.process_time() - t0)
+        tree.sanity_check()
+        out[f"insert_host_{n}_us"] = round(statistics.median(times) * 1e6, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip SGLang's RadixCache side by side")
-    ap.add_argument("--instructions", choices=("insert", "acquire"), help="count instructions (callgrind)")
-    ap.add_argument("--count", type=int, default=None, help="calls counted (2,000 inserts or 500 acquires)")
+    ap.add_argument(
+        "--instructions", choices=("insert", "match", "acquire"), help="count instructions (callgrind)"
+    )
+    ap.add_argument(
+        "--count", type=int, default=None, help="calls counted (2,000 inserts or matches, 500 acquires)"
+    )
     ap.add_argument("--page-size", type=int, default=16, help="the page size of --instructions")
     ap.add_argument("--smoke", action="store_true", help="one tiny pass, no baseline, the same JSON keys")
+    ap.add_argument("--insert-host", action="store_true", help="time insert_host of storage refills only")
     a = ap.parse_args()
     vocab = 128000
     if a.smoke:
         a.reps, a.no_baseline = 1, True
     seqs, values = make_workload(60 if a.smoke else 2000, 50, 512, 512, vocab, a.seed)
+    if a.insert_host:
+        print(
+            json.dumps(
+                {"bench": "tree_insert_host", **bench_insert_host(16, a.seed, vocab, 20 if a.smoke else 200)}
+            )
+        )
+        return
     if a.instructions:
-        default = 2000 if a.instructions == "insert" else 500
+        default = 500 if a.instructions == "acquire" else 2000
         count_instructions(a.instructions, seqs, values, a.page_size, default if a.count is None else a.count)
         return
     result: dict[str, object] = {"bench": "tree"}

@@ -3,8 +3,9 @@
  * `hicache.tree` keeps its nodes as Python objects (`TreeNode`, a class with __slots__); this module reads and
  * writes their slots directly, at the offsets CPython gives the slots' member descriptors (resolved once by
  * `bind`), so the per-node cost of a walk is a dict lookup and a memcmp instead of some twenty bytecodes.
- * Everything that changes the tree's structure or counters (splits, new nodes, attaching values) stays in
- * Python: the walk stops before the first node that needs it and says which one.
+ * The walk changes no structure: it stops before the first node that needs a split or new values and says
+ * which one. The one structural change in C is an insert's new leaf (`add_leaf`, the common end of an insert
+ * of a new suffix), which reads and writes the tree's and its leaf set's slots the same way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -12,11 +13,22 @@
 #include <stddef.h>
 #include <string.h>
 
-/* Bumped whenever a function's behaviour or signature changes (hicache/tree/walk.py checks it). */
-#define BUILD 4
+/* Bumped whenever a function's behaviour or signature changes (hicache/tree/node.py checks it). */
+#define BUILD 5
 
 static PyTypeObject *node_type = NULL;
+/* numpy.empty, numpy.int64 and torch.from_numpy (set by bind): the tree's own index tensors are numpy memory
+ * filled here and viewed as tensors (a torch op costs more than the rest of an insert's bookkeeping). */
+static PyObject *np_empty = NULL, *np_int64 = NULL, *from_numpy = NULL;
+static PyObject *str_is_cpu = NULL, *str_is_contiguous = NULL, *str_data_ptr = NULL, *str_numel = NULL;
 static Py_ssize_t off_children, off_key, off_device, off_host, off_pending, off_access, off_hits, off_ref;
+static Py_ssize_t off_dev_children;
+/* The tree's class, its leaf sets' class and the handle class (set by bind_tree), and their slots add_leaf uses. */
+static PyTypeObject *tree_type = NULL, *leafset_type = NULL, *ref_type = NULL;
+static PyObject *leaf_maker = NULL, *heappush = NULL;
+static Py_ssize_t off_t_ids, off_t_serial, off_t_ctx, off_t_nodes, off_t_device_tokens, off_t_evictable, off_t_leaves,
+    off_t_root, off_t_step;
+static Py_ssize_t off_l_members, off_l_heap, off_l_seq, off_l_key;
 
 #define SLOT(obj, off) (*(PyObject **)((char *)(obj) + (off)))
 
@@ -36,19 +48,33 @@ static int slot_offset(PyObject *type, const char *name, Py_ssize_t *out) {
     return 0;
 }
 
-static PyObject *bind(PyObject *self, PyObject *type) {
-    if (!PyType_Check(type)) {
-        PyErr_SetString(PyExc_TypeError, "bind: expected the node class");
+static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "bind: expected (node class, numpy.empty, numpy.int64, torch.from_numpy)");
         return NULL;
     }
+    PyObject *type = args[0];
     if (slot_offset(type, "children", &off_children) < 0 || slot_offset(type, "key", &off_key) < 0 ||
         slot_offset(type, "device_value", &off_device) < 0 || slot_offset(type, "host_value", &off_host) < 0 ||
         slot_offset(type, "backup_pending", &off_pending) < 0 ||
         slot_offset(type, "last_access", &off_access) < 0 || slot_offset(type, "hit_count", &off_hits) < 0 ||
-        slot_offset(type, "_ref", &off_ref) < 0)
+        slot_offset(type, "_ref", &off_ref) < 0 || slot_offset(type, "_dev_children", &off_dev_children) < 0)
         return NULL;
+    if (str_numel == NULL) {
+        str_is_cpu = PyUnicode_InternFromString("is_cpu");
+        str_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+        str_data_ptr = PyUnicode_InternFromString("data_ptr");
+        str_numel = PyUnicode_InternFromString("numel");
+        if (str_is_cpu == NULL || str_is_contiguous == NULL || str_data_ptr == NULL || str_numel == NULL) return NULL;
+    }
     Py_INCREF(type);
     Py_XSETREF(node_type, (PyTypeObject *)type);
+    Py_INCREF(args[1]);
+    Py_XSETREF(np_empty, args[1]);
+    Py_INCREF(args[2]);
+    Py_XSETREF(np_int64, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(from_numpy, args[3]);
     Py_RETURN_NONE;
 }
 
@@ -173,38 +199,379 @@ static PyObject *walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         pos += clen;
         node = child;
     }
-    return Py_BuildValue("(nOOOn)", pos, node, last_host, stop, matched);
+    PyObject *out = PyTuple_New(5);
+    if (out == NULL) return NULL;
+    PyObject *p = PyLong_FromSsize_t(pos), *m = PyLong_FromSsize_t(matched);
+    if (p == NULL || m == NULL) {
+        Py_XDECREF(p);
+        Py_XDECREF(m);
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_INCREF(node);
+    Py_INCREF(last_host);
+    Py_INCREF(stop);
+    PyTuple_SET_ITEM(out, 0, p);
+    PyTuple_SET_ITEM(out, 1, node);
+    PyTuple_SET_ITEM(out, 2, last_host);
+    PyTuple_SET_ITEM(out, 3, stop);
+    PyTuple_SET_ITEM(out, 4, m);
+    return out;
 }
 
 
+/* ---------------------------------------------------------------- an insert's new leaf */
+
+PyDoc_STRVAR(bind_tree_doc,
+             "bind_tree(tree_class, leaf_set_class, ref_class, leaf_maker, heappush, /) -> None\n\n"
+             "Resolve the slots add_leaf uses of the tree's class and its leaf sets' class, and keep the handle\n"
+             "class (a tuple subclass), the maker of a new leaf (new_leaf) and heapq.heappush (once).");
+
+static PyObject *bind_tree(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyType_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[2], &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bind_tree: expected (tree class, leaf set class, handle class, leaf maker, heappush)");
+        return NULL;
+    }
+    PyObject *t = args[0], *l = args[1];
+    if (slot_offset(t, "_ids", &off_t_ids) < 0 || slot_offset(t, "_serial", &off_t_serial) < 0 ||
+        slot_offset(t, "_ctx", &off_t_ctx) < 0 || slot_offset(t, "_nodes", &off_t_nodes) < 0 ||
+        slot_offset(t, "_device_tokens", &off_t_device_tokens) < 0 ||
+        slot_offset(t, "_evictable_size", &off_t_evictable) < 0 ||
+        slot_offset(t, "_device_leaves", &off_t_leaves) < 0 || slot_offset(t, "_root", &off_t_root) < 0 ||
+        slot_offset(t, "_step", &off_t_step) < 0 || slot_offset(l, "members", &off_l_members) < 0 ||
+        slot_offset(l, "_heap", &off_l_heap) < 0 || slot_offset(l, "_seq", &off_l_seq) < 0 ||
+        slot_offset(l, "_key", &off_l_key) < 0)
+        return NULL;
+    for (int i = 0; i < 5; i++) Py_INCREF(args[i]);
+    Py_XSETREF(tree_type, (PyTypeObject *)t);
+    Py_XSETREF(leafset_type, (PyTypeObject *)l);
+    Py_XSETREF(ref_type, (PyTypeObject *)args[2]);
+    Py_XSETREF(leaf_maker, args[3]);
+    Py_XSETREF(heappush, args[4]);
+    Py_RETURN_NONE;
+}
+
+/* `*slot += delta` for a slot holding an int. */
+static int add_to_slot(PyObject *obj, Py_ssize_t off, Py_ssize_t delta, const char *name) {
+    PyObject *v = get_slot(obj, off, name);
+    if (v == NULL) return -1;
+    Py_ssize_t x = PyLong_AsSsize_t(v);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    PyObject *nv = PyLong_FromSsize_t(x + delta);
+    if (nv == NULL) return -1;
+    Py_XSETREF(SLOT(obj, off), nv);
+    return 0;
+}
+
+PyDoc_STRVAR(add_leaf_doc,
+             "add_leaf(tree, parent, key, pos, value, tick, backups, backup_hits, /) -> node\n\n"
+             "An insert's new device leaf below `parent` (a device node or the root, which has no child for the\n"
+             "page of `key` at byte `pos`), made and counted in C: it holds key[pos:] and `value` (the tree's copy\n"
+             "of its device indices), last_access = tick and one hit (none under backup_hits None). It goes into\n"
+             "the parent's children and the tree's node table; the tree's device and evictable token counts grow\n"
+             "by its tokens; the parent's device child count by one (a parent that was an evictable device leaf\n"
+             "stops being one); its handle is appended to `backups` when backup_hits is 1; and it joins the\n"
+             "tree's evictable device leaves (as LeafSet.push: a heap entry keyed by the set's key function).\n"
+             "What `RadixTree._new_node` and `_set_device` do, for the one case an insert of a new suffix needs.");
+
+static PyObject *add_leaf(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "add_leaf: expected 8 arguments");
+        return NULL;
+    }
+    if (tree_type == NULL || node_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "add_leaf: bind() and bind_tree() were not called");
+        return NULL;
+    }
+    PyObject *tree = args[0], *parent = args[1], *kb = args[2], *value = args[4], *tick = args[5];
+    PyObject *backups = args[6], *backup_hits = args[7];
+    if (Py_TYPE(tree) != tree_type || Py_TYPE(parent) != node_type || !PyBytes_CheckExact(kb) ||
+        !PyList_CheckExact(backups) || !PyLong_CheckExact(tick)) {
+        PyErr_SetString(PyExc_TypeError, "add_leaf: expected (tree, node, bytes, int, value, int, list, int | None)");
+        return NULL;
+    }
+    Py_ssize_t pos = PyLong_AsSsize_t(args[3]);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t hits_at = 0; /* 0: never at insert */
+    if (backup_hits != Py_None) {
+        hits_at = PyLong_AsSsize_t(backup_hits);
+        if (hits_at == -1 && PyErr_Occurred()) return NULL;
+    }
+    PyObject *step_o = get_slot(tree, off_t_step, "_step");
+    if (step_o == NULL) return NULL;
+    Py_ssize_t step = PyLong_AsSsize_t(step_o), end = PyBytes_GET_SIZE(kb);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (step <= 0 || pos < 0 || pos >= end || (end - pos) % step) {
+        PyErr_SetString(PyExc_ValueError, "add_leaf: the key from pos must be one or more whole pages");
+        return NULL;
+    }
+    PyObject *leaves = get_slot(tree, off_t_leaves, "_device_leaves");
+    PyObject *nodes = get_slot(tree, off_t_nodes, "_nodes");
+    PyObject *children = get_slot(parent, off_children, "children");
+    PyObject *root = get_slot(tree, off_t_root, "_root");
+    PyObject *ids = get_slot(tree, off_t_ids, "_ids"), *serial = get_slot(tree, off_t_serial, "_serial");
+    PyObject *ctx = get_slot(tree, off_t_ctx, "_ctx");
+    if (leaves == NULL || nodes == NULL || children == NULL || root == NULL || ids == NULL || serial == NULL ||
+        ctx == NULL)
+        return NULL;
+    if (Py_TYPE(leaves) != leafset_type || !PyDict_CheckExact(nodes) || !PyDict_CheckExact(children)) {
+        PyErr_SetString(PyExc_TypeError, "add_leaf: a tree field of the wrong type");
+        return NULL;
+    }
+    PyObject *members = get_slot(leaves, off_l_members, "members"), *heap = get_slot(leaves, off_l_heap, "_heap");
+    PyObject *keyfn = get_slot(leaves, off_l_key, "_key");
+    if (members == NULL || heap == NULL || keyfn == NULL) return NULL;
+    if (!PySet_CheckExact(members) || !PyList_CheckExact(heap)) {
+        PyErr_SetString(PyExc_TypeError, "add_leaf: a leaf set field of the wrong type");
+        return NULL;
+    }
+    /* Everything that can fail short of memory first; then the changes. */
+    PyObject *nid = NULL, *ref = NULL, *lkey = NULL, *leaf = NULL, *first = NULL, *sort_key = NULL, *seq = NULL;
+    PyObject *entry = NULL, *res = NULL;
+    const char *k = PyBytes_AS_STRING(kb);
+    nid = PyIter_Next(ids);
+    if (nid == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "add_leaf: the node ids ran out");
+        goto fail;
+    }
+    ref = ref_type->tp_alloc(ref_type, 2);
+    if (ref == NULL) goto fail;
+    Py_INCREF(serial);
+    PyTuple_SET_ITEM(ref, 0, serial);
+    Py_INCREF(nid);
+    PyTuple_SET_ITEM(ref, 1, nid);
+    if (pos) {
+        lkey = PyBytes_FromStringAndSize(k + pos, end - pos);
+        if (lkey == NULL) goto fail;
+    } else {
+        Py_INCREF(kb);
+        lkey = kb;
+    }
+    PyObject *hits = PyLong_FromLong(hits_at ? 1 : 0);
+    if (hits == NULL) goto fail;
+    PyObject *margs[8] = {nid, parent, lkey, ctx, ref, value, tick, hits};
+    leaf = PyObject_Vectorcall(leaf_maker, margs, 8, NULL);
+    Py_DECREF(hits);
+    if (leaf == NULL) goto fail;
+    if (Py_TYPE(leaf) != node_type) {
+        PyErr_SetString(PyExc_TypeError, "add_leaf: the leaf maker made something else");
+        goto fail;
+    }
+    first = PyBytes_FromStringAndSize(k + pos, step);
+    if (first == NULL) goto fail;
+    sort_key = PyObject_CallOneArg(keyfn, leaf);
+    if (sort_key == NULL) goto fail;
+    PyObject *seq_o = get_slot(leaves, off_l_seq, "_seq");
+    if (seq_o == NULL) goto fail;
+    Py_ssize_t seq_n = PyLong_AsSsize_t(seq_o);
+    if (seq_n == -1 && PyErr_Occurred()) goto fail;
+    seq = PyLong_FromSsize_t(seq_n + 1);
+    if (seq == NULL) goto fail;
+    entry = PyTuple_Pack(4, sort_key, nid, seq, leaf);
+    if (entry == NULL) goto fail;
+    int has = PyDict_Contains(children, first);
+    if (has) {
+        if (has > 0) PyErr_SetString(PyExc_ValueError, "add_leaf: the parent has a child for that page already");
+        goto fail;
+    }
+    /* The changes. */
+    if (PyDict_SetItem(children, first, leaf) < 0 || PyDict_SetItem(nodes, nid, leaf) < 0) goto fail;
+    Py_ssize_t n = (end - pos) >> 3;
+    if (add_to_slot(tree, off_t_device_tokens, n, "_device_tokens") < 0 ||
+        add_to_slot(tree, off_t_evictable, n, "_evictable_size") < 0 ||
+        add_to_slot(parent, off_dev_children, 1, "_dev_children") < 0)
+        goto fail;
+    PyObject *dc = SLOT(parent, off_dev_children);
+    if (parent != root && PyLong_AsSsize_t(dc) == 1 && PySet_Discard(members, parent) < 0) goto fail;
+    /* Its first device child: the parent (a device node, as every node on an insert's path is) stops
+     * being an evictable device leaf; with device children already, it was none. */
+    if (hits_at == 1 && PyList_Append(backups, ref) < 0) goto fail;
+    if (PySet_Add(members, leaf) < 0) goto fail;
+    Py_INCREF(seq);
+    Py_XSETREF(SLOT(leaves, off_l_seq), seq);
+    PyObject *hargs[2] = {heap, entry};
+    res = PyObject_Vectorcall(heappush, hargs, 2, NULL);
+    if (res == NULL) goto fail;
+    Py_DECREF(res);
+    if (PyList_GET_SIZE(heap) > 2 * PySet_GET_SIZE(members) + 64) {
+        res = PyObject_CallMethod(leaves, "_compact", NULL);
+        if (res == NULL) goto fail;
+        Py_DECREF(res);
+    }
+    Py_DECREF(nid);
+    Py_DECREF(ref);
+    Py_DECREF(lkey);
+    Py_DECREF(first);
+    Py_DECREF(sort_key);
+    Py_DECREF(seq);
+    Py_DECREF(entry);
+    return leaf;
+fail:
+    Py_XDECREF(nid);
+    Py_XDECREF(ref);
+    Py_XDECREF(lkey);
+    Py_XDECREF(leaf);
+    Py_XDECREF(first);
+    Py_XDECREF(sort_key);
+    Py_XDECREF(seq);
+    Py_XDECREF(entry);
+    return NULL;
+}
+
+PyDoc_STRVAR(all_hashes_doc,
+             "all_hashes(hashes, /) -> bool\n\n"
+             "Whether every item of the list `hashes` is a bytes object (exactly) of 16 bytes: a refill's page\n"
+             "hashes checked in one pass (a Python test per hash cost ~50 us per 1,024 pages).");
+
+static PyObject *all_hashes(PyObject *self, PyObject *hashes) {
+    if (!PyList_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "all_hashes: expected a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        if (!PyBytes_CheckExact(h) || PyBytes_GET_SIZE(h) != 16) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* ---------------------------------------------------------------- index copies */
 
-PyDoc_STRVAR(copy_into_doc,
-             "copy_into(dst, offset, src_address, nbytes, /) -> None\n\n"
-             "Copy `nbytes` bytes from the CPU address `src_address` (a contiguous CPU tensor's data_ptr(), read by\n"
-             "the caller, which keeps the tensor alive and checked it: CPU, contiguous, at least that long) into the\n"
-             "writable buffer `dst` (a numpy array) at byte `offset`. The tree's own copy of a caller's indices\n"
-             "without a torch op (a torch op here costs more than the rest of an insert's bookkeeping).");
+/* A new int64 tensor of `n` elements over numpy memory, its buffer in `*view` (released by the caller after
+ * filling it), or NULL with an exception. */
+static PyObject *new_indices(Py_ssize_t n, PyObject **array, Py_buffer *view) {
+    if (np_empty == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
+        return NULL;
+    }
+    PyObject *len = PyLong_FromSsize_t(n);
+    if (len == NULL) return NULL;
+    PyObject *argv[2] = {len, np_int64};
+    PyObject *arr = PyObject_Vectorcall(np_empty, argv, 2, NULL);
+    Py_DECREF(len);
+    if (arr == NULL) return NULL;
+    if (PyObject_GetBuffer(arr, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    if (view->len != 8 * n) {
+        PyBuffer_Release(view);
+        Py_DECREF(arr);
+        PyErr_SetString(PyExc_ValueError, "new_indices: numpy.empty gave a buffer of the wrong size");
+        return NULL;
+    }
+    *array = arr;
+    return arr;
+}
 
-static PyObject *copy_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_into: expected 4 arguments");
+/* `arr` (a filled numpy array, stolen) viewed as a tensor. */
+static PyObject *as_tensor(PyObject *arr) {
+    PyObject *t = PyObject_CallOneArg(from_numpy, arr);
+    Py_DECREF(arr);
+    return t;
+}
+
+PyDoc_STRVAR(copy_out_doc,
+             "copy_out(src_address, n, /) -> torch.Tensor\n\n"
+             "A new int64 tensor (numpy memory) holding the `n` int64 values at the CPU address `src_address` (a\n"
+             "contiguous CPU int64 tensor's data_ptr() plus an offset, read by the caller, which keeps the tensor\n"
+             "alive and checked it: CPU, contiguous, at least that long). The tree's own copy of a caller's indices.");
+
+static PyObject *copy_out(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_out: expected 2 arguments");
         return NULL;
     }
-    Py_ssize_t offset = PyLong_AsSsize_t(args[1]), nbytes = PyLong_AsSsize_t(args[3]);
-    if ((offset == -1 || nbytes == -1) && PyErr_Occurred()) return NULL;
-    void *src = PyLong_AsVoidPtr(args[2]);
+    void *src = PyLong_AsVoidPtr(args[0]);
     if (src == NULL && PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (offset < 0 || nbytes < 0 || offset > view.len || nbytes > view.len - offset || (nbytes && src == NULL)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "copy_into: the copy does not fit the destination");
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || (n && src == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "copy_out: a negative length or a null address");
         return NULL;
     }
-    memcpy((char *)view.buf + offset, src, (size_t)nbytes);
+    PyObject *arr;
+    Py_buffer view;
+    if (new_indices(n, &arr, &view) == NULL) return NULL;
+    memcpy(view.buf, src, (size_t)(8 * n));
     PyBuffer_Release(&view);
-    Py_RETURN_NONE;
+    return as_tensor(arr);
+}
+
+/* A part's data address and length if it is a contiguous CPU tensor (1), else 0; -1 with an exception. */
+static int cpu_part(PyObject *part, void **addr, Py_ssize_t *n) {
+    PyObject *cpu = PyObject_GetAttr(part, str_is_cpu);
+    if (cpu == NULL) return -1;
+    int ok = cpu == Py_True;
+    Py_DECREF(cpu);
+    if (!ok) return 0;
+    PyObject *cont = PyObject_CallMethodNoArgs(part, str_is_contiguous);
+    if (cont == NULL) return -1;
+    ok = cont == Py_True;
+    Py_DECREF(cont);
+    if (!ok) return 0;
+    PyObject *ptr = PyObject_CallMethodNoArgs(part, str_data_ptr);
+    if (ptr == NULL) return -1;
+    *addr = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    if (*addr == NULL && PyErr_Occurred()) return -1;
+    PyObject *numel = PyObject_CallMethodNoArgs(part, str_numel);
+    if (numel == NULL) return -1;
+    *n = PyLong_AsSsize_t(numel);
+    Py_DECREF(numel);
+    if (*n == -1 && PyErr_Occurred()) return -1;
+    return 1;
+}
+
+#define JOIN_MAX 64
+
+PyDoc_STRVAR(join_doc,
+             "join(parts, /) -> torch.Tensor | None\n\n"
+             "The 1-D int64 tensors `parts` (a tuple or list) joined into one new tensor (numpy memory), or None\n"
+             "when a part is not a contiguous CPU tensor or there are more than 64 parts (the caller then joins\n"
+             "them with torch.cat). The caller checked the dtype and dimensions.");
+
+static PyObject *join(PyObject *self, PyObject *parts) {
+    PyObject *seq = PySequence_Fast(parts, "join: expected a tuple or list of tensors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    if (k > JOIN_MAX) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
+    void *addrs[JOIN_MAX];
+    Py_ssize_t lens[JOIN_MAX], total = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int r = cpu_part(PySequence_Fast_GET_ITEM(seq, i), &addrs[i], &lens[i]);
+        if (r <= 0) {
+            Py_DECREF(seq);
+            if (r < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+        if (lens[i] && addrs[i] == NULL) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "join: a part with a null address");
+            return NULL;
+        }
+        total += lens[i];
+    }
+    PyObject *arr;
+    Py_buffer view;
+    if (new_indices(total, &arr, &view) == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    char *dst = view.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        memcpy(dst, addrs[i], (size_t)(8 * lens[i]));
+        dst += 8 * lens[i];
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(seq); /* the parts (and their memory) stayed alive through the copy */
+    return as_tensor(arr);
 }
 
 /* ---------------------------------------------------------------- records made without __init__ */
@@ -320,10 +687,16 @@ static PyObject *make_maker(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_O, "bind(node_class, /) -> None\n\nResolve the slots of the tree's node class (once)."},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(node_class, np_empty, np_int64, from_numpy, /) -> None\n\nResolve the slots of the tree's node class and "
+     "keep the makers of its index tensors (once)."},
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL, walk_doc},
     {"maker", (PyCFunction)(void (*)(void))make_maker, METH_FASTCALL, maker_doc},
-    {"copy_into", (PyCFunction)(void (*)(void))copy_into, METH_FASTCALL, copy_into_doc},
+    {"copy_out", (PyCFunction)(void (*)(void))copy_out, METH_FASTCALL, copy_out_doc},
+    {"bind_tree", (PyCFunction)(void (*)(void))bind_tree, METH_FASTCALL, bind_tree_doc},
+    {"add_leaf", (PyCFunction)(void (*)(void))add_leaf, METH_FASTCALL, add_leaf_doc},
+    {"all_hashes", all_hashes, METH_O, all_hashes_doc},
+    {"join", join, METH_O, join_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -71,21 +71,16 @@ class LeafSet:
             self.members.add(node)
             self.push(node)
 
-    def add_new(self, node: TreeNode) -> None:
-        """Make `node`, which never was a member (a node just made), one (`push` inlined: once per insert)."""
-        self.members.add(node)
-        self._seq = seq = self._seq + 1
-        heap = self._heap
-        heapq.heappush(heap, (self._key(node), node.id, seq, node))
-        if len(heap) > 2 * len(self.members) + 64:
-            self._compact()
-
     def discard(self, node: TreeNode) -> None:
         """Remove `node` from the members (its heap entries die lazily)."""
         self.members.discard(node)
 
     def push(self, node: TreeNode) -> None:
-        """Record `node`'s current key (after its key decreased, or to return a popped member)."""
+        """Record `node`'s current key (after its key decreased, or to return a popped member).
+
+        An insert's new leaf joins its tree's device leaves the same way in C (`node.add_leaf`: a member, an
+        entry `(key, id, seq, node)` pushed, a compaction past `2 * len + 64` entries).
+        """
         self._seq += 1
         heapq.heappush(self._heap, (self._key(node), node.id, self._seq, node))
         if len(self._heap) > 2 * len(self.members) + 64:

@@ -21,9 +21,21 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "build it with `make native`, `pip install -e .` or `python setup.py build_ext --inplace`"
     ) from exc
 
-__all__ = ["ComponentData", "TreeNode", "copy_indices", "join_indices", "maker", "new_node", "walk"]
+__all__ = [
+    "ComponentData",
+    "TreeNode",
+    "add_leaf",
+    "all_hashes",
+    "bind_tree",
+    "copy_indices",
+    "join_indices",
+    "maker",
+    "new_leaf",
+    "new_node",
+    "walk",
+]
 
-_WALK_BUILD = 4
+_WALK_BUILD = 5
 if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
     raise ImportError(
         f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
@@ -205,35 +217,40 @@ class TreeNode:
         )
 
 
-_hicache_tree.bind(TreeNode)
+_hicache_tree.bind(TreeNode, np.empty, np.int64, torch.from_numpy)
 maker = _hicache_tree.maker
 """`maker(cls, fields, defaults)`: a C constructor of a `__slots__` class that skips `__init__` (the tree's
 records on the hot path: nodes, `MatchResult`, `InsertResult`)."""
 
+_NODE_DEFAULTS: dict[str, object] = {
+    "children": dict,  # a fresh dict per node
+    "device_value": None,
+    "host_value": None,
+    "backup_pending": None,
+    "device_lock": 0,
+    "host_lock": 0,
+    "hit_count": 0,
+    "last_access": 0,
+    "priority": 0,
+    "components": None,
+    "_dev_children": 0,
+    "_hashes": None,
+    "_backup_owner": None,
+    "_path_indices": None,
+}
 new_node: Callable[[int, TreeNode | None, bytes, tuple[int, Namespace], NodeRef], TreeNode] = (
-    _hicache_tree.maker(
-        TreeNode,
-        ("id", "parent", "key", "_ctx", "_ref"),
-        {
-            "children": dict,  # a fresh dict per node
-            "device_value": None,
-            "host_value": None,
-            "backup_pending": None,
-            "device_lock": 0,
-            "host_lock": 0,
-            "hit_count": 0,
-            "last_access": 0,
-            "priority": 0,
-            "components": None,
-            "_dev_children": 0,
-            "_hashes": None,
-            "_backup_owner": None,
-            "_path_indices": None,
-        },
-    )
+    _hicache_tree.maker(TreeNode, ("id", "parent", "key", "_ctx", "_ref"), _NODE_DEFAULTS)
 )
 """`new_node(id, parent, key, ctx, ref)`: a node holding nothing yet (made in C, without a Python `__init__`:
 it is on the insert path)."""
+_LEAF_FIELDS = ("id", "parent", "key", "_ctx", "_ref", "device_value", "last_access", "hit_count")
+new_leaf: Callable[
+    [int, TreeNode, bytes, tuple[int, Namespace], NodeRef, torch.Tensor, int, int], TreeNode
+] = _hicache_tree.maker(
+    TreeNode, _LEAF_FIELDS, {k: v for k, v in _NODE_DEFAULTS.items() if k not in _LEAF_FIELDS}
+)
+"""`new_leaf(id, parent, key, ctx, ref, device_value, last_access, hit_count)`: an insert's new device leaf
+(as `new_node`, with the three slots an insert sets filled by the maker)."""
 walk: Callable[
     [TreeNode, bytes, int, int, int, TreeNode, list[torch.Tensor] | None, list[NodeRef] | None, int],
     tuple[int, TreeNode, TreeNode, TreeNode | None, int],
@@ -244,38 +261,34 @@ from byte `pos` below `node` through the children the key covers whole and that 
 and the child it stopped before (matched in part, or not on the device) with the key bytes of it that
 match, or `None`."""
 
-_copy_into = _hicache_tree.copy_into
-_from_numpy = torch.from_numpy
-_np_empty = np.empty
-_NP_INT64 = np.int64
+add_leaf: Callable[..., TreeNode] = _hicache_tree.add_leaf
+"""`add_leaf(tree, parent, key, pos, value, tick, backups, backup_hits)`: an insert's new device leaf, made and
+counted in C (native/hicache_tree.c has the contract; `RadixTree` binds its slots with `bind_tree`)."""
+all_hashes: Callable[[list[bytes]], bool] = _hicache_tree.all_hashes
+"""`all_hashes(hashes)`: whether every item of the list is a bytes object of 16 bytes (in C: one pass)."""
+bind_tree: Callable[..., None] = _hicache_tree.bind_tree
+"""`bind_tree(tree_class, leaf_set_class, ref_class, leaf_maker, heappush)`: what `add_leaf` needs (once)."""
+
+_copy_out = _hicache_tree.copy_out
+_join = _hicache_tree.join
 
 
 def copy_indices(src: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """The tree's own copy of `src[start:start + n]` (a 1-D int64 tensor the caller checked).
 
-    On the CPU the copy is numpy memory filled in C (`_hicache_tree.copy_into`) and viewed as a tensor:
-    about a third of `narrow_copy`'s cost, which was a quarter of an insert's instructions (a torch op
-    costs 8-12k of them); elsewhere (a CUDA tensor, a strided one) it is `narrow_copy`.
+    On the CPU the copy is numpy memory filled in C (`_hicache_tree.copy_out`: one call) and viewed as a
+    tensor, cheaper than `narrow_copy` (a torch op costs 8-12k instructions, about a quarter of an insert);
+    elsewhere (a CUDA tensor, a strided one) it is `narrow_copy`.
     """
     if src.is_cpu and src.is_contiguous():
-        out = _np_empty(n, _NP_INT64)
-        _copy_into(out, 0, src.data_ptr() + 8 * start, 8 * n)
-        return _from_numpy(out)
+        out: torch.Tensor = _copy_out(src.data_ptr() + 8 * start, n)
+        return out
     return src.narrow_copy(0, start, n)
 
 
 def join_indices(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """`torch.cat(parts)` of 1-D int64 tensors, into numpy memory filled in C when all are contiguous on the
-    CPU (a match's joined device indices: one join per first match of a path)."""
-    total = 0
-    for p in parts:
-        if not (p.is_cpu and p.is_contiguous()):
-            return torch.cat(list(parts))
-        total += p.numel()
-    out = _np_empty(total, _NP_INT64)
-    offset = 0
-    for p in parts:
-        nbytes = 8 * p.numel()
-        _copy_into(out, offset, p.data_ptr(), nbytes)
-        offset += nbytes
-    return _from_numpy(out)
+    CPU (`_hicache_tree.join`, one call: a match's joined device indices, one join per first match of a
+    path)."""
+    out: torch.Tensor | None = _join(parts)
+    return torch.cat(list(parts)) if out is None else out

@@ -15,6 +15,7 @@ handles (`handles`), never nodes.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from hicache.tree.checks import cat_indices, check_tier
 from hicache.tree.component_book import ComponentBook
 from hicache.tree.handles import ComponentInfo, HeldIndices, NodeInfo, NodeRef
 from hicache.tree.leaf_set import LeafSet
-from hicache.tree.node import TreeNode, new_node
+from hicache.tree.node import TreeNode, bind_tree, new_leaf, new_node
 from hicache.tree.results import (
     EMPTY_INDICES,
     BranchStatistics,
@@ -63,6 +64,36 @@ class RadixTree:
         ValueError: a page size below 1, a threshold below 1, an unknown policy name, or two components
             with one name.
     """
+
+    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets. A `__dict__` as
+    # well, so an instance still takes other attributes (tests wrap its methods to count calls).
+    __slots__ = (
+        "__dict__",
+        "_backup_hits",
+        "_book",
+        "_clock",
+        "_ctx",
+        "_device_leaves",
+        "_device_tokens",
+        "_evictable_host",
+        "_evictable_size",
+        "_host_leaves",
+        "_host_tokens",
+        "_ids",
+        "_nodes",
+        "_path_cache_tokens",
+        "_pending_tokens",
+        "_protected_size",
+        "_reclaimable_host",
+        "_root",
+        "_serial",
+        "_step",
+        "eviction_policy",
+        "namespace",
+        "page_size",
+        "write_policy",
+        "write_through_threshold",
+    )
 
     def __init__(
         self,
@@ -108,7 +139,6 @@ class RadixTree:
         self._nodes: dict[int, TreeNode] = {0: self._root}  # every live node by id, to resolve handles
         self._device_leaves = LeafSet(self.eviction_policy)
         self._host_leaves = LeafSet(self.eviction_policy)
-        self._num_nodes = 0
         self._device_tokens = 0
         self._host_tokens = 0
         self._pending_tokens = 0
@@ -234,7 +264,6 @@ class RadixTree:
         upper.children[rest[: self._step]] = node
         parent.children[upper.key[: self._step]] = upper
         self._nodes[upper.id] = upper
-        self._num_nodes += 1
         return upper
 
     def _new_node(self, parent: TreeNode, key: bytes) -> TreeNode:
@@ -242,7 +271,6 @@ class RadixTree:
         node = new_node(nid, parent, key, self._ctx, _new_ref(NodeRef, (self._serial, nid)))
         parent.children[key[: self._step]] = node
         self._nodes[node.id] = node
-        self._num_nodes += 1
         return node
 
     def _detach(self, node: TreeNode) -> None:
@@ -257,7 +285,6 @@ class RadixTree:
         self._host_leaves.discard(node)
         node.parent = None
         del self._nodes[node.id]
-        self._num_nodes -= 1
         self._refresh(parent)
 
     def _take_frees(self) -> tuple[ComponentFree, ...]:
@@ -412,7 +439,7 @@ class RadixTree:
     def statistics(self) -> TreeStatistics:
         """A snapshot of the tree's sizes (O(1): the counters are kept incrementally)."""
         return TreeStatistics(
-            num_nodes=self._num_nodes,
+            num_nodes=len(self._nodes) - 1,  # every live node but the root
             device_tokens=self._device_tokens,
             host_tokens=self._host_tokens,
             pending_backup_tokens=self._pending_tokens,
@@ -587,3 +614,6 @@ class RadixTree:
             f"evictable_device_tokens={s.evictable_device_tokens}, device_leaves={len(self._device_leaves)}, "
             f"host_leaves={len(self._host_leaves)})"
         )
+
+
+bind_tree(RadixTree, LeafSet, NodeRef, new_leaf, heapq.heappush)

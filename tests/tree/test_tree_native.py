@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import _hicache_tree
+from hicache.keys import ROOT_HASH, chained_page_hashes
 from hicache.tree import RadixTree
 from hicache.tree.node import TreeNode, new_node
 from hicache.tree.results import InsertResult, MatchResult, make_insert, make_match
@@ -147,17 +148,73 @@ def test_a_strided_insert_is_copied_by_torch_and_joins_match_torch_cat() -> None
     tree.sanity_check()
 
 
-def test_copy_into_refuses_a_copy_past_the_destination() -> None:
-    """Guards against `copy_into` writing past its destination buffer (its caller passes raw addresses)."""
-    import numpy as np
-
-    dst = np.zeros(4, dtype=np.int64)
+def test_copy_out_and_join_refuse_what_they_cannot_copy() -> None:
+    """Guards against the C copies reading a null address or a part that is not CPU memory they may read
+    (their callers pass raw addresses; a part they cannot read must fall back to `torch.cat`)."""
     src = torch.arange(8, dtype=torch.int64)
-    _hicache_tree.copy_into(dst, 8, src.data_ptr(), 24)
-    assert dst.tolist() == [0, 0, 1, 2]
-    with pytest.raises(ValueError, match="does not fit"):
-        _hicache_tree.copy_into(dst, 8, src.data_ptr(), 32)
-    with pytest.raises(ValueError, match="does not fit"):
-        _hicache_tree.copy_into(dst, -8, src.data_ptr(), 8)
-    with pytest.raises(BufferError):
-        _hicache_tree.copy_into(b"read-only", 0, src.data_ptr(), 1)
+    assert _hicache_tree.copy_out(src.data_ptr() + 16, 3).tolist() == [2, 3, 4]
+    assert _hicache_tree.copy_out(0, 0).numel() == 0
+    with pytest.raises(ValueError, match="null address"):
+        _hicache_tree.copy_out(0, 4)
+    with pytest.raises(ValueError, match="negative"):
+        _hicache_tree.copy_out(src.data_ptr(), -1)
+    assert _hicache_tree.join((src[:2], src[6:])).tolist() == [0, 1, 6, 7]
+    assert _hicache_tree.join((src[:2], src[::2])) is None  # strided: the caller uses torch.cat
+    assert _hicache_tree.join([src[:1]] * 65) is None  # more parts than the C join takes
+    with pytest.raises(TypeError):
+        _hicache_tree.join(3)
+
+
+def test_a_leaf_made_in_c_is_counted_like_one_made_in_python() -> None:
+    """Guards against `add_leaf` (an insert's new leaf, made and counted in C) missing a slot, a counter or
+    the leaf set: every slot is set, and the counters, the node table and the evictable device leaves it
+    keeps are what `sanity_check` recomputes, for a leaf below the root and below a device leaf (which
+    stops being an evictable leaf)."""
+    tree = RadixTree(PAGE)
+    first = tree.insert(_key(1, 2), torch.arange(2, dtype=torch.int64))
+    second = tree.insert(_key(1, 2, 3, 4), torch.arange(10, 14, dtype=torch.int64))
+    leaf = tree._require_live(second.node)
+    for name in TreeNode.__slots__:
+        getattr(leaf, name)
+    assert leaf.key == _key(3, 4)
+    assert leaf.hit_count == 1
+    assert leaf.last_access == tree._clock
+    assert first.backups == (first.node,)
+    assert second.backups == (first.node, second.node)
+    assert tree._device_leaves.members == {leaf}
+    stats = tree.statistics()
+    assert (stats.num_nodes, stats.device_tokens, stats.evictable_device_tokens) == (2, 4, 4)
+    tree.sanity_check()
+
+
+def test_add_leaf_refuses_a_page_the_parent_has_a_child_for() -> None:
+    """Guards against `add_leaf` replacing an existing child (its caller walked to a missing child first):
+    a call for a page taken, or a position that is no whole page, raises and changes nothing."""
+    tree = _tree_with(_key(1, 2))
+    before = tree.statistics()
+    with pytest.raises(ValueError, match="has a child"):
+        _hicache_tree.add_leaf(tree, tree._root, _key(1, 2), 0, torch.arange(2), 1, [], 1)
+    with pytest.raises(ValueError, match="whole pages"):
+        _hicache_tree.add_leaf(tree, tree._root, _key(5, 6, 7), 0, torch.arange(2), 1, [], 1)
+    assert tree.statistics() == before
+    tree.sanity_check()
+
+
+def test_insert_host_keeps_its_own_copy_and_checks_every_hash() -> None:
+    """Guards against `insert_host`'s C copy sharing or misreading the caller's host indices (writing into
+    them afterwards changes nothing) and against its one-pass hash check letting through a hash that is
+    not 16 bytes (or not exactly `bytes`): such a refill raises and attaches nothing."""
+    tree = RadixTree(PAGE)
+    key = _key(1, 2, 3, 4)
+    good = chained_page_hashes(key, PAGE, tree.namespace, ROOT_HASH)
+    for bad in ([bytes(16), bytes(15)], [bytes(16), bytearray(16)]):
+        with pytest.raises(TypeError, match="16-byte"):
+            tree.insert_host(tree.root, key, torch.arange(4, dtype=torch.int64), bad)  # type: ignore[arg-type]
+        assert tree.statistics().num_nodes == 0
+    indices = torch.arange(100, 106, dtype=torch.int64)
+    caller = indices[2:]  # a view at an offset into a larger storage
+    result = tree.insert_host(tree.root, key, caller, good)
+    expected = caller.clone()
+    caller.fill_(-1)
+    assert torch.equal(tree.node_info(result.node).host_value, expected)  # type: ignore[arg-type]
+    tree.sanity_check()

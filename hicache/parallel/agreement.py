@@ -51,7 +51,7 @@ import torch
 from hicache.parallel.decision import NONE, Decision, decode_max, encode_max
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError
 from hicache.parallel.group import RankGroup
-from storage_backends.cancellation import StopScope
+from storage_backends.cancellation import StopScope, uncancellable
 
 __all__ = [
     "AGREEMENT_CAPACITY",
@@ -476,14 +476,19 @@ class Agreement:
         While `local()` runs, this rank keeps stepping, so a peer waiting for the agreement never waits in
         a collective for this rank's I/O (only for its next step). `local()`'s result settles the
         decision; if it raises, the decision settles to its default and, once agreed, the error is
-        re-raised. If the caller is cancelled, the decision settles to its default (peers resolve it at
-        this rank's next step; one rank leaves it unsettled, to agree again) and the cancellation
-        propagates.
+        re-raised. `agree_on` returns or raises only once `local()` has ended. Cancellation, two cases:
+
+        - before the ranks agreed: the decision settles to its default (peers resolve it at this rank's
+          next step; one rank leaves it unsettled, to agree again), `local()` is cancelled and the
+          cancellation propagates;
+        - after (the decision was settled before `local()` ended: by `local()` itself, as a backup's copy
+          does, or by its deadline): the ranks' decision is taken, so `local()` runs to its end all the
+          same, then the cancellation propagates; the agreed value is `decision.result`.
 
         Raises:
             RankFailed, RankDivergence: as `step()`; whatever `local()` raised.
         """
-        failure: list[BaseException] = []
+        failure: list[Exception] = []
 
         async def run_local() -> None:
             try:
@@ -492,24 +497,17 @@ class Agreement:
                 failure.append(exc)
                 decision.settle(decision.default)
 
+        local_run = asyncio.ensure_future(run_local())
         try:
-            if self.local:
-                await run_local()
-                agreed = await decision.wait()
-            else:
-                error: Exception | None = None
-                agreed = decision.default
-                async with asyncio.TaskGroup() as tg:
-                    local_run = tg.create_task(run_local())
-                    try:
-                        agreed = await self.agree(decision)
-                    except Exception as exc:  # kept out of the group: raised as itself, not in a group
-                        error = exc
-                        local_run.cancel()
-                if error is not None:
-                    raise error
+            try:
+                agreed = await self.agree(decision)
+            finally:
+                if decision.result is None:  # failed or cancelled before the ranks agreed
+                    local_run.cancel()
+                if not local_run.done():  # agreed: this rank's part ends whole, whatever comes meanwhile
+                    await uncancellable(asyncio.wait((local_run,)))
         except BaseException:
-            if not self.local:  # peers resolve it at this rank's next step; one rank may agree it again
+            if not self.local:  # one rank leaves it unsettled, to agree again
                 decision.settle(decision.default)  # no-op if already settled
             raise
         if failure:

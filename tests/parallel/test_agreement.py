@@ -307,3 +307,39 @@ async def test_steps_that_complete_at_once_still_let_the_loop_run_other_tasks() 
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert turns - before >= 10
+
+
+async def test_a_cancellation_after_the_ranks_agreed_lets_the_local_part_end_then_propagates() -> None:
+    """Guards against `agree_on` cutting this rank's local part short once the ranks had agreed: the local
+    part settled the decision before it ended (as a backup's copy does; a decision's deadline does the
+    same), the agreement returned, and a cancellation that came while `agree_on` waited for the local
+    part to end cancelled it half-way (the task group's exit cancels its children) and left at once. Now
+    the local part runs to its end, then the cancellation propagates; the agreed value is on the
+    decision."""
+    agreement = Agreement(DivergentPeerGroup(diverges_at=None))
+    decision = agreement.propose("backup", "a")
+    rest_of_the_work = asyncio.Event()
+    ended: list[str] = []
+
+    async def local() -> int:
+        decision.settle(4)
+        try:
+            await rest_of_the_work.wait()
+        except asyncio.CancelledError:
+            ended.append("cut short")
+            raise
+        ended.append("whole")
+        return 4
+
+    caller = asyncio.ensure_future(agreement.agree_on(decision, local))
+    await anyio.wait_all_tasks_blocked()
+    assert decision.result == 4  # agreed: `agree_on` now only waits for the local part
+    caller.cancel()
+    await anyio.wait_all_tasks_blocked()
+    assert ended == []
+    assert not caller.done()
+    rest_of_the_work.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert ended == ["whole"]
+    assert agreement.statistics().pending == 0

@@ -25,11 +25,11 @@ rank at the first step that sees both; a decision one rank proposed and a peer, 
 proposed for longer than the group's timeout raises `RankDivergence` on the proposing rank (the peer's
 next collective then times out with `RankFailed`), so no loop steps forever.
 
-What a step costs beyond its collective: building and reading the fixed-shape tensor (numpy, over the
-pending decisions only), and no thread hop: the collective runs on the backend's thread and the loop
-waits for it at most 1 ms (`RankGroup.min_reduce_then`) before its completion wakes the event loop, where
-the step completes even if its caller was cancelled meanwhile (so no shield); a step that completed in
-that wait gives the loop one turn all the same. How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
+What a step costs beyond its collective: filling the fixed-shape tensor (numpy, over the pending
+decisions only, in one buffer the steps reuse) and reading the reduced one, and no thread hop: the
+collective runs on the backend's thread; the loop takes one turn while it runs, then waits for it at most
+1 ms (`RankGroup.min_reduce_on_loop`) before its completion wakes the event loop, where the step
+completes even if its caller was cancelled meanwhile (so no shield). How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
 timeout, 1 s at most) to settle its own decisions, while a peer that has settled waits in the collective,
 so a value settled late resolves in one step, not after idle ones; the header carries how many decisions
 the neediest rank holds, so the step that resolves the last one is the last step. With no group, or a group of one rank, a settled decision is
@@ -158,6 +158,9 @@ class Agreement:
         self._template[:, 0] = 0
         self._template[:_HEADER, 0] = 1
         self._template[:_HEADER, 1] = 1
+        self._rows = self._template.copy()
+        self._tensor = torch.from_numpy(self._rows)
+        """What every step's collective carries (`_rows` as a tensor, sharing its memory)."""
         self._absent_on_peer = False
         """Whether the last step saw a decision of the window that some rank has not proposed yet."""
 
@@ -235,7 +238,8 @@ class Agreement:
     def _build(self, busy: bool, now: float) -> tuple[torch.Tensor, int]:
         base = self._base()
         step = self._steps
-        rows = self._template.copy()
+        rows = self._rows  # reused: the previous step's collective ended (steps run one at a time)
+        np.copyto(rows, self._template)
         # Row 0: NONE - (this rank's pending decisions, plus `_BUSY` when busy): the minimum says how
         # many the neediest rank holds, so every rank knows alike whether any is left after the step.
         rows[0, 1:] = (NONE - len(self._pending) - (_BUSY if busy else 0), step, step, -step)
@@ -251,7 +255,7 @@ class Agreement:
             local = d._local
             key = d.key_hash
             rows[_HEADER + i] = (1, 0, NONE, key, -key) if local is None else (1, 1, local, key, -key)
-        return torch.from_numpy(rows), base
+        return self._tensor, base
 
     async def step(self, *, busy: bool = False) -> StepResult:
         """Run one agreement step: one collective over every pending decision, resolving each one that
@@ -309,14 +313,15 @@ class Agreement:
                 waiter.set_result(outcome)
 
         self._stepping = True
-        group.min_reduce_then(tensor, finished)
-        if not waiter.done():
-            return await waiter
-        # Completed within the group's short wait: one turn of the loop all the same, so a loop that
-        # steps (`drive`) never keeps the rest of the loop (this rank's I/O, its settlements) out.
-        waiter.exception()  # retrieved: a cancellation in the turn below leaves no unretrieved error
-        await asyncio.sleep(0)
-        return waiter.result()
+        try:
+            # One turn of the loop while the collective runs, so a loop that steps (`drive`) never keeps
+            # the rest of the loop (this rank's I/O, its settlements) out, even when each collective
+            # completes within the group's short wait (then `waiter` is done on return: no second turn).
+            await group.min_reduce_on_loop(tensor, finished)
+        except BaseException:
+            waiter.cancel()  # nobody waits for the step's outcome any more: `finished` drops it
+            raise
+        return await waiter
 
     def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
         """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's
@@ -454,7 +459,8 @@ class Agreement:
                     decision.settle(decision.default)
             return await decision.wait()
         while not decision.resolved:
-            await self._wait_settled(decision)
+            if decision._local is None:
+                await self._wait_settled(decision)
             result = await self.step(busy=True)
             if not decision.resolved and not result.resolved:
                 await self._after_idle_step()

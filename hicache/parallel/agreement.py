@@ -158,9 +158,11 @@ class Agreement:
         self._template[:, 0] = 0
         self._template[:_HEADER, 0] = 1
         self._template[:_HEADER, 1] = 1
-        self._rows = self._template.copy()
-        self._tensor = torch.from_numpy(self._rows)
-        """What every step's collective carries (`_rows` as a tensor, sharing its memory)."""
+        rows = self._template.copy()
+        self._tensor = torch.from_numpy(rows)
+        """What every step's collective carries: one buffer, refilled by each step (`_cells`)."""
+        self._cells = memoryview(rows).cast("B").cast("q")
+        self._template_cells = memoryview(self._template).cast("B").cast("q")
         self._absent_on_peer = False
         """Whether the last step saw a decision of the window that some rank has not proposed yet."""
 
@@ -238,12 +240,17 @@ class Agreement:
     def _build(self, busy: bool, now: float) -> tuple[torch.Tensor, int]:
         base = self._base()
         step = self._steps
-        rows = self._rows  # reused: the previous step's collective ended (steps run one at a time)
-        np.copyto(rows, self._template)
+        # Written through a flat int64 view of the one buffer the steps reuse (the previous step's
+        # collective has ended: steps run one at a time): an item costs no numpy conversion.
+        cells = self._cells
+        cells[:] = self._template_cells
         # Row 0: NONE - (this rank's pending decisions, plus `_BUSY` when busy): the minimum says how
         # many the neediest rank holds, so every rank knows alike whether any is left after the step.
-        rows[0, 1:] = (NONE - len(self._pending) - (_BUSY if busy else 0), step, step, -step)
-        rows[1, 2:] = (base, base, -base)
+        cells[1] = NONE - len(self._pending) - (_BUSY if busy else 0)
+        cells[2] = cells[3] = step
+        cells[4] = -step
+        cells[_FIELDS + 2] = cells[_FIELDS + 3] = base  # row 1
+        cells[_FIELDS + 4] = -base
         for seq, d in self._pending.items():  # in the order of proposals: the window is a prefix
             i = seq - base
             if i >= self.capacity:
@@ -254,7 +261,13 @@ class Agreement:
                 d._local = d.default
             local = d._local
             key = d.key_hash
-            rows[_HEADER + i] = (1, 0, NONE, key, -key) if local is None else (1, 1, local, key, -key)
+            j = (_HEADER + i) * _FIELDS
+            cells[j] = 1
+            if local is not None:
+                cells[j + 1] = 1
+                cells[j + 2] = local
+            cells[j + 3] = key
+            cells[j + 4] = -key
         return self._tensor, base
 
     async def step(self, *, busy: bool = False) -> StepResult:
@@ -326,8 +339,9 @@ class Agreement:
     def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
         """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's
         completion)."""
-        agreed = reduced.numpy()
-        (_, left, _, step_lo, step_neg), (_, _, _, base_lo, base_neg) = agreed[:_HEADER].tolist()
+        agreed = memoryview(reduced.contiguous().numpy()).cast("B").cast("q")  # flat, item by item
+        left, step_lo, step_neg = agreed[1], agreed[3], agreed[4]
+        base_lo, base_neg = agreed[_FIELDS + 3], agreed[_FIELDS + 4]
         if step_lo != -step_neg or base_lo != -base_neg:
             raise RankDivergence(
                 f"rank {group.tp_rank}: ranks are at different agreement steps or bases (this rank: step "
@@ -345,7 +359,8 @@ class Agreement:
             i = seq - base
             if i >= self.capacity:
                 break
-            present, ready, value, key_lo, key_neg = agreed[_HEADER + i].tolist()
+            j = (_HEADER + i) * _FIELDS
+            present, ready, value, key_lo, key_neg = agreed[j : j + _FIELDS].tolist()
             if present != 1:
                 # Some rank has not proposed it yet: a late rank is fine for a while, but a peer that
                 # keeps stepping without ever proposing it would make every loop step forever.

@@ -88,7 +88,7 @@ class RankGroup:
         """Whether `min_reduce_on_loop`'s last collective completed within the short wait's bound."""
         self._min_what = "all_gather" if self.backend == "gloo" else "all_reduce(MIN)"
         self._gathered: torch.Tensor | None = None
-        """gloo: the buffer `_start_min_reduce`'s all-gather fills (one size at a time, kept)."""
+        """gloo: the buffer `_start_min_reduce`'s all-gather fills (one shape at a time, kept)."""
         self.readiness: RankGroup | None = None
         """The group of the per-layer readiness collectives (`readiness_process_group`), or None."""
         if readiness_process_group is not None:

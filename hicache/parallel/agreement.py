@@ -161,8 +161,8 @@ class Agreement:
         rows = self._template.copy()
         self._tensor = torch.from_numpy(rows)
         """What every step's collective carries: one buffer, refilled by each step (`_cells`)."""
-        self._cells = memoryview(rows).cast("B").cast("q")
-        self._template_cells = memoryview(self._template).cast("B").cast("q")
+        self._cells = rows.data.cast("B").cast("q")
+        self._template_cells = self._template.data.cast("B").cast("q")
         self._absent_on_peer = False
         """Whether the last step saw a decision of the window that some rank has not proposed yet."""
 
@@ -339,7 +339,7 @@ class Agreement:
     def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
         """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's
         completion)."""
-        agreed = memoryview(reduced.contiguous().numpy()).cast("B").cast("q")  # flat, item by item
+        agreed = reduced.contiguous().numpy().data.cast("B").cast("q")  # flat, item by item
         left, step_lo, step_neg = agreed[1], agreed[3], agreed[4]
         base_lo, base_neg = agreed[_FIELDS + 3], agreed[_FIELDS + 4]
         if step_lo != -step_neg or base_lo != -base_neg:

@@ -34,6 +34,9 @@ _INLINE_WAIT_S = 0.001
 _INLINE_WAIT = datetime.timedelta(seconds=_INLINE_WAIT_S)
 """How long `min_reduce_on_loop` waits on the loop for its collective before it parks (the least
 `Work.wait` takes: its timeout is whole milliseconds, and 0 means no timeout)."""
+_SLOW_IN_A_ROW = 2
+"""After this many collectives in a row slower than `_INLINE_WAIT_S`, `min_reduce_on_loop` stops waiting on
+the loop (until one completes within it again)."""
 
 
 def _check_seconds(name: str, value: object) -> float:
@@ -84,8 +87,9 @@ class RankGroup:
         """Collectives this rank has run on the group (every rank runs the same number)."""
         self.inline_completions = 0
         """Collectives of `min_reduce_on_loop` that completed by the end of its short wait on the loop."""
-        self._inline_ok = True
-        """Whether `min_reduce_on_loop`'s last collective completed within the short wait's bound."""
+        self._slow_in_a_row = 0
+        """How many of `min_reduce_on_loop`'s last collectives in a row took longer than the short wait's
+        bound (it waits while fewer than `_SLOW_IN_A_ROW` did)."""
         self._min_what = "all_gather" if self.backend == "gloo" else "all_reduce(MIN)"
         self._gathered: torch.Tensor | None = None
         """gloo: the buffer `_start_min_reduce`'s all-gather fills (one shape at a time, kept)."""
@@ -345,25 +349,29 @@ class _LoopReduction:
 
     def wait_briefly(self) -> None:
         """After the caller's turn: end here if the collective completed; else, on gloo and after a
-        collective that completed within `_INLINE_WAIT_S`, wait for it on the loop that long (the GIL
+        collective of the last two that completed within `_INLINE_WAIT_S`, wait for it on the loop that
+        long (the GIL
         released: the peers are usually in the same step, and one that completes within the bound costs
         one wake of this thread instead of the backend thread's callback, the loop's self-pipe and a
-        second loop turn, ~125 us at TP 2 on 2 cores, BENCHMARKS.md); else park. (NCCL's `wait` does
+        second loop turn, ~125 us at TP 2 on 2 cores, BENCHMARKS.md; at TP 2 under load, most collectives
+        right after a slow one completed within the bound: skipping after one slow one missed them, while
+        at TP 4 on 2 cores slow ones come in runs); else park. (NCCL's `wait` does
         not wait for the host: the callback path only.)"""
         if self._on_done is None or self._work is None:
             return
         group = self._group
         work = self._work
-        if group.backend != "gloo" or (not group._inline_ok and not work.is_completed()):
+        slow = group._slow_in_a_row >= _SLOW_IN_A_ROW
+        if group.backend != "gloo" or (slow and not work.is_completed()):
             self.park()
             return
         try:
             work.wait(timeout=_INLINE_WAIT)
         except Exception:  # still running (or failed: its future says so, in `_completed`)
-            group._inline_ok = False
-            self.park()
+            self.park()  # counted slow when it completes (`_completed`)
             return
         group.inline_completions += 1
+        group._slow_in_a_row = 0
         self._settle()
 
     def park(self) -> None:
@@ -386,7 +394,8 @@ class _LoopReduction:
         if self._on_done is None:
             return
         group = self._group
-        group._inline_ok = time.perf_counter() - self._started < _INLINE_WAIT_S
+        fast = time.perf_counter() - self._started < _INLINE_WAIT_S
+        group._slow_in_a_row = 0 if fast else group._slow_in_a_row + 1
         try:
             fut.value()
         except Exception as exc:

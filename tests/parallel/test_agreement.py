@@ -225,7 +225,7 @@ class DivergentPeerGroup(RankGroup):
     def __init__(self, diverges_at: int | None, timeout_s: float = 30.0) -> None:
         self.tp_rank, self.tp_size, self.timeout_s = 0, 2, timeout_s
         self.backend, self._min_what = "gloo", "all_gather"
-        self._lock, self._failed, self._inline_ok = threading.Lock(), None, True
+        self._lock, self._failed, self._slow_in_a_row = threading.Lock(), None, 0
         self.collectives = self.inline_completions = 0
         self.diverges_at = diverges_at
 

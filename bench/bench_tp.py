@@ -7,7 +7,11 @@ figure is the wall time of one such blocking agreement, p50 and p99 over the ite
 
 Raw collective: interleaved with the agreements (one per iteration, so both see the same load), the
 ranks time a bare `all_gather_single` of the agreement's tensor: `agree_vs_raw_p50_tpN` is the agreement's
-p50 over that one's (the goal: <= 1.25). Then, alone, the same ranks time gloo's `all_gather_single` (what `RankGroup.min_reduce` runs on gloo)
+p50 over that one's (the goal: <= 1.25). Then the same agreements beside a ticker task (1 ms sleeps,
+as bench_io's `max_loop_stall_ms`): `agree_max_loop_stall_ms_tpN` is its worst lateness (wall: the
+steps' short waits for their collective block the loop), `agree_max_loop_stall_cpu_ms_tpN` the most loop
+CPU between two ticks, and `idle_max_loop_stall_ms_tpN` the worst lateness over an idle pass as long
+(what the machine's load alone does). Then, alone, the same ranks time gloo's `all_gather_single` (what `RankGroup.min_reduce` runs on gloo)
 and `all_reduce(MIN)` of the agreement's tensor (`AGREEMENT_CAPACITY + 2` rows of 5 int64), synchronous,
 with no event loop: the floor under one agreement, and why a MIN on gloo is an all-gather.
 
@@ -41,6 +45,7 @@ Prints one JSON line: {"bench": "tp", "agree_us_p50_tp1": .., "agree_us_p50_tp2"
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -52,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _loop_timing import time_with_ticker
 
 from hicache.demo.tp import TPDemoConfig, run_tp_demo
 from hicache.parallel import AGREEMENT_CAPACITY, Agreement, RankGroup
@@ -88,15 +95,30 @@ async def agree_loop(group: RankGroup, iterations: int) -> dict[str, float]:
             samples.append((t2 - t1) * 1e6)
             acquire.append((t2 - t0) * 1e6)
             raw.append((t3 - t2) * 1e6)
+    inline = group.inline_completions
     samples.sort()
     acquire.sort()
+
+    async def agreements() -> None:
+        for i in range(iterations):
+            commit = ag.propose("commit", f"s{i}")
+            commit.settle(8 + group.tp_rank)
+            await ag.agree(commit)
+
+    # What the steps cost the rest of the loop (the <= 1 ms wait on the loop blocks it): a ticker's worst
+    # lateness over `iterations` agreements, and over an idle pass as long (the machine's own floor).
+    ticked = await time_with_ticker(agreements)
+    idle = await time_with_ticker(lambda: asyncio.sleep(ticked.seconds))
     return {
+        "stall_ms": ticked.stall_ms,
+        "stall_cpu_ms": ticked.stall_cpu_ms,
+        "idle_stall_ms": idle.stall_ms,
         "p50": statistics.median(samples),
         "p99": samples[int(0.99 * (len(samples) - 1))],
         "acquire_p50": statistics.median(acquire),
         "raw_interleaved_p50": statistics.median(raw),
         "collectives_per_agreement": collectives / (2 * (iterations + 20)),
-        "inline_fraction": group.inline_completions / max(1, 2 * (iterations + 20)),
+        "inline_fraction": inline / max(1, 2 * (iterations + 20)),
     }
 
 
@@ -304,6 +326,9 @@ def figures(out: dict[str, object], parts: tuple[str, ...], iterations: int, req
                 out[f"raw_interleaved_all_gather_us_p50_tp{tp}"] = round(a["raw_interleaved_p50"], 1)
                 out[f"agree_vs_raw_p50_tp{tp}"] = round(a["p50"] / a["raw_interleaved_p50"], 3)
                 out[f"inline_fraction_tp{tp}"] = round(a["inline_fraction"], 3)
+                out[f"agree_max_loop_stall_ms_tp{tp}"] = round(a["stall_ms"], 2)
+                out[f"agree_max_loop_stall_cpu_ms_tp{tp}"] = round(a["stall_cpu_ms"], 2)
+                out[f"idle_max_loop_stall_ms_tp{tp}"] = round(a["idle_stall_ms"], 2)
         if "raw" in v:
             out[f"raw_all_gather_us_p50_tp{tp}"] = round(v["raw"]["all_gather"], 1)
             out[f"raw_all_reduce_min_us_p50_tp{tp}"] = round(v["raw"]["all_reduce_min"], 1)

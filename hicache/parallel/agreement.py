@@ -25,11 +25,11 @@ rank at the first step that sees both; a decision one rank proposed and a peer, 
 proposed for longer than the group's timeout raises `RankDivergence` on the proposing rank (the peer's
 next collective then times out with `RankFailed`), so no loop steps forever.
 
-What a step costs beyond its collective: building and reading the fixed-shape tensor (numpy, over the
-pending decisions only), and no thread hop: the collective runs on the backend's thread and the loop
-waits for it at most 1 ms (`RankGroup.min_reduce_then`) before its completion wakes the event loop, where
-the step completes even if its caller was cancelled meanwhile (so no shield); a step that completed in
-that wait gives the loop one turn all the same. How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
+What a step costs beyond its collective: filling the fixed-shape tensor (numpy, over the pending
+decisions only, in one buffer the steps reuse) and reading the reduced one, and no thread hop: the
+collective runs on the backend's thread; the loop takes one turn while it runs, then waits for it at most
+1 ms (`RankGroup.min_reduce_on_loop`) before its completion wakes the event loop, where the step
+completes even if its caller was cancelled meanwhile (so no shield). How many steps a loop runs: before stepping, a rank waits (at most a quarter of the group
 timeout, 1 s at most) to settle its own decisions, while a peer that has settled waits in the collective,
 so a value settled late resolves in one step, not after idle ones; the header carries how many decisions
 the neediest rank holds, so the step that resolves the last one is the last step. With no group, or a group of one rank, a settled decision is
@@ -51,7 +51,7 @@ import torch
 from hicache.parallel.decision import NONE, Decision, decode_max, encode_max
 from hicache.parallel.errors import RankDivergence, RankFailed, RankGroupError
 from hicache.parallel.group import RankGroup
-from storage_backends.cancellation import StopScope
+from storage_backends.cancellation import StopScope, uncancellable
 
 __all__ = [
     "AGREEMENT_CAPACITY",
@@ -158,6 +158,11 @@ class Agreement:
         self._template[:, 0] = 0
         self._template[:_HEADER, 0] = 1
         self._template[:_HEADER, 1] = 1
+        rows = self._template.copy()
+        self._tensor = torch.from_numpy(rows)
+        """What every step's collective carries: one buffer, refilled by each step (`_cells`)."""
+        self._cells = rows.data.cast("B").cast("q")
+        self._template_cells = self._template.data.cast("B").cast("q")
         self._absent_on_peer = False
         """Whether the last step saw a decision of the window that some rank has not proposed yet."""
 
@@ -235,11 +240,17 @@ class Agreement:
     def _build(self, busy: bool, now: float) -> tuple[torch.Tensor, int]:
         base = self._base()
         step = self._steps
-        rows = self._template.copy()
+        # Written through a flat int64 view of the one buffer the steps reuse (the previous step's
+        # collective has ended: steps run one at a time): an item costs no numpy conversion.
+        cells = self._cells
+        cells[:] = self._template_cells
         # Row 0: NONE - (this rank's pending decisions, plus `_BUSY` when busy): the minimum says how
         # many the neediest rank holds, so every rank knows alike whether any is left after the step.
-        rows[0, 1:] = (NONE - len(self._pending) - (_BUSY if busy else 0), step, step, -step)
-        rows[1, 2:] = (base, base, -base)
+        cells[1] = NONE - len(self._pending) - (_BUSY if busy else 0)
+        cells[2] = cells[3] = step
+        cells[4] = -step
+        cells[_FIELDS + 2] = cells[_FIELDS + 3] = base  # row 1
+        cells[_FIELDS + 4] = -base
         for seq, d in self._pending.items():  # in the order of proposals: the window is a prefix
             i = seq - base
             if i >= self.capacity:
@@ -250,8 +261,14 @@ class Agreement:
                 d._local = d.default
             local = d._local
             key = d.key_hash
-            rows[_HEADER + i] = (1, 0, NONE, key, -key) if local is None else (1, 1, local, key, -key)
-        return torch.from_numpy(rows), base
+            j = (_HEADER + i) * _FIELDS
+            cells[j] = 1
+            if local is not None:
+                cells[j + 1] = 1
+                cells[j + 2] = local
+            cells[j + 3] = key
+            cells[j + 4] = -key
+        return self._tensor, base
 
     async def step(self, *, busy: bool = False) -> StepResult:
         """Run one agreement step: one collective over every pending decision, resolving each one that
@@ -309,20 +326,22 @@ class Agreement:
                 waiter.set_result(outcome)
 
         self._stepping = True
-        group.min_reduce_then(tensor, finished)
-        if not waiter.done():
-            return await waiter
-        # Completed within the group's short wait: one turn of the loop all the same, so a loop that
-        # steps (`drive`) never keeps the rest of the loop (this rank's I/O, its settlements) out.
-        waiter.exception()  # retrieved: a cancellation in the turn below leaves no unretrieved error
-        await asyncio.sleep(0)
-        return waiter.result()
+        try:
+            # One turn of the loop while the collective runs, so a loop that steps (`drive`) never keeps
+            # the rest of the loop (this rank's I/O, its settlements) out, even when each collective
+            # completes within the group's short wait (then `waiter` is done on return: no second turn).
+            await group.min_reduce_on_loop(tensor, finished)
+        except BaseException:
+            waiter.cancel()  # nobody waits for the step's outcome any more: `finished` drops it
+            raise
+        return await waiter
 
     def _apply(self, reduced: torch.Tensor, step: int, base: int, group: RankGroup) -> StepResult:
         """Resolve what the reduced tensor of step `step` agreed (on the loop, in the collective's
         completion)."""
-        agreed = reduced.numpy()
-        (_, left, _, step_lo, step_neg), (_, _, _, base_lo, base_neg) = agreed[:_HEADER].tolist()
+        agreed = reduced.contiguous().numpy().data.cast("B").cast("q")  # flat, item by item
+        left, step_lo, step_neg = agreed[1], agreed[3], agreed[4]
+        base_lo, base_neg = agreed[_FIELDS + 3], agreed[_FIELDS + 4]
         if step_lo != -step_neg or base_lo != -base_neg:
             raise RankDivergence(
                 f"rank {group.tp_rank}: ranks are at different agreement steps or bases (this rank: step "
@@ -340,7 +359,8 @@ class Agreement:
             i = seq - base
             if i >= self.capacity:
                 break
-            present, ready, value, key_lo, key_neg = agreed[_HEADER + i].tolist()
+            j = (_HEADER + i) * _FIELDS
+            present, ready, value, key_lo, key_neg = agreed[j : j + _FIELDS].tolist()
             if present != 1:
                 # Some rank has not proposed it yet: a late rank is fine for a while, but a peer that
                 # keeps stepping without ever proposing it would make every loop step forever.
@@ -454,7 +474,8 @@ class Agreement:
                     decision.settle(decision.default)
             return await decision.wait()
         while not decision.resolved:
-            await self._wait_settled(decision)
+            if decision._local is None:
+                await self._wait_settled(decision)
             result = await self.step(busy=True)
             if not decision.resolved and not result.resolved:
                 await self._after_idle_step()
@@ -476,14 +497,19 @@ class Agreement:
         While `local()` runs, this rank keeps stepping, so a peer waiting for the agreement never waits in
         a collective for this rank's I/O (only for its next step). `local()`'s result settles the
         decision; if it raises, the decision settles to its default and, once agreed, the error is
-        re-raised. If the caller is cancelled, the decision settles to its default (peers resolve it at
-        this rank's next step; one rank leaves it unsettled, to agree again) and the cancellation
-        propagates.
+        re-raised. `agree_on` returns or raises only once `local()` has ended. Cancellation, two cases:
+
+        - before the ranks agreed: the decision settles to its default (peers resolve it at this rank's
+          next step; one rank leaves it unsettled, to agree again), `local()` is cancelled and the
+          cancellation propagates;
+        - after (the decision was settled before `local()` ended: by `local()` itself, as a backup's copy
+          does, or by its deadline): the ranks' decision is taken, so `local()` runs to its end all the
+          same, then the cancellation propagates; the agreed value is `decision.result`.
 
         Raises:
             RankFailed, RankDivergence: as `step()`; whatever `local()` raised.
         """
-        failure: list[BaseException] = []
+        failure: list[Exception] = []
 
         async def run_local() -> None:
             try:
@@ -492,24 +518,17 @@ class Agreement:
                 failure.append(exc)
                 decision.settle(decision.default)
 
+        local_run = asyncio.ensure_future(run_local())
         try:
-            if self.local:
-                await run_local()
-                agreed = await decision.wait()
-            else:
-                error: Exception | None = None
-                agreed = decision.default
-                async with asyncio.TaskGroup() as tg:
-                    local_run = tg.create_task(run_local())
-                    try:
-                        agreed = await self.agree(decision)
-                    except Exception as exc:  # kept out of the group: raised as itself, not in a group
-                        error = exc
-                        local_run.cancel()
-                if error is not None:
-                    raise error
+            try:
+                agreed = await self.agree(decision)
+            finally:
+                if decision.result is None:  # failed or cancelled before the ranks agreed
+                    local_run.cancel()
+                if not local_run.done():  # agreed: this rank's part ends whole, whatever comes meanwhile
+                    await uncancellable(asyncio.wait((local_run,)))
         except BaseException:
-            if not self.local:  # peers resolve it at this rank's next step; one rank may agree it again
+            if not self.local:  # one rank leaves it unsettled, to agree again
                 decision.settle(decision.default)  # no-op if already settled
             raise
         if failure:

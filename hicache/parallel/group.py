@@ -1,7 +1,7 @@
 """A tensor-parallel rank group: one `torch.distributed` process group with this process's rank in it.
 
 Every collective here is bounded by the group's `timeout_s`: a dead peer or one that stops responding makes
-it raise `RankFailed` instead of hanging. They are synchronous but for `min_reduce_then`, which an event
+it raise `RankFailed` instead of hanging. They are synchronous but for `min_reduce_on_loop`, which an event
 loop starts without a worker thread (the agreement's steps: the collective runs on the backend's own
 thread and its completion wakes the loop, one thread hop fewer than a worker thread waiting on it).
 
@@ -32,8 +32,11 @@ __all__ = ["RankGroup"]
 
 _INLINE_WAIT_S = 0.001
 _INLINE_WAIT = datetime.timedelta(seconds=_INLINE_WAIT_S)
-"""How long `min_reduce_then` waits on the loop for its collective before it parks (the least
+"""How long `min_reduce_on_loop` waits on the loop for its collective before it parks (the least
 `Work.wait` takes: its timeout is whole milliseconds, and 0 means no timeout)."""
+_SLOW_IN_A_ROW = 2
+"""After this many collectives in a row slower than `_INLINE_WAIT_S`, `min_reduce_on_loop` stops waiting on
+the loop (until one completes within it again)."""
 
 
 def _check_seconds(name: str, value: object) -> float:
@@ -83,9 +86,13 @@ class RankGroup:
         self.collectives = 0
         """Collectives this rank has run on the group (every rank runs the same number)."""
         self.inline_completions = 0
-        """Collectives of `min_reduce_then` that completed within its short wait on the loop."""
-        self._inline_ok = True
-        """Whether `min_reduce_then`'s last collective completed within the short wait's bound."""
+        """Collectives of `min_reduce_on_loop` that completed by the end of its short wait on the loop."""
+        self._slow_in_a_row = 0
+        """How many of `min_reduce_on_loop`'s last collectives in a row took longer than the short wait's
+        bound (it waits while fewer than `_SLOW_IN_A_ROW` did)."""
+        self._min_what = "all_gather" if self.backend == "gloo" else "all_reduce(MIN)"
+        self._gathered: torch.Tensor | None = None
+        """gloo: the buffer `_start_min_reduce`'s all-gather fills (one shape at a time, kept)."""
         self.readiness: RankGroup | None = None
         """The group of the per-layer readiness collectives (`readiness_process_group`), or None."""
         if readiness_process_group is not None:
@@ -173,19 +180,24 @@ class RankGroup:
                 self._failed = failed
             return self._failed
 
-    def _start_min_reduce(self, tensor: torch.Tensor) -> tuple[str, Any, torch.Tensor]:
-        """Start the MIN collective of `tensor`: (its name, its work, the buffer it fills)."""
+    def _start_min_reduce(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Start the MIN collective of `tensor` (with `_lock` held): (its work, the buffer it fills). On
+        gloo the buffer is the group's one gather buffer for that size, reused (the lock orders its
+        users; a collective that timed out, and may still write into it, failed the group for good)."""
         if self.backend == "gloo":
             flat = tensor.contiguous().view(-1)
-            out = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
+            out = self._gathered
+            if out is None or out.numel() != self.tp_size * flat.numel() or out.dtype != flat.dtype:
+                out = self._gathered = torch.empty(self.tp_size * flat.numel(), dtype=flat.dtype)
             work = dist.all_gather_single(out, flat, group=self.process_group, async_op=True)
-            return "all_gather", work, out
+            return work, out
         result = tensor.clone()
         work = dist.all_reduce(result, op=dist.ReduceOp.MIN, group=self.process_group, async_op=True)
-        return "all_reduce(MIN)", work, result
+        return work, result
 
-    def _min_of(self, what: str, out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        if what != "all_gather":
+    def _min_of(self, out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The minimum over the ranks from what `_start_min_reduce`'s collective filled (a new tensor)."""
+        if self.backend != "gloo":
             return out
         return torch.from_numpy(out.numpy().reshape(self.tp_size, *shape).min(axis=0))
 
@@ -203,91 +215,48 @@ class RankGroup:
         """
         if self.tp_size == 1:
             return tensor.clone()
-        started: list[tuple[str, torch.Tensor]] = []
+        started: list[torch.Tensor] = []
 
         def start() -> Any:
-            what, work, out = self._start_min_reduce(tensor)
-            started.append((what, out))
+            work, out = self._start_min_reduce(tensor)
+            started.append(out)
             return work
 
-        self._run("all_gather" if self.backend == "gloo" else "all_reduce(MIN)", start, timeout_s)
-        what, out = started[0]
-        return self._min_of(what, out, tensor.shape)
+        self._run(self._min_what, start, timeout_s)
+        return self._min_of(started[0], tensor.shape)
 
-    def min_reduce_then(
+    async def min_reduce_on_loop(
         self, tensor: torch.Tensor, on_done: Callable[[torch.Tensor | None, RankFailed | None], None]
     ) -> None:
-        """Start `min_reduce` of `tensor` from the running asyncio event loop, without a worker thread,
-        and call `on_done(minimum, None)` or `on_done(None, error)` once, on the loop, when it completes
-        or `timeout_s` passes: the collective runs on the backend's thread and its completion wakes the
-        loop. On gloo it first waits for the collective on the loop for at most 1 ms (when the last one
-        took less): one that completes within it calls `on_done` before this returns. Nothing a caller's
-        cancellation does can stop it half-way on this rank alone (the agreement's steps rely on that). `tensor` stays referenced until the backend lets go of it.
+        """Start `min_reduce` of `tensor` from the running asyncio event loop, without a worker thread;
+        `on_done(minimum, None)` or `on_done(None, error)` is called exactly once, on the loop, when the
+        collective completes or `timeout_s` passes, whatever happens to the caller meanwhile.
+
+        Returns after one turn of the loop, taken while the collective is in flight (the loop's other
+        tasks run then, at no cost to the collective), and then: on gloo, after a collective that
+        completed within 1 ms, once this one completed within a wait on the loop of at most 1 ms (the
+        GIL released; `on_done` has run); otherwise, or when that wait runs out, at once, and the
+        backend's completion wakes the loop later. A cancellation of the caller in its turn hands the
+        collective to the backend's completion the same way, then propagates: nothing stops it half-way
+        on this rank alone (the agreement's steps rely on that). `tensor` stays referenced until the
+        backend lets go of it.
         """
-        loop = asyncio.get_running_loop()
         if self.tp_size == 1:
             on_done(tensor.clone(), None)
             return
-        what = "all_gather" if self.backend == "gloo" else "all_reduce(MIN)"
-        state: dict[str, Any] = {"ended": False, "timer": None}
-
-        def end(result: torch.Tensor | None, error: RankFailed | None) -> None:
-            if state["ended"]:
-                return
-            state["ended"] = True
-            if state["timer"] is not None:
-                state["timer"].cancel()
-            self.collectives += 1
-            self._lock.release()
-            on_done(result, error)
-
-        def completed(fut: Any) -> None:
-            self._inline_ok = time.perf_counter() - state["started"] < _INLINE_WAIT_S
-            try:
-                fut.value()
-            except Exception as exc:
-                end(None, self._broke(what, self.timeout_s, exc))
-                return
-            end(self._min_of(what, state["out"], tensor.shape), None)
-
-        def begin() -> None:  # with `_lock` held
-            if self._failed is not None:
-                end(None, self._failed)
-                return
-            try:
-                _, work, state["out"] = self._start_min_reduce(tensor)
-            except Exception as exc:
-                end(None, self._broke(what, self.timeout_s, exc))
-                return
-            # On gloo, wait on the loop first, briefly (the GIL released): the peers are usually in the
-            # same step, and a collective that completes within the bound costs one wake of this thread
-            # instead of the backend thread's callback, the loop's self-pipe and a second loop turn
-            # (~125 us at TP 2 on 2 cores, BENCHMARKS.md). Only after a collective that completed within
-            # the bound: when one took longer, the next most likely does too, and the wait would only
-            # block the loop. (NCCL's `wait` does not wait for the host: the callback path only.)
-            if self._inline_ok and what == "all_gather":
-                started = time.perf_counter()
-                try:
-                    work.wait(timeout=_INLINE_WAIT)
-                except Exception:  # still running (or failed: its future says so, below)
-                    self._inline_ok = False
-                else:
-                    self.inline_completions += 1
-                    end(self._min_of(what, state["out"], tensor.shape), None)
-                    return
-                state["started"] = started
-            else:
-                state["started"] = time.perf_counter()
-            state["timer"] = loop.call_later(
-                self.timeout_s, lambda: end(None, self._broke(what, self.timeout_s, None))
-            )
-            work.get_future().add_done_callback(lambda fut: _call_soon(loop, completed, fut))
-
-        if self._lock.acquire(blocking=False):
-            begin()
-        else:  # a thread's collective (a fingerprint check) holds the group: wait for it off the loop
-            waited = loop.run_in_executor(None, self._lock.acquire)
-            waited.add_done_callback(lambda _: begin())
+        loop = asyncio.get_running_loop()
+        reduction = _LoopReduction(self, tensor, on_done, loop)
+        if not self._lock.acquire(blocking=False):
+            # A thread's collective (a fingerprint check) holds the group: wait for it off the loop.
+            loop.run_in_executor(None, self._lock.acquire).add_done_callback(lambda _: reduction.begin(True))
+            return
+        reduction.begin(False)
+        try:
+            await asyncio.sleep(0)
+        except BaseException:
+            reduction.park()
+            raise
+        reduction.wait_briefly()
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` stacked by rank (same shape and dtype on every rank); one collective."""
@@ -337,6 +306,118 @@ class RankGroup:
             f"RankGroup(tp_rank={self.tp_rank}, tp_size={self.tp_size}, backend={self.backend}, "
             f"timeout_s={self.timeout_s:g}, collectives={self.collectives}, {state})"
         )
+
+
+class _LoopReduction:
+    """One collective of `RankGroup.min_reduce_on_loop`: begun with the group's lock held, ended exactly
+    once (completed, failed or timed out), which lets the lock go and calls `on_done` on the loop."""
+
+    __slots__ = ("_group", "_loop", "_on_done", "_out", "_parked", "_started", "_tensor", "_timer", "_work")
+
+    def __init__(
+        self,
+        group: RankGroup,
+        tensor: torch.Tensor,
+        on_done: Callable[[torch.Tensor | None, RankFailed | None], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._group = group
+        self._tensor = tensor
+        self._on_done: Callable[[torch.Tensor | None, RankFailed | None], None] | None = on_done
+        self._loop = loop
+        self._work: Any = None
+        self._out: torch.Tensor | None = None
+        self._started = 0.0
+        self._parked = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def begin(self, park: bool) -> None:
+        """Start the collective (the group's lock is held); `park`: hand it to the backend's completion
+        at once (begun from a callback, where no one waits on the loop)."""
+        group = self._group
+        if group._failed is not None:
+            self._end(None, group._failed)
+            return
+        try:
+            self._work, self._out = group._start_min_reduce(self._tensor)
+        except Exception as exc:
+            self._end(None, group._broke(group._min_what, group.timeout_s, exc))
+            return
+        self._started = time.perf_counter()
+        if park:
+            self.park()
+
+    def wait_briefly(self) -> None:
+        """After the caller's turn: end here if the collective completed; else, on gloo and after a
+        collective of the last two that completed within `_INLINE_WAIT_S`, wait for it on the loop that
+        long (the GIL
+        released: the peers are usually in the same step, and one that completes within the bound costs
+        one wake of this thread instead of the backend thread's callback, the loop's self-pipe and a
+        second loop turn, ~125 us at TP 2 on 2 cores, BENCHMARKS.md; at TP 2 under load, most collectives
+        right after a slow one completed within the bound: skipping after one slow one missed them, while
+        at TP 4 on 2 cores slow ones come in runs); else park. (NCCL's `wait` does
+        not wait for the host: the callback path only.)"""
+        if self._on_done is None or self._work is None:
+            return
+        group = self._group
+        work = self._work
+        slow = group._slow_in_a_row >= _SLOW_IN_A_ROW
+        if group.backend != "gloo" or (slow and not work.is_completed()):
+            self.park()
+            return
+        try:
+            work.wait(timeout=_INLINE_WAIT)
+        except Exception:  # still running (or failed: its future says so, in `_completed`)
+            self.park()  # counted slow when it completes (`_completed`)
+            return
+        group.inline_completions += 1
+        group._slow_in_a_row = 0
+        self._settle()
+
+    def park(self) -> None:
+        """Let the backend's completion wake the loop, within the group's timeout (once; not before the
+        collective began, nor after it ended)."""
+        if self._parked or self._on_done is None or self._work is None:
+            return
+        self._parked = True
+        group = self._group
+        self._timer = self._loop.call_later(group.timeout_s, self._timed_out)
+        loop = self._loop
+        self._work.get_future().add_done_callback(lambda fut: _call_soon(loop, self._completed, fut))
+
+    def _timed_out(self) -> None:
+        group = self._group
+        self._end(None, group._broke(group._min_what, group.timeout_s, None))
+
+    def _completed(self, fut: Any) -> None:
+        """On the loop, from the backend's completion callback."""
+        if self._on_done is None:
+            return
+        group = self._group
+        fast = time.perf_counter() - self._started < _INLINE_WAIT_S
+        group._slow_in_a_row = 0 if fast else group._slow_in_a_row + 1
+        try:
+            fut.value()
+        except Exception as exc:
+            self._end(None, group._broke(group._min_what, group.timeout_s, exc))
+            return
+        self._settle()
+
+    def _settle(self) -> None:
+        """The collective completed: hand its minimum to `on_done`."""
+        assert self._out is not None
+        self._end(self._group._min_of(self._out, self._tensor.shape), None)
+
+    def _end(self, result: torch.Tensor | None, error: RankFailed | None) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        group = self._group
+        group.collectives += 1
+        group._lock.release()
+        on_done(result, error)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import threading
+from typing import Any
 
 import anyio
 import pytest
@@ -197,29 +198,43 @@ async def test_on_resolve_runs_once_with_the_value_or_with_none_when_the_agreeme
         encode_max(-1)
 
 
-class DivergentPeerGroup(RankGroup):
-    """An in-process stand-in for a two-rank group whose peer proposed the same decisions as this rank
-    except at slot `diverges_at` (a different key there; None: nowhere), and settled what this rank
-    settled.
+class _DoneWork:
+    """A collective that completed at once (what `RankGroup.min_reduce_on_loop` reads of gloo's work)."""
 
-    Bypasses `RankGroup.__init__` (no torch.distributed): the agreement only reads these fields.
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: object = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[None]:
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
+class DivergentPeerGroup(RankGroup):
+    """An in-process stand-in for a two-rank gloo group whose peer proposed the same decisions as this
+    rank except at slot `diverges_at` (a different key there; None: nowhere), and settled what this rank
+    settled; every collective completes at once.
+
+    Bypasses `RankGroup.__init__` (no torch.distributed) and replaces only the start of a collective:
+    the agreement's steps run the group's own `min_reduce_on_loop`.
     """
 
     def __init__(self, diverges_at: int | None, timeout_s: float = 30.0) -> None:
         self.tp_rank, self.tp_size, self.timeout_s = 0, 2, timeout_s
+        self.backend, self._min_what = "gloo", "all_gather"
+        self._lock, self._failed, self._slow_in_a_row = threading.Lock(), None, 0
+        self.collectives = self.inline_completions = 0
         self.diverges_at = diverges_at
 
-    def min_reduce(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> torch.Tensor:
+    def _start_min_reduce(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
         peer = tensor.clone()
         if self.diverges_at is not None:
             row = 2 + self.diverges_at  # two header rows, then the slots
             peer[row, 3] -= 1  # the peer's key hash differs there: min(key) != -min(-key)
-        return torch.minimum(tensor, peer)
-
-    def min_reduce_then(
-        self, tensor: torch.Tensor, on_done: Callable[[torch.Tensor | None, RankFailed | None], None]
-    ) -> None:
-        on_done(self.min_reduce(tensor), None)
+        return _DoneWork(), torch.cat([tensor.reshape(-1), peer.reshape(-1)])
 
 
 async def test_a_divergence_at_a_later_slot_resolves_the_decisions_agreed_before_it() -> None:
@@ -307,3 +322,39 @@ async def test_steps_that_complete_at_once_still_let_the_loop_run_other_tasks() 
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert turns - before >= 10
+
+
+async def test_a_cancellation_after_the_ranks_agreed_lets_the_local_part_end_then_propagates() -> None:
+    """Guards against `agree_on` cutting this rank's local part short once the ranks had agreed: the local
+    part settled the decision before it ended (as a backup's copy does; a decision's deadline does the
+    same), the agreement returned, and a cancellation that came while `agree_on` waited for the local
+    part to end cancelled it half-way (the task group's exit cancels its children) and left at once. Now
+    the local part runs to its end, then the cancellation propagates; the agreed value is on the
+    decision."""
+    agreement = Agreement(DivergentPeerGroup(diverges_at=None))
+    decision = agreement.propose("backup", "a")
+    rest_of_the_work = asyncio.Event()
+    ended: list[str] = []
+
+    async def local() -> int:
+        decision.settle(4)
+        try:
+            await rest_of_the_work.wait()
+        except asyncio.CancelledError:
+            ended.append("cut short")
+            raise
+        ended.append("whole")
+        return 4
+
+    caller = asyncio.ensure_future(agreement.agree_on(decision, local))
+    await anyio.wait_all_tasks_blocked()
+    assert decision.result == 4  # agreed: `agree_on` now only waits for the local part
+    caller.cancel()
+    await anyio.wait_all_tasks_blocked()
+    assert ended == []
+    assert not caller.done()
+    rest_of_the_work.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert ended == ["whole"]
+    assert agreement.statistics().pending == 0

@@ -178,7 +178,7 @@ class PageFiles:
             # The header and extent first (foreign, old format, truncated, overlong or of another length:
             # `check_stored_size` names which), then the payload of a page of the right size.
             check_stored_size(
-                memoryview(header)[: min(got, HEADER_SIZE)], extent, buf.nbytes, self._namespace, key
+                memoryview(header)[: min(got, extent, HEADER_SIZE)], extent, buf.nbytes, self._namespace, key
             )
             verify_page(header, buf, self._namespace, key)
         except ChecksumMismatch as exc:

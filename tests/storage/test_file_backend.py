@@ -25,12 +25,13 @@ from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, ma
 from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_damage import flip_page_byte, group_file, page_bytes, rewrite_page
 
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
 from storage_backends.file_pages import PageFiles
-from storage_backends.page_format import HEADER_SIZE, encode_header
+from storage_backends.page_format import FORMAT_VERSION, HEADER_SIZE, MAGIC, encode_header, key_digest
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
@@ -64,22 +65,26 @@ class TestFileBackend(BackendContract, HostileStorage):
     @pytest.fixture
     def corrupt_page(self, backend: FileBackend) -> Corrupt:
         def flip_last_byte(key: str) -> None:
-            path = backend.path_of(key)
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0x01
-            path.write_bytes(bytes(data))
+            flip_page_byte(backend, key, backend.page_extent(key)[2] - 1)
 
         return flip_last_byte
 
     @pytest.fixture
     def raw_store(self, backend: FileBackend) -> RawStore:
         class Raw:
+            """A page's stored bytes are its header and payload (`page_bytes`); a page written raw gets a
+            group file of its own whose table names the key its header names (a page copied over another
+            key's name), and bytes that are no v2 page are written as they are (an old one-file page)."""
+
             async def read(self, key: str) -> bytes:
-                return backend.path_of(key).read_bytes()
+                return page_bytes(backend, key)
 
             async def write(self, key: str, data: bytes) -> None:
                 path = backend.path_of(key)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                path.unlink(missing_ok=True)  # never write into a group file other pages share
+                if data[:4] == MAGIC and data[4:5] == bytes([FORMAT_VERSION]) and len(data) >= HEADER_SIZE:
+                    data = group_file([(data[24:40], data)])
                 path.write_bytes(data)
 
         return Raw()
@@ -177,10 +182,11 @@ async def test_keys_cannot_escape_the_root(backend: FileBackend, key: str, tmp_p
 async def test_truncated_files_are_misses_and_counted(
     backend: FileBackend, length: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A file cut short anywhere (a crashed copy, a full disk) is a miss, logged and counted."""
+    """A page cut short anywhere (a crashed copy, a full disk) is a miss, logged and counted; the page
+    written beside it in its group still loads."""
     keys, pages = make_keys(2), make_pages(2, 4096)
     await backend.put(keys, pages)
-    os.truncate(backend.path_of(keys[0]), length)
+    rewrite_page(backend, keys[0], lambda data: data[:length])
     assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.CORRUPT, PageStatus.HIT]
     stats = backend.statistics()
     assert stats.checksum_failures == 1
@@ -189,18 +195,16 @@ async def test_truncated_files_are_misses_and_counted(
 
 
 async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) -> None:
-    """One flipped byte anywhere in a file (header or payload) turns that page, and only it, into a miss."""
+    """One flipped byte anywhere in a page (header or payload) turns that page, and only it, into a miss,
+    though its group file holds the others."""
     rng = random.Random(1234)
-    n, page_bytes = 40, 4096
-    keys, pages = make_keys(n), make_pages(n, page_bytes)
+    n, size = 40, 4096
+    keys, pages = make_keys(n), make_pages(n, size)
     await backend.put(keys, pages)
     damaged = sorted(rng.sample(range(n), 12))
     for i in damaged:
-        path = backend.path_of(keys[i])
-        data = bytearray(path.read_bytes())
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        path.write_bytes(bytes(data))
-    out = empty_pages(n, page_bytes)
+        flip_page_byte(backend, keys[i], rng.randrange(HEADER_SIZE + size))
+    out = empty_pages(n, size)
     assert [bool(s) for s in await backend.get(keys, out)] == [i not in damaged for i in range(n)]
     assert all(bytes(out[i]) == bytes(pages[i]) for i in range(n) if i not in damaged)
     stats = backend.statistics()
@@ -210,7 +214,8 @@ async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) ->
 
 
 async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
-    """Each page is a temporary file renamed into place: afterwards only .kvp files remain."""
+    """Each group is a temporary file whose name goes once its pages are linked: afterwards only .kvp names
+    remain (an overwrite's per-page temporary link is renamed over the old name)."""
     keys, pages = make_keys(20), make_pages(20, 1000)
     await backend.put(keys, pages)
     await backend.put(keys[:5], pages[:5])
@@ -221,9 +226,9 @@ async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
 async def test_failed_rename_reports_false_and_cleans_up(
     backend: FileBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """When the final rename fails (a directory that is not empty sits at the page's path: EISDIR in the C
-    writer, and `write_one` cannot remove it either) the page is False, counted as an error, and its temp
-    file is gone; the rest of the group is written."""
+    """When a page's name cannot be given (a directory that is not empty sits at the page's path: the C
+    writer's rename fails with EISDIR or ENOTEMPTY and its rmdir too) the page is False, counted as an
+    error, and no temporary name is left; the rest of the group is written."""
     keys, pages = make_keys(3), make_pages(3, 512)
     for key in keys[1:]:
         backend.path_of(key).mkdir(parents=True)
@@ -238,15 +243,19 @@ async def test_failed_rename_reports_false_and_cleans_up(
 
 
 async def test_the_c_writer_writes_exactly_what_page_format_describes(backend: FileBackend) -> None:
-    """A page the C writer (`native.write_pages`) wrote is byte for byte `encode_header` + payload, for
-    pages of several sizes in one group (the header's checksum and key digest are computed in C)."""
+    """A group the C writer (`native.write_group`) wrote is byte for byte each page's `encode_header` +
+    payload, then the table and footer docs/storage.md describes, for pages of several sizes in one group
+    (headers, key digests and the table's checksum are computed in C); every page's name is a link to it."""
     sizes = [0, 1, 4096, 65536 + 7]
     keys = make_keys(len(sizes))
     pages = [make_pages(1, size, seed=i)[0] for i, size in enumerate(sizes)]
     assert await backend.put(keys, pages) == [True] * len(keys)
-    for key, page in zip(keys, pages, strict=True):
-        expected = encode_header(page, NS, key) + bytes(page)
-        assert backend.path_of(key).read_bytes() == expected
+    expected = group_file(
+        [(key_digest(k), encode_header(p, NS, k) + bytes(p)) for k, p in zip(keys, pages, strict=True)]
+    )
+    assert {backend.path_of(k).read_bytes() for k in keys} == {expected}
+    assert {backend.path_of(k).stat().st_ino for k in keys} == {backend.path_of(keys[0]).stat().st_ino}
+    assert backend.path_of(keys[0]).stat().st_nlink == len(keys)
 
 
 async def test_a_page_directory_removed_behind_the_writers_back_is_recreated(backend: FileBackend) -> None:
@@ -593,7 +602,7 @@ async def test_every_blocking_call_shares_one_pool_of_max_concurrency_threads(
         keys, pages = make_keys(12), make_pages(12, 4096)
         counter.gate.set()
         assert await backend.put(keys[:8], pages[:8]) == [True] * 8
-        os.truncate(backend.path_of(keys[1]), 100)  # flagged by the C reader: re-read checked
+        rewrite_page(backend, keys[1], lambda data: data[:100])  # flagged by the C reader: re-read checked
         counter.gate.clear()
         counter.peak = 0
         counter.threads.clear()
@@ -770,13 +779,12 @@ filesystems that cannot tell (some FUSE mounts)."""
 
 
 async def store_mixed(b: FileBackend) -> tuple[list[str], list[memoryview]]:
-    """Eight 4 KiB pages stored in `b`: keys[5] absent, keys[7]'s last byte flipped, the rest valid."""
+    """Eight 4 KiB pages stored in `b`: keys[5] absent, keys[7]'s last byte flipped, the rest valid; keys[:2]
+    in one group file, the others in a second (so the second can be dropped from the page cache alone)."""
     keys, pages = make_keys(8), make_pages(8, 4096)
-    assert await b.put(keys[:5] + keys[6:], pages[:5] + pages[6:]) == [True] * 7
-    path = b.path_of(keys[7])
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
+    assert await b.put(keys[:2], pages[:2]) == [True] * 2
+    assert await b.put(keys[2:5] + keys[6:], pages[2:5] + pages[6:]) == [True] * 5
+    flip_page_byte(b, keys[7], b.page_extent(keys[7])[2] - 1)
     return keys, pages
 
 
@@ -840,14 +848,14 @@ READ_PATHS = {
 async def test_bytes_appended_to_a_page_are_corrupt_on_every_read_path(
     tmp_path: Path, path: str, page_bytes: int
 ) -> None:
-    """A page file one byte too long, its header and checksum intact, is counted corrupt and not loaded,
-    whichever way the C reader reads it (probing, reading ahead or plainly; in one read or in chunks)."""
+    """A page one byte too long (its extent in its group's table), its header and checksum intact, is
+    counted corrupt and not loaded, whichever way the C reader reads it (probing, reading ahead or
+    plainly; in one read or in chunks)."""
     options = READ_PATHS[path]
     async with FileBackend(tmp_path, namespace_digest=NS, readahead=options.get("readahead", True)) as b:
         keys, pages = make_keys(3), make_pages(3, page_bytes)
         assert await b.put(keys, pages) == [True] * 3
-        path_of_page = b.path_of(keys[1])
-        path_of_page.write_bytes(path_of_page.read_bytes() + b"\x00")
+        rewrite_page(b, keys[1], lambda data: data + b"\x00")
         if "read_flags" in options:
             b._files.read_flags = options["read_flags"]
         out = empty_pages(3, page_bytes)
@@ -1110,14 +1118,16 @@ async def test_small_batches_take_one_thread_hop(
     "target", ["same_root_other_key", "other_root_same_key_other_namespace", "old_format"]
 )
 async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, target: str) -> None:
-    """A page file replaced by a symlink to a valid page elsewhere (another key's file, the same key in
-    another cache's root, a version 1 file) is followed, then refused by its header: counted, not loaded."""
+    """A page file replaced by a symlink to a valid page elsewhere (another key's group file, the same key in
+    another cache's root, a version 1 file) is followed, then refused by its group's table or its header:
+    counted, not loaded. (The two keys are put apart: a group holding both would rightly serve each.)"""
     config = base_config()
     size = config.layout.page_nbytes
     keys, pages = make_keys(2, salt=7), make_pages(2, size, seed=6)
     elsewhere = tmp_path / "elsewhere"
     async with FileBackend(tmp_path / "pages", namespace_digest=config.namespace.digest) as backend:
-        assert await backend.put(keys, pages) == [True, True]
+        for key, page in zip(keys, pages, strict=True):
+            assert await backend.put([key], [page]) == [True]
         if target == "same_root_other_key":
             source = backend.path_of(keys[1])
         elif target == "other_root_same_key_other_namespace":

@@ -282,8 +282,8 @@ def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
     group file `fd` of `size` bytes, as the C reader's `find_page` finds them.
 
     Raises:
-        OldPageFormat: a file without a group footer that starts with a page header (a one-file page of
-            the layout before page groups: a miss the next put replaces).
+        OldPageFormat: a file without a group footer that is one page header and the payload it announces
+            (a one-file page of the layout before page groups: a miss the next put replaces).
         ChecksumMismatch: a torn group: no whole footer and table, or a table whose checksum fails.
         ForeignPage: the group's table does not name `key` (a name linked or copied over this key).
     """
@@ -312,7 +312,8 @@ def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
 
 def _no_group(fd: int, size: int) -> ChecksumMismatch:
     """Why a file without a group footer is no page: a one-file page of the old layout, or damage."""
-    if size >= HEADER_SIZE and os.pread(fd, len(MAGIC), 0) == MAGIC:
+    header = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
+    if header[: len(MAGIC)] == MAGIC and size == HEADER_SIZE + int.from_bytes(header[40:48], "little"):
         return OldPageFormat("a one-file page of the layout before page groups (no group footer)")
     return ChecksumMismatch("no group footer (a torn or foreign file)")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import xxhash
@@ -30,7 +31,7 @@ from page_damage import flip_page_byte, group_file, page_bytes, rewrite_page
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
-from storage_backends.file_pages import PageFiles
+from storage_backends.file_pages import GROUP_ENTRY, GROUP_FOOTER, PageFiles
 from storage_backends.page_format import FORMAT_VERSION, HEADER_SIZE, MAGIC, encode_header, key_digest
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
@@ -1153,3 +1154,164 @@ async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, targ
             int(expected is PageStatus.FOREIGN),
             int(expected is PageStatus.OLD_FORMAT),
         )
+
+
+# -- group files (issue 25): one file per put's share of a thread, a hard link per page ------------------
+
+
+async def test_a_put_is_one_group_file_with_a_name_per_page(backend: FileBackend) -> None:
+    """A put of pages in one worker-thread group writes one inode, linked once per page, and no file
+    named for the group is left in the root (its temporary name goes once every page has its own)."""
+    keys, pages = make_keys(6), make_pages(6, 4096)
+    assert await backend.put(keys, pages) == [True] * 6
+    inodes = {backend.path_of(k).stat().st_ino for k in keys}
+    assert len(inodes) == 1
+    assert backend.path_of(keys[0]).stat().st_nlink == 6
+    assert [p for p in backend.root.iterdir() if p.is_file()] == []
+
+
+async def test_a_group_is_never_read_half_written(backend: FileBackend) -> None:
+    """Readers racing a writer see each page whole or not at all: a page's name exists only once its
+    group file is complete (the writer links after the whole group is written), so a get never meets a
+    torn page, only MISS or a verified HIT."""
+    n, size, rounds = 16, 65536, 12
+    every_key = make_keys(n * rounds)
+    batches = [(every_key[r * n : (r + 1) * n], make_pages(n, size, seed=r)) for r in range(rounds)]
+    seen: list[PageStatus] = []
+
+    async def write_all() -> None:
+        for keys, pages in batches:
+            assert await backend.put(keys, pages) == [True] * n
+
+    async def read_while_writing() -> None:
+        for _ in range(rounds * 4):
+            for keys, pages in batches:
+                out = empty_pages(n, size)
+                statuses = await backend.get(keys, out)
+                seen.extend(statuses)
+                for status, got, page in zip(statuses, out, pages, strict=True):
+                    if status is PageStatus.HIT:
+                        assert bytes(got) == bytes(page)
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write_all)
+        tg.start_soon(read_while_writing)
+    assert set(seen) <= {PageStatus.HIT, PageStatus.MISS}
+    stats = backend.statistics()
+    assert (stats.checksum_failures, stats.foreign_pages, stats.errors) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("damage", ["footer_cut", "table_flipped", "count_too_large"])
+async def test_a_torn_group_table_is_a_miss_for_every_page_of_it(
+    backend: FileBackend, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A group whose footer is cut off, whose table fails its checksum or whose count does not fit the
+    file says nowhere where its pages are: each is CORRUPT (a miss the cache deletes and writes again),
+    never a hit and never an error; a page of another group still loads."""
+    keys, pages = make_keys(4), make_pages(4, 4096)
+    assert await backend.put(keys[:3], pages[:3]) == [True] * 3
+    assert await backend.put(keys[3:], pages[3:]) == [True]
+    path = backend.path_of(keys[0])
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if damage == "footer_cut":
+            os.truncate(fd, size - 5)
+        elif damage == "table_flipped":
+            at = size - GROUP_FOOTER.size - GROUP_ENTRY.size + 3  # the last entry's digest
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+        else:
+            os.pwrite(fd, (10**6).to_bytes(8, "little"), size - GROUP_FOOTER.size + 8)
+    finally:
+        os.close(fd)
+    out = empty_pages(4, 4096)
+    assert await backend.get(keys, out) == [PageStatus.CORRUPT] * 3 + [PageStatus.HIT]
+    assert bytes(out[3]) == bytes(pages[3])
+    assert backend.statistics().checksum_failures == 3
+    assert backend.statistics().errors == 0
+    assert "discarding page" in caplog.text
+
+
+async def test_deleting_one_page_of_a_group_keeps_the_others_and_the_last_frees_it(
+    backend: FileBackend,
+) -> None:
+    """`delete` unlinks a page's name only: the rest of its group still loads; the filesystem frees the
+    group file when its last name goes (an open descriptor sees its link count reach 0)."""
+    keys, pages = make_keys(3), make_pages(3, 4096)
+    assert await backend.put(keys, pages) == [True] * 3
+    fd = os.open(backend.path_of(keys[0]), os.O_RDONLY)
+    try:
+        await backend.delete(keys[:1])
+        assert await backend.exists(keys) == 0
+        out = empty_pages(2, 4096)
+        assert await backend.get(keys[1:], out) == [PageStatus.HIT] * 2
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages[1:]]
+        assert os.fstat(fd).st_nlink == 2
+        await backend.delete(keys[1:])
+        assert os.fstat(fd).st_nlink == 0
+    finally:
+        os.close(fd)
+    assert files_under(backend.root) == []
+
+
+async def test_another_backend_on_the_same_root_reads_the_pages(backend: FileBackend) -> None:
+    """A second server sharing the directory finds a page by its path and reads it through its group's
+    table; what it deletes is gone for the first, and what it writes the first reads."""
+    keys, pages = make_keys(6), make_pages(6, 4096)
+    assert await backend.put(keys[:3], pages[:3]) == [True] * 3
+    async with FileBackend(backend.root, namespace_digest=NS) as other:
+        assert await other.exists(keys[:3]) == 3
+        out = empty_pages(3, 4096)
+        assert await other.get(keys[:3], out) == [PageStatus.HIT] * 3
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages[:3]]
+        assert await other.put(keys[3:], pages[3:]) == [True] * 3
+        await other.delete(keys[:1])
+    out = empty_pages(6, 4096)
+    assert await backend.get(keys, out) == [PageStatus.MISS] + [PageStatus.HIT] * 5
+    assert [bytes(o) for o in out[1:]] == [bytes(p) for p in pages[1:]]
+
+
+async def test_an_old_one_file_page_is_a_miss_the_next_put_replaces(
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page file of the layout before page groups (header + payload, no group footer), as a server of
+    that layout left it, exists but loads as OLD_FORMAT; the next put names the page anew (the link is
+    made over it) and it loads."""
+    keys, pages = make_keys(2), make_pages(2, 4096)
+    for key, page in zip(keys, pages, strict=True):
+        path = backend.path_of(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_header(page, NS, key) + bytes(page))
+    assert await backend.exists(keys) == 2
+    assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.OLD_FORMAT] * 2
+    assert "before page groups" in caplog.text
+    assert await backend.put(keys[:1], pages[:1]) == [True]
+    out = empty_pages(2, 4096)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.OLD_FORMAT]
+    assert bytes(out[0]) == bytes(pages[0])
+
+
+async def test_a_page_put_again_is_renamed_over_and_its_old_group_freed(backend: FileBackend) -> None:
+    """Putting a stored key again (link fails with EEXIST) replaces its name with a link to the new group
+    (a per-page temporary link renamed over it): the page reads the new bytes, the old group keeps its
+    other pages, and loses a name; no temporary name is left."""
+    keys = make_keys(2)
+    old, new = make_pages(2, 4096, seed=1), make_pages(1, 4096, seed=2)
+    assert await backend.put(keys, old) == [True, True]
+    assert await backend.put(keys[:1], new) == [True]
+    out = empty_pages(2, 4096)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.HIT]
+    assert (bytes(out[0]), bytes(out[1])) == (bytes(new[0]), bytes(old[1]))
+    assert backend.path_of(keys[1]).stat().st_nlink == 1
+    assert sorted(p.name for p in files_under(backend.root)) == sorted(f"{k}.kvp" for k in keys)
+
+
+async def test_page_extent_names_the_page_bytes_in_its_group(backend: FileBackend) -> None:
+    """`page_extent` says where a page's header and payload lie in its group file."""
+    keys, pages = make_keys(3), make_pages(3, 1000)
+    assert await backend.put(keys, pages) == [True] * 3
+    for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+        path, offset, length = backend.page_extent(key)
+        assert (path, offset, length) == (backend.path_of(key), i * (HEADER_SIZE + 1000), HEADER_SIZE + 1000)
+        assert page_bytes(backend, key) == encode_header(page, NS, key) + bytes(page)

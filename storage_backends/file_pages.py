@@ -38,6 +38,7 @@ from storage_backends.errors import (
     StorageError,
 )
 from storage_backends.page_format import (
+    FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     check_stored_size,
@@ -282,8 +283,9 @@ def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
     group file `fd` of `size` bytes, as the C reader's `find_page` finds them.
 
     Raises:
-        OldPageFormat: a file without a group footer that is one page header and the payload it announces
-            (a one-file page of the layout before page groups: a miss the next put replaces).
+        OldPageFormat: a file without a group footer that starts with a page header of another format
+            version, or is one v2 page header and the payload it announces (a one-file page of the layout
+            before page groups): a miss the next put replaces.
         ChecksumMismatch: a torn group: no whole footer and table, or a table whose checksum fails.
         ForeignPage: the group's table does not name `key` (a name linked or copied over this key).
     """
@@ -312,7 +314,9 @@ def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
 
 def _no_group(fd: int, size: int) -> ChecksumMismatch:
     """Why a file without a group footer is no page: a one-file page of the old layout, or damage."""
-    header = os.pread(fd, HEADER_SIZE, 0) if size >= HEADER_SIZE else b""
+    header = os.pread(fd, HEADER_SIZE, 0)
+    if header[: len(MAGIC)] == MAGIC and header[4:5] != bytes([FORMAT_VERSION]):
+        return OldPageFormat(f"a page of format version {header[4]} (no group footer)")
     if header[: len(MAGIC)] == MAGIC and size == HEADER_SIZE + int.from_bytes(header[40:48], "little"):
         return OldPageFormat("a one-file page of the layout before page groups (no group footer)")
     return ChecksumMismatch("no group footer (a torn or foreign file)")

@@ -33,12 +33,14 @@ def read_pages(
     nowait_flags: int,
     /,
 ) -> tuple[bytes, int, list[tuple[int, int]]]:
-    """Read and verify `root/ab/cd/<key><suffix>` into each buffer, the whole batch without the GIL.
+    """Read and verify page `key` through its name `root/ab/<key><suffix>` (a link to its group file: the
+    footer and table say where the page lies, docs/storage.md) into each buffer, the whole batch without
+    the GIL.
 
     `nowait_flags` is 0 (plain reads) or `READAHEAD` with any probe flags (`RWF_NOWAIT`). Returns one outcome
     byte per page, the flags to pass next time (without the probe once the filesystem refused it,
-    `READAHEAD` kept), and `(index, errno)` for every `ERROR` page. A file longer or shorter than header plus
-    buffer is `RETRY`, never `HIT`. All read threads together hold at most a quarter of the soft
+    `READAHEAD` kept), and `(index, errno)` for every `ERROR` page. A file without a valid group table, one whose
+    table does not name the key, or a page whose extent is not header plus buffer is `RETRY`, never `HIT`. All read threads together hold at most a quarter of the soft
     `RLIMIT_NOFILE` open ahead; a page beyond that, or whose open ahead hits EMFILE, is opened at its own
     turn, and one whose own open hits EMFILE or ENFILE is `RETRY` (re-read once the batch's files are closed).
 

@@ -1,8 +1,9 @@
 /*
  * _hicache_native: the storage read path of hicache's file backend, in C, with the GIL released.
  *
- * read_pages() reads and verifies a whole batch of page files (page format v2, see
- * storage_backends/page_format.py) straight into the caller's buffers in one call that releases the GIL for
+ * read_pages() reads and verifies a whole batch of pages (page format v2, see
+ * storage_backends/page_format.py; each page's name is a hard link to the group file its put wrote, whose
+ * footer and table say where in it the page lies: find_page, docs/storage.md) straight into the caller's buffers in one call that releases the GIL for
  * the whole batch. Each page is read in chunks and each chunk is hashed (xxh3-64) right after the read
  * copied it into the buffer, while it is still in the CPU cache: a verified page costs one pass over memory,
  * not two (copy, then checksum). Anything unusual (a short or overlong file, a header that does not match, a
@@ -53,10 +54,11 @@ enum {
 /* Bumped whenever the module's interface changes: storage_backends/native.py refuses a build made from an
    older source (a worktree that merged a new hicache_native.c without rebuilding) with an error that says
    to rebuild, instead of failing later on a missing method. */
-#define NATIVE_BUILD 8 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
+#define NATIVE_BUILD 9 /* 3: chain_page_keys; 4: job sets (submit's leader); 5: ReadJob.finished;
                           6: READAHEAD, separate from the probe; stat-only RETRY for a path that is no file;
                           7: ReadQueue.call, a job that runs a Python callable;
-                          8: one directory level, root/ab/<key> */
+                          8: one directory level, root/ab/<key>;
+                          9: pages in group files (a name per page, hard links to one file per put) */
 
 #define HEADER_SIZE 56
 #define CHUNK_BYTES (256 * 1024) /* read then hash this much at a time: stays in L2 between the two */
@@ -129,34 +131,97 @@ static ssize_t preadv2_all(int fd, const struct iovec *iov, int iovcnt, off_t of
     return r;
 }
 
-/*
- * Read and verify one page from an open file; `flags` is 0 or the probe flags (RWF_NOWAIT). The read of the
- * payload's last chunk asks for one byte more, into `past_end`: a file longer than header + payload fills
- * it and is handed back (RETRY) like a short one, never loaded, at no extra system call.
- */
-static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_len, unsigned char *buf,
-                   Py_ssize_t n, int flags, int *err) {
-    unsigned char header[HEADER_SIZE];
-    unsigned char past_end;
-    size_t first = n < CHUNK_BYTES ? (size_t)n : CHUNK_BYTES;
-    struct iovec iov[3] = {{header, HEADER_SIZE}, {buf, first}, {&past_end, 1}};
-    ssize_t got = preadv2_all(fd, iov, first == (size_t)n ? 3 : 2, 0, flags);
+/* Group files (native/hicache_write.c, docs/storage.md): pages, then a table of (key digest, offset) entries,
+   then a footer (magic "HKVG", version, count, xxh3-64 of the table). */
+#define GROUP_VERSION 1
+#define ENTRY_SIZE 24
+#define FOOTER_SIZE 24
+
+/* pread exactly `len` bytes at `off`: 0, an internal result (WOULD_BLOCK, NOWAIT_UNSUPPORTED) or a code. */
+static int pread_exact(int fd, void *buf, size_t len, off_t off, int flags, int *err) {
+    struct iovec iov = {buf, len};
+    ssize_t got = preadv2_all(fd, &iov, 1, off, flags);
     if (got < 0) {
         if (flags && errno == EAGAIN) return WOULD_BLOCK;
         if (flags && (errno == EOPNOTSUPP || errno == EINVAL)) return NOWAIT_UNSUPPORTED;
         *err = errno;
         return CODE_ERROR;
     }
-    if ((size_t)got > HEADER_SIZE + first) return CODE_RETRY; /* overlong */
+    if ((size_t)got != len) return flags ? WOULD_BLOCK : CODE_RETRY;
+    return 0;
+}
+
+/*
+ * Find page `digest` in the group file of `size` bytes: its offset and extent (header + payload bytes, up to
+ * the next page or the table). Returns 0, or a code/internal result: a file without a whole footer and table
+ * whose checksum holds (a torn group, an old one-file page), or without the key in its table, is RETRY.
+ */
+static int find_page(int fd, off_t size, const unsigned char *digest, int flags, uint64_t *offset,
+                     uint64_t *extent, int *err) {
+    if (size < FOOTER_SIZE + ENTRY_SIZE) return CODE_RETRY;
+    unsigned char footer[FOOTER_SIZE];
+    int r = pread_exact(fd, footer, FOOTER_SIZE, size - FOOTER_SIZE, flags, err);
+    if (r) return r;
+    uint64_t count = load_le64(footer + 8);
+    if (memcmp(footer, "HKVG", 4) != 0 || footer[4] != GROUP_VERSION || footer[5] || footer[6] || footer[7] ||
+        count == 0 || count > (uint64_t)(size - FOOTER_SIZE) / ENTRY_SIZE)
+        return CODE_RETRY;
+    size_t table_len = (size_t)count * ENTRY_SIZE;
+    uint64_t table_start = (uint64_t)size - FOOTER_SIZE - table_len;
+    unsigned char *table = malloc(table_len);
+    if (table == NULL) {
+        *err = ENOMEM;
+        return CODE_ERROR;
+    }
+    r = pread_exact(fd, table, table_len, (off_t)table_start, flags, err);
+    if (!r && XXH3_64bits(table, table_len) != load_le64(footer + 16)) r = CODE_RETRY;
+    if (!r) {
+        r = CODE_RETRY; /* a key absent from the table */
+        for (uint64_t j = 0; j < count; j++) {
+            const unsigned char *e = table + j * ENTRY_SIZE;
+            if (memcmp(e, digest, 16) != 0) continue;
+            uint64_t end = j + 1 < count ? load_le64(e + ENTRY_SIZE + 16) : table_start;
+            *offset = load_le64(e + 16);
+            if (*offset <= end && end <= table_start) {
+                *extent = end - *offset;
+                r = 0;
+            }
+            break;
+        }
+    }
+    free(table);
+    return r;
+}
+
+/*
+ * Read and verify one page from an open group file of `size` bytes; `flags` is 0 or the probe flags
+ * (RWF_NOWAIT). The footer and table say where the page is (find_page); a page whose extent is not exactly
+ * header + payload is RETRY, never loaded as a hit.
+ */
+static int read_fd(const read_ctx *ctx, int fd, off_t size, const char *key, Py_ssize_t key_len,
+                   unsigned char *buf, Py_ssize_t n, int flags, int *err) {
+    XXH128_canonical_t kd;
+    XXH128_canonicalFromHash(&kd, XXH3_128bits(key, (size_t)key_len));
+    uint64_t base = 0, extent = 0;
+    int found = find_page(fd, size, kd.digest, flags, &base, &extent, err);
+    if (found) return found;
+    if (extent != HEADER_SIZE + (uint64_t)n) return CODE_RETRY;
+    unsigned char header[HEADER_SIZE];
+    size_t first = n < CHUNK_BYTES ? (size_t)n : CHUNK_BYTES;
+    struct iovec iov[2] = {{header, HEADER_SIZE}, {buf, first}};
+    ssize_t got = preadv2_all(fd, iov, 2, (off_t)base, flags);
+    if (got < 0) {
+        if (flags && errno == EAGAIN) return WOULD_BLOCK;
+        if (flags && (errno == EOPNOTSUPP || errno == EINVAL)) return NOWAIT_UNSUPPORTED;
+        *err = errno;
+        return CODE_ERROR;
+    }
     if ((size_t)got != HEADER_SIZE + first) return flags ? WOULD_BLOCK : CODE_RETRY;
     /* magic, version 2, no flags, no reserved bits, namespace, key digest, payload length */
     if (memcmp(header, "HKVP", 4) != 0 || header[4] != 2 || header[5] != 0 || header[6] != 0 ||
         header[7] != 0 || memcmp(header + 8, ctx->namespace_digest, 16) != 0 ||
-        load_le64(header + 40) != (uint64_t)n)
+        load_le64(header + 40) != (uint64_t)n || memcmp(header + 24, kd.digest, 16) != 0)
         return CODE_RETRY;
-    XXH128_canonical_t kd;
-    XXH128_canonicalFromHash(&kd, XXH3_128bits(key, (size_t)key_len));
-    if (memcmp(header + 24, kd.digest, 16) != 0) return CODE_RETRY;
 
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
@@ -164,15 +229,13 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
     Py_ssize_t off = (Py_ssize_t)first;
     while (off < n) {
         size_t len = (size_t)(n - off) < CHUNK_BYTES ? (size_t)(n - off) : CHUNK_BYTES;
-        struct iovec chunk[2] = {{buf + off, len}, {&past_end, 1}};
-        int last = off + (Py_ssize_t)len == n;
-        ssize_t r = preadv2_all(fd, chunk, last ? 2 : 1, (off_t)(HEADER_SIZE + off), flags);
+        struct iovec chunk = {buf + off, len};
+        ssize_t r = preadv2_all(fd, &chunk, 1, (off_t)(base + HEADER_SIZE + (uint64_t)off), flags);
         if (r < 0 && flags && errno == EAGAIN) return WOULD_BLOCK;
         if (r < 0 && !flags) {
             *err = errno;
             return CODE_ERROR;
         }
-        if (r > (ssize_t)len) return CODE_RETRY; /* overlong */
         if (r != (ssize_t)len) return flags ? WOULD_BLOCK : CODE_RETRY;
         XXH3_64bits_update(&state, buf + off, len);
         off += (Py_ssize_t)len;
@@ -188,7 +251,7 @@ static int read_fd(const read_ctx *ctx, int fd, const char *key, Py_ssize_t key_
  * (and then the read) until some writer came, holding a reader thread and its buffers for good. A regular
  * file ignores O_NONBLOCK on local filesystems; it is cleared anyway so a FUSE daemon sees a plain read.
  */
-static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, int *err) {
+static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, off_t *size, int *err) {
     char path[MAX_PATH_BYTES];
     if (build_path(ctx, key, key_len, path) < 0) {
         *err = ENAMETOOLONG;
@@ -207,6 +270,7 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, i
         close(fd);
         return NOT_REGULAR;
     }
+    *size = st.st_size;
     return fd;
 }
 
@@ -221,9 +285,10 @@ static int open_failure(int fd, int err) {
 /* Open and read one page. */
 static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, unsigned char *buf,
                     Py_ssize_t n, int flags, int *err) {
-    int fd = open_page(ctx, key, key_len, err);
+    off_t size = 0;
+    int fd = open_page(ctx, key, key_len, &size, err);
     if (fd < 0) return open_failure(fd, *err);
-    int code = read_fd(ctx, fd, key, key_len, buf, n, flags, err);
+    int code = read_fd(ctx, fd, size, key, key_len, buf, n, flags, err);
     close(fd);
     return code;
 }
@@ -281,6 +346,7 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
         codes[i] = (unsigned char)code;
     }
     int fds[READAHEAD_PAGES];            /* the open file of page k is fds[k % READAHEAD_PAGES] */
+    off_t sizes[READAHEAD_PAGES];        /* and its size */
     unsigned char ahead[READAHEAD_PAGES]; /* whether that file holds a read-ahead slot */
     int64_t budget = readahead_budget();
     Py_ssize_t opened = i;
@@ -289,18 +355,22 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
             int slot = opened > k; /* opened before its turn: it holds a slot of the budget */
             if (slot && !take_readahead_slot(budget)) break;
             int *err = &ctx->errnos[opened];
-            int fd = open_page(ctx, keys[opened], key_lens[opened], err);
+            off_t size = 0;
+            int fd = open_page(ctx, keys[opened], key_lens[opened], &size, err);
             if (fd == -1 && slot && (*err == EMFILE || *err == ENFILE)) {
                 *err = 0;
                 give_readahead_slot();
                 break; /* out of descriptors: this page is opened again at its own turn */
             }
-            if (fd >= 0) (void)posix_fadvise(fd, 0, HEADER_SIZE + views[opened].len, POSIX_FADV_WILLNEED);
+            /* the whole group file: its table and footer are read first, then the page (the batch's
+               other pages are mostly in the same group: one put's pages are one group) */
+            if (fd >= 0) (void)posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
             else if (slot) {
                 give_readahead_slot();
                 slot = 0;
             }
             fds[opened % READAHEAD_PAGES] = fd;
+            sizes[opened % READAHEAD_PAGES] = size;
             ahead[opened % READAHEAD_PAGES] = (unsigned char)slot;
         }
         int fd = fds[k % READAHEAD_PAGES];
@@ -308,8 +378,8 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
             codes[k] = (unsigned char)open_failure(fd, ctx->errnos[k]);
             continue;
         }
-        codes[k] = (unsigned char)read_fd(ctx, fd, keys[k], key_lens[k], views[k].buf, views[k].len, 0,
-                                          &ctx->errnos[k]);
+        codes[k] = (unsigned char)read_fd(ctx, fd, sizes[k % READAHEAD_PAGES], keys[k], key_lens[k],
+                                          views[k].buf, views[k].len, 0, &ctx->errnos[k]);
         close(fd);
         if (ahead[k % READAHEAD_PAGES]) give_readahead_slot();
     }

@@ -1,16 +1,19 @@
-"""A storage backend on a local or mounted filesystem: one file per page, written atomically.
+"""A storage backend on a local or mounted filesystem: a group file per put, a hard link per page.
 
-Layout: `root/ab/<key>.kvp`, where `ab` is the key's first hex pair: 256 directories, created once, each
-holding 1/256 of the pages (directories are hashed indexes on ext4 and XFS). Every file is a `page_format`
-header followed by the payload. A second level (`root/ab/cd/`, 65,536 directories) cost a fresh store one
+Layout: each page is named `root/ab/<key>.kvp`, where `ab` is the key's first hex pair: 256 directories,
+created once, each holding 1/256 of the names (directories are hashed indexes on ext4 and XFS). A name is a
+hard link to the group file its put wrote (`storage_backends.file_pages`, docs/storage.md): the page's
+`page_format` header and payload among the group's, then a table saying where each page lies. One inode per
+page was the whole kernel cost of a write (BENCHMARKS.md, issue 25); hard links need a filesystem that has
+them (ext4, XFS, NFS; not some FUSE object stores). A second level (`root/ab/cd/`, 65,536 directories) cost a fresh store one
 `mkdir` per page written, as much kernel CPU again as the page's own file (docs/storage.md).
 
 `FileBackend` is the async face (validation, grouping into worker-thread jobs, statistics, lifecycle);
 `storage_backends.file_pages.PageFiles` does the work on the files. Every blocking call runs in the backend's
 one pool of at most `max_concurrency` threads (`storage_backends.threads.WorkerThreads`). Reads go straight
 into the caller's buffer and are verified in the same pass, a whole group per job, by the C extension without
-the GIL; writes go to a temporary file in the page's directory and are renamed over the final name with
-`os.replace`, so a reader sees a whole page or no page.
+the GIL; a group is written whole to a temporary file before its first page gets its name, so a reader sees
+a whole page or no page.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def default_concurrency() -> int:
 class FileBackend(BackendLifecycle):
     """Pages as files under a root directory (a local disk, NFS, or a FUSE mount such as JuiceFS).
 
-    Safe to share a root between processes: writes are atomic renames and every read is verified.
+    Safe to share a root between processes: a page is named only once its group file is complete, and every
+    read is verified.
 
     Args:
         root: the directory holding the pages; created if missing. A filesystem path, made absolute and
@@ -85,7 +89,7 @@ class FileBackend(BackendLifecycle):
         max_concurrency: the most worker threads this backend keeps busy at once, across all its calls
             (default: `default_concurrency()`); a thread stuck in a call whose caller was cancelled gets
             a spare meanwhile (see `storage_backends.threads`).
-        durable: fsync each page and its directory before reporting it written.
+        durable: fsync each group file before naming its pages, and their directories after.
         group_bytes: payload bytes one worker-thread call handles; small pages are grouped up to this
             size so a thread hop is shared by several pages.
         readahead: when a page of a group is not in the page cache, read the rest of the group ahead:
@@ -159,13 +163,28 @@ class FileBackend(BackendLifecycle):
         return Path(self._root)
 
     def path_of(self, key: str) -> Path:
-        """The file that holds page `key` (validated: it never leaves the root).
+        """The name of page `key`: a hard link to the group file holding it (validated: it never leaves the
+        root). Its bytes are the group's; `page_extent` says which are the page's.
 
         Raises:
             ValueError: naming `keys`, if `key` is not 4-128 lowercase hex characters.
         """
         validate_keys([key])
         return Path(self._path(key))
+
+    def page_extent(self, key: str) -> tuple[Path, int, int]:
+        """Where page `key`'s bytes lie: the file (`path_of`), and the offset and length of its header and
+        payload in it. For tests and tools that damage or inspect one page; blocking file I/O, never on the
+        event loop of a serving cache.
+
+        Raises:
+            ValueError: naming `keys`, for a malformed key.
+            FileNotFoundError: if the page is not stored.
+            ChecksumMismatch: if its group's table is torn or does not name `key`.
+        """
+        validate_keys([key])
+        path, offset, length = self._files.extent(key)
+        return Path(path), offset, length
 
     def statistics(self) -> BackendStatistics:
         """Counters since the backend was opened."""
@@ -248,7 +267,9 @@ class FileBackend(BackendLifecycle):
         return self._stats.record_reads(await self._read(keys, buffers), buffers)
 
     async def put(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[bool]:
-        """Write pages from `buffers`, each atomically (temporary file + rename); one flag per page.
+        """Write pages from `buffers`: a group file per worker-thread share (up to `group_bytes`), written
+        whole under a temporary name, then a hard link per page (a name already there is replaced); one flag
+        per page.
 
         A page that cannot be written (disk full, permissions) is logged, counted in
         `statistics().errors` and reported `False`; no temporary file is left behind.
@@ -262,7 +283,7 @@ class FileBackend(BackendLifecycle):
         return self._stats.record_writes(await self._gather_groups(self._write_group, keys, buffers), buffers)
 
     async def delete(self, keys: Sequence[str]) -> None:
-        """Remove pages; absent keys are ignored.
+        """Remove pages (their names; a group file goes with its last name); absent keys are ignored.
 
         Raises:
             CacheClosed: after `aclose()`.

@@ -1,8 +1,14 @@
 """The file backend's page files: where a page lives, and the work on it that runs in worker threads.
 
-`PageFiles` knows the layout under one root (`root/ab/<key>.kvp`, a `page_format` header followed by the
-payload) and does the per-page work: batched reads through the C extension, a checked re-read of any page
-the C reader found unusual, atomic writes, stat and unlink. It runs in worker threads only; `FileBackend`
+`PageFiles` knows the layout under one root and does the work on it: batched reads through the C extension,
+a checked re-read of any page the C reader found unusual, group writes, stat and unlink.
+
+Layout (docs/storage.md, "Group files"): each put's share of one worker thread is one group file, its pages
+(each a `page_format` header followed by the payload) end to end, then a table of `GROUP_ENTRY` (key digest,
+offset) per page and a `GROUP_FOOTER` (magic `GROUP_MAGIC`, `GROUP_VERSION`, count, xxh3-64 of the table).
+The group file has no name of its own once written: every page's name `root/ab/<key>.kvp` is a hard link to
+it, so the directory is the index, `exists` is a stat, `delete` unlinks one name and the filesystem frees
+the group with its last name. It runs in worker threads only; `FileBackend`
 (`storage_backends.file`) is the async face that validates, groups, counts and cancels.
 
 Reads: the C reader (`native.ReadQueue`'s workers, see `storage_backends.threads`) reads and verifies
@@ -14,27 +20,44 @@ foreign, old format, corrupt, not a regular file) is named in one place, in Pyth
 
 from __future__ import annotations
 
-import contextlib
 import errno as errno_names
 import logging
 import os
 import secrets
 import stat
+import struct
 from collections.abc import Sequence
 
 from storage_backends import native
 from storage_backends.batching import ERROR, HIT, MISS
-from storage_backends.errors import ChecksumMismatch, StorageAuthError, StorageError
+from storage_backends.errors import (
+    ChecksumMismatch,
+    ForeignPage,
+    OldPageFormat,
+    StorageAuthError,
+    StorageError,
+)
 from storage_backends.page_format import (
+    FORMAT_VERSION,
     HEADER_SIZE,
+    MAGIC,
     check_stored_size,
-    encode_header,
     failure_status,
+    key_digest,
     verify_page,
 )
 from storage_backends.protocol import PageStatus
 
-__all__ = ["NOWAIT", "READ_AHEAD", "SUFFIX", "PageFiles"]
+__all__ = [
+    "GROUP_ENTRY",
+    "GROUP_FOOTER",
+    "GROUP_MAGIC",
+    "GROUP_VERSION",
+    "NOWAIT",
+    "READ_AHEAD",
+    "SUFFIX",
+    "PageFiles",
+]
 
 log = logging.getLogger("storage_backends.file")
 
@@ -48,9 +71,20 @@ READ_AHEAD: int = native.READAHEAD | NOWAIT if NOWAIT else 0
 """The C reader's flags for reads with readahead: probe with `NOWAIT`, read ahead from the first cold page.
 Two bits: a filesystem refusing the probe (NFS, some FUSE mounts) drops the probe, never the readahead."""
 
+GROUP_MAGIC = b"HKVG"
+"""The four bytes a group file's footer starts with."""
+
+GROUP_VERSION = 1
+"""The group format version (the footer's fifth byte); the page header keeps its own version."""
+
+GROUP_ENTRY = struct.Struct("<16sQ")
+"""A group table entry: the page's key digest (`page_format.key_digest`) and its offset in the file."""
+
+GROUP_FOOTER = struct.Struct("<4sB3xQQ")
+"""A group file's last bytes: magic, version, reserved (0), page count, xxh3-64 of the table."""
+
 _TMP_SUFFIX = ".tmp"
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 _STATUS: dict[int, PageStatus] = {native.HIT: HIT, native.MISS: MISS, native.ERROR: ERROR}
 
 assert native.HEADER_SIZE == HEADER_SIZE, "the C reader and page_format disagree on the header size"
@@ -125,23 +159,27 @@ class PageFiles:
             log.warning("cannot open page %s: %s", path, exc)
             return ERROR
         try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                log.warning("cannot read page %s: %s", path, _not_regular(mode))
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                log.warning("cannot read page %s: %s", path, _not_regular(st.st_mode))
                 return ERROR
             os.set_blocking(fd, True)
-            got = _read_all(fd, header, buf)
-            size = os.fstat(fd).st_size
+            try:
+                offset, extent = _locate(fd, st.st_size, key)
+            except ChecksumMismatch as exc:
+                log.warning("discarding page %s: %s", path, exc)
+                return failure_status(exc)
+            got = _read_all(fd, header, buf, offset)
         except OSError as exc:
             log.warning("cannot read page %s: %s", path, exc)
             return ERROR
         finally:
             os.close(fd)
         try:
-            # The header and size first (foreign, old format, truncated, overlong or of another length:
+            # The header and extent first (foreign, old format, truncated, overlong or of another length:
             # `check_stored_size` names which), then the payload of a page of the right size.
             check_stored_size(
-                memoryview(header)[: min(got, HEADER_SIZE)], size, buf.nbytes, self._namespace, key
+                memoryview(header)[: min(got, extent, HEADER_SIZE)], extent, buf.nbytes, self._namespace, key
             )
             verify_page(header, buf, self._namespace, key)
         except ChecksumMismatch as exc:
@@ -149,74 +187,49 @@ class PageFiles:
             return failure_status(exc)
         return HIT
 
-    def write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
-        """Write a group of pages, each atomically; one outcome per page.
+    def extent(self, key: str) -> tuple[str, int, int]:
+        """Where page `key` lies: its path, and the offset and length (header + payload) of its bytes in
+        that group file (what a test damages to damage one page). In a worker thread or a test.
 
-        The C writer (`native.write_pages`) builds each header and writes the group without the GIL; a
-        page whose directory was removed behind our back (ENOENT), or with an empty directory in its place
-        (EISDIR: `exists` counts it absent), is written again by `write_one`, which recreates the one and
-        removes the other.
+        Raises:
+            FileNotFoundError: if the page has no file.
+            ChecksumMismatch: if its group has no valid table, or the table does not name `key`.
         """
-        dirs = [f"{self.root}/{key[0:2]}" for key in keys]
-        for directory in set(dirs) - self._known_dirs:
+        path = self.path(key)
+        fd = os.open(path, _O_READ)
+        try:
+            offset, extent = _locate(fd, os.fstat(fd).st_size, key)
+        finally:
+            os.close(fd)
+        return path, offset, extent
+
+    def write_group(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[PageStatus]:
+        """Write a group of pages as one group file, a hard link per page; one outcome per page.
+
+        The C writer (`native.write_group`) builds each header, the table and the footer and writes the
+        group without the GIL, then names each page (replacing a name already there: an old one-file
+        page, a torn or foreign one, or an empty directory, which `exists` counts absent).
+        """
+        for directory in {f"{self.root}/{key[0:2]}" for key in keys} - self._known_dirs:
             try:
                 os.makedirs(directory, exist_ok=True)
             except OSError:
-                continue  # the page's open fails and is reported below
+                continue  # the page's link fails and is reported below
             self._known_dirs.add(directory)
         tag = f".{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        errors = native.write_pages(
-            dirs, list(keys), list(buffers), self._namespace, SUFFIX, tag, self._durable
+        errors = native.write_group(
+            self.root, list(keys), list(buffers), self._namespace, SUFFIX, tag, self._durable
         )
         if not any(errors):
             return [HIT] * len(keys)
         out: list[PageStatus] = []
-        for key, buf, err in zip(keys, buffers, errors, strict=True):
-            if err in (errno_names.ENOENT, errno_names.EISDIR):
-                out.append(self.write_one(key, buf))
-            elif err:
+        for key, err in zip(keys, errors, strict=True):
+            if err:
                 log.warning("cannot write page %s: %s", self.path(key), _describe(err))
                 out.append(ERROR)
             else:
                 out.append(HIT)
         return out
-
-    def write_one(self, key: str, buf: memoryview) -> PageStatus:
-        """Write one page to a temporary file in its directory and rename it over the final name."""
-        directory = f"{self.root}/{key[0:2]}"
-        path = f"{directory}/{key}{SUFFIX}"
-        tmp = f"{directory}/.{key}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        try:
-            header = encode_header(buf, self._namespace, key)
-            if directory not in self._known_dirs:
-                os.makedirs(directory, exist_ok=True)
-                self._known_dirs.add(directory)
-            try:
-                fd = os.open(tmp, _O_CREATE, 0o644)
-            except FileNotFoundError:  # the directory was removed behind our back: recreate it once
-                os.makedirs(directory, exist_ok=True)
-                fd = os.open(tmp, _O_CREATE, 0o644)
-            try:
-                try:
-                    _write_all(fd, header, buf)
-                    if self._durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                try:
-                    os.replace(tmp, path)
-                except IsADirectoryError:  # an empty directory in the page's place (`exists` says absent)
-                    os.rmdir(path)
-                    os.replace(tmp, path)
-            except BaseException:
-                _unlink_quietly(tmp)
-                raise
-            if self._durable:
-                _fsync_dir(directory)
-        except OSError as exc:
-            log.warning("cannot write page %s: %s", path, exc)
-            return ERROR
-        return HIT
 
     def stat_failure(self, key: str, err: int) -> StorageError:
         """The error for page `key`, whose path `stat` failed on with errno `err` (EACCES, ELOOP, ENOTDIR):
@@ -229,7 +242,7 @@ class PageFiles:
 
     def log_not_a_page(self, key: str) -> None:
         """Log that page `key`'s path holds no regular file (a directory, FIFO, socket or device, symlinks
-        followed): `exists` counts it absent, so write-through replaces it (`write_one`). No I/O: it runs on
+        followed): `exists` counts it absent, so write-through replaces it (`write_group`). No I/O: it runs on
         the event loop."""
         log.warning(
             "no page at %s: not a regular file (a directory, FIFO, socket or device); counted absent, the "
@@ -265,45 +278,62 @@ def _describe(err: int) -> str:
     return f"[Errno {err}] {os.strerror(err)} ({name})"
 
 
-def _read_all(fd: int, header: bytearray, buf: memoryview) -> int:
-    """Read header and payload from offset 0 until both are full or the file ends (FUSE may split reads)."""
+def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
+    """The offset and extent (header + payload bytes, up to the next page or the table) of page `key` in the
+    group file `fd` of `size` bytes, as the C reader's `find_page` finds them.
+
+    Raises:
+        OldPageFormat: a file without a group footer that starts with a page header of another format
+            version, or is one v2 page header and the payload it announces (a one-file page of the layout
+            before page groups): a miss the next put replaces.
+        ChecksumMismatch: a torn group: no whole footer and table, or a table whose checksum fails.
+        ForeignPage: the group's table does not name `key` (a name linked or copied over this key).
+    """
+    if size < GROUP_FOOTER.size + GROUP_ENTRY.size:
+        raise _no_group(fd, size)
+    footer = os.pread(fd, GROUP_FOOTER.size, size - GROUP_FOOTER.size)
+    magic, version, count, checksum = GROUP_FOOTER.unpack(footer)
+    if magic != GROUP_MAGIC or version != GROUP_VERSION or footer[5:8] != b"\0\0\0":
+        raise _no_group(fd, size)
+    if not 0 < count <= (size - GROUP_FOOTER.size) // GROUP_ENTRY.size:
+        raise ChecksumMismatch(f"group table of {count} pages does not fit a file of {size} bytes")
+    table_start = size - GROUP_FOOTER.size - count * GROUP_ENTRY.size
+    table = os.pread(fd, count * GROUP_ENTRY.size, table_start)
+    if len(table) != count * GROUP_ENTRY.size or native.xxh3_64(table) != checksum:
+        raise ChecksumMismatch("group table fails its checksum (a torn group)")
+    entries = list(GROUP_ENTRY.iter_unpack(table))
+    digest = key_digest(key)
+    for j, (entry_digest, offset) in enumerate(entries):
+        if entry_digest == digest:
+            end = entries[j + 1][1] if j + 1 < count else table_start
+            if not offset <= end <= table_start:
+                raise ChecksumMismatch(f"group table places the page at {offset}..{end}, outside its pages")
+            return offset, end - offset
+    raise ForeignPage("the group's table does not name this key (a name linked or copied over it)")
+
+
+def _no_group(fd: int, size: int) -> ChecksumMismatch:
+    """Why a file without a group footer is no page: a one-file page of the old layout, or damage."""
+    header = os.pread(fd, HEADER_SIZE, 0)
+    if header[: len(MAGIC)] == MAGIC and header[4:5] != bytes([FORMAT_VERSION]):
+        return OldPageFormat(f"a page of format version {header[4]} (no group footer)")
+    if header[: len(MAGIC)] == MAGIC and size == HEADER_SIZE + int.from_bytes(header[40:48], "little"):
+        return OldPageFormat("a one-file page of the layout before page groups (no group footer)")
+    return ChecksumMismatch("no group footer (a torn or foreign file)")
+
+
+def _read_all(fd: int, header: bytearray, buf: memoryview, offset: int) -> int:
+    """Read header and payload from `offset` until both are full or the file ends (FUSE may split reads)."""
     want = HEADER_SIZE + buf.nbytes
     hview = memoryview(header)
     bview = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
     got = 0
     while got < want:
         if got < HEADER_SIZE:
-            n = os.preadv(fd, [hview[got:], bview], got)
+            n = os.preadv(fd, [hview[got:], bview], offset + got)
         else:
-            n = os.preadv(fd, [bview[got - HEADER_SIZE :]], got)
+            n = os.preadv(fd, [bview[got - HEADER_SIZE :]], offset + got)
         if n == 0:
             break
         got += n
     return got
-
-
-def _write_all(fd: int, header: bytes, buf: memoryview) -> None:
-    """Write header and payload fully, continuing after short writes."""
-    total = HEADER_SIZE + buf.nbytes
-    done = os.writev(fd, [header, buf])
-    if done == total:
-        return
-    data = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-    while done < total:
-        if done < HEADER_SIZE:
-            done += os.writev(fd, [header[done:], data])
-        else:
-            done += os.write(fd, data[done - HEADER_SIZE :])
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

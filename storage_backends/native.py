@@ -5,8 +5,8 @@ and verify (one memory pass per page, the whole batch without the GIL), `ReadQue
 run such batches (`ReadJob`s) one after another without ever taking the GIL between them, and Python calls
 (`ReadQueue.call`) with it (`storage_backends.threads.WorkerThreads`), `chain_hashes`, the chained page
 hashes of a key (`hicache.keys.chained_page_hashes`), and `xxh3_64`, the page payload checksum
-(byte-compatible with python-xxhash's `xxh3_64_intdigest`). `write_pages`, the file backend's
-write path (header, checksum and atomic write of a group of pages without the GIL), lives in a second
+(byte-compatible with python-xxhash's `xxh3_64_intdigest`). `write_group`, the file backend's
+write path (one group file of pages with their headers, a hard link per page, without the GIL), lives in a second
 module, `_hicache_write` (native/hicache_write.c). `pip install -e .` or `make venv` builds both; see the
 README's "Dependencies and why".
 """
@@ -22,7 +22,7 @@ except ImportError as exc:  # pragma: no cover - only on an install that skipped
         "root; it needs a C compiler (gcc) and Python's development headers (Python.h)."
     ) from exc
 
-BUILD = 8
+BUILD = 9
 """The interface version this Python side expects (`NATIVE_BUILD` in native/hicache_native.c)."""
 
 _REBUILD = (
@@ -70,12 +70,25 @@ __all__ = [
 
 del _hicache_native
 
+WRITE_BUILD = 2
+"""The interface version of `_hicache_write` this Python side expects (`WRITE_BUILD` in native/hicache_write.c)."""
+
 try:
-    from _hicache_write import write_pages
+    import _hicache_write
 except ImportError as exc:  # pragma: no cover - only on an install that skipped the build
     raise ImportError(
         "hicache's C extension _hicache_write (native/hicache_write.c: the file backend's write path) is not "
         "built. " + _REBUILD
     ) from exc
 
-__all__ += ["write_pages"]
+if getattr(_hicache_write, "BUILD", 1) != WRITE_BUILD:  # pragma: no cover - only on a stale build
+    raise ImportError(
+        f"hicache's C extension _hicache_write ({_hicache_write.__file__}) is stale: built from an older "
+        f"native/hicache_write.c (build {getattr(_hicache_write, 'BUILD', 1)}, this code needs {WRITE_BUILD}). "
+        + _REBUILD
+    )
+
+from _hicache_write import write_group  # noqa: E402  (after the check)
+
+__all__ += ["WRITE_BUILD", "write_group"]
+del _hicache_write

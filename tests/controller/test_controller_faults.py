@@ -10,7 +10,6 @@ in the metrics. After each scenario the cache is sane and every page of both poo
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 from collections.abc import AsyncIterator
@@ -22,12 +21,12 @@ import torch
 from cache_internals import host_pool_of, tree_of
 from controller_helpers import HOUR_S, LoopClock
 from kv_oracle import FaultyBackend, chain_payload, check_pools_exact, layout_for, store_chain
+from page_damage import damage_page
 
 from hicache import HiCache, HiCacheConfig, PrefetchOutcome
 from hicache.keys import TOKEN_BYTES, Namespace, as_key_bytes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
-from storage_backends.page_format import HEADER_SIZE
 
 PAGE = 4
 N_PAGES = 12
@@ -78,19 +77,9 @@ def config(**overrides: object) -> HiCacheConfig:
 
 
 def damage_file(backend: FileBackend, page: int, how: str, rng: random.Random) -> None:
-    """Really damage the file of page `page`: truncate it, flip a byte, or delete it."""
-    keys = page_key_list()
-    path = backend.path_of(keys[page])
-    size = path.stat().st_size
-    if how == "truncate":
-        os.truncate(path, rng.randrange(0, size))
-    elif how == "missing":
-        path.unlink()
-    else:
-        offset = rng.randrange(HEADER_SIZE, size) if how == "flip_payload" else rng.randrange(0, HEADER_SIZE)
-        data = bytearray(path.read_bytes())
-        data[offset] ^= 1 << rng.randrange(8)
-        path.write_bytes(bytes(data))
+    """Really damage page `page` on disk, and no other page of its group file: truncate it, flip a byte,
+    or delete it (`page_damage.damage_page`)."""
+    damage_page(backend, page_key_list()[page], how, rng)
 
 
 def page_key_list() -> list[str]:

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from page_damage import group_file, page_bytes, pages_at
 
 from hicache import HiCache, HiCacheConfig, KVLayout, MambaState, Namespace, SlidingWindow
 from hicache.components import component_storage_key
 from hicache.keys import ROOT_HASH, as_key_bytes, chained_page_hashes
 from hicache.metrics import render
 from storage_backends.file import FileBackend
+from storage_backends.page_format import key_digest
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16, page_size=4)
 SEQ = list(range(5000, 5032))
@@ -203,7 +205,13 @@ async def test_a_component_page_copied_over_another_key_is_refused(tmp_path: Pat
     *_, before, last = await page_paths(tmp_path, cfg, SEQ, SWA.name)
     assert before.exists()
     assert last.exists()
-    shutil.copyfile(before, last)
+    # `before`'s page bytes under `last`'s name, in a group file of their own (a page copied over another
+    # key: the two share one group file as written, `page_damage`)
+    stored = pages_at(tmp_path, cfg.namespace.digest)
+    before_key = before.name.removesuffix(".kvp")
+    copied = page_bytes(stored, before_key)
+    last.unlink()
+    last.write_bytes(group_file([(key_digest(before_key), copied)]))
     async with HiCache(cfg) as again:
         storage_tokens, _ = await acquire_from_storage(again, SEQ)
         assert storage_tokens == 0

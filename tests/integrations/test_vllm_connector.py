@@ -21,8 +21,10 @@ from tiny_model import write_tiny_llama
 from vllm_helpers import ROOT, assert_identical, hit_tokens, run_workload, vllm_python
 
 from hicache.keys import Namespace, as_key_bytes, chained_page_keys
+from storage_backends.page_format import key_digest
 
 sys.path.insert(0, str(ROOT / "tests"))
+from page_damage import flip_page_byte, group_file, page_bytes, pages_at, rewrite_page
 from s3_servers import start_moto
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -129,11 +131,15 @@ def test_damaged_pages_and_aborted_loads_leave_outputs_identical(
     # the file is there and its header is whole, so only its read can find the flipped byte.
     corrupt, donor = system_pages[0][0], system_pages[0][1]
     foreign, truncated = system_pages[1][2], system_pages[1][3]
-    data = bytearray(corrupt.read_bytes())
-    data[-1] ^= 0xFF
-    corrupt.write_bytes(bytes(data))
-    truncated.write_bytes(truncated.read_bytes()[:100])
-    foreign.write_bytes(donor.read_bytes())
+    # Each name is a link to its put's group file (docs/storage.md); copytree made each a file of its
+    # own, and the damage goes to one page's bytes only (`page_damage`).
+    pages = pages_at(damaged, namespace.digest)
+    key_of = {p: p.name.removesuffix(".kvp") for chain in system_pages for p in chain}
+    flip_page_byte(pages, key_of[corrupt], pages.page_extent(key_of[corrupt])[2] - 1)
+    rewrite_page(pages, key_of[truncated], lambda data: data[:100])
+    donor_page = page_bytes(pages, key_of[donor])
+    foreign.unlink()
+    foreign.write_bytes(group_file([(key_digest(key_of[donor]), donor_page)]))
     result = run_engine(engine_runs / "damaged.json", tiny_model, damaged, "--abort-first", "4")
     assert hit_tokens(result, "storage") > 0  # the undamaged pages still load
     assert result["statistics"]["storage_refused_pages"] >= 1

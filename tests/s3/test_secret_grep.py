@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from page_damage import flip_page_byte, pages_at
 from s3_helpers import FAST_RETRIES, unique_prefix
 from s3_instance import PAGE, PROMPTS, aligned, instance_config, kv_payload
 from s3_servers import S3Server, free_port
@@ -286,7 +287,10 @@ async def test_file_backend_run_never_shows_environment_secrets(
             texts += texts_of(config, writer)
         pages = sorted((tmp_path / "pages").rglob("*.kvp"))
         assert pages
-        pages[-1].write_bytes(pages[-1].read_bytes()[:-1] + b"\x00")  # a damaged page: logged as a miss
+        # a damaged page (its payload's last byte, in its group file): logged as a miss
+        stored = pages_at(tmp_path / "pages", config.namespace.digest)
+        key = pages[-1].name.removesuffix(".kvp")
+        flip_page_byte(stored, key, stored.page_extent(key)[2] - 1)
         async with HiCache(config) as reader:
             lease = await reader.acquire("r", prompt)
             assert 0 < lease.hit_tokens_by_tier["storage"] < aligned(len(prompt))

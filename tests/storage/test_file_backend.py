@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import xxhash
@@ -25,12 +26,13 @@ from contract import BackendContract, Corrupt, ReadGate, Reopen, empty_pages, ma
 from hostile import VARIANTS, HostileStorage, RawStore, base_config, v1_page
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_damage import flip_page_byte, group_file, page_bytes, rewrite_page
 
 from hicache.errors import StorageAuthError, StorageError
 from storage_backends import native
 from storage_backends.file import FileBackend, default_concurrency
-from storage_backends.file_pages import PageFiles
-from storage_backends.page_format import HEADER_SIZE, encode_header
+from storage_backends.file_pages import GROUP_ENTRY, GROUP_FOOTER, PageFiles
+from storage_backends.page_format import FORMAT_VERSION, HEADER_SIZE, MAGIC, encode_header, key_digest
 from storage_backends.protocol import PageStatus
 from storage_backends.threads import stray_threads
 
@@ -64,22 +66,26 @@ class TestFileBackend(BackendContract, HostileStorage):
     @pytest.fixture
     def corrupt_page(self, backend: FileBackend) -> Corrupt:
         def flip_last_byte(key: str) -> None:
-            path = backend.path_of(key)
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0x01
-            path.write_bytes(bytes(data))
+            flip_page_byte(backend, key, backend.page_extent(key)[2] - 1)
 
         return flip_last_byte
 
     @pytest.fixture
     def raw_store(self, backend: FileBackend) -> RawStore:
         class Raw:
+            """A page's stored bytes are its header and payload (`page_bytes`); a page written raw gets a
+            group file of its own whose table names the key its header names (a page copied over another
+            key's name), and bytes that are no v2 page are written as they are (an old one-file page)."""
+
             async def read(self, key: str) -> bytes:
-                return backend.path_of(key).read_bytes()
+                return page_bytes(backend, key)
 
             async def write(self, key: str, data: bytes) -> None:
                 path = backend.path_of(key)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                path.unlink(missing_ok=True)  # never write into a group file other pages share
+                if data[:4] == MAGIC and data[4:5] == bytes([FORMAT_VERSION]) and len(data) >= HEADER_SIZE:
+                    data = group_file([(data[24:40], data)])
                 path.write_bytes(data)
 
         return Raw()
@@ -177,10 +183,11 @@ async def test_keys_cannot_escape_the_root(backend: FileBackend, key: str, tmp_p
 async def test_truncated_files_are_misses_and_counted(
     backend: FileBackend, length: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A file cut short anywhere (a crashed copy, a full disk) is a miss, logged and counted."""
+    """A page cut short anywhere (a crashed copy, a full disk) is a miss, logged and counted; the page
+    written beside it in its group still loads."""
     keys, pages = make_keys(2), make_pages(2, 4096)
     await backend.put(keys, pages)
-    os.truncate(backend.path_of(keys[0]), length)
+    rewrite_page(backend, keys[0], lambda data: data[:length])
     assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.CORRUPT, PageStatus.HIT]
     stats = backend.statistics()
     assert stats.checksum_failures == 1
@@ -189,18 +196,16 @@ async def test_truncated_files_are_misses_and_counted(
 
 
 async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) -> None:
-    """One flipped byte anywhere in a file (header or payload) turns that page, and only it, into a miss."""
+    """One flipped byte anywhere in a page (header or payload) turns that page, and only it, into a miss,
+    though its group file holds the others."""
     rng = random.Random(1234)
-    n, page_bytes = 40, 4096
-    keys, pages = make_keys(n), make_pages(n, page_bytes)
+    n, size = 40, 4096
+    keys, pages = make_keys(n), make_pages(n, size)
     await backend.put(keys, pages)
     damaged = sorted(rng.sample(range(n), 12))
     for i in damaged:
-        path = backend.path_of(keys[i])
-        data = bytearray(path.read_bytes())
-        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        path.write_bytes(bytes(data))
-    out = empty_pages(n, page_bytes)
+        flip_page_byte(backend, keys[i], rng.randrange(HEADER_SIZE + size))
+    out = empty_pages(n, size)
     assert [bool(s) for s in await backend.get(keys, out)] == [i not in damaged for i in range(n)]
     assert all(bytes(out[i]) == bytes(pages[i]) for i in range(n) if i not in damaged)
     stats = backend.statistics()
@@ -210,7 +215,8 @@ async def test_flipped_bytes_at_random_pages_are_misses(backend: FileBackend) ->
 
 
 async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
-    """Each page is a temporary file renamed into place: afterwards only .kvp files remain."""
+    """Each group is a temporary file whose name goes once its pages are linked: afterwards only .kvp names
+    remain (an overwrite's per-page temporary link is renamed over the old name)."""
     keys, pages = make_keys(20), make_pages(20, 1000)
     await backend.put(keys, pages)
     await backend.put(keys[:5], pages[:5])
@@ -221,9 +227,9 @@ async def test_writes_leave_no_temporary_files(backend: FileBackend) -> None:
 async def test_failed_rename_reports_false_and_cleans_up(
     backend: FileBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """When the final rename fails (a directory that is not empty sits at the page's path: EISDIR in the C
-    writer, and `write_one` cannot remove it either) the page is False, counted as an error, and its temp
-    file is gone; the rest of the group is written."""
+    """When a page's name cannot be given (a directory that is not empty sits at the page's path: the C
+    writer's rename fails with EISDIR or ENOTEMPTY and its rmdir too) the page is False, counted as an
+    error, and no temporary name is left; the rest of the group is written."""
     keys, pages = make_keys(3), make_pages(3, 512)
     for key in keys[1:]:
         backend.path_of(key).mkdir(parents=True)
@@ -238,15 +244,19 @@ async def test_failed_rename_reports_false_and_cleans_up(
 
 
 async def test_the_c_writer_writes_exactly_what_page_format_describes(backend: FileBackend) -> None:
-    """A page the C writer (`native.write_pages`) wrote is byte for byte `encode_header` + payload, for
-    pages of several sizes in one group (the header's checksum and key digest are computed in C)."""
+    """A group the C writer (`native.write_group`) wrote is byte for byte each page's `encode_header` +
+    payload, then the table and footer docs/storage.md describes, for pages of several sizes in one group
+    (headers, key digests and the table's checksum are computed in C); every page's name is a link to it."""
     sizes = [0, 1, 4096, 65536 + 7]
     keys = make_keys(len(sizes))
     pages = [make_pages(1, size, seed=i)[0] for i, size in enumerate(sizes)]
     assert await backend.put(keys, pages) == [True] * len(keys)
-    for key, page in zip(keys, pages, strict=True):
-        expected = encode_header(page, NS, key) + bytes(page)
-        assert backend.path_of(key).read_bytes() == expected
+    expected = group_file(
+        [(key_digest(k), encode_header(p, NS, k) + bytes(p)) for k, p in zip(keys, pages, strict=True)]
+    )
+    assert {backend.path_of(k).read_bytes() for k in keys} == {expected}
+    assert {backend.path_of(k).stat().st_ino for k in keys} == {backend.path_of(keys[0]).stat().st_ino}
+    assert backend.path_of(keys[0]).stat().st_nlink == len(keys)
 
 
 async def test_a_page_directory_removed_behind_the_writers_back_is_recreated(backend: FileBackend) -> None:
@@ -593,7 +603,7 @@ async def test_every_blocking_call_shares_one_pool_of_max_concurrency_threads(
         keys, pages = make_keys(12), make_pages(12, 4096)
         counter.gate.set()
         assert await backend.put(keys[:8], pages[:8]) == [True] * 8
-        os.truncate(backend.path_of(keys[1]), 100)  # flagged by the C reader: re-read checked
+        rewrite_page(backend, keys[1], lambda data: data[:100])  # flagged by the C reader: re-read checked
         counter.gate.clear()
         counter.peak = 0
         counter.threads.clear()
@@ -770,13 +780,12 @@ filesystems that cannot tell (some FUSE mounts)."""
 
 
 async def store_mixed(b: FileBackend) -> tuple[list[str], list[memoryview]]:
-    """Eight 4 KiB pages stored in `b`: keys[5] absent, keys[7]'s last byte flipped, the rest valid."""
+    """Eight 4 KiB pages stored in `b`: keys[5] absent, keys[7]'s last byte flipped, the rest valid; keys[:2]
+    in one group file, the others in a second (so the second can be dropped from the page cache alone)."""
     keys, pages = make_keys(8), make_pages(8, 4096)
-    assert await b.put(keys[:5] + keys[6:], pages[:5] + pages[6:]) == [True] * 7
-    path = b.path_of(keys[7])
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0x01
-    path.write_bytes(bytes(data))
+    assert await b.put(keys[:2], pages[:2]) == [True] * 2
+    assert await b.put(keys[2:5] + keys[6:], pages[2:5] + pages[6:]) == [True] * 5
+    flip_page_byte(b, keys[7], b.page_extent(keys[7])[2] - 1)
     return keys, pages
 
 
@@ -840,14 +849,14 @@ READ_PATHS = {
 async def test_bytes_appended_to_a_page_are_corrupt_on_every_read_path(
     tmp_path: Path, path: str, page_bytes: int
 ) -> None:
-    """A page file one byte too long, its header and checksum intact, is counted corrupt and not loaded,
-    whichever way the C reader reads it (probing, reading ahead or plainly; in one read or in chunks)."""
+    """A page one byte too long (its extent in its group's table), its header and checksum intact, is
+    counted corrupt and not loaded, whichever way the C reader reads it (probing, reading ahead or
+    plainly; in one read or in chunks)."""
     options = READ_PATHS[path]
     async with FileBackend(tmp_path, namespace_digest=NS, readahead=options.get("readahead", True)) as b:
         keys, pages = make_keys(3), make_pages(3, page_bytes)
         assert await b.put(keys, pages) == [True] * 3
-        path_of_page = b.path_of(keys[1])
-        path_of_page.write_bytes(path_of_page.read_bytes() + b"\x00")
+        rewrite_page(b, keys[1], lambda data: data + b"\x00")
         if "read_flags" in options:
             b._files.read_flags = options["read_flags"]
         out = empty_pages(3, page_bytes)
@@ -1110,14 +1119,16 @@ async def test_small_batches_take_one_thread_hop(
     "target", ["same_root_other_key", "other_root_same_key_other_namespace", "old_format"]
 )
 async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, target: str) -> None:
-    """A page file replaced by a symlink to a valid page elsewhere (another key's file, the same key in
-    another cache's root, a version 1 file) is followed, then refused by its header: counted, not loaded."""
+    """A page file replaced by a symlink to a valid page elsewhere (another key's group file, the same key in
+    another cache's root, a version 1 file) is followed, then refused by its group's table or its header:
+    counted, not loaded. (The two keys are put apart: a group holding both would rightly serve each.)"""
     config = base_config()
     size = config.layout.page_nbytes
     keys, pages = make_keys(2, salt=7), make_pages(2, size, seed=6)
     elsewhere = tmp_path / "elsewhere"
     async with FileBackend(tmp_path / "pages", namespace_digest=config.namespace.digest) as backend:
-        assert await backend.put(keys, pages) == [True, True]
+        for key, page in zip(keys, pages, strict=True):
+            assert await backend.put([key], [page]) == [True]
         if target == "same_root_other_key":
             source = backend.path_of(keys[1])
         elif target == "other_root_same_key_other_namespace":
@@ -1143,3 +1154,164 @@ async def test_symlinks_to_pages_elsewhere_are_never_loaded(tmp_path: Path, targ
             int(expected is PageStatus.FOREIGN),
             int(expected is PageStatus.OLD_FORMAT),
         )
+
+
+# -- group files (issue 25): one file per put's share of a thread, a hard link per page ------------------
+
+
+async def test_a_put_is_one_group_file_with_a_name_per_page(backend: FileBackend) -> None:
+    """A put of pages in one worker-thread group writes one inode, linked once per page, and no file
+    named for the group is left in the root (its temporary name goes once every page has its own)."""
+    keys, pages = make_keys(6), make_pages(6, 4096)
+    assert await backend.put(keys, pages) == [True] * 6
+    inodes = {backend.path_of(k).stat().st_ino for k in keys}
+    assert len(inodes) == 1
+    assert backend.path_of(keys[0]).stat().st_nlink == 6
+    assert [p for p in backend.root.iterdir() if p.is_file()] == []
+
+
+async def test_a_group_is_never_read_half_written(backend: FileBackend) -> None:
+    """Readers racing a writer see each page whole or not at all: a page's name exists only once its
+    group file is complete (the writer links after the whole group is written), so a get never meets a
+    torn page, only MISS or a verified HIT."""
+    n, size, rounds = 16, 65536, 12
+    every_key = make_keys(n * rounds)
+    batches = [(every_key[r * n : (r + 1) * n], make_pages(n, size, seed=r)) for r in range(rounds)]
+    seen: list[PageStatus] = []
+
+    async def write_all() -> None:
+        for keys, pages in batches:
+            assert await backend.put(keys, pages) == [True] * n
+
+    async def read_while_writing() -> None:
+        for _ in range(rounds * 4):
+            for keys, pages in batches:
+                out = empty_pages(n, size)
+                statuses = await backend.get(keys, out)
+                seen.extend(statuses)
+                for status, got, page in zip(statuses, out, pages, strict=True):
+                    if status is PageStatus.HIT:
+                        assert bytes(got) == bytes(page)
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write_all)
+        tg.start_soon(read_while_writing)
+    assert set(seen) <= {PageStatus.HIT, PageStatus.MISS}
+    stats = backend.statistics()
+    assert (stats.checksum_failures, stats.foreign_pages, stats.errors) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("damage", ["footer_cut", "table_flipped", "count_too_large"])
+async def test_a_torn_group_table_is_a_miss_for_every_page_of_it(
+    backend: FileBackend, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A group whose footer is cut off, whose table fails its checksum or whose count does not fit the
+    file says nowhere where its pages are: each is CORRUPT (a miss the cache deletes and writes again),
+    never a hit and never an error; a page of another group still loads."""
+    keys, pages = make_keys(4), make_pages(4, 4096)
+    assert await backend.put(keys[:3], pages[:3]) == [True] * 3
+    assert await backend.put(keys[3:], pages[3:]) == [True]
+    path = backend.path_of(keys[0])
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if damage == "footer_cut":
+            os.truncate(fd, size - 5)
+        elif damage == "table_flipped":
+            at = size - GROUP_FOOTER.size - GROUP_ENTRY.size + 3  # the last entry's digest
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
+        else:
+            os.pwrite(fd, (10**6).to_bytes(8, "little"), size - GROUP_FOOTER.size + 8)
+    finally:
+        os.close(fd)
+    out = empty_pages(4, 4096)
+    assert await backend.get(keys, out) == [PageStatus.CORRUPT] * 3 + [PageStatus.HIT]
+    assert bytes(out[3]) == bytes(pages[3])
+    assert backend.statistics().checksum_failures == 3
+    assert backend.statistics().errors == 0
+    assert "discarding page" in caplog.text
+
+
+async def test_deleting_one_page_of_a_group_keeps_the_others_and_the_last_frees_it(
+    backend: FileBackend,
+) -> None:
+    """`delete` unlinks a page's name only: the rest of its group still loads; the filesystem frees the
+    group file when its last name goes (an open descriptor sees its link count reach 0)."""
+    keys, pages = make_keys(3), make_pages(3, 4096)
+    assert await backend.put(keys, pages) == [True] * 3
+    fd = os.open(backend.path_of(keys[0]), os.O_RDONLY)
+    try:
+        await backend.delete(keys[:1])
+        assert await backend.exists(keys) == 0
+        out = empty_pages(2, 4096)
+        assert await backend.get(keys[1:], out) == [PageStatus.HIT] * 2
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages[1:]]
+        assert os.fstat(fd).st_nlink == 2
+        await backend.delete(keys[1:])
+        assert os.fstat(fd).st_nlink == 0
+    finally:
+        os.close(fd)
+    assert files_under(backend.root) == []
+
+
+async def test_another_backend_on_the_same_root_reads_the_pages(backend: FileBackend) -> None:
+    """A second server sharing the directory finds a page by its path and reads it through its group's
+    table; what it deletes is gone for the first, and what it writes the first reads."""
+    keys, pages = make_keys(6), make_pages(6, 4096)
+    assert await backend.put(keys[:3], pages[:3]) == [True] * 3
+    async with FileBackend(backend.root, namespace_digest=NS) as other:
+        assert await other.exists(keys[:3]) == 3
+        out = empty_pages(3, 4096)
+        assert await other.get(keys[:3], out) == [PageStatus.HIT] * 3
+        assert [bytes(o) for o in out] == [bytes(p) for p in pages[:3]]
+        assert await other.put(keys[3:], pages[3:]) == [True] * 3
+        await other.delete(keys[:1])
+    out = empty_pages(6, 4096)
+    assert await backend.get(keys, out) == [PageStatus.MISS] + [PageStatus.HIT] * 5
+    assert [bytes(o) for o in out[1:]] == [bytes(p) for p in pages[1:]]
+
+
+async def test_an_old_one_file_page_is_a_miss_the_next_put_replaces(
+    backend: FileBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A page file of the layout before page groups (header + payload, no group footer), as a server of
+    that layout left it, exists but loads as OLD_FORMAT; the next put names the page anew (the link is
+    made over it) and it loads."""
+    keys, pages = make_keys(2), make_pages(2, 4096)
+    for key, page in zip(keys, pages, strict=True):
+        path = backend.path_of(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_header(page, NS, key) + bytes(page))
+    assert await backend.exists(keys) == 2
+    assert await backend.get(keys, empty_pages(2, 4096)) == [PageStatus.OLD_FORMAT] * 2
+    assert "before page groups" in caplog.text
+    assert await backend.put(keys[:1], pages[:1]) == [True]
+    out = empty_pages(2, 4096)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.OLD_FORMAT]
+    assert bytes(out[0]) == bytes(pages[0])
+
+
+async def test_a_page_put_again_is_renamed_over_and_its_old_group_freed(backend: FileBackend) -> None:
+    """Putting a stored key again (link fails with EEXIST) replaces its name with a link to the new group
+    (a per-page temporary link renamed over it): the page reads the new bytes, the old group keeps its
+    other pages, and loses a name; no temporary name is left."""
+    keys = make_keys(2)
+    old, new = make_pages(2, 4096, seed=1), make_pages(1, 4096, seed=2)
+    assert await backend.put(keys, old) == [True, True]
+    assert await backend.put(keys[:1], new) == [True]
+    out = empty_pages(2, 4096)
+    assert await backend.get(keys, out) == [PageStatus.HIT, PageStatus.HIT]
+    assert (bytes(out[0]), bytes(out[1])) == (bytes(new[0]), bytes(old[1]))
+    assert backend.path_of(keys[1]).stat().st_nlink == 1
+    assert sorted(p.name for p in files_under(backend.root)) == sorted(f"{k}.kvp" for k in keys)
+
+
+async def test_page_extent_names_the_page_bytes_in_its_group(backend: FileBackend) -> None:
+    """`page_extent` says where a page's header and payload lie in its group file."""
+    keys, pages = make_keys(3), make_pages(3, 1000)
+    assert await backend.put(keys, pages) == [True] * 3
+    for i, (key, page) in enumerate(zip(keys, pages, strict=True)):
+        path, offset, length = backend.page_extent(key)
+        assert (path, offset, length) == (backend.path_of(key), i * (HEADER_SIZE + 1000), HEADER_SIZE + 1000)
+        assert page_bytes(backend, key) == encode_header(page, NS, key) + bytes(page)

@@ -44,6 +44,11 @@ kernel's run-queue wait) and `*stall_at_cpu_ms` its own CPU in that stall; the r
 the GIL (see `time_with_ticker`). `--busy N` runs everything beside N processes
 that spin on the CPU (a machine shared with other jobs); the JSON line then says `busy: N`.
 
+`python_calls_per_prefetch_{size}` and `loop_callbacks_per_prefetch_{size}`: one more hot controller pass
+per page size with its prefetches' Python calls in the loop's thread and the loop callbacks it ran counted
+(`calls_counted`; the cache's start and close left out): what a prefetch costs the loop, in counts that a
+loaded machine does not disturb.
+
 `--no-pacer`: the controller passes run with the loop pacer switched off (`LoopPacer.turn` returns at once,
 counted, never queued: every prefetch stage runs in the iteration its await ended in, as before issue 12),
 the A/B of whether the pacer earns its place; the JSON line says `pacer: false`. There is no configuration
@@ -62,6 +67,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import json
@@ -321,10 +327,12 @@ async def controller_pass(
     *,
     no_pacer: bool = False,
     ticked: bool = True,
+    counts: dict[str, int] | None = None,
 ) -> Timed:
     """Prefetch and commit every sequence concurrently in a fresh cache reading through `backend` (the
     same worker threads as the backend pass); time it with the ticker (`ticked`, see
-    `timed_with_ticker`). `no_pacer`: see `pacer_switched_off`."""
+    `timed_with_ticker`). `no_pacer`: see `pacer_switched_off`. With `counts`, the prefetches' Python
+    calls and loop callbacks (not the cache's start and close) are counted into it (`calls_counted`)."""
     with pacer_switched_off(no_pacer):
         async with HiCache(config, storage=backend) as cache:
 
@@ -343,10 +351,40 @@ async def controller_pass(
                 return sum(loaded)
 
             queued = cache._prefetches.pacer.queued
-            timed = await timed_with_ticker(run, backend, ticked=ticked)
+            if counts is not None:
+                with calls_counted() as counted:
+                    timed = await timed_with_ticker(run, backend, ticked=False)
+                counts.update(counted)
+            else:
+                timed = await timed_with_ticker(run, backend, ticked=ticked)
             timed.pacer_queued = cache._prefetches.pacer.queued - queued
             cache.sanity_check()
         return timed
+
+
+@contextlib.contextmanager
+def calls_counted() -> Iterator[dict[str, int]]:
+    """Count, while inside, the Python function calls made in this (the loop's) thread and the loop
+    callbacks it runs (each `asyncio.Handle` run: a task step or a `call_soon`); deterministic, unlike
+    the time they take on a loaded machine."""
+    counts = {"calls": 0, "callbacks": 0}
+    shipped = asyncio.events.Handle._run
+
+    def run(handle: asyncio.events.Handle) -> None:
+        counts["callbacks"] += 1
+        shipped(handle)
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            counts["calls"] += 1
+
+    asyncio.events.Handle._run = run  # type: ignore[method-assign]
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(None)
+        asyncio.events.Handle._run = shipped  # type: ignore[method-assign]
 
 
 async def bench_page_size(
@@ -430,6 +468,12 @@ async def bench_page_size(
                     **controller.figures("controller_"),
                 }
             out[state] = entry
+        if not args.no_controller:  # one more hot pass, its calls counted: what a prefetch costs the loop
+            counts: dict[str, int] = {}
+            await controller_pass(config, seqs, backend, no_pacer=args.no_pacer, counts=counts)
+            for entry in out.values():
+                entry["python_calls_per_prefetch"] = counts["calls"] / len(seqs)
+                entry["loop_callbacks_per_prefetch"] = counts["callbacks"] / len(seqs)
         del expected
     shutil.rmtree(root, ignore_errors=True)
     return out
@@ -495,6 +539,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         for state, r in states.items():
             name = f"{size_name(page_bytes)}_{state}"
             summary[f"ratio_{name}"] = round(r["ratio"], 3)
+            if "python_calls_per_prefetch" in r:
+                summary[f"python_calls_per_prefetch_{size_name(page_bytes)}"] = round(
+                    r["python_calls_per_prefetch"], 1
+                )
+                summary[f"loop_callbacks_per_prefetch_{size_name(page_bytes)}"] = round(
+                    r["loop_callbacks_per_prefetch"], 1
+                )
             if state == "hot":
                 summary[f"gbps_{name}"] = round(r["backend_gbps"], 2)
 

@@ -197,8 +197,11 @@ def drop_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) -> float:
-    """The baseline: `threads` threads, each open + preadv(header, page view) + close; returns seconds."""
+def raw_read(
+    paths: Sequence[str], offsets: Sequence[int], views: Sequence[memoryview], threads: int
+) -> float:
+    """The baseline: `threads` threads, each open + preadv(header, page view) at the page's offset in its
+    group file + close; returns seconds."""
     cursor = iter(range(len(paths)))
     lock = threading.Lock()
 
@@ -211,7 +214,7 @@ def raw_read(paths: Sequence[str], views: Sequence[memoryview], threads: int) ->
                 return
             fd = os.open(paths[i], os.O_RDONLY)
             try:
-                os.preadv(fd, [header, views[i]], 0)
+                os.preadv(fd, [header, views[i]], offsets[i])
             finally:
                 os.close(fd)
 
@@ -408,7 +411,8 @@ async def bench_page_size(
         assert all(await backend.put(keys, views))
         expected = pool[: n * page_bytes].clone()
         os.sync()
-        paths = [str(backend.path_of(k)) for k in keys]
+        extents = [backend.page_extent(k) for k in keys]  # a put's pages share one group file
+        paths, offsets = [str(path) for path, _, _ in extents], [offset for _, offset, _ in extents]
         await backend.get(keys[:64], views[:64])  # start the worker threads outside the timed runs
 
         async def backend_run() -> int:
@@ -418,14 +422,14 @@ async def bench_page_size(
             raws = {t: Series() for t in raw_threads}
             direct, controller = Series(), Series()
             if state == "hot":
-                raw_read(paths, views, max(raw_threads))  # warm the page cache
+                raw_read(paths, offsets, views, max(raw_threads))  # warm the page cache
             for _ in range(args.repeats):
                 for t, series in raws.items():
                     if state == "cold":
                         drop_page_cache(paths)
                     pool.zero_()
                     gc.collect()
-                    series.add(Timed(raw_read(paths, views, t), 0.0, n))
+                    series.add(Timed(raw_read(paths, offsets, views, t), 0.0, n))
                 for ticked in (True, False):  # timed and ticked; then the same for its loop work alone
                     if state == "cold":
                         drop_page_cache(paths)

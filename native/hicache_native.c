@@ -251,7 +251,7 @@ static int read_fd(const read_ctx *ctx, int fd, off_t size, const char *key, Py_
  * (and then the read) until some writer came, holding a reader thread and its buffers for good. A regular
  * file ignores O_NONBLOCK on local filesystems; it is cleared anyway so a FUSE daemon sees a plain read.
  */
-static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, off_t *size, int *err) {
+static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, struct stat *st, int *err) {
     char path[MAX_PATH_BYTES];
     if (build_path(ctx, key, key_len, path) < 0) {
         *err = ENAMETOOLONG;
@@ -265,12 +265,10 @@ static int open_page(const read_ctx *ctx, const char *key, Py_ssize_t key_len, o
         *err = errno;
         return -1;
     }
-    struct stat st;
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || fcntl(fd, F_SETFL, 0) < 0) {
+    if (fstat(fd, st) < 0 || !S_ISREG(st->st_mode) || fcntl(fd, F_SETFL, 0) < 0) {
         close(fd);
         return NOT_REGULAR;
     }
-    *size = st.st_size;
     return fd;
 }
 
@@ -285,10 +283,10 @@ static int open_failure(int fd, int err) {
 /* Open and read one page. */
 static int read_one(const read_ctx *ctx, const char *key, Py_ssize_t key_len, unsigned char *buf,
                     Py_ssize_t n, int flags, int *err) {
-    off_t size = 0;
-    int fd = open_page(ctx, key, key_len, &size, err);
+    struct stat st;
+    int fd = open_page(ctx, key, key_len, &st, err);
     if (fd < 0) return open_failure(fd, *err);
-    int code = read_fd(ctx, fd, size, key, key_len, buf, n, flags, err);
+    int code = read_fd(ctx, fd, st.st_size, key, key_len, buf, n, flags, err);
     close(fd);
     return code;
 }
@@ -349,28 +347,35 @@ static void read_batch(read_ctx *ctx, Py_ssize_t count, const char *const *keys,
     off_t sizes[READAHEAD_PAGES];        /* and its size */
     unsigned char ahead[READAHEAD_PAGES]; /* whether that file holds a read-ahead slot */
     int64_t budget = readahead_budget();
+    dev_t advised_dev = 0; /* the group file read ahead last: the batch's next pages are mostly in it */
+    ino_t advised_ino = 0;
     Py_ssize_t opened = i;
     for (Py_ssize_t k = i; k < count; k++) {
         for (; opened < count && opened < k + READAHEAD_PAGES; opened++) {
             int slot = opened > k; /* opened before its turn: it holds a slot of the budget */
             if (slot && !take_readahead_slot(budget)) break;
             int *err = &ctx->errnos[opened];
-            off_t size = 0;
-            int fd = open_page(ctx, keys[opened], key_lens[opened], &size, err);
+            struct stat st;
+            int fd = open_page(ctx, keys[opened], key_lens[opened], &st, err);
             if (fd == -1 && slot && (*err == EMFILE || *err == ENFILE)) {
                 *err = 0;
                 give_readahead_slot();
                 break; /* out of descriptors: this page is opened again at its own turn */
             }
-            /* the whole group file: its table and footer are read first, then the page (the batch's
-               other pages are mostly in the same group: one put's pages are one group) */
-            if (fd >= 0) (void)posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
-            else if (slot) {
+            /* the whole group file, once per file: its table and footer are read first, then the page, and
+               the batch's next pages are mostly in the same group (one put's pages are one group) */
+            if (fd >= 0) {
+                if (st.st_dev != advised_dev || st.st_ino != advised_ino) {
+                    (void)posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+                    advised_dev = st.st_dev;
+                    advised_ino = st.st_ino;
+                }
+            } else if (slot) {
                 give_readahead_slot();
                 slot = 0;
             }
             fds[opened % READAHEAD_PAGES] = fd;
-            sizes[opened % READAHEAD_PAGES] = size;
+            sizes[opened % READAHEAD_PAGES] = fd >= 0 ? st.st_size : 0;
             ahead[opened % READAHEAD_PAGES] = (unsigned char)slot;
         }
         int fd = fds[k % READAHEAD_PAGES];

@@ -163,8 +163,10 @@ static int find_page(int fd, off_t size, const unsigned char *digest, int flags,
     int r = pread_exact(fd, footer, FOOTER_SIZE, size - FOOTER_SIZE, flags, err);
     if (r) return r;
     uint64_t count = load_le64(footer + 8);
+    /* each entry names a page of at least a header before the table: a count beyond that is torn, and the
+       table's allocation never exceeds what the file's pages could need */
     if (memcmp(footer, "HKVG", 4) != 0 || footer[4] != GROUP_VERSION || footer[5] || footer[6] || footer[7] ||
-        count == 0 || count > (uint64_t)(size - FOOTER_SIZE) / ENTRY_SIZE)
+        count == 0 || count > (uint64_t)(size - FOOTER_SIZE) / (ENTRY_SIZE + HEADER_SIZE))
         return CODE_RETRY;
     size_t table_len = (size_t)count * ENTRY_SIZE;
     uint64_t table_start = (uint64_t)size - FOOTER_SIZE - table_len;

@@ -295,7 +295,9 @@ def _locate(fd: int, size: int, key: str) -> tuple[int, int]:
     magic, version, count, checksum = GROUP_FOOTER.unpack(footer)
     if magic != GROUP_MAGIC or version != GROUP_VERSION or footer[5:8] != b"\0\0\0":
         raise _no_group(fd, size)
-    if not 0 < count <= (size - GROUP_FOOTER.size) // GROUP_ENTRY.size:
+    # Each entry names a page of at least a header before the table: a count beyond that is torn (and
+    # never sizes a read larger than the file's pages could need).
+    if not 0 < count <= (size - GROUP_FOOTER.size) // (GROUP_ENTRY.size + HEADER_SIZE):
         raise ChecksumMismatch(f"group table of {count} pages does not fit a file of {size} bytes")
     table_start = size - GROUP_FOOTER.size - count * GROUP_ENTRY.size
     table = os.pread(fd, count * GROUP_ENTRY.size, table_start)

@@ -1202,12 +1202,12 @@ async def test_a_group_is_never_read_half_written(backend: FileBackend) -> None:
     assert (stats.checksum_failures, stats.foreign_pages, stats.errors) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("damage", ["footer_cut", "table_flipped", "count_too_large"])
+@pytest.mark.parametrize("damage", ["footer_cut", "table_flipped", "count_too_large", "count_past_the_pages"])
 async def test_a_torn_group_table_is_a_miss_for_every_page_of_it(
     backend: FileBackend, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A group whose footer is cut off, whose table fails its checksum or whose count does not fit the
-    file says nowhere where its pages are: each is CORRUPT (a miss the cache deletes and writes again),
+    file (its entries, or its entries and a header per page) says nowhere where its pages are: each is CORRUPT (a miss the cache deletes and writes again),
     never a hit and never an error; a page of another group still loads."""
     keys, pages = make_keys(4), make_pages(4, 4096)
     assert await backend.put(keys[:3], pages[:3]) == [True] * 3
@@ -1221,8 +1221,11 @@ async def test_a_torn_group_table_is_a_miss_for_every_page_of_it(
         elif damage == "table_flipped":
             at = size - GROUP_FOOTER.size - GROUP_ENTRY.size + 3  # the last entry's digest
             os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x10]), at)
-        else:
+        elif damage == "count_too_large":
             os.pwrite(fd, (10**6).to_bytes(8, "little"), size - GROUP_FOOTER.size + 8)
+        else:  # as many entries as the file holds, but no room left for their pages' headers
+            count = (size - GROUP_FOOTER.size) // GROUP_ENTRY.size
+            os.pwrite(fd, count.to_bytes(8, "little"), size - GROUP_FOOTER.size + 8)
     finally:
         os.close(fd)
     out = empty_pages(4, 4096)

@@ -107,3 +107,38 @@ async def test_a_commit_cancelled_before_the_agreement_leaves_the_prefetch_in_fl
         assert cache.match(seq).host_len == 32
         await cache.wait_idle()
         cache.sanity_check()
+
+
+async def test_a_commit_cancelled_as_its_decision_resolves_is_carried_out() -> None:
+    """The cancellation lands between the decision's resolving and the commit's wake-up (the waiter's
+    future is done, so `Task.cancel` throws into it all the same): the ranks have decided, so the commit
+    is carried out, then the cancellation propagates. It used to put the decision back and leave the
+    prefetch in flight, and under TP this rank dropped pages its peers committed."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    namespace = Namespace(model_id="controller-tests")
+    async with (
+        MemoryBackend(namespace_digest=namespace.digest) as backend,
+        HiCache(config, storage=backend) as cache,
+    ):
+        seq = tokens(0, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[object] | None = None
+        real_wait_stopped = prefetch.wait_stopped
+
+        async def stopped_then_cancel() -> None:
+            await real_wait_stopped()
+            assert task is not None
+            # Runs before the commit's wake-up: this step settles (and on one rank resolves) the decision.
+            loop.call_soon(task.cancel)
+
+        prefetch.wait_stopped = stopped_then_cancel  # type: ignore[method-assign]
+        task = loop.create_task(cache.commit_prefetch("r"))
+        async with asyncio.timeout(5):
+            (done,) = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(done, asyncio.CancelledError)
+        assert cache.statistics().prefetches_in_flight == 0  # resolved: committed, not left in flight
+        assert cache.match(seq).host_len == 32
+        cache.sanity_check()

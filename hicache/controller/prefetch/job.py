@@ -544,10 +544,15 @@ class Prefetches:
         """Stop the prefetch after its stop policy, wait for its I/O, then attach or drop its pages (see
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
-        agreed_pages, components_complete = await self._stop_and_agree(prefetch)
+        agreed_pages, components_complete, cancelled = await self._stop_and_agree(prefetch)
         # The ranks' decision is out of the agreement: the commit is carried out whole (a cancellation
         # meanwhile is re-raised once it is). Before this point a cancellation undid everything.
-        return await uncancellable(self._carry_out(request_id, prefetch, agreed_pages, components_complete))
+        outcome = await uncancellable(
+            self._carry_out(request_id, prefetch, agreed_pages, components_complete)
+        )
+        if cancelled is not None:
+            raise cancelled
+        return outcome
 
     async def _carry_out(
         self, request_id: str, prefetch: Prefetch, agreed_pages: int, components_complete: bool
@@ -638,10 +643,12 @@ class Prefetches:
         )
         return outcome
 
-    async def _stop_and_agree(self, prefetch: Prefetch) -> tuple[int, bool]:
+    async def _stop_and_agree(self, prefetch: Prefetch) -> tuple[int, bool, asyncio.CancelledError | None]:
         """Wait for the stop policy and the stream to stop, and agree the pages completed (the minimum
         over the ranks; this rank keeps stepping while it waits) and whether every rank has its staged
-        components: (pages, complete)."""
+        components: (pages, complete, the cancellation to re-raise once the commit is carried out: one
+        that came after the ranks agreed, e.g. between the decision's resolving and its waiter's wake-up).
+        A cancellation before the agreement propagates, the prefetch left in flight."""
 
         async def stop() -> int:
             await prefetch.wait_for_stop_policy()
@@ -652,12 +659,18 @@ class Prefetches:
             return prefetch.completed_pages + (_COMPLETE if prefetch.components_complete else 0)
 
         decision = self._commits.pop(prefetch.request_id)
+        cancelled: asyncio.CancelledError | None = None
         try:
             agreed = await self._agreement.agree_on(decision, stop)
+        except asyncio.CancelledError as exc:
+            if decision.result is None:
+                self._commits.setdefault(prefetch.request_id, decision)  # still in flight: commit again
+                raise
+            agreed, cancelled = decision.result, exc  # decided on every rank: carried out, then re-raised
         except BaseException:
             self._commits.setdefault(prefetch.request_id, decision)  # still in flight: commit again
             raise
-        return agreed % _COMPLETE, agreed >= _COMPLETE
+        return agreed % _COMPLETE, agreed >= _COMPLETE, cancelled
 
     async def cancel(self, request_id: str) -> PrefetchOutcome:
         """Stop the prefetch and give its pages back (see `HiCache.cancel_prefetch`)."""

@@ -11,10 +11,11 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 /* Bumped whenever a function's behaviour or signature changes (hicache/tree/node.py checks it). */
-#define BUILD 5
+#define BUILD 6
 
 static PyTypeObject *node_type = NULL;
 /* numpy.empty, numpy.int64 and torch.from_numpy (set by bind): the tree's own index tensors are numpy memory
@@ -574,6 +575,78 @@ static PyObject *join(PyObject *self, PyObject *parts) {
     return as_tensor(arr);
 }
 
+/* ---------------------------------------------------------------- page runs */
+
+PyDoc_STRVAR(page_runs_doc,
+             "page_runs(tokens, out, page_size, num_pages, /) -> int\n\n"
+             "Check that the token indices `tokens` (a C-contiguous int64 buffer) are whole runs\n"
+             "[p * page_size, p * page_size + page_size) with 0 <= p < num_pages, writing each run's page id p\n"
+             "into `out` (a writable int64 buffer of len(tokens) // page_size entries). Returns 0, or why not:\n"
+             "1 the length is not a multiple of page_size, 2 a run is misaligned or not consecutive, 3 a page\n"
+             "is out of range (2 wins over 3; `out` is then partly written). A pool allocator's validation of\n"
+             "the indices it is given back, in one pass.");
+
+static PyObject *page_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "page_runs: expected 4 arguments");
+        return NULL;
+    }
+    long long page_size = PyLong_AsLongLong(args[2]);
+    if (page_size == -1 && PyErr_Occurred()) return NULL;
+    long long num_pages = PyLong_AsLongLong(args[3]);
+    if (num_pages == -1 && PyErr_Occurred()) return NULL;
+    if (page_size < 1 || num_pages < 0) {
+        PyErr_SetString(PyExc_ValueError, "page_runs: page_size must be >= 1 and num_pages >= 0");
+        return NULL;
+    }
+    Py_buffer in, out;
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    long code = 0;
+    Py_ssize_t n = in.len / 8;
+    if (in.len % 8 || out.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "page_runs: buffers of int64 expected");
+        code = -1;
+    } else if (n % page_size) {
+        code = 1;
+    } else if (out.len / 8 != n / page_size) {
+        PyErr_SetString(PyExc_ValueError, "page_runs: `out` must hold one entry per run");
+        code = -1;
+    } else {
+        const int64_t *t = in.buf;
+        int64_t *pages = out.buf;
+        Py_ssize_t runs = n / page_size;
+        int misaligned = 0, outside = 0;
+        for (Py_ssize_t r = 0; r < runs && !misaligned; r++) {
+            const int64_t *run = t + r * page_size;
+            int64_t start = run[0];
+            /* Floor division, as the Python check it replaces: a negative start is misaligned unless it
+             * is a multiple, and then its page is out of range. */
+            int64_t p = start / page_size;
+            if (start % page_size) {
+                misaligned = 1;
+                break;
+            }
+            for (long long j = 1; j < page_size; j++) {
+                if (run[j] != start + j) {
+                    misaligned = 1;
+                    break;
+                }
+            }
+            if (p < 0 || p >= num_pages) outside = 1;
+            pages[r] = p;
+        }
+        code = misaligned ? 2 : outside ? 3 : 0;
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&in);
+    if (code < 0) return NULL;
+    return PyLong_FromLong(code);
+}
+
 /* ---------------------------------------------------------------- records made without __init__ */
 
 /* A maker builds instances of one __slots__ class: the positional arguments fill `fields` in order, every
@@ -697,6 +770,7 @@ static PyMethodDef methods[] = {
     {"add_leaf", (PyCFunction)(void (*)(void))add_leaf, METH_FASTCALL, add_leaf_doc},
     {"all_hashes", all_hashes, METH_O, all_hashes_doc},
     {"join", join, METH_O, join_doc},
+    {"page_runs", (PyCFunction)(void (*)(void))page_runs, METH_FASTCALL, page_runs_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,7 +37,7 @@ from storage_backends.batching import (
 from storage_backends.file_pages import READ_AHEAD, SUFFIX, PageFiles
 from storage_backends.lifecycle import BackendLifecycle
 from storage_backends.names import file_root_from_url_path
-from storage_backends.page_format import check_namespace_digest, validate_keys
+from storage_backends.page_format import check_namespace_digest, validate_key, validate_keys
 from storage_backends.protocol import PageStatus
 from storage_backends.redact import redact_url
 from storage_backends.threads import ReadHook, ReadStatistics, WorkerThreads
@@ -167,9 +167,9 @@ class FileBackend(BackendLifecycle):
         root). Its bytes are the group's; `page_extent` says which are the page's.
 
         Raises:
-            ValueError: naming `keys`, if `key` is not 4-128 lowercase hex characters.
+            ValueError: naming `key`, if it is not 4-128 lowercase hex characters.
         """
-        validate_keys([key])
+        validate_key(key)
         return Path(self._path(key))
 
     def page_extent(self, key: str) -> tuple[Path, int, int]:
@@ -178,11 +178,11 @@ class FileBackend(BackendLifecycle):
         event loop of a serving cache.
 
         Raises:
-            ValueError: naming `keys`, for a malformed key.
+            ValueError: naming `key`, for a malformed key.
             FileNotFoundError: if the page is not stored.
             ChecksumMismatch: if its group's table is torn or does not name `key`.
         """
-        validate_keys([key])
+        validate_key(key)
         path, offset, length = self._files.extent(key)
         return Path(path), offset, length
 

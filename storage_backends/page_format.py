@@ -56,6 +56,7 @@ __all__ = [
     "failure_status",
     "key_digest",
     "page_key",
+    "validate_key",
     "validate_keys",
     "verify_page",
 ]
@@ -157,10 +158,18 @@ def validate_keys(keys: Sequence[str]) -> None:
             joined = b"x"
         if not joined.translate(None, _HEX_DIGITS):
             return
-    match = _KEY_RE.fullmatch
     for i, key in enumerate(keys):
-        if not isinstance(key, str) or match(key) is None:
-            raise ValueError(f"keys[{i}]: expected 4-128 lowercase hex characters, got {key!r}")
+        validate_key(key, name=f"keys[{i}]")
+
+
+def validate_key(key: object, *, name: str = "key") -> None:
+    """Check one key as `validate_keys` does.
+
+    Raises:
+        ValueError: naming `name` (the caller's argument) and the key.
+    """
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+        raise ValueError(f"{name}: expected 4-128 lowercase hex characters, got {key!r}")
 
 
 def encode_header(payload: memoryview, namespace_digest: bytes, key: str) -> bytes:

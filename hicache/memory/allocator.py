@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 
 from hicache.errors import PoolError
+from hicache.tree.node import page_runs
 
 __all__ = ["Owner", "PageAllocator", "check_token_indices"]
 
@@ -231,16 +232,16 @@ class PageAllocator:
             tokens = check_token_indices(indices, name=name).numpy()
         size = self._page_size
         n = tokens.size
-        if n % size:
+        if not tokens.flags.c_contiguous:  # a strided view (a tensor's slice)
+            tokens = np.ascontiguousarray(tokens)
+        pages: npt.NDArray[np.int64] = np.empty(n // size, dtype=np.int64)
+        # Whole runs [p * P, p * P + P) of pages in range, in one pass in C.
+        code = page_runs(tokens, pages, size, self._num_pages)
+        if code == 1:
             raise PoolError(f"{name}: length {n} is not a multiple of page_size={size}")
-        if n == 0:
-            return np.empty(0, dtype=np.int64)
-        runs = tokens.reshape(-1, size)
-        pages: npt.NDArray[np.int64] = runs[:, 0] // size
-        # Whole runs [p * P, p * P + P): a misaligned start fails too (p * P is not the start then).
-        if not (runs == (pages * size)[:, None] + self._offsets_np).all():
+        if code == 2:
             raise PoolError(f"{name}: not made of page-aligned runs of {size} consecutive token indices")
-        if not (pages.view(np.uint64) < self._num_pages).all():  # a negative page wraps to a huge one
+        if code == 3:
             raise PoolError(
                 f"{name}: indices outside this pool's {self.capacity_tokens} token slots (foreign indices)"
             )

@@ -157,6 +157,11 @@ class KVPool:
         return self._layout.page_size
 
     @property
+    def free_tokens(self) -> int:
+        """Token slots in free pages now (what `statistics().free_pages` counts, without the snapshot)."""
+        return self._allocator.free_pages * self._layout.page_size
+
+    @property
     def closed(self) -> bool:
         """Whether `close` was called."""
         return self._buffer is None

@@ -362,10 +362,10 @@ class _LoopReduction:
         group = self._group
         work = self._work
         slow = group._slow_in_a_row >= _SLOW_IN_A_ROW
-        if group.backend != "gloo" or (slow and not work.is_completed()):
-            self.park()
-            return
         try:
+            if group.backend != "gloo" or (slow and not work.is_completed()):
+                self.park()
+                return
             work.wait(timeout=_INLINE_WAIT)
         except Exception:  # still running (or failed: its future says so, in `_completed`)
             self.park()  # counted slow when it completes (`_completed`)
@@ -383,7 +383,10 @@ class _LoopReduction:
         group = self._group
         self._timer = self._loop.call_later(group.timeout_s, self._timed_out)
         loop = self._loop
-        self._work.get_future().add_done_callback(lambda fut: _call_soon(loop, self._completed, fut))
+        try:
+            self._work.get_future().add_done_callback(lambda fut: _call_soon(loop, self._completed, fut))
+        except Exception as exc:  # no completion will come: end it here, the group failed
+            self._end(None, group._broke(group._min_what, group.timeout_s, exc))
 
     def _timed_out(self) -> None:
         group = self._group
@@ -404,9 +407,16 @@ class _LoopReduction:
         self._settle()
 
     def _settle(self) -> None:
-        """The collective completed: hand its minimum to `on_done`."""
+        """The collective completed: hand its minimum to `on_done` (or, if reading it fails, the group's
+        failure: the lock is let go and `on_done` called whatever happens)."""
         assert self._out is not None
-        self._end(self._group._min_of(self._out, self._tensor.shape), None)
+        group = self._group
+        try:
+            minimum = group._min_of(self._out, self._tensor.shape)
+        except Exception as exc:
+            self._end(None, group._broke(group._min_what, group.timeout_s, exc))
+            return
+        self._end(minimum, None)
 
     def _end(self, result: torch.Tensor | None, error: RankFailed | None) -> None:
         on_done, self._on_done = self._on_done, None

@@ -32,10 +32,11 @@ __all__ = [
     "maker",
     "new_leaf",
     "new_node",
+    "page_runs",
     "walk",
 ]
 
-_WALK_BUILD = 5
+_WALK_BUILD = 6
 if getattr(_hicache_tree, "BUILD", 0) != _WALK_BUILD:  # pragma: no cover - only on a stale build
     raise ImportError(
         f"hicache's C extension _hicache_tree ({_hicache_tree.__file__}) is stale: built from an older "
@@ -271,6 +272,10 @@ bind_tree: Callable[..., None] = _hicache_tree.bind_tree
 
 _copy_out = _hicache_tree.copy_out
 _join = _hicache_tree.join
+page_runs: Callable[[object, object, int, int], int] = _hicache_tree.page_runs
+"""`page_runs(tokens, out, page_size, num_pages)`: check that int64 token indices are whole page runs of a
+pool of `num_pages` pages, their page ids into `out`; 0, or 1 (length), 2 (misaligned), 3 (out of range).
+In C with the tree's natives: a pool allocator validates every index tensor it is handed back with it."""
 
 
 def copy_indices(src: torch.Tensor, start: int, n: int) -> torch.Tensor:

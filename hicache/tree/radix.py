@@ -65,10 +65,8 @@ class RadixTree:
             with one name.
     """
 
-    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets. A `__dict__` as
-    # well, so an instance still takes other attributes (tests wrap its methods to count calls).
+    # Slots: `add_leaf` (C) reads and writes the counters and tables at their slot offsets.
     __slots__ = (
-        "__dict__",
         "_backup_hits",
         "_book",
         "_clock",
@@ -456,6 +454,10 @@ class RadixTree:
     def protected_size(self) -> int:
         """Device tokens in device-locked nodes."""
         return self._protected_size
+
+    def reclaimable_host_size(self) -> int:
+        """Host tokens `evict_host` can reclaim now (`statistics().reclaimable_host_tokens`)."""
+        return self._reclaimable_host
 
     def _iter_nodes(self) -> list[TreeNode]:
         """Every node except the root, parents before children."""

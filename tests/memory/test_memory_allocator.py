@@ -125,6 +125,27 @@ def test_misaligned_indices_raise(bad: torch.Tensor) -> None:
     assert state(alloc) == (0, 2, 2)
 
 
+def test_indices_are_checked_whatever_their_layout_and_sign() -> None:
+    """The one-pass check in C (`page_runs`) reads a strided tensor's values, not its memory, and says
+    misaligned for a negative start off a page boundary (floor division: page -1 would not start there),
+    foreign for one on it."""
+    alloc = PageAllocator(num_pages=2, page_size=P)
+    held = alloc.alloc(2 * P)
+    assert held is not None
+    wide = torch.zeros(2 * P, 2, dtype=torch.int64)
+    wide[:, 0] = held
+    strided = wide[:, 0]
+    assert not strided.is_contiguous()
+    assert alloc.page_ids(strided).tolist() == alloc.page_ids(held).tolist()
+    with pytest.raises(PoolError, match="page-aligned runs"):
+        alloc.free(torch.arange(-P - 1, -1, dtype=torch.int64))
+    with pytest.raises(PoolError, match="foreign"):
+        alloc.free(torch.arange(-2 * P, -P, dtype=torch.int64))
+    assert state(alloc) == (0, 2, 2)
+    alloc.free(strided)
+    assert state(alloc) == (2, 0, 2)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -225,7 +225,8 @@ class DivergentPeerGroup(RankGroup):
     def __init__(self, diverges_at: int | None, timeout_s: float = 30.0) -> None:
         self.tp_rank, self.tp_size, self.timeout_s = 0, 2, timeout_s
         self.backend, self._min_what = "gloo", "all_gather"
-        self._lock, self._failed, self._slow_in_a_row = threading.Lock(), None, 0
+        self._lock, self._state_lock = threading.Lock(), threading.Lock()
+        self._failed, self._slow_in_a_row = None, 0
         self.collectives = self.inline_completions = 0
         self.diverges_at = diverges_at
 
@@ -235,6 +236,43 @@ class DivergentPeerGroup(RankGroup):
             row = 2 + self.diverges_at  # two header rows, then the slots
             peer[row, 3] -= 1  # the peer's key hash differs there: min(key) != -min(-key)
         return _DoneWork(), torch.cat([tensor.reshape(-1), peer.reshape(-1)])
+
+
+class _BrokenWork(_DoneWork):
+    """A collective whose state cannot be read: asking whether it completed, or for its future, raises."""
+
+    def is_completed(self) -> bool:
+        raise RuntimeError("is_completed: the work has no state")
+
+    def get_future(self) -> torch.futures.Future[None]:
+        raise RuntimeError("get_future: the work has no future")
+
+
+def _unreadable_minimum(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    raise RuntimeError("_min_of: the gathered buffer cannot be read")
+
+
+@pytest.mark.parametrize("broken", ["minimum", "work"])
+async def test_a_collective_that_breaks_on_the_loop_fails_the_group_and_lets_its_lock_go(broken: str) -> None:
+    """Guards against `min_reduce_on_loop` keeping the group's collective lock when reading the completed
+    work or its result raised on the loop: `on_done` never ran (the agreement's step waited for ever)
+    and every later collective of the group waited for the lock. Now the group fails with that error,
+    `on_done` gets it, and the lock is let go."""
+    group = DivergentPeerGroup(diverges_at=None)
+    if broken == "minimum":
+        group._min_of = _unreadable_minimum  # type: ignore[method-assign]
+    else:
+        group._slow_in_a_row = 2  # ask the work whether it completed, then park it on its future
+        group._start_min_reduce = lambda tensor: (_BrokenWork(), tensor)  # type: ignore[method-assign]
+    seen: list[tuple[torch.Tensor | None, RankFailed | None]] = []
+    await group.min_reduce_on_loop(torch.zeros(3, dtype=torch.int64), lambda m, e: seen.append((m, e)))
+    assert len(seen) == 1
+    minimum, error = seen[0]
+    assert minimum is None
+    assert isinstance(error, RankFailed)
+    assert ("cannot be read" if broken == "minimum" else "no future") in str(error)
+    assert not group._lock.locked()
+    assert group._failed is error
 
 
 async def test_a_divergence_at_a_later_slot_resolves_the_decisions_agreed_before_it() -> None:

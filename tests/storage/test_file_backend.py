@@ -174,6 +174,10 @@ async def test_keys_cannot_escape_the_root(backend: FileBackend, key: str, tmp_p
         await backend.exists(["abcd", key])
     with pytest.raises(ValueError, match="keys"):
         await backend.delete([key])
+    with pytest.raises(ValueError, match=r"^key: "):
+        backend.path_of(key)
+    with pytest.raises(ValueError, match=r"^key: "):
+        backend.page_extent(key)
     assert files_under(tmp_path) == []
 
 

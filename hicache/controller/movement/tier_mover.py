@@ -146,7 +146,7 @@ class TierMover:
         agreement = self._agreement
         agreed_need: int | None = None  # what the last round's eviction freed on every rank, if enough
         while True:
-            free = self._device_pool.statistics().free_pages * self._page_size
+            free = self._device_pool.free_tokens
             if agreed_need is not None:
                 need = 0  # the eviction freed what the neediest rank lacked: no round to agree again
             else:

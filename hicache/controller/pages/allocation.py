@@ -94,7 +94,7 @@ class Allocator:
             return indices
         if tier == Tier.HOST:
             self._release_queue.flush()
-        free = pool.statistics().free_pages * pool.page_size
+        free = pool.free_tokens
         if free < num_slots:
             self.free_components(self._tree.evict_component(name, num_slots - free, tier).component_frees)
         return pool.alloc(num_slots, owner)
@@ -104,7 +104,7 @@ class Allocator:
         pool = self._component_pools[name].on(tier)
         if tier == Tier.HOST:
             self._release_queue.flush()
-        return pool.statistics().free_pages * pool.page_size
+        return pool.free_tokens
 
     def alloc_component_free(
         self, name: str, tier: str, num_slots: int, *, owner: Owner
@@ -162,8 +162,8 @@ class Allocator:
         copies of host-only nodes without a host or device lock; never a device node's copy, a locked
         one, or an ancestor of a node on the device)."""
         self._release_queue.flush()
-        free = self._host_pool.statistics().free_pages * self._page_size
-        return free + self._tree.statistics().reclaimable_host_tokens
+        free = self._host_pool.free_tokens
+        return free + self._tree.reclaimable_host_size()
 
     def alloc_host(self, num_tokens: int, *, owner: Owner, partial: bool = False) -> torch.Tensor | None:
         """Allocate host pages for `owner`, evicting host-only leaves if needed; `partial` takes what can
@@ -173,7 +173,7 @@ class Allocator:
         if indices is not None:
             return indices
         self._release_queue.flush()
-        free = pool.statistics().free_pages * self._page_size
+        free = pool.free_tokens
         if free < num_tokens:
             evicted = self._tree.evict_host(num_tokens - free)
             if evicted.freed_host.numel():
@@ -181,14 +181,14 @@ class Allocator:
             self.free_components(evicted.component_frees)
         indices = pool.alloc(num_tokens, owner)
         if indices is None and partial:
-            free = pool.statistics().free_pages * self._page_size
+            free = pool.free_tokens
             indices = pool.alloc(free, owner) if free > 0 else None
         return indices
 
     def free_host_tokens(self) -> int:
         """Host tokens free now (the release queue flushed first)."""
         self._release_queue.flush()
-        return self._host_pool.statistics().free_pages * self._page_size
+        return self._host_pool.free_tokens
 
     def evict_host(self, num_tokens: int) -> int:
         """Evict `num_tokens` host tokens of host-only leaves and free them; returns the tokens freed."""

@@ -491,7 +491,9 @@ class Agreement:
         """As `agree_value`, for the maximum of the ranks' values (see `encode_max`)."""
         return decode_max(await self.agree_value(kind, encode_max(value), key))
 
-    async def agree_on(self, decision: Decision, local: Callable[[], Awaitable[int]]) -> int:
+    async def agree_on(
+        self, decision: Decision, local: Callable[[], Awaitable[int]], *, settles_early: bool = False
+    ) -> int:
         """Run `local()` (this rank's part: a storage probe, a prefetch's I/O) and agree its result.
 
         While `local()` runs, this rank keeps stepping, so a peer waiting for the agreement never waits in
@@ -506,9 +508,22 @@ class Agreement:
           does, or by its deadline): the ranks' decision is taken, so `local()` runs to its end all the
           same, then the cancellation propagates; the agreed value is `decision.result`.
 
+        `settles_early`: `local()` may settle the decision itself before it ends (a backup's copy does).
+        Otherwise, on one rank and with no deadline, `local()` runs in the caller's task: the decision
+        resolves exactly when it returns, so there is no "after" while it runs, and a task of its own
+        would only cost two loop iterations.
+
         Raises:
             RankFailed, RankDivergence: as `step()`; whatever `local()` raised.
         """
+        if self.local and not settles_early and decision.deadline == math.inf:
+            try:
+                value = await local()
+            except Exception:
+                decision.settle(decision.default)
+                raise
+            decision.settle(value)
+            return await decision.wait()
         failure: list[Exception] = []
 
         async def run_local() -> None:

@@ -4,27 +4,27 @@ out whole, then the cancellation propagates; one cancelled before it leaves the 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from controller_helpers import make_config, store_sequence, tokens
 
 from hicache import HiCache, Namespace
 from hicache.controller.prefetch.pacing import LoopPacer
+from hicache.parallel.decision import Decision
 from storage_backends.memory import MemoryBackend
 
 
 class ParksTheCommitTurn(LoopPacer):
-    """A pacer whose turn parks its caller (as a queued turn would) until `gate` is set."""
+    """A pacer whose turn parks its caller (as a queued turn would) for good."""
 
     def __init__(self) -> None:
         super().__init__()
         self.arrived = asyncio.Event()
-        self.gate = asyncio.Event()
 
     async def turn(self, ticket: int | None = None) -> None:
         self.arrived.set()
-        await self.gate.wait()
-        await super().turn(ticket)
+        await asyncio.Event().wait()
 
 
 @pytest.mark.parametrize("how", ["asyncio.timeout", "task.cancel"])
@@ -32,7 +32,9 @@ async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out
     """The pages were agreed across the ranks when the commit waits for its turn; anyio's shield there did
     not stop asyncio's own cancellation, which abandoned the commit with its decision consumed: the
     prefetch stayed in flight, a second commit failed with a KeyError, and under TP the ranks that had
-    committed diverged from this one. Now the commit is carried out, then the cancellation propagates."""
+    committed diverged from this one. Now the cancellation gives the turn up (it is only fairness among
+    prefetches), never the commit: carried out at once, in the caller's task, then the cancellation
+    propagates."""
     config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
     namespace = Namespace(model_id="controller-tests")
     async with (
@@ -57,14 +59,11 @@ async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out
         task = loop.create_task(commit())
         async with asyncio.timeout(5):
             await pacer.arrived.wait()  # the commit is parked in its turn, after the agreement
+            assert cache.statistics().prefetches_in_flight == 1
             if how == "asyncio.timeout":
                 deadline.reschedule(loop.time())
             else:
                 task.cancel()
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert not task.done(), "the commit returned before it was carried out"
-            pacer.gate.set()
             (done,) = await asyncio.gather(task, return_exceptions=True)
         assert isinstance(done, TimeoutError if how == "asyncio.timeout" else asyncio.CancelledError)
         assert cache.statistics().prefetches_in_flight == 0  # resolved: committed, not abandoned
@@ -113,7 +112,11 @@ async def test_a_commit_cancelled_as_its_decision_resolves_is_carried_out() -> N
     """The cancellation lands between the decision's resolving and the commit's wake-up (the waiter's
     future is done, so `Task.cancel` throws into it all the same): the ranks have decided, so the commit
     is carried out, then the cancellation propagates. It used to put the decision back and leave the
-    prefetch in flight, and under TP this rank dropped pages its peers committed."""
+    prefetch in flight, and under TP this rank dropped pages its peers committed.
+
+    The gap is N ranks': there the decision resolves in a step while the commit's local part runs in a
+    task of its own. One rank runs that part in the commit's task (the decision resolves as it returns:
+    no gap), so the agreement is made to take the task path here."""
     config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
     namespace = Namespace(model_id="controller-tests")
     async with (
@@ -124,6 +127,15 @@ async def test_a_commit_cancelled_as_its_decision_resolves_is_carried_out() -> N
         await store_sequence(backend, cache, seq)
         prefetch = await cache.prefetch("r", seq)
         assert prefetch is not None
+        agreement = cache._prefetches._agreement
+        real_agree_on = agreement.agree_on
+
+        async def agree_on_in_a_task(
+            decision: Decision, local: Callable[[], Awaitable[int]], *, settles_early: bool = False
+        ) -> int:
+            return await real_agree_on(decision, local, settles_early=True)
+
+        agreement.agree_on = agree_on_in_a_task  # type: ignore[method-assign]
         loop = asyncio.get_running_loop()
         task: asyncio.Task[object] | None = None
         real_wait_stopped = prefetch.wait_stopped

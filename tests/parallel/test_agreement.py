@@ -198,6 +198,66 @@ async def test_on_resolve_runs_once_with_the_value_or_with_none_when_the_agreeme
         encode_max(-1)
 
 
+async def test_one_rank_runs_the_local_part_in_the_callers_task_unless_it_settles_early() -> None:
+    """On one rank a decision with no deadline resolves exactly when `local()` returns, so `agree_on`
+    runs it in the caller's task (a task of its own cost the loop two iterations per probe and commit).
+    A cancellation during it is one before the agreement: the decision stays unsettled, to agree again;
+    an error settles the default and propagates. A local part that settles the decision itself before
+    it ends (`settles_early`, a backup's copy) still runs in a task of its own, which a cancellation
+    after the settling does not cut short."""
+    ag = Agreement(None)
+    caller = asyncio.current_task()
+    where: list[asyncio.Task[object] | None] = []
+
+    async def local() -> int:
+        where.append(asyncio.current_task())
+        return 5
+
+    assert await ag.agree_on(ag.propose("probe", "a"), local) == 5
+    assert where == [caller]
+
+    parked = asyncio.Event()
+    decision = ag.propose("probe", "b")
+
+    async def parks() -> int:
+        parked.set()
+        await asyncio.Event().wait()
+        return 1
+
+    task = asyncio.get_running_loop().create_task(ag.agree_on(decision, parks))
+    await parked.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not decision.settled
+
+    failing = ag.propose("probe", "c", default=3)
+
+    async def fails() -> int:
+        raise OSError("local: the probe failed")
+
+    with pytest.raises(OSError, match="probe failed"):
+        await ag.agree_on(failing, fails)
+    assert failing.result == 3
+
+    early = ag.propose("backup", "d")
+    finished: list[bool] = []
+
+    async def settles_then_works() -> int:
+        early.settle(7)
+        await asyncio.sleep(0.01)
+        finished.append(True)
+        return 7
+
+    task = asyncio.get_running_loop().create_task(ag.agree_on(early, settles_then_works, settles_early=True))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [True]  # ran to its end after the settling, then the cancellation propagated
+    assert early.result == 7
+
+
 class _DoneWork:
     """A collective that completed at once (what `RankGroup.min_reduce_on_loop` reads of gloo's work)."""
 

@@ -341,7 +341,7 @@ class AgreedBackups:
             # `copied` settled the decision already (the first value settled counts): this only says it.
             return int(batch.state in (BackupState.COPIED, BackupState.COMMITTED))
 
-        await self._agreement.agree_on(batch.decision, copy)
+        await self._agreement.agree_on(batch.decision, copy, settles_early=True)
         return len(batch.targets) if batch.state is BackupState.COMMITTED else 0
 
     @property

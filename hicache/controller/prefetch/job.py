@@ -545,31 +545,53 @@ class Prefetches:
         `HiCache.commit_prefetch`)."""
         prefetch = self.get(request_id)
         agreed_pages, components_complete, cancelled = await self._stop_and_agree(prefetch)
-        # The ranks' decision is out of the agreement: the commit is carried out whole (a cancellation
-        # meanwhile is re-raised once it is). Before this point a cancellation undid everything.
-        outcome = await uncancellable(
-            self._carry_out(request_id, prefetch, agreed_pages, components_complete)
-        )
+        # The ranks' decision is out of the agreement: the commit is carried out whole, in this task (a
+        # cancellation meanwhile is re-raised once it is). Before this point a cancellation undid
+        # everything.
+        try:
+            self._check_still_in_flight(request_id, prefetch)
+            rescued = False
+            if self.rescue is not None and not prefetch.staged:
+                # Before the atomic part: back up what the refill would hang from (see `RefillRescue`),
+                # in a task of its own that a cancellation does not cut short.
+                agreed_tokens = min(prefetch.completed_tokens, agreed_pages * self._page_size)
+                got: list[bool] = []
+
+                async def prepare() -> None:
+                    assert self.rescue is not None
+                    got.append(await self.rescue.prepare(prefetch, agreed_tokens))
+
+                try:
+                    await uncancellable(prepare())
+                except asyncio.CancelledError as exc:
+                    cancelled = cancelled or exc
+                rescued = bool(got and got[0])
+                self._check_still_in_flight(request_id, prefetch)
+            # Prefetches that stop together commit in loop iterations of their own. A cancellation gives
+            # the turn up, never the commit.
+            try:
+                await self.pacer.turn(prefetch.ticket)
+            except asyncio.CancelledError as exc:
+                cancelled = cancelled or exc
+            self._check_still_in_flight(request_id, prefetch)
+        except Exception:
+            if cancelled is not None:  # the caller's cancellation says more than what it left behind
+                raise cancelled from None
+            raise
+        outcome = self._carry_out(request_id, prefetch, agreed_pages, components_complete, rescued)
         if cancelled is not None:
             raise cancelled
         return outcome
 
-    async def _carry_out(
-        self, request_id: str, prefetch: Prefetch, agreed_pages: int, components_complete: bool
+    def _carry_out(
+        self,
+        request_id: str,
+        prefetch: Prefetch,
+        agreed_pages: int,
+        components_complete: bool,
+        rescued: bool,
     ) -> PrefetchOutcome:
-        """The commit after the agreement: the refill rescue's backup, the commit's turn, then the
-        outcome, decided and carried out atomically."""
-        self._check_still_in_flight(request_id, prefetch)
-        rescued = False
-        if self.rescue is not None and not prefetch.staged:
-            # Before the atomic part: back up what the refill would hang from (see `RefillRescue`).
-            agreed_tokens = agreed_pages * self._page_size
-            rescued = await self.rescue.prepare(prefetch, min(prefetch.completed_tokens, agreed_tokens))
-            self._check_still_in_flight(request_id, prefetch)
-        # Prefetches that stop together commit in loop iterations of their own.
-        await self.pacer.turn(prefetch.ticket)
-        self._check_still_in_flight(request_id, prefetch)
-        # No await from here on: the outcome is decided and carried out atomically.
+        """The commit's atomic part: the outcome, decided and carried out with no await."""
         del self._prefetches[request_id]
         self.inflight_tokens -= prefetch.num_tokens
         if prefetch.timed_out and prefetch.completed_pages < len(prefetch.page_keys):

@@ -395,6 +395,25 @@ class RadixTree:
             priority=live.priority,
         )
 
+    def node_size(self, node: NodeRef) -> int:
+        """Tokens `node` holds (`node_info(node).num_tokens`, without the snapshot: it is on the backup
+        path, where a shared prefix's snapshot names its every child)."""
+        return len(self._require_live(node).key) >> 3
+
+    def parent_of(self, node: NodeRef) -> NodeRef | None:
+        """`node`'s parent (`node_info(node).parent`, without the snapshot); None for the root."""
+        parent = self._require_live(node).parent
+        return None if parent is None else self._ref(parent)
+
+    def device_value(self, node: NodeRef) -> torch.Tensor | None:
+        """`node`'s own device indices, or None (`node_info(node).device_value`, without the snapshot)."""
+        return self._require_live(node).device_value
+
+    def is_backed_up(self, node: NodeRef) -> bool:
+        """Whether `node` has a host copy (`node_info(node).host_value is not None`, without the
+        snapshot)."""
+        return self._require_live(node).host_value is not None
+
     def is_live(self, node: NodeRef) -> bool:
         """Whether `node` names a node still in this tree."""
         return type(node) is NodeRef and node.tree == self._serial and node.id in self._nodes

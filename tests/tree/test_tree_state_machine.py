@@ -514,6 +514,12 @@ class TreeMachine(RuleBasedStateMachine):
         if not hasattr(self, "tree"):
             return
         self.tree.sanity_check()
+        for ref in self.tree.iter_nodes():  # the one-field accessors say what the snapshot says
+            info = self.tree.node_info(ref)
+            assert self.tree.node_size(ref) == info.num_tokens
+            assert self.tree.parent_of(ref) == info.parent
+            assert self.tree.device_value(ref) is info.device_value
+            assert self.tree.is_backed_up(ref) == (info.host_value is not None)
         pools = [
             (self.device, self.tree.device_tokens_owned().tolist()),
             (self.host, self.tree.host_tokens_owned().tolist()),

@@ -202,7 +202,7 @@ class AgreedBackups:
             seen.update(chain)
             kept.append(target)
             chains.append(chain)
-            tokens += sum(self._tree.node_info(node).num_tokens for node in chain)
+            tokens += sum(self._tree.node_size(node) for node in chain)
         if shed:
             self._metrics.writes_shed.inc(shed, tier=Tier.HOST.value, reason=ShedReason.QUEUE_FULL.value)
         return kept, chains, tokens
@@ -241,7 +241,7 @@ class AgreedBackups:
             upper = [node for chain in chains for node in chain]
             short = evict
             while upper and short > 0:
-                short -= self._tree.node_info(upper.pop()).num_tokens
+                short -= self._tree.node_size(upper.pop())
             return await self.begin(upper) if upper else None
         # A component whose host slots the tree could not free (on every rank alike) is not backed up
         # with this batch: its nodes are tombstones on host there, as on one rank.
@@ -269,17 +269,17 @@ class AgreedBackups:
             comps: list[tuple[str, torch.Tensor, torch.Tensor]] = []
             chain_comps.append(comps)
             for node in chain:
-                info = self._tree.node_info(node)
-                size = info.num_tokens
-                assert info.device_value is not None
+                size = self._tree.node_size(node)
+                device_value = self._tree.device_value(node)
+                assert device_value is not None
                 staged = self._stage_components(node, backed)
                 comps.extend((name, device, slots) for name, (device, slots) in staged.items())
                 staged_hosts = {name: slots for name, (_, slots) in staged.items()}
                 self._tree.begin_backup(node, host[offset : offset + size], staged_hosts or None)
-                device_parts.append(info.device_value)
+                device_parts.append(device_value)
                 offset += size
             chain_hosts.append(host[start:offset])
-        parents = [self._tree.node_info(chain[0]).parent for chain in chains]
+        parents = [self._tree.parent_of(chain[0]) for chain in chains]
         batch = AgreedBackup(
             kept,
             chains,
@@ -460,7 +460,7 @@ class AgreedBackups:
         tree = self._tree
         if tree.write_policy is WritePolicy.WRITE_BACK:
             return True
-        return parent is None or tree.node_info(parent).host_value is not None
+        return parent is None or tree.is_backed_up(parent)
 
     def _store(self, targets: list[NodeRef]) -> None:
         """Host-lock `targets` for their write-through (at this agreed step) and propose its release."""

@@ -18,6 +18,13 @@ Two parts, each against a baseline measured in the same run:
   after the deadline it returns (`stuck_read_acquire_return_ms`, the worst of `--stuck-rounds`; goal
   < 50 ms), and that the stuck pages were quarantined and came back once the read was let go.
 
+- **one acquire alone**: what the soak's storage hits cost, without the soak's concurrency. One `acquire`
+  at a time on an otherwise idle loop, `--alone` 8-page prompts each, on a cache writing through to the
+  file backend: loop CPU (`time.thread_time`) and event-loop iterations (the loop's `select` calls) per
+  call, for a prompt with no storage tier (a miss), one whose storage probe misses, and one that storage
+  holds (probed, prefetched, committed, loaded back): `acquire_alone_loop_cpu_us_*`,
+  `acquire_alone_loop_iterations_*`.
+
 `--smoke`: one tiny pass of each part (a few acquires, 40 soak requests, one stuck read), the same JSON keys.
 
 `--put PAGES`: instead of the parts above, the file backend's write path alone (what the soak's writer pays
@@ -37,7 +44,7 @@ each; reports the event loop's and the process's CPU per request (minimum over t
 machine disturbs less than the rate.
 
 Usage: python bench/bench_faults.py [--acquires 2000] [--requests 4000] [--workers 8] [--stuck-rounds 20]
-       [--smoke] [--soak-cpu REPS]
+       [--alone 400] [--smoke] [--soak-cpu REPS]
        python bench/bench_faults.py --put 4000 [--put-batch 64] [--put-root DIR]
        [--put-layout backend|files|links|group]
 Ends with one JSON line.
@@ -46,6 +53,7 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -450,6 +458,75 @@ async def put_run(pages: int, batch: int, root: str | None, layout: str = "backe
     }
 
 
+# --------------------------------------------------------------------------- one acquire alone
+
+ALONE_PAGES = 8
+ALONE_MODES = ("no_storage", "probe_miss", "storage_hit")
+
+
+@dataclass
+class AloneResult:
+    loop_cpu_us: dict[str, float]
+    loop_iterations: dict[str, float]
+    storage_hit_fraction: float
+    """Of the storage-hit prompts' tokens, those the acquires found (1.0: every prompt was a storage hit)."""
+
+
+def _alone_config(storage_url: str | None) -> HiCacheConfig:
+    return HiCacheConfig(
+        layout=LAYOUT,
+        device_pages=4096,
+        host_pages=8192,
+        namespace=NAMESPACE,
+        storage_url=storage_url,
+        prefetch_threshold=4 * PAGE,
+    )
+
+
+async def acquire_alone(n: int) -> AloneResult:
+    """`n` acquires one after another of `ALONE_PAGES`-page prompts, per mode (see the module's docstring);
+    the first instance writes the storage-hit prompts through to storage and is closed before."""
+    stored = [list(range(10**7 * i, 10**7 * i + ALONE_PAGES * PAGE)) for i in range(1, n + 1)]
+    fresh = [list(range(10**7 * i + 3, 10**7 * i + 3 + ALONE_PAGES * PAGE)) for i in range(1, n + 1)]
+    cpu: dict[str, float] = {}
+    iterations: dict[str, float] = {}
+    hit = 0
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-faults-") as root:
+        async with HiCache(_alone_config(f"file://{root}")) as writer:
+            for i, tokens in enumerate(stored):
+                lease = await writer.acquire(f"w{i}", tokens)
+                new = await writer.alloc_device(len(tokens))
+                assert new is not None
+                await writer.insert(lease, tokens, new)
+            await writer.wait_idle()
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        real_select = selector.select
+        selects = [0]
+
+        def counted(timeout: float | None = None) -> Any:
+            selects[0] += 1
+            return real_select(timeout)
+
+        for mode in ALONE_MODES:
+            url = None if mode == "no_storage" else f"file://{root}"
+            prompts = stored if mode == "storage_hit" else fresh
+            async with HiCache(_alone_config(url)) as cache:
+                selects[0] = 0
+                selector.select = counted
+                try:
+                    cpu0 = time.thread_time()
+                    for i, tokens in enumerate(prompts):
+                        lease = await cache.acquire(f"{mode}-{i}", tokens)
+                        if mode == "storage_hit":
+                            hit += lease.cached_len
+                        cache.release(lease)
+                    cpu[mode] = (time.thread_time() - cpu0) / n * 1e6
+                finally:
+                    del selector.select  # the selector's own method again
+                iterations[mode] = selects[0] / n
+    return AloneResult(cpu, iterations, hit / (n * ALONE_PAGES * PAGE))
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -510,6 +587,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         f"{stuck_worst:.2f} ms (goal < {STUCK_READ_GOAL_MS} ms); quarantined pages per round "
         f"{sorted(set(stuck.quarantined_pages))}; all came back, accounting exact: {stuck.settled}"
     )
+
+    alone = await acquire_alone(args.alone)
+    print(f"one acquire alone on the loop ({args.alone} prompts of {ALONE_PAGES} pages each, file backend):")
+    for mode in ALONE_MODES:
+        print(
+            f"  {mode}: loop CPU {alone.loop_cpu_us[mode]:.1f} us, {alone.loop_iterations[mode]:.2f} loop "
+            "iterations per acquire"
+        )
+    print(f"  storage-hit prompts found in storage: {alone.storage_hit_fraction:.3f} of their tokens")
 
     requests = soak_requests(args.requests, seed=3)
     base = await soak(requests, args.workers, None)
@@ -575,6 +661,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "backup_queue_limit": limits.backup_queue_limit,
         "storage_write_queue_limit": limits.storage_write_queue_limit,
         "writes_shed": wt.shed,
+        **{f"acquire_alone_loop_cpu_us_{m}": round(alone.loop_cpu_us[m], 1) for m in ALONE_MODES},
+        **{f"acquire_alone_loop_iterations_{m}": round(alone.loop_iterations[m], 2) for m in ALONE_MODES},
+        "acquire_alone_storage_hit_fraction": round(alone.storage_hit_fraction, 4),
         "stuck_read_acquire_return_ms": round(stuck_worst, 3),
         "stuck_read_acquire_return_ms_median": round(statistics.median(stuck.return_ms), 3),
         "stuck_read_quarantined_pages": max(stuck.quarantined_pages),
@@ -599,6 +688,7 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=4000, help="requests in the soak")
     parser.add_argument("--workers", type=int, default=8, help="serving tasks in the soak")
     parser.add_argument("--stuck-rounds", type=int, default=20, help="acquires in the stuck-read part")
+    parser.add_argument("--alone", type=int, default=400, help="acquires per mode in the one-acquire part")
     parser.add_argument("--smoke", action="store_true", help="one tiny pass of each part, the same JSON keys")
     parser.add_argument("--put", type=int, default=None, metavar="PAGES", help="the put micro-run instead")
     parser.add_argument("--put-batch", type=int, default=64, help="pages per put in the put micro-run")
@@ -627,5 +717,6 @@ if __name__ == "__main__":
         raise SystemExit(0)
     if args.smoke:
         args.acquires, args.rounds, args.requests, args.workers, args.stuck_rounds = 20, 1, 40, 2, 1
+        args.alone = 10
     summary = anyio.run(main, args)
     print(json.dumps(summary))

@@ -22,7 +22,8 @@ BENCHES = sorted(p.stem.removeprefix("bench_") for p in (ROOT / "bench").glob("b
 KEYS: dict[str, set[str]] = {
     "faults": {
         "acquire_ms_p99_storage_down", "soak_storage_write_fraction", "stuck_read_acquire_return_ms",
-        "stuck_read_settled", "writes_shed", "goals_met",
+        "stuck_read_settled", "writes_shed", "goals_met", "acquire_alone_loop_iterations_storage_hit",
+        "acquire_alone_loop_cpu_us_probe_miss",
     },
     "io": {
         "total_mib", "threads", "ratio_1mib_hot", "ratio_64kib_cold", "ratio_1mib_hot_controller",

@@ -5,7 +5,8 @@ hicache runs on asyncio and its callers cancel with asyncio (`asyncio.timeout`, 
 `Task.cancel`), so asyncio is its one cancellation vocabulary. Three things asyncio has no word for:
 
 - `uncancellable(work)`: await `work` to its end even if the caller is cancelled meanwhile, then re-raise
-  the cancellation (asyncio's `shield` alone ends the caller's wait at once and leaves the work running).
+  the cancellation (asyncio's `shield` alone ends the caller's wait at once and leaves the work running);
+  `carried_out(work)` hands the cancellation back with the result instead, to a caller with more to do.
 - `run_in_thread(func, *args)`: `func` in a worker thread; the caller's wait ends only once the thread
   returned, so no thread still writes into a buffer the caller frees on its way out (`asyncio.to_thread`
   alone returns on cancellation while its thread runs on).
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TypeVar
 
-__all__ = ["StopScope", "run_in_thread", "uncancellable"]
+__all__ = ["StopScope", "carried_out", "run_in_thread", "uncancellable"]
 
 T = TypeVar("T")
 
@@ -41,6 +42,19 @@ async def uncancellable(work: Awaitable[T], *, on_cancel: Callable[[], object] |
     called at the caller's first cancellation (to ask the work to end early, e.g. a copy to stop at its
     next layer).
     """
+    result, cancelled = await carried_out(work, on_cancel=on_cancel)
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
+async def carried_out(
+    work: Awaitable[T], *, on_cancel: Callable[[], object] | None = None
+) -> tuple[T, asyncio.CancelledError | None]:
+    """`uncancellable`, for a caller that goes on after `work` even when cancelled meanwhile: `work`'s
+    result and the caller's first cancellation (None if none came), which the caller re-raises when it
+    is done. If `work` raised, that propagates, unless the caller was cancelled: then the cancellation
+    does (and `work`'s exception is retrieved)."""
     task = asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
     while not task.done():
@@ -51,11 +65,9 @@ async def uncancellable(work: Awaitable[T], *, on_cancel: Callable[[], object] |
                 cancelled = exc
                 if on_cancel is not None:
                     on_cancel()
-    if cancelled is not None:
-        if not task.cancelled():
-            task.exception()  # retrieved, whatever it is: never logged as "never retrieved"
-        raise cancelled
-    return task.result()
+    if cancelled is not None and (task.cancelled() or task.exception() is not None):
+        raise cancelled  # whatever `work` raised is retrieved: never logged as "never retrieved"
+    return task.result(), cancelled
 
 
 async def run_in_thread(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from storage_backends.cancellation import StopScope, run_in_thread, uncancellable
+from storage_backends.cancellation import StopScope, carried_out, run_in_thread, uncancellable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,3 +173,37 @@ async def test_stop_scope_deadline_and_stop_before_entry() -> None:
             raise TimeoutError("own")
     with pytest.raises(TypeError, match="delay"):
         StopScope("1")  # type: ignore[arg-type]
+
+
+async def test_carried_out_hands_the_cancellation_back_with_the_result() -> None:
+    """`carried_out` is `uncancellable` for a caller with more to do: the work ends whole, and its result
+    comes back with the caller's cancellation instead of the cancellation alone; a work that raised while
+    the caller was cancelled gives the cancellation."""
+    released = asyncio.Event()
+
+    async def work() -> int:
+        await released.wait()
+        return 7
+
+    async def caller() -> tuple[int, bool]:
+        result, cancelled = await carried_out(work())
+        return result, cancelled is not None
+
+    task = asyncio.get_running_loop().create_task(caller())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    assert not task.done()
+    released.set()
+    assert await task == (7, True)
+    assert await carried_out(asyncio.sleep(0, result=3)) == (3, None)
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError("work: failed")
+
+    failing = asyncio.get_running_loop().create_task(carried_out(fails()))
+    await asyncio.sleep(0)
+    failing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await failing

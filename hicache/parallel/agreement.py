@@ -522,6 +522,10 @@ class Agreement:
             except Exception:
                 decision.settle(decision.default)
                 raise
+            if decision.settled:  # a cancellation could have cut it short after that: the contract broke
+                raise AssertionError(
+                    f"agree_on: local() settled {decision!r} itself; pass settles_early=True"
+                )
             decision.settle(value)
             return await decision.wait()
         failure: list[Exception] = []

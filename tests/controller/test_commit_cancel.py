@@ -4,15 +4,33 @@ out whole, then the cancellation propagates; one cancelled before it leaves the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import pytest
 from controller_helpers import make_config, store_sequence, tokens
 
 from hicache import HiCache, Namespace
+from hicache.controller.prefetch.job import Prefetch
 from hicache.controller.prefetch.pacing import LoopPacer
 from hicache.parallel.decision import Decision
 from storage_backends.memory import MemoryBackend
+
+
+@asynccontextmanager
+async def stored_prefetch() -> AsyncIterator[tuple[HiCache, list[int], Prefetch]]:
+    """A cache with a 32-token sequence in storage and its prefetch `"r"` in flight (wait_complete)."""
+    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
+    namespace = Namespace(model_id="controller-tests")
+    async with (
+        MemoryBackend(namespace_digest=namespace.digest) as backend,
+        HiCache(config, storage=backend) as cache,
+    ):
+        seq = tokens(0, 32)
+        await store_sequence(backend, cache, seq)
+        prefetch = await cache.prefetch("r", seq)
+        assert prefetch is not None
+        yield cache, seq, prefetch
 
 
 class ParksTheCommitTurn(LoopPacer):
@@ -35,16 +53,7 @@ async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out
     committed diverged from this one. Now the cancellation gives the turn up (it is only fairness among
     prefetches), never the commit: carried out at once, in the caller's task, then the cancellation
     propagates."""
-    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
-    namespace = Namespace(model_id="controller-tests")
-    async with (
-        MemoryBackend(namespace_digest=namespace.digest) as backend,
-        HiCache(config, storage=backend) as cache,
-    ):
-        seq = tokens(0, 32)
-        await store_sequence(backend, cache, seq)
-        prefetch = await cache.prefetch("r", seq)
-        assert prefetch is not None
+    async with stored_prefetch() as (cache, seq, prefetch):
         async with asyncio.timeout(5):
             await prefetch.wait_for_stop_policy()  # read in full: the commit's is the next turn
         pacer = ParksTheCommitTurn()
@@ -74,16 +83,7 @@ async def test_a_commit_cancelled_in_its_turn_after_the_agreement_is_carried_out
 async def test_a_commit_cancelled_before_the_agreement_leaves_the_prefetch_in_flight() -> None:
     """Cancelled while it waits for the stop policy (before the agreement): nothing is carried out, the
     prefetch stays in flight as it was, and a second commit completes it."""
-    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
-    namespace = Namespace(model_id="controller-tests")
-    async with (
-        MemoryBackend(namespace_digest=namespace.digest) as backend,
-        HiCache(config, storage=backend) as cache,
-    ):
-        seq = tokens(0, 32)
-        await store_sequence(backend, cache, seq)
-        prefetch = await cache.prefetch("r", seq)
-        assert prefetch is not None
+    async with stored_prefetch() as (cache, seq, prefetch):
         stopped = asyncio.Event()
         real_wait = prefetch.wait_for_stop_policy
 
@@ -117,16 +117,7 @@ async def test_a_commit_cancelled_as_its_decision_resolves_is_carried_out() -> N
     The gap is N ranks': there the decision resolves in a step while the commit's local part runs in a
     task of its own. One rank runs that part in the commit's task (the decision resolves as it returns:
     no gap), so the agreement is made to take the task path here."""
-    config = make_config(host_pages=64, prefetch_stop_policy="wait_complete", prefetch_threshold=4)
-    namespace = Namespace(model_id="controller-tests")
-    async with (
-        MemoryBackend(namespace_digest=namespace.digest) as backend,
-        HiCache(config, storage=backend) as cache,
-    ):
-        seq = tokens(0, 32)
-        await store_sequence(backend, cache, seq)
-        prefetch = await cache.prefetch("r", seq)
-        assert prefetch is not None
+    async with stored_prefetch() as (cache, seq, prefetch):
         agreement = cache._prefetches._agreement
         real_agree_on = agreement.agree_on
 

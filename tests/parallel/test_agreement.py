@@ -257,6 +257,15 @@ async def test_one_rank_runs_the_local_part_in_the_callers_task_unless_it_settle
     assert finished == [True]  # ran to its end after the settling, then the cancellation propagated
     assert early.result == 7
 
+    undeclared = ag.propose("backup", "e")
+
+    async def settles_itself() -> int:
+        undeclared.settle(2)
+        return 2
+
+    with pytest.raises(AssertionError, match="settles_early"):  # the contract is checked, not trusted
+        await ag.agree_on(undeclared, settles_itself)
+
 
 class _DoneWork:
     """A collective that completed at once (what `RankGroup.min_reduce_on_loop` reads of gloo's work)."""

@@ -34,7 +34,7 @@ from hicache.parallel.agreement import Agreement, Decision
 from hicache.policy import StopPolicy
 from hicache.tiers import DropReason, PrefetchStatus
 from hicache.tree import ComponentFree, NodeRef, RadixTree
-from storage_backends.cancellation import StopScope, uncancellable
+from storage_backends.cancellation import StopScope, carried_out, uncancellable
 from storage_backends.protocol import PageStatus, StorageBackend
 from storage_backends.threads import stray_threads
 
@@ -555,17 +555,8 @@ class Prefetches:
                 # Before the atomic part: back up what the refill would hang from (see `RefillRescue`),
                 # in a task of its own that a cancellation does not cut short.
                 agreed_tokens = min(prefetch.completed_tokens, agreed_pages * self._page_size)
-                got: list[bool] = []
-
-                async def prepare() -> None:
-                    assert self.rescue is not None
-                    got.append(await self.rescue.prepare(prefetch, agreed_tokens))
-
-                try:
-                    await uncancellable(prepare())
-                except asyncio.CancelledError as exc:
-                    cancelled = cancelled or exc
-                rescued = bool(got and got[0])
+                rescued, late = await carried_out(self.rescue.prepare(prefetch, agreed_tokens))
+                cancelled = cancelled or late
                 self._check_still_in_flight(request_id, prefetch)
             # Prefetches that stop together commit in loop iterations of their own. A cancellation gives
             # the turn up, never the commit.
